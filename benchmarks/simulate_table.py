@@ -1,0 +1,266 @@
+"""Goodput grid of the paper's Table 1 from our discrete-event simulator, next to the paper's.
+
+Runs `node.simulate` over data parallel, elastic data parallel and Decoupled DiLoCo with M = 2, 4, 8, 16
+learners at 150k ... 2.4M chips (MTBI_chip = 1 year), writes benchmarks/results/simulate_table.json
+(`grid`, `paper_grid`, `headline`) and a plot, and prints both grids.
+
+Calibration (`--calibrate`): the failure model's unknown [S] parameters are fitted with Nelder-Mead on
+the data-parallel and elastic data-parallel rows only (10 cells), so the Decoupled DiLoCo rows (20
+cells) stay predictions. Fitted: the mean return time of failed chips, one reconfiguration time (used
+for the elastic downscale, the elastic upscale and the non-elastic restart: all three are "rebuild the
+job around a changed set of chips"), and the elastic slice size. The defaults of
+`node.simulate.FailureModel` are the result of this fit, rounded; the exponentiated-Weibull shape
+(k = 1.5, a = 2) is assumed, not fitted (only the mean matters to first order).
+
+Known misses (about 3.3 to 3.4 points, 2 of 30 cells): the paper's dp row is not consistent with any
+constant cost per failure (600k needs at least 1.26 min per failure to land within 3 points, 2.4M at
+most 1.24 min), and its M rows stray up to 4 points from its own rule "M learners on N chips ~ elastic
+DP on N/M chips" (M=2 at 2.4M: 54 vs elastic 1.2M: 58; M=4 at 2.4M: 73 vs elastic 600k: 69), which our
+model follows by construction (a learner is an elastic job of N/M chips).
+Run: `python -m benchmarks.simulate_table [--calibrate]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+
+from benchmarks.common import plot_path, write_result
+from node.simulate import (
+    CHIP_COUNTS,
+    HETERO_PAPER,
+    PAPER_TABLE1,
+    SYSTEMS,
+    FailureModel,
+    GridConfig,
+    SimResult,
+    format_grid,
+    hetero_configs,
+    max_abs_error_points,
+    run_grid,
+    simulate,
+)
+
+NAME = "simulate_table"
+BASELINES = ("dp", "elastic_dp")
+CALIBRATION_FAILURES_TARGET = 10_000.0  # per baseline cell and evaluation; noise about 0.3 points
+
+
+def _goodputs(results: dict[str, dict[str, SimResult]]) -> dict[str, dict[str, float]]:
+    return {s: {c: r.goodput for c, r in row.items()} for s, row in results.items()}
+
+
+def _model(theta: Sequence[float], base: FailureModel) -> FailureModel:
+    return_mean_s, reconfig_s, slice_chips = theta
+    return replace(
+        base,
+        return_mean_s=return_mean_s,
+        restart_s=reconfig_s,
+        downscale_s=reconfig_s,
+        upscale_s=reconfig_s,
+        slice_chips=max(1, round(slice_chips)),
+    )
+
+
+def _baseline_loss(theta: Sequence[float], base: FailureModel, seed: int) -> float:
+    """L4 norm of the baseline rows' errors in points: a smooth stand-in for the max."""
+    if min(theta) <= 0:
+        return math.inf
+    grid = GridConfig(failures_target=CALIBRATION_FAILURES_TARGET, failures=_model(theta, base), seed=seed)
+    ours = _goodputs(run_grid(grid, BASELINES))
+    errors = [(ours[s][c] - PAPER_TABLE1[s][c]) * 100.0 for s in ours for c in ours[s]]
+    return math.fsum(e**4 for e in errors) ** 0.25
+
+
+def nelder_mead(
+    f: Callable[[Sequence[float]], float],
+    x0: Sequence[float],
+    steps: Sequence[float],
+    *,
+    max_evals: int = 150,
+    tol: float = 1e-3,
+) -> tuple[list[float], float]:
+    """Plain Nelder-Mead (reflection 1, expansion 2, contraction 0.5, shrink 0.5); returns (x, f(x))."""
+    simplex = [list(x0)] + [
+        [x + (s if i == j else 0.0) for j, x in enumerate(x0)] for i, s in enumerate(steps)
+    ]
+    values = [f(x) for x in simplex]
+    evals = len(simplex)
+    while evals < max_evals:
+        order = sorted(range(len(simplex)), key=values.__getitem__)
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        if values[-1] - values[0] <= tol:
+            break
+        centroid = [sum(p[j] for p in simplex[:-1]) / (len(simplex) - 1) for j in range(len(x0))]
+
+        worst = simplex[-1]
+
+        def towards(
+            scale: float, centroid: list[float] = centroid, worst: list[float] = worst
+        ) -> list[float]:
+            return [c + scale * (w - c) for c, w in zip(centroid, worst, strict=True)]
+
+        reflected = towards(-1.0)
+        fr = f(reflected)
+        evals += 1
+        if fr < values[0]:
+            expanded = towards(-2.0)
+            fe = f(expanded)
+            evals += 1
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = towards(0.5)
+            fc = f(contracted)
+            evals += 1
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                best = simplex[0]
+                simplex = [best] + [
+                    [b + 0.5 * (x - b) for b, x in zip(best, p, strict=True)] for p in simplex[1:]
+                ]
+                values = [values[0]] + [f(p) for p in simplex[1:]]
+                evals += len(simplex) - 1
+    i = min(range(len(simplex)), key=values.__getitem__)
+    return simplex[i], values[i]
+
+
+def calibrate(base: FailureModel, seed: int) -> tuple[FailureModel, float]:
+    """Fit (return mean, reconfiguration time, slice size) to the baseline rows from a few starts."""
+    starts = ([60.0, 10.0, 12_000.0], [45.0, 14.0, 20_000.0], [80.0, 8.0, 8_000.0])
+    best: tuple[list[float], float] | None = None
+    for x0 in starts:
+        x, fx = nelder_mead(lambda t: _baseline_loss(t, base, seed), x0, [10.0, 3.0, 4_000.0])
+        logging.info("calibration from %s -> %s (L4 %.3f)", x0, [round(v, 2) for v in x], fx)
+        if best is None or fx < best[1]:
+            best = (x, fx)
+    assert best is not None
+    return _model(best[0], base), best[1]
+
+
+def _plot(ours: dict[str, dict[str, float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(CHIP_COUNTS)
+    xs = [CHIP_COUNTS[c] for c in labels]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, system in enumerate(ours):
+        color = f"C{i}"
+        ax.plot(xs, [ours[system][c] * 100 for c in labels], "-o", color=color, label=f"{system} (ours)")
+        ax.plot(xs, [PAPER_TABLE1[system][c] * 100 for c in labels], "--x", color=color, alpha=0.6)
+    ax.set_xscale("log")
+    ax.minorticks_off()
+    ax.set_xticks(xs, labels)
+    ax.set_xlabel("chips (MTBI per chip = 1 year)")
+    ax.set_ylabel("goodput %")
+    ax.set_title("Goodput: simulator (solid) vs paper Table 1 (dashed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.simulate_table", description=__doc__)
+    parser.add_argument("--calibrate", action="store_true", help="refit the failure model first (minutes)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    model = FailureModel()
+    calibration: dict[str, object] = {"source": "FailureModel defaults (fitted earlier with --calibrate)"}
+    if args.calibrate:
+        started = time.perf_counter()
+        model, loss = calibrate(model, args.seed)
+        calibration = {
+            "source": "refitted in this run",
+            "baseline_l4_points": loss,
+            "seconds": time.perf_counter() - started,
+        }
+        print(f"calibrated: {model}")
+
+    grid = GridConfig(failures=model, seed=args.seed)
+    started = time.perf_counter()
+    results = run_grid(grid, SYSTEMS)
+    seconds = time.perf_counter() - started
+    ours = _goodputs(results)
+    print(format_grid(ours))
+
+    baseline_rows = {s: ours[s] for s in BASELINES}
+    learner_rows = {s: row for s, row in ours.items() if s not in BASELINES}
+    headline = {
+        "max_abs_error_points": max_abs_error_points(ours),
+        "seconds": seconds,
+        "max_abs_error_points_fitted_rows": max_abs_error_points(baseline_rows),
+        "max_abs_error_points_predicted_rows": max_abs_error_points(learner_rows),
+        "cells_within_3_points": sum(
+            1 for s in ours for c in ours[s] if abs(ours[s][c] - PAPER_TABLE1[s][c]) * 100 <= 3.0
+        ),
+        "cells": sum(len(row) for row in ours.values()),
+    }
+    print(
+        f"max |ours - paper| {headline['max_abs_error_points']:.2f} points"
+        f" (fitted rows {headline['max_abs_error_points_fitted_rows']:.2f},"
+        f" predicted rows {headline['max_abs_error_points_predicted_rows']:.2f});"
+        f" {headline['cells_within_3_points']}/{headline['cells']} cells within 3; grid {seconds:.1f}s"
+    )
+
+    hetero = {}
+    for name, config in hetero_configs(seed=args.seed).items():
+        r = simulate(config)
+        hetero[name] = {
+            "goodput": r.goodput,
+            "paper_goodput": HETERO_PAPER[name],
+            "mean_merged_learners": r.mean_merged_learners,
+            "merged_step_share": r.merged_step_share,
+        }
+        print(f"hetero {name:10s} goodput {r.goodput * 100:5.1f}% (paper {HETERO_PAPER[name] * 100:.0f}%)")
+
+    detail = {
+        "grid": ours,
+        "paper_grid": PAPER_TABLE1,
+        "errors_points": {s: {c: (ours[s][c] - PAPER_TABLE1[s][c]) * 100 for c in ours[s]} for s in ours},
+        "failure_model": asdict(model),
+        "grid_config": {
+            "step_s": grid.step_s,
+            "failures_target": grid.failures_target,
+            "learner_failures_target": grid.learner_failures_target,
+            "warmup_fraction": grid.warmup_fraction,
+            "quorum": asdict(grid.quorum),
+            "seed": grid.seed,
+        },
+        "cells": {
+            s: {
+                c: {
+                    "failures": r.failures,
+                    "measured_s": r.measured_s,
+                    "events": r.events,
+                    "mean_merged_learners": r.mean_merged_learners,
+                }
+                for c, r in row.items()
+            }
+            for s, row in results.items()
+        },
+        "calibration": calibration,
+        "hetero_quorum": hetero,
+    }
+    path = write_result(NAME, headline, detail)
+    png = plot_path(NAME)
+    _plot(ours, str(png))
+    print(f"wrote {path} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""The bootstrap: a stable DHT entry point that owns the run's manifest and serves the swarm's HTTP view.
+
+It runs a hivemind DHT peer with a persistent identity (stable peer id; with a fixed listen port, a stable
+multiaddr across restarts), signs the run manifest with the owner key, publishes it under the run's manifest key
+and the well-known discovery key (and re-publishes it before it expires), heartbeats as role `bootstrap`, and
+serves `GET /api/status`, `GET /api/swarm`, `GET /metrics` and `/` (static files under bootstrap/static/).
+
+`/api/swarm` sections other work fills (`events`, `history`) come from providers registered with
+`Bootstrap.add_section(name, provider)`; a provider gets the document built so far and returns its section.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from hivemind.utils import get_dht_time
+from prometheus_client import Counter, Gauge
+
+from node.config import DEFAULT_LISTEN, NetworkConfig, default_state_dir
+from node.runtime import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
+from node.status import metrics_response, start_site, summarize_bans
+from node.swarm import Membership, check_multiaddr, start_dht
+from protocol.errors import HivenodeError
+from protocol.identity import IdentityLock, NodeIdentity
+from protocol.manifest import RunManifest, SignedManifest, authorize, default_manifest, load_run_toml
+from protocol.records import (
+    Heartbeat,
+    HivenodeRecordValidator,
+    RecordLimits,
+    RunRules,
+    SwarmRecords,
+    publish_discovery,
+)
+
+logger = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+MAX_REMEMBERED_PEERS = (
+    256  # peers whose bans we keep asking about after they stop heartbeating (one get each)
+)
+SectionProvider = Callable[[dict[str, Any]], Any]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BootstrapConfig:
+    """Everything `python -m bootstrap` needs."""
+
+    state_dir: Path = field(default_factory=lambda: default_state_dir("bootstrap"))  # identity, maddrs
+    identity_path: Path | None = None  # DHT identity; None = <state_dir>/identity.key
+    owner_key_path: Path | None = None  # key that signs the manifest; None = the identity
+    run_path: Path | None = None  # run.toml; None = the built-in default run
+    authorize_syncers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized syncers
+    authorize_verifiers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized verifiers
+    listen: tuple[str, ...] = (
+        DEFAULT_LISTEN,
+    )  # DHT listen multiaddrs; a fixed port gives a stable multiaddr
+    announce: tuple[str, ...] = ()  # multiaddrs to announce (public IP, explicit port)
+    join: tuple[str, ...] = ()  # other bootstraps or hivemind-dht peers to connect to
+    http_host: str = "127.0.0.1"
+    http_port: int = 0  # 0 = any free port (printed)
+    maddrs_file: Path | None = None  # where to write our multiaddrs, one per line
+    republish_period_s: float = 60.0  # manifest and discovery records are re-published this often
+    manifest_ttl_periods: float = 10.0  # ... and expire this many periods after each publish
+    join_timeout_s: float = 30.0  # bounds the DHT start (and its first contact with --join peers)
+    request_timeout_s: float = 5.0  # bounds each DHT store/get
+    swarm_cache_s: float = 0.5  # /api/swarm answers from a snapshot at most this old (bounds DHT load)
+    shutdown_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("republish_period_s", "manifest_ttl_periods", "join_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.swarm_cache_s < 0 or self.shutdown_timeout_s <= 0:
+            raise ValueError("swarm_cache_s must be >= 0 and shutdown_timeout_s positive")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http port must be in [0, 65535], got {self.http_port}")
+
+    @property
+    def identity_file(self) -> Path:
+        return self.identity_path or self.state_dir / "identity.key"
+
+
+def load_manifest(config: BootstrapConfig) -> RunManifest:
+    manifest = load_run_toml(config.run_path) if config.run_path is not None else default_manifest()
+    return authorize(manifest, syncers=config.authorize_syncers, verifiers=config.authorize_verifiers)
+
+
+class Bootstrap:
+    """One bootstrap process. `start()` then `run(stop)`; `close()` in a finally."""
+
+    def __init__(
+        self, config: BootstrapConfig, identity: NodeIdentity, owner: NodeIdentity, manifest: RunManifest
+    ):
+        self.config = config
+        self.identity = identity
+        self.owner = owner
+        self.manifest = manifest
+        self.signed = SignedManifest.sign(manifest, owner)
+        self.rules = RunRules.from_manifest(self.signed, manifest)
+        self.metrics = NodeMetrics()
+        self.swarm_peers = Gauge(
+            "hivenode_swarm_peers", "Live peers by role", ["role"], registry=self.metrics.registry
+        )
+        self.manifest_publishes = Counter(
+            "hivenode_manifest_publishes",
+            "Manifest and discovery publishes",
+            ["result"],
+            registry=self.metrics.registry,
+        )
+        self.sections: dict[str, SectionProvider] = {"events": lambda _doc: [], "history": lambda _doc: []}
+        self.dht: Any = None
+        self.records: SwarmRecords | None = None
+        self.owner_records: SwarmRecords | None = None
+        self.membership: Membership | None = None
+        self.maddrs: tuple[str, ...] = ()
+        self.http_address = ""
+        self._runner: web.AppRunner | None = None
+        self._seen_peers: dict[str, None] = {}  # insertion-ordered set, bounded
+        self._snapshot: tuple[float, dict[str, Any]] | None = None
+        self._snapshot_lock = asyncio.Lock()
+        self._started_at = time.monotonic()
+
+    @property
+    def run_id(self) -> str:
+        return self.signed.run_id
+
+    def add_section(self, name: str, provider: SectionProvider) -> None:
+        """Fill `/api/swarm[name]` from `provider(document_so_far)` (e.g. `events`, `history`)."""
+        self.sections[name] = provider
+
+    async def start(self) -> None:
+        config = self.config
+        network = _network(config)
+        joins = [check_multiaddr(m) for m in config.join]
+        self.dht = start_dht(self.identity, joins, network, HivenodeRecordValidator([self.rules]))
+        timeout_s = config.request_timeout_s
+        self.records = SwarmRecords(self.dht, self.rules, self.identity, timeout_s=timeout_s)
+        self.owner_records = SwarmRecords(self.dht, self.rules, self.owner, timeout_s=timeout_s)
+        self.maddrs = tuple(str(m) for m in self.dht.get_visible_maddrs())
+        self.membership = Membership(
+            self.records,
+            period_s=self.manifest.heartbeat_period_s,
+            heartbeat=self._heartbeat,
+            metrics=self.metrics,
+        )
+        await self.publish_manifest()
+        self._runner, self.http_address = await start_site(self._app(), config.http_host, config.http_port)
+        await self.membership.announce()
+        if config.maddrs_file is not None:
+            _write_lines(config.maddrs_file, self.maddrs)
+        self.metrics.info.info({"peer_id": self.identity.peer_id, "run_id": self.run_id, "role": "bootstrap"})
+
+    def _heartbeat(self, now: float) -> Heartbeat:
+        return Heartbeat(
+            role="bootstrap",
+            state="serving",
+            http=self.http_address,
+            maddrs=self.maddrs[:8],
+            version=VERSION,
+            sent_at=now,
+        )
+
+    async def publish_manifest(self) -> bool:
+        assert self.owner_records is not None
+        expiration = get_dht_time() + min(
+            self.config.republish_period_s * self.config.manifest_ttl_periods,
+            RecordLimits().max_ttl_manifest_s,
+        )
+        ok_manifest = await self.owner_records.publish_manifest(self.signed, expiration=expiration)
+        ok_discovery = await publish_discovery(
+            self.dht, self.owner, self.signed, expiration=expiration, timeout_s=self.config.request_timeout_s
+        )
+        ok = ok_manifest and ok_discovery
+        self.manifest_publishes.labels(result="ok" if ok else "refused").inc()
+        if not ok:
+            logger.warning(
+                "manifest publish was refused (manifest %s, discovery %s)", ok_manifest, ok_discovery
+            )
+        return ok
+
+    async def _republish(self, stop: asyncio.Event) -> None:
+        while not await wait_or_stop(stop, self.config.republish_period_s):
+            try:
+                await self.publish_manifest()
+            except asyncio.TimeoutError:
+                logger.warning("manifest re-publish timed out")
+
+    async def _observe(self, stop: asyncio.Event) -> None:
+        """Refresh the swarm snapshot every heartbeat period, so /metrics and the seen-peer list stay current
+        even when nobody polls /api/swarm."""
+        while not await wait_or_stop(stop, self.manifest.heartbeat_period_s):
+            try:
+                await self.swarm_document()
+            except asyncio.TimeoutError:
+                logger.warning("the DHT did not answer a swarm snapshot in time")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        assert self.membership is not None
+        supervisor = TaskSupervisor()
+        supervisor.restart_counter = self.metrics.task_restarts
+        supervisor.spawn("heartbeat", partial(self.membership.run, stop), policy=RestartPolicy())
+        supervisor.spawn("republish", partial(self._republish, stop), policy=RestartPolicy())
+        supervisor.spawn("observe", partial(self._observe, stop), policy=RestartPolicy())
+        try:
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([stopped, supervisor.fatal], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if supervisor.fatal.done():
+                error = supervisor.fatal.result()
+                raise HivenodeError(f"a background task failed for good: {type(error).__name__}: {error}")
+        finally:
+            stop.set()
+            await self.membership.leave(self.config.shutdown_timeout_s / 2)
+            await supervisor.shutdown(self.config.shutdown_timeout_s / 2)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+    # ---- HTTP ----
+
+    def _app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/api/status", self._handle_status)
+        app.router.add_get("/api/swarm", self._handle_swarm)
+        app.router.add_get("/metrics", self._handle_metrics)
+        app.router.add_get("/", self._handle_index)
+        if STATIC_DIR.is_dir():
+            app.router.add_static("/static/", STATIC_DIR)
+        return app
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.identity.peer_id,
+            "role": "bootstrap",
+            "run_id": self.run_id,
+            "run_name": self.manifest.name,
+            "owner": self.owner.peer_id,
+            "stage": None,
+            "state": "serving",
+            "inner_step": None,
+            "tokens": None,
+            "loss": None,
+            "maddrs": list(self.maddrs),
+            "version": VERSION,
+            "uptime_s": round(time.monotonic() - self._started_at, 1),
+        }
+
+    async def _handle_status(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.status())
+
+    async def _handle_metrics(self, _request: web.Request) -> web.Response:
+        return metrics_response(self.metrics.registry)
+
+    async def _handle_index(self, _request: web.Request) -> web.StreamResponse:
+        index = STATIC_DIR / "index.html"
+        if index.is_file():
+            return web.FileResponse(index)
+        return web.Response(text=f"hivenode bootstrap for run {self.manifest.name}: see /api/swarm\n")
+
+    async def _handle_swarm(self, _request: web.Request) -> web.Response:
+        try:
+            document = await self.swarm_document()
+        except asyncio.TimeoutError:
+            return web.json_response({"error": "the DHT did not answer in time"}, status=503)
+        return web.json_response(document)
+
+    async def swarm_document(self) -> dict[str, Any]:
+        """The /api/swarm document, from a snapshot at most `swarm_cache_s` old."""
+        async with self._snapshot_lock:
+            now = time.monotonic()
+            if self._snapshot is None or now - self._snapshot[0] > self.config.swarm_cache_s:
+                self._snapshot = (now, await self._build_swarm_document())
+            return self._snapshot[1]
+
+    async def _build_swarm_document(self) -> dict[str, Any]:
+        assert self.records is not None
+        peers = await self.records.list_peers()
+        for peer in peers:
+            self._seen_peers[peer.peer_id] = None
+        while len(self._seen_peers) > MAX_REMEMBERED_PEERS:
+            del self._seen_peers[next(iter(self._seen_peers))]
+        syncers = await self.records.list_syncers()
+        bans = await self.records.list_bans(self._seen_peers)
+        by_role: dict[str, int] = {}
+        for peer in peers:
+            by_role[peer.heartbeat.role] = by_role.get(peer.heartbeat.role, 0) + 1
+        self.swarm_peers.clear()
+        for role, count in by_role.items():
+            self.swarm_peers.labels(role=role).set(count)
+        other_bootstraps = [m for p in peers if p.heartbeat.role == "bootstrap" for m in p.heartbeat.maddrs]
+        document: dict[str, Any] = {
+            "run_id": self.run_id,
+            "run_name": self.manifest.name,
+            "owner": self.owner.peer_id,
+            "manifest": self.signed.to_b64(),
+            "settings": self.manifest.to_dict(),
+            "time": get_dht_time(),
+            "peers": [p.to_json() for p in peers],
+            "bans": summarize_bans(bans, self.manifest.bans_required),
+            "syncer": [s.to_json() for s in syncers],
+            "bootstrap_maddrs": list(dict.fromkeys([*self.maddrs, *other_bootstraps])),
+        }
+        for name, provider in self.sections.items():
+            document[name] = provider(document)
+        return document
+
+
+def _network(config: BootstrapConfig) -> NetworkConfig:
+    return NetworkConfig(
+        listen=config.listen,
+        announce=config.announce,
+        join_timeout_s=config.join_timeout_s,
+        request_timeout_s=config.request_timeout_s,
+    )
+
+
+def _write_lines(path: Path, lines: tuple[str, ...]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in lines))
+    os.replace(tmp, path)
+
+
+def announce_lines(bootstrap: Bootstrap) -> list[str]:
+    """What the operator should copy: the run, our multiaddrs (one per line), how to join, the dashboard."""
+    lines = [f"run {bootstrap.manifest.name} {bootstrap.run_id} (owner {bootstrap.owner.peer_id})"]
+    lines += list(bootstrap.maddrs)
+    if bootstrap.maddrs:
+        lines.append(f"join with: python -m node --join {bootstrap.maddrs[0]}")
+    lines.append(f"dashboard: http://{bootstrap.http_address}/")
+    return lines
+
+
+async def run_bootstrap(
+    config: BootstrapConfig,
+    stop: asyncio.Event,
+    on_ready: Callable[[Bootstrap], None],
+    log_context: LogContext | None = None,
+) -> None:
+    """The whole life of a bootstrap process; raises HivenodeError subclasses with one-line messages."""
+    manifest = load_manifest(config)
+    identity = NodeIdentity.load_or_create(config.identity_file)
+    if log_context is not None:
+        log_context.peer_id = identity.peer_id
+    # never create an owner key on the fly: a typo would silently start a different run
+    owner = NodeIdentity.load(config.owner_key_path) if config.owner_key_path else identity
+    with IdentityLock(config.identity_file):
+        bootstrap = Bootstrap(config, identity, owner, manifest)
+        try:
+            await bootstrap.start()
+            on_ready(bootstrap)
+            await bootstrap.run(stop)
+        finally:
+            await bootstrap.close()

@@ -1,0 +1,95 @@
+"""`python -m node --join MADDR_OR_URL [...]`: parse -> NodeConfig -> run -> shut down. Subcommands: keygen, status,
+demo. Errors reach the user as one line on stderr and a non-zero exit (2: usage, 1: could not run)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.util
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from node.config import NodeConfig, load_node_config
+from node.runtime import LogContext, NodeContext, run_node, setup_logging
+from protocol.errors import ConfigError, HivenodeError
+from protocol.identity import NodeIdentity
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _fail(message: object, code: int = EXIT_FAILED) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+async def _run(config: NodeConfig, log_context: LogContext) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)  # the only thing a signal does
+    await run_node(config, stop, log_context, _print_ready)
+    return EXIT_OK
+
+
+def _print_ready(ctx: NodeContext) -> None:
+    print(f"joined run {ctx.manifest.name} ({ctx.run_id[:12]}) as {ctx.role_name}", flush=True)
+    print(f"status: http://{ctx.http_address}/api/status", flush=True)
+
+
+def keygen(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m node keygen", description="Create (or show) a node key.")
+    parser.add_argument("--identity", type=Path, required=True, metavar="PATH")
+    args = parser.parse_args(argv)
+    existed = args.identity.exists()
+    identity = NodeIdentity.load_or_create(args.identity)
+    print(identity.peer_id)
+    print(f"({'existing' if existed else 'new'} key in {args.identity})", file=sys.stderr)
+    return EXIT_OK
+
+
+def status(argv: Sequence[str]) -> int:
+    from node.status import status_command
+
+    parser = argparse.ArgumentParser(prog="python -m node status", description="Summarize a swarm.")
+    parser.add_argument("target", metavar="URL_OR_MULTIADDR", help="a bootstrap URL or multiaddr")
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
+    args = parser.parse_args(argv)
+    return asyncio.run(status_command(args.target, args.timeout))
+
+
+def demo(argv: Sequence[str]) -> int:
+    if importlib.util.find_spec("node.demo") is None:
+        return _fail("`python -m node demo` is not built yet in this version", EXIT_USAGE)
+    return importlib.import_module("node.demo").main(argv)
+
+
+SUBCOMMANDS = {"keygen": keygen, "status": status, "demo": demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] in SUBCOMMANDS:
+            return SUBCOMMANDS[argv[0]](argv[1:])
+        config = load_node_config(argv)
+    except ConfigError as e:
+        return _fail(e, EXIT_USAGE)
+    except HivenodeError as e:
+        return _fail(e)
+    log_context = LogContext()
+    setup_logging(config.log_level, log_context)
+    try:
+        return asyncio.run(_run(config, log_context))
+    except ConfigError as e:
+        return _fail(e, EXIT_USAGE)
+    except HivenodeError as e:
+        return _fail(e)
+    except TimeoutError:  # every DHT and HTTP wait is bounded; one that runs out while starting ends here
+        return _fail("timed out waiting for the swarm (see the log above)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The syncer's outer optimiser: SGD with Nesterov momentum, one momentum buffer per tensor.
+
+Same update as ``torch.optim.SGD(lr, momentum, nesterov=True)`` with no dampening or weight decay:
+
+    buf <- momentum * buf + g          (buf starts at g)
+    theta <- theta - lr * (g + momentum * buf)
+
+where g is the merged pseudo-gradient of a fragment. Buffers are keyed by parameter name, so they are
+per fragment by construction (a name lives in exactly one fragment) and a fragment's buffers only move
+when that fragment is merged. State is kept in float32 whatever the parameter dtype, and is exported as
+a flat name -> tensor dict so it can be written with safetensors next to the global parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+STATE_PREFIX = "outer_momentum/"
+
+
+class OuterNesterov:
+    """Nesterov outer step over named tensors; pure apart from its momentum buffers."""
+
+    def __init__(self, lr: float = 0.7, momentum: float = 0.9) -> None:
+        if not math.isfinite(lr) or lr <= 0:
+            raise ValueError(f"outer lr must be finite and > 0, got {lr!r}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"outer momentum must be in [0, 1), got {momentum!r}")
+        self.lr = float(lr)
+        self.momentum = float(momentum)
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def step(
+        self, global_params: Mapping[str, torch.Tensor], outer_grad: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Return new values for the tensors named in `outer_grad`; inputs are not modified.
+
+        Every name in `outer_grad` must be in `global_params` with the same shape. The new tensors have
+        the dtype of the corresponding global parameter.
+        """
+        for name, grad in outer_grad.items():
+            if name not in global_params:
+                raise ValueError(f"outer_grad names unknown parameter {name!r}")
+            if tuple(grad.shape) != tuple(global_params[name].shape):
+                raise ValueError(
+                    f"{name}: outer_grad shape {tuple(grad.shape)} != {tuple(global_params[name].shape)}"
+                )
+            buf = self._buffers.get(name)
+            if buf is not None and tuple(buf.shape) != tuple(grad.shape):
+                raise ValueError(f"{name}: momentum buffer shape {tuple(buf.shape)} != {tuple(grad.shape)}")
+        updated: dict[str, torch.Tensor] = {}
+        for name, grad in outer_grad.items():
+            g = grad.detach().to(torch.float32)
+            buf = self._buffers.get(name)
+            buf = g.clone() if buf is None else buf.mul_(self.momentum).add_(g)
+            self._buffers[name] = buf
+            direction = g.add(buf, alpha=self.momentum)
+            param = global_params[name]
+            new = param.detach().to(torch.float32).sub(direction, alpha=self.lr)
+            updated[name] = new.to(param.dtype)
+        return updated
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Flat copy of the momentum buffers, keys prefixed with STATE_PREFIX."""
+        return {STATE_PREFIX + name: buf.clone() for name, buf in sorted(self._buffers.items())}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replace all buffers from a dict produced by `state_dict` (ValueError on foreign keys or dtypes)."""
+        buffers: dict[str, torch.Tensor] = {}
+        for key, tensor in state.items():
+            if not key.startswith(STATE_PREFIX) or len(key) == len(STATE_PREFIX):
+                raise ValueError(f"unexpected key in outer optimiser state: {key!r}")
+            if not tensor.is_floating_point():
+                raise ValueError(f"{key}: dtype {tensor.dtype} is not floating point")
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{key}: non-finite values")
+            buffers[key[len(STATE_PREFIX) :]] = tensor.detach().to(torch.float32).clone()
+        self._buffers = buffers
+
+    def buffer(self, name: str) -> torch.Tensor | None:
+        """The momentum buffer of one tensor (None before its first step); a view, do not modify."""
+        return self._buffers.get(name)

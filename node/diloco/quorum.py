@@ -1,0 +1,197 @@
+"""When the syncer merges a round: minimum quorum K plus the adaptive grace window.
+
+A round is one merge of one fragment. It opens, contributions arrive, and `QuorumPolicy.decide` says
+"wait" or "merge":
+
+* until `required` contributions are in, wait (no deadline: only an arrival can change that);
+* once the quorum is reached, merge at once if every expected learner has arrived; otherwise wait for
+  latecomers until quorum_reached_at + grace, with
+  ``grace = gamma * max(0, tau * xi_step - xi_quorum - xi_sync)``, capped at `max_grace_steps` step
+  times and at `max_grace_s`. tau * xi_step is how long a learner keeps computing after it sent the
+  fragment before it needs the merged version back, so waiting no longer than the slack left after the
+  quorum wait and the merge itself cannot stall anyone; gamma < 1 is the safety margin.
+
+The xi are exponential moving averages fed by the caller through `observe_*` (the first observation
+sets the value). Until a step time has been observed the grace window is zero: without an estimate we
+cannot know that waiting is free.
+
+The same policy expresses the baselines the benchmarks compare against:
+
+* `QuorumConfig.decoupled(K)`: the paper's default, K = 1 with the grace window.
+* `QuorumConfig.synchronous(M)`: synchronous (Streaming) DiLoCo. Every one of the M registered learners
+  must contribute, dead ones included, and there is no grace window; `num_expected` is ignored.
+* `QuorumConfig.elastic_synchronous()`: wait for every learner the membership says is alive, i.e.
+  `required = num_expected`. The caller keeps a crashed learner in `num_expected` until its failure
+  detector times out, which is what a crash costs this baseline.
+
+Q6 of the digest (whose xi_step?) is left to the caller: feed the step times of the learners that make
+the quorum, or of all learners; the policy keeps one EMA.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+Action = Literal["wait", "merge"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QuorumConfig:
+    """Knobs of the merge trigger; see the module docstring for the baselines' constructors."""
+
+    min_quorum: int = 1  # K: contributions that start a merge
+    grace_gamma: float = 0.8  # gamma in [0, 1): share of the slack spent waiting; 0 disables the window
+    grace_tau: float = 2.0  # tau in steps: how long a learner computes before it needs the merge back
+    max_grace_steps: float = 1.0  # cap on the grace window, in EMA step times
+    max_grace_s: float = math.inf  # absolute cap on the grace window, seconds
+    ema_alpha: float = 0.2  # weight of a new observation in the xi EMAs, (0, 1]
+    wait_for_all_expected: bool = False  # elastic synchronous: required = num_expected, K is ignored
+    ignore_expected: bool = False  # synchronous: never merge early on num_expected (dead ones count)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_quorum, int) or isinstance(self.min_quorum, bool) or self.min_quorum < 1:
+            raise ValueError(f"min_quorum must be a positive int, got {self.min_quorum!r}")
+        if not 0.0 <= self.grace_gamma < 1.0:
+            raise ValueError(f"grace_gamma must be in [0, 1), got {self.grace_gamma!r}")
+        if not (math.isfinite(self.grace_tau) and self.grace_tau >= 0):
+            raise ValueError(f"grace_tau must be finite and >= 0, got {self.grace_tau!r}")
+        if not (math.isfinite(self.max_grace_steps) and self.max_grace_steps >= 0):
+            raise ValueError(f"max_grace_steps must be finite and >= 0, got {self.max_grace_steps!r}")
+        if not self.max_grace_s >= 0:
+            raise ValueError(f"max_grace_s must be >= 0, got {self.max_grace_s!r}")
+        if not 0.0 < self.ema_alpha <= 1.0:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha!r}")
+        if self.wait_for_all_expected and self.ignore_expected:
+            raise ValueError("wait_for_all_expected and ignore_expected exclude each other")
+
+    @classmethod
+    def decoupled(cls, min_quorum: int = 1, **overrides: float) -> QuorumConfig:
+        """Decoupled DiLoCo: merge at K contributions, then the adaptive grace window."""
+        return cls(min_quorum=min_quorum, **overrides)
+
+    @classmethod
+    def synchronous(cls, num_learners: int) -> QuorumConfig:
+        """Synchronous DiLoCo: all M registered learners, alive or dead, and no grace window."""
+        return cls(min_quorum=num_learners, grace_gamma=0.0, ignore_expected=True)
+
+    @classmethod
+    def elastic_synchronous(cls) -> QuorumConfig:
+        """Wait for every learner the membership believes alive (required = num_expected), no grace."""
+        return cls(min_quorum=1, grace_gamma=0.0, wait_for_all_expected=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decision:
+    action: Action
+    deadline: float | None  # when waiting on a timer: decide again at this time; None: wait for arrivals
+    reason: str
+
+
+class QuorumPolicy:
+    """Pure merge trigger: EMA estimates in, wait/merge decisions out; the clock is passed in."""
+
+    def __init__(self, config: QuorumConfig) -> None:
+        self._config = config
+        self._xi_step: float | None = None
+        self._xi_quorum: float | None = None
+        self._xi_sync: float | None = None
+
+    @property
+    def config(self) -> QuorumConfig:
+        return self._config
+
+    @property
+    def xi_step(self) -> float | None:
+        return self._xi_step
+
+    @property
+    def xi_quorum(self) -> float | None:
+        return self._xi_quorum
+
+    @property
+    def xi_sync(self) -> float | None:
+        return self._xi_sync
+
+    def observe_step(self, duration_s: float) -> None:
+        """A learner's inner step took `duration_s`."""
+        self._xi_step = self._ema(self._xi_step, duration_s)
+
+    def observe_quorum(self, duration_s: float) -> None:
+        """A round took `duration_s` from opening to its K-th contribution."""
+        self._xi_quorum = self._ema(self._xi_quorum, duration_s)
+
+    def observe_sync(self, duration_s: float) -> None:
+        """The syncer's merge, outer step and broadcast of a round took `duration_s`."""
+        self._xi_sync = self._ema(self._xi_sync, duration_s)
+
+    def required(self, num_expected: int) -> int:
+        """Contributions needed before a merge may start."""
+        if self._config.wait_for_all_expected:
+            return max(num_expected, 1)
+        return self._config.min_quorum
+
+    def grace_s(self) -> float:
+        """Current grace window in seconds (0 until a step time has been observed)."""
+        cfg = self._config
+        if cfg.grace_gamma == 0.0 or self._xi_step is None:
+            return 0.0
+        slack = cfg.grace_tau * self._xi_step - (self._xi_quorum or 0.0) - (self._xi_sync or 0.0)
+        grace = cfg.grace_gamma * max(0.0, slack)
+        return min(grace, cfg.max_grace_steps * self._xi_step, cfg.max_grace_s)
+
+    def decide(
+        self,
+        now: float,
+        round_opened_at: float,
+        num_received: int,
+        num_expected: int,
+        quorum_reached_at: float | None,
+    ) -> Decision:
+        """Wait or merge the round that opened at `round_opened_at`.
+
+        `num_received` counts usable contributions so far, `num_expected` the learners that could still
+        contribute (e.g. alive per membership, including those already in). `quorum_reached_at` is when
+        the required-th contribution arrived; it must be given once num_received >= required. The
+        returned deadline is recomputed from the current EMAs on every call.
+        """
+        if num_received < 0 or num_expected < 0:
+            raise ValueError("counts must be >= 0")
+        if now < round_opened_at:
+            raise ValueError(f"now ({now}) is before the round opened ({round_opened_at})")
+        required = self.required(num_expected)
+        if num_received < required:
+            return Decision(
+                action="wait",
+                deadline=None,
+                reason=f"quorum {num_received}/{required} after {now - round_opened_at:.3f}s",
+            )
+        if quorum_reached_at is None:
+            raise ValueError("quorum_reached_at is required once the quorum is reached")
+        if not self._config.ignore_expected and num_received >= num_expected:
+            return Decision(action="merge", deadline=None, reason=f"all {num_expected} expected arrived")
+        grace = self.grace_s()
+        deadline = quorum_reached_at + grace
+        if now >= deadline:
+            return Decision(
+                action="merge",
+                deadline=None,
+                reason=f"{num_received}/{num_expected} in, grace {grace:.3f}s over",
+            )
+        return Decision(
+            action="wait",
+            deadline=deadline,
+            reason=f"{num_received}/{num_expected} in, grace until +{grace:.3f}s",
+        )
+
+    def _ema(self, current: float | None, value: float) -> float:
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"durations must be finite and >= 0, got {value!r}")
+        if current is None:
+            return float(value)
+        alpha = self._config.ema_alpha
+        return (1.0 - alpha) * current + alpha * value

@@ -1,0 +1,132 @@
+"""Roles: the `Role` protocol, the registry from role name to factory, and how `--role auto` chooses.
+
+A role module `node/<name>.py` plugs in by defining `create_role(ctx: NodeContext) -> Role`; until it does, the
+registry hands out `NotBuiltRole`, which joins and heartbeats as "idle" and says plainly that the role's work is
+not built yet in this version (it never pretends to train).
+
+`--role auto` picks, in order:
+1. `syncer` if this node's key is an authorized syncer of the run and no live peer announces the syncer role;
+2. `learner` otherwise.
+(Stages and verifiers are chosen explicitly for now: `--role stage [--stage N]`, `--role verifier`.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from node.swarm import least_served_stage
+from protocol.errors import ConfigError
+from protocol.manifest import RunManifest
+from protocol.records import PeerRecord
+
+if TYPE_CHECKING:
+    from node.runtime import NodeContext
+
+logger = logging.getLogger(__name__)
+
+ROLE_NAMES = ("learner", "stage", "verifier", "syncer")
+
+
+class Role(Protocol):
+    name: str
+
+    async def run(self, ctx: NodeContext, stop: asyncio.Event) -> None:
+        """Do the role's work until `stop` is set (returning early ends the node, e.g. at --max-steps)."""
+
+    def status(self) -> dict[str, Any]:
+        """Fields for /api/status and the heartbeat: state, stage, span, inner_step, tokens, loss, throughput,
+        load, device... (whatever the role fills)."""
+
+
+RoleFactory = Callable[["NodeContext"], Role]
+
+
+class NotBuiltRole:
+    """Stands in for a role whose work this version does not have yet."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.note = f"role {name}: not built yet in this version"
+
+    async def run(self, ctx: NodeContext, stop: asyncio.Event) -> None:
+        logger.warning("%s; this node joins and heartbeats but does no work", self.note)
+        await stop.wait()
+
+    def status(self) -> dict[str, Any]:
+        return {"state": "idle", "note": self.note}
+
+
+def _module_factory(name: str, module_name: str) -> RoleFactory:
+    def create(ctx: NodeContext) -> Role:
+        if importlib.util.find_spec(module_name) is None:
+            return NotBuiltRole(name)
+        factory = getattr(importlib.import_module(module_name), "create_role", None)
+        if factory is None:
+            return NotBuiltRole(name)
+        return factory(ctx)
+
+    return create
+
+
+ROLE_FACTORIES: dict[str, RoleFactory] = {name: _module_factory(name, f"node.{name}") for name in ROLE_NAMES}
+
+
+def register_role(name: str, factory: RoleFactory) -> None:
+    """Point `name` at another factory (the demo and tests use this to run roles in-process)."""
+    if name not in ROLE_NAMES:
+        raise ValueError(f"unknown role {name!r}; roles are {ROLE_NAMES}")
+    ROLE_FACTORIES[name] = factory
+
+
+def build_role(name: str, ctx: NodeContext) -> Role:
+    return ROLE_FACTORIES[name](ctx)
+
+
+@dataclass(frozen=True, slots=True)
+class RoleChoice:
+    role: str
+    stage: int | None
+    reason: str
+
+
+def _live(peers: Sequence[PeerRecord], role: str, now: float) -> list[PeerRecord]:
+    return [p for p in peers if p.heartbeat.role == role and not p.heartbeat.leaving and p.expires_at > now]
+
+
+def choose_role(
+    requested: str,
+    requested_stage: int | None,
+    peer_id: str,
+    manifest: RunManifest,
+    peers: Sequence[PeerRecord],
+    now: float,
+) -> RoleChoice:
+    """What this node will be (see the module docstring); raise ConfigError for a request the run does not allow."""
+    if requested_stage is not None and requested != "stage":
+        raise ConfigError("--stage only applies to --role stage")
+    authorized = {"syncer": manifest.authorized_syncers, "verifier": manifest.authorized_verifiers}
+    if requested in authorized and peer_id not in authorized[requested]:
+        raise ConfigError(
+            f"this node's key {peer_id} is not an authorized {requested} of run {manifest.name!r}; the owner can "
+            f"add it with `python -m bootstrap --authorize-{requested} {peer_id}`"
+        )
+    if requested == "stage":
+        if requested_stage is None:
+            stage = least_served_stage(peers, manifest.num_stages)
+            return RoleChoice("stage", stage, f"stage {stage} has the least announced throughput")
+        if requested_stage >= manifest.num_stages:
+            raise ConfigError(
+                f"--stage {requested_stage}: run {manifest.name!r} has {manifest.num_stages} stages"
+            )
+        return RoleChoice("stage", requested_stage, "asked for")
+    if requested != "auto":
+        return RoleChoice(requested, None, "asked for")
+    if peer_id in manifest.authorized_syncers and not _live(peers, "syncer", now):
+        return RoleChoice("syncer", None, "authorized syncer and no syncer is alive")
+    return RoleChoice("learner", None, "default for volunteers")

@@ -1,0 +1,484 @@
+"""Pure decisions of the pipeline: which replica serves a hop, when a hop is retried, which microbatch steps were
+already applied, where a new node goes, and when a stage replica should move to a starved stage.
+
+Nothing here touches sockets, asyncio or the global clock: `now` (seconds on any monotonic clock) and a seeded
+`random.Random` are passed in, so every rule is tested on a fake clock (tests/unit/test_routing.py).
+
+* `ReplicaRouter` picks the least-loaded live replica of a stage, SWARM-style: projected finish time =
+  (work queued there + 1 microbatch) / throughput, where throughput is our own measurement of that replica
+  when we have one and its announced figure otherwise, and "work queued" counts both its announced queue and
+  the hops we already have in flight on it. Failed replicas sit out a cooldown that doubles per failure.
+* `RetryPolicy` bounds how many replicas one hop may try and how long each try may take.
+* `IdempotencyLedger` remembers (run, microbatch, stage, direction) keys that were applied, so a retried
+  request is answered from cache or refused, never applied twice. Bounded: when a key is evicted its
+  microbatch id becomes its sender's floor, and anything at or below a floor is refused as stale, so eviction
+  can never re-open a double application (microbatch ids grow per sender).
+* `choose_stage` places a new node on the stage with the least announced throughput per layer.
+* `Rebalancer` moves a replica from a well-served stage to a starved one, with hysteresis: the imbalance must
+  hold for `dwell_s`, the move must leave the donor stage still better served than the starved one, moves are
+  at least `cooldown_s` apart, and only the donor stage's slowest replica moves (so replicas that all see the
+  same view do not stampede).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------- replicas
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicaInfo:
+    """What the verifier knows about one stage replica from its heartbeat."""
+
+    peer_id: str
+    stage: int
+    throughput: float = 0.0  # announced tokens/s
+    queue: float = 0.0  # announced microbatches waiting or held (its `load`)
+    maddrs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoutingConfig:
+    """How replicas are scored and how long a failed one sits out."""
+
+    prior_throughput: float = 1000.0  # tokens/s assumed for a replica nobody has measured or that announces 0
+    measurement_weight: float = 0.3  # EMA weight of each new measurement of a replica's tokens/s
+    failure_cooldown_s: float = 5.0  # first pause after a failure; doubles per consecutive failure
+    max_cooldown_s: float = 60.0  # ... up to this
+    max_tracked_peers: int = 4096  # measurements and failures kept (least recently touched forgotten)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.prior_throughput) and self.prior_throughput > 0):
+            raise ValueError(f"prior_throughput must be positive, got {self.prior_throughput}")
+        if not 0 < self.measurement_weight <= 1:
+            raise ValueError(f"measurement_weight must be in (0, 1], got {self.measurement_weight}")
+        if not 0 < self.failure_cooldown_s <= self.max_cooldown_s:
+            raise ValueError("need 0 < failure_cooldown_s <= max_cooldown_s")
+        if self.max_tracked_peers < 1:
+            raise ValueError("max_tracked_peers must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A chosen replica and why (for logs and status)."""
+
+    peer_id: str
+    projected_s: float  # projected seconds until our microbatch is done there
+    reason: str
+
+
+@dataclass(slots=True)
+class _Failures:
+    consecutive: int = 0
+    blocked_until: float = -math.inf
+
+
+class ReplicaRouter:
+    """Replica choice for one verifier: measurements, in-flight counts and failure cooldowns per replica."""
+
+    def __init__(self, config: RoutingConfig | None = None) -> None:
+        self.config = config or RoutingConfig()
+        self._measured: OrderedDict[str, float] = OrderedDict()  # peer -> EMA tokens/s (our measurement)
+        self._failures: OrderedDict[str, _Failures] = OrderedDict()
+        self._in_flight: dict[str, int] = {}
+
+    # ---- bookkeeping
+
+    def started(self, peer_id: str) -> None:
+        """A hop was sent to `peer_id` (pair with `finished`)."""
+        self._in_flight[peer_id] = self._in_flight.get(peer_id, 0) + 1
+
+    def finished(self, peer_id: str) -> None:
+        left = self._in_flight.get(peer_id, 0) - 1
+        if left > 0:
+            self._in_flight[peer_id] = left
+        else:
+            self._in_flight.pop(peer_id, None)
+
+    def in_flight(self, peer_id: str) -> int:
+        return self._in_flight.get(peer_id, 0)
+
+    def record_success(self, peer_id: str, *, tokens: int, seconds: float) -> None:
+        """A hop of `tokens` took `seconds` end to end: update our throughput estimate, clear its failures."""
+        self._failures.pop(peer_id, None)
+        if tokens <= 0 or not seconds > 0:
+            return
+        sample = tokens / seconds
+        old = self._measured.pop(peer_id, None)
+        w = self.config.measurement_weight
+        self._measured[peer_id] = sample if old is None else (1 - w) * old + w * sample
+        self._trim(self._measured)
+
+    def record_failure(self, peer_id: str, now: float) -> float:
+        """A hop to `peer_id` failed: block it for a cooldown that doubles per consecutive failure.
+
+        Returns the cooldown in seconds."""
+        state = self._failures.pop(peer_id, None) or _Failures()
+        state.consecutive += 1
+        cooldown = min(
+            self.config.failure_cooldown_s * 2 ** (state.consecutive - 1), self.config.max_cooldown_s
+        )
+        state.blocked_until = now + cooldown
+        self._failures[peer_id] = state
+        self._trim(self._failures)
+        return cooldown
+
+    def is_blocked(self, peer_id: str, now: float) -> bool:
+        state = self._failures.get(peer_id)
+        return state is not None and now < state.blocked_until
+
+    def measured_throughput(self, peer_id: str) -> float | None:
+        return self._measured.get(peer_id)
+
+    def _trim(self, table: OrderedDict[str, object]) -> None:
+        while len(table) > self.config.max_tracked_peers:
+            table.popitem(last=False)
+
+    # ---- the decision
+
+    def throughput(self, replica: ReplicaInfo) -> float:
+        """Tokens/s we expect of `replica`: our measurement, else its announcement, else the prior."""
+        measured = self._measured.get(replica.peer_id)
+        if measured is not None:
+            return measured
+        if math.isfinite(replica.throughput) and replica.throughput > 0:
+            return replica.throughput
+        return self.config.prior_throughput
+
+    def projected_s(self, replica: ReplicaInfo, tokens: int) -> float:
+        queue = max(0.0, replica.queue if math.isfinite(replica.queue) else 0.0)
+        waiting = queue + self.in_flight(replica.peer_id) + 1
+        return waiting * max(tokens, 1) / self.throughput(replica)
+
+    def choose(
+        self,
+        replicas: Iterable[ReplicaInfo],
+        *,
+        stage: int,
+        tokens: int,
+        now: float,
+        rng: random.Random,
+        exclude: Iterable[str] = (),
+        banned: Iterable[str] = (),
+    ) -> Choice | None:
+        """The replica of `stage` with the earliest projected finish, or None if none is usable.
+
+        Replicas in `exclude` (already failed for this hop) or `banned`, and those in a failure cooldown, are
+        skipped. Ties (within 1 %) are broken at random, so equal replicas share the load.
+        """
+        skip = set(exclude) | set(banned)
+        candidates = [
+            r
+            for r in replicas
+            if r.stage == stage and r.peer_id not in skip and not self.is_blocked(r.peer_id, now)
+        ]
+        if not candidates:
+            return None
+        scored = sorted((self.projected_s(r, tokens), r.peer_id) for r in candidates)
+        best_s = scored[0][0]
+        tied = [peer for s, peer in scored if s <= best_s * 1.01]
+        peer_id = tied[0] if len(tied) == 1 else rng.choice(tied)
+        return Choice(
+            peer_id=peer_id,
+            projected_s=best_s,
+            reason=f"least projected time {best_s * 1000:.0f} ms of {len(candidates)} live replica(s)",
+        )
+
+
+# ---------------------------------------------------------------------------------------------------- retries
+
+
+class HopFailure(str, enum.Enum):
+    """Why one hop (one request to one replica) failed, as the retry policy sees it."""
+
+    UNREACHABLE = "unreachable"  # could not open the stream, or it broke
+    TIMEOUT = "timeout"  # no full answer in time
+    REFUSED = "refused"  # the replica answered with an error
+    NO_CONTEXT = "no context"  # a backward reached a replica that no longer holds the forward's context
+    BAD_REPLY = "bad reply"  # the answer failed our checks (signature, signer, shape...)
+    DROPPED = "dropped"  # the boundary check dropped the tensor (SENTINEL seam)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RetryPolicy:
+    """Bounds on one hop: tries (each on a replica not yet tried for it) and the time each try may take."""
+
+    max_attempts: int = 3  # replicas tried for one hop before the microbatch is abandoned
+    hop_timeout_s: float = 30.0  # one request to one replica, sending included
+    same_replica_retries: int = 1  # a timed-out backward is asked again of the same replica first (cached)
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.same_replica_retries < 0:
+            raise ValueError("max_attempts must be >= 1 and same_replica_retries >= 0")
+        if not (math.isfinite(self.hop_timeout_s) and self.hop_timeout_s > 0):
+            raise ValueError(f"hop_timeout_s must be positive, got {self.hop_timeout_s}")
+
+    def retry_elsewhere(self, failure: HopFailure, attempt: int) -> bool:
+        """After the `attempt`-th failed try (1-based): may another replica be tried?"""
+        if failure is HopFailure.DROPPED:
+            return False  # a dropped activation drops the microbatch; re-sending it elsewhere hides the flag
+        return attempt < self.max_attempts
+
+    def ask_same_again(self, failure: HopFailure, same_tries: int) -> bool:
+        """A backward whose answer was lost may already be applied there: ask the same replica again first,
+        where it is answered from cache, before re-running it elsewhere (which would apply it twice)."""
+        return failure is HopFailure.TIMEOUT and same_tries < self.same_replica_retries
+
+    def blames_replica(self, failure: HopFailure) -> bool:
+        """Whether the failure should put the replica in a cooldown (a lost context is not its fault)."""
+        return failure is not HopFailure.NO_CONTEXT
+
+
+# ---------------------------------------------------------------------------------------------------- idempotency
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyKey:
+    """One application of one microbatch at one stage in one direction. `sender` is whoever numbers the
+    microbatches (the verifier), so two verifiers' ids never collide."""
+
+    run_id: str
+    sender: str
+    microbatch: int
+    stage: int
+    phase: Phase
+
+
+class Verdict(str, enum.Enum):
+    NEW = "new"  # never seen: apply it
+    APPLIED = "applied"  # applied before: answer from cache if possible, never apply again
+    STALE = "stale"  # at or below the sender's evicted floor: refuse
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LedgerConfig:
+    capacity: int = 65536  # keys remembered; oldest evicted first (their ids become the sender's floor)
+    max_cached_results: int = 256  # answers kept for retried requests (the most recent ones)
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1 or self.max_cached_results < 0:
+            raise ValueError("capacity must be >= 1 and max_cached_results >= 0")
+
+
+class IdempotencyLedger:
+    """Which microbatch steps were applied; see the module docstring for the eviction floor.
+
+    The cached result of a key is whatever the caller stores (the reply frame, an input gradient): a
+    retried request for an applied key is answered with it, never recomputed.
+    """
+
+    def __init__(self, config: LedgerConfig | None = None) -> None:
+        self.config = config or LedgerConfig()
+        self._applied: OrderedDict[IdempotencyKey, None] = OrderedDict()
+        self._results: OrderedDict[IdempotencyKey, object] = OrderedDict()
+        self._floor: dict[tuple[str, str], int] = {}  # (run, sender) -> highest evicted microbatch id
+        self.duplicates = 0  # requests for keys already applied (answered from cache or refused)
+
+    def __len__(self) -> int:
+        return len(self._applied)
+
+    def check(self, key: IdempotencyKey) -> Verdict:
+        if key in self._applied:
+            return Verdict.APPLIED
+        floor = self._floor.get((key.run_id, key.sender))
+        if floor is not None and key.microbatch <= floor:
+            return Verdict.STALE
+        return Verdict.NEW
+
+    def mark_applied(self, key: IdempotencyKey, result: object = None) -> bool:
+        """Record `key` as applied (with an optional cached result); False, and nothing changes, if it was."""
+        if self.check(key) is not Verdict.NEW:
+            self.duplicates += 1
+            return False
+        self._applied[key] = None
+        while len(self._applied) > self.config.capacity:
+            old, _ = self._applied.popitem(last=False)
+            floor_key = (old.run_id, old.sender)
+            self._floor[floor_key] = max(self._floor.get(floor_key, old.microbatch), old.microbatch)
+            self._results.pop(old, None)
+        if result is not None and self.config.max_cached_results > 0:
+            self._results[key] = result
+            while len(self._results) > self.config.max_cached_results:
+                self._results.popitem(last=False)
+        return True
+
+    def cached(self, key: IdempotencyKey) -> object | None:
+        """The stored result of an applied key, if still cached."""
+        return self._results.get(key)
+
+    def note_duplicate(self) -> None:
+        self.duplicates += 1
+
+    def recent(self, limit: int) -> list[IdempotencyKey]:
+        """The last `limit` applied keys, oldest first."""
+        keys = list(self._applied)
+        return keys[-limit:] if limit > 0 else []
+
+
+# ---------------------------------------------------------------------------------------------------- placement
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageLoad:
+    """How well one stage is served: its layer count and what its live replicas announce."""
+
+    stage: int
+    num_layers: int
+    throughput: float  # sum of announced tokens/s
+    replicas: int
+
+    @property
+    def per_layer(self) -> float:
+        return self.throughput / max(self.num_layers, 1)
+
+
+def stage_loads(
+    replicas: Iterable[ReplicaInfo], spans: Sequence[tuple[int, int]], *, exclude: str | None = None
+) -> list[StageLoad]:
+    """Per-stage load from the live replicas (optionally leaving one peer, usually ourselves, out)."""
+    throughput = [0.0] * len(spans)
+    count = [0] * len(spans)
+    for r in replicas:
+        if r.peer_id == exclude or not 0 <= r.stage < len(spans):
+            continue
+        throughput[r.stage] += max(0.0, r.throughput) if math.isfinite(r.throughput) else 0.0
+        count[r.stage] += 1
+    return [
+        StageLoad(stage=s, num_layers=b - a, throughput=throughput[s], replicas=count[s])
+        for s, (a, b) in enumerate(spans)
+    ]
+
+
+def choose_stage(loads: Sequence[StageLoad]) -> tuple[int, str]:
+    """Where a new node goes: least throughput per layer, then fewest replicas, then lowest index."""
+    if not loads:
+        raise ValueError("no stages to choose from")
+    best = min(loads, key=lambda s: (s.per_layer, s.replicas, s.stage))
+    return best.stage, (
+        f"stage {best.stage} has the least throughput per layer "
+        f"({best.per_layer:.0f} tokens/s/layer over {best.replicas} replica(s))"
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RebalanceConfig:
+    """When a replica leaves its stage for a starved one."""
+
+    check_period_s: float = 10.0  # how often the stage role asks
+    starve_ratio: float = 0.5  # a stage is starved below this share of the donor's per-layer throughput
+    dwell_s: float = 30.0  # the imbalance must hold this long before anyone moves
+    cooldown_s: float = 120.0  # least time between two moves of one replica (and after it joined)
+    min_donor_replicas: int = 2  # never leave a stage with fewer than min_donor_replicas - 1 replicas
+
+    def __post_init__(self) -> None:
+        if not 0 < self.starve_ratio < 1:
+            raise ValueError(f"starve_ratio must be in (0, 1), got {self.starve_ratio}")
+        for name in ("check_period_s", "dwell_s", "cooldown_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.check_period_s <= 0:
+            raise ValueError("check_period_s must be positive")
+        if self.min_donor_replicas < 2:
+            raise ValueError("min_donor_replicas must be >= 2 (a stage is never emptied)")
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    to_stage: int
+    reason: str
+
+
+@dataclass(slots=True)
+class Rebalancer:
+    """The per-replica hysteresis state behind "should I move to a starved stage?"."""
+
+    config: RebalanceConfig
+    started_at: float  # when this replica began serving its stage (counts as a move for the cooldown)
+    _starved_since: dict[int, float] = field(default_factory=dict)
+    last_reason: str = "no check yet"
+
+    def moved(self, now: float) -> None:
+        self.started_at = now
+        self._starved_since.clear()
+
+    def decide(
+        self,
+        *,
+        now: float,
+        me: str,
+        my_stage: int,
+        my_throughput: float,
+        replicas: Sequence[ReplicaInfo],
+        spans: Sequence[tuple[int, int]],
+    ) -> Move | None:
+        """A move for this replica, or None (`last_reason` says why not)."""
+        cfg = self.config
+        loads = stage_loads(replicas, spans, exclude=me)
+        mine = loads[my_stage]
+        own = max(0.0, my_throughput) if math.isfinite(my_throughput) else 0.0
+        # what the donor stage keeps if we leave, against what the starved stage gets if we come
+        donor_after = mine.per_layer
+        starved = [
+            s
+            for s in loads
+            if s.stage != my_stage and s.per_layer < cfg.starve_ratio * (mine.throughput + own) / mine.num_layers
+        ]
+        for stage in list(self._starved_since):
+            if stage not in {s.stage for s in starved}:
+                del self._starved_since[stage]
+        for s in starved:
+            self._starved_since.setdefault(s.stage, now)
+        if not starved:
+            self.last_reason = "no stage is starved"
+            return None
+        target = min(starved, key=lambda s: (s.per_layer, s.replicas, s.stage))
+        if mine.replicas + 1 < cfg.min_donor_replicas:
+            self.last_reason = f"stage {my_stage} would be left with {mine.replicas} replica(s)"
+            return None
+        if donor_after <= target.per_layer + own / max(target.num_layers, 1):
+            self.last_reason = f"moving would starve stage {my_stage} instead"
+            return None
+        held_s = now - self._starved_since[target.stage]
+        if held_s < cfg.dwell_s:
+            self.last_reason = f"stage {target.stage} starved for {held_s:.0f} s < dwell {cfg.dwell_s:.0f} s"
+            return None
+        if now - self.started_at < cfg.cooldown_s:
+            self.last_reason = f"moved or joined {now - self.started_at:.0f} s ago < cooldown {cfg.cooldown_s:.0f} s"
+            return None
+        if not _is_slowest(me, own, my_stage, replicas):
+            self.last_reason = "a slower replica of this stage should move first"
+            return None
+        self.last_reason = (
+            f"stage {target.stage} has {target.per_layer:.0f} tokens/s/layer against "
+            f"{(mine.throughput + own) / mine.num_layers:.0f} here, for {held_s:.0f} s"
+        )
+        return Move(to_stage=target.stage, reason=self.last_reason)
+
+
+def _is_slowest(me: str, own: float, stage: int, replicas: Sequence[ReplicaInfo]) -> bool:
+    peers = [(max(0.0, r.throughput), r.peer_id) for r in replicas if r.stage == stage and r.peer_id != me]
+    return all((own, me) <= other for other in peers)
+
+
+def replicas_by_stage(replicas: Iterable[ReplicaInfo], num_stages: int) -> Mapping[int, list[ReplicaInfo]]:
+    out: dict[int, list[ReplicaInfo]] = {s: [] for s in range(num_stages)}
+    for r in replicas:
+        if 0 <= r.stage < num_stages:
+            out[r.stage].append(r)
+    return out

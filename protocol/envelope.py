@@ -1,0 +1,524 @@
+"""Signed envelopes: the header every tensor crossing the network carries, how it is sealed, and how it is opened.
+
+Frame layout (all integers big-endian)::
+
+    [u32 header length][header: msgpack array][64-byte Ed25519 signature][payload: tensor bytes, in header order]
+
+The header is a msgpack array with a fixed field order (see `_encode_header`). It binds the protocol version, run,
+kind, sender, receiver, stage, direction, microbatch, step (or version), timestamp, a random nonce, the list of
+(name, dtype, shape) of the tensors, a BLAKE3-256 digest of the payload bytes, and a small metadata map. The signature
+covers `SIGNATURE_DOMAIN + header`, so a signature made for anything else (a DHT record, a manifest) never verifies
+as an envelope. BLAKE3 rather than SHA-256 or BLAKE2b: on one core here it hashes about 6 GB/s against 0.7-1.6
+(SHA-256) and 0.6 GB/s (BLAKE2b), and it is already installed with hivemind (py-multihash depends on it).
+
+`open_envelope` checks, in exactly this order, and raises a typed `ProtocolError` at the first failure:
+size cap -> header decodes -> signer equals the Noise-authenticated remote peer -> signature -> context (run, kind,
+stage, direction, receiver) -> replay window, seen-set and clock skew -> byte count equals dtype x shape -> digest ->
+only then are tensors built (one private copy each, with the finite-value policy).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import secrets
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import blake3
+import msgpack
+import torch
+
+from protocol import codec
+from protocol.codec import TensorLimits
+from protocol.errors import (
+    BadSignature,
+    DigestMismatch,
+    FrameTooLarge,
+    MalformedFrame,
+    SignerMismatch,
+    SizeMismatch,
+    TensorPolicyError,
+    WrongContext,
+)
+from protocol.identity import SIGNATURE_SIZE, NodeIdentity, verify_signature
+from protocol.replay import FrameId, ReplayGuard
+
+PROTOCOL_VERSION = 1
+SIGNATURE_DOMAIN = b"hivenode/envelope/v1\x00"
+DIGEST_SIZE = 32
+NONCE_SIZE = 16
+MAX_HEADER_BYTES = 256 * 1024  # room for a fragment's list of a few thousand (name, dtype, shape)
+MAX_ID_CHARS = 128  # run ids and peer ids
+MAX_NAME_CHARS = 256  # tensor names
+MAX_META_ENTRIES = 64
+MAX_META_KEY_CHARS = 64
+MAX_META_STR_CHARS = 4096
+MAX_META_LIST_LEN = 1024
+MAX_U63 = (1 << 63) - 1
+PARALLEL_DIGEST_BYTES = 1 << 20  # measured: threads lose at 256 KiB (44 vs 35 us), win from 1 MiB
+NO_STAGE = -1  # frames that do not belong to a pipeline stage
+MAX_STAGE = (1 << 16) - 1
+
+_LENGTH = struct.Struct(">I")
+_NUM_HEADER_FIELDS = 14
+_OVERHEAD_BYTES = _LENGTH.size + SIGNATURE_SIZE
+
+MetaScalar = None | bool | int | float | str
+MetaValue = MetaScalar | list[MetaScalar]
+
+
+class Kind(str, enum.Enum):
+    """What a frame carries; the receiver's expectation names exactly one."""
+
+    ACTIVATION = "activation"
+    GRADIENT = "gradient"
+    TOKENS = "tokens"  # input ids and targets a verifier sends into the pipeline
+    LOSS = "loss"
+    FRAGMENT = "fragment"  # a learner's DiLoCo fragment contribution
+    VERSION = "version"  # a syncer's merged fragment version
+    RECEIPT = "receipt"
+    BAN = "ban"
+    CONTROL = "control"  # metadata-only requests and answers
+
+
+class Direction(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Context:
+    """Where a frame belongs; the sender seals with one and the receiver opens against the one it expects."""
+
+    run_id: str
+    kind: Kind
+    receiver: str
+    stage: int = NO_STAGE
+    direction: Direction = Direction.NONE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, Kind) or not isinstance(self.direction, Direction):
+            raise ValueError("kind and direction must be Kind and Direction members")
+        if not NO_STAGE <= self.stage <= MAX_STAGE:
+            raise ValueError(f"stage must be in [{NO_STAGE}, {MAX_STAGE}], got {self.stage}")
+        if not (0 < len(self.run_id) <= MAX_ID_CHARS and 0 < len(self.receiver) <= MAX_ID_CHARS):
+            raise ValueError("run_id and receiver must be non-empty and short")
+
+
+Expectation = Context  # what a receiver demands of a frame is exactly the context a sender seals with
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Header:
+    """The signed part of a frame. `meta` is a read-only map of small scalars (do not mutate it)."""
+
+    version: int
+    run_id: str
+    kind: Kind
+    sender: str
+    receiver: str
+    stage: int
+    direction: Direction
+    microbatch: int
+    step: int
+    timestamp: float
+    nonce: bytes
+    tensors: tuple[TensorSpec, ...]
+    digest: bytes
+    meta: Mapping[str, MetaValue] = field(default_factory=dict)
+
+    def frame_id(self) -> FrameId:
+        return FrameId(
+            sender=self.sender,
+            kind=self.kind.value,
+            stage=self.stage,
+            direction=self.direction.value,
+            microbatch=self.microbatch,
+            step=self.step,
+            nonce=self.nonce,
+            timestamp=self.timestamp,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A frame that passed every check: its header and its tensors by name (a single tensor is named "")."""
+
+    header: Header
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def meta(self) -> Mapping[str, MetaValue]:
+        return self.header.meta
+
+
+def max_frame_bytes(limits: TensorLimits) -> int:
+    """The largest frame a receiver with `limits` can accept: use it as the stream cap of that handler."""
+    return _OVERHEAD_BYTES + MAX_HEADER_BYTES + limits.max_bytes
+
+
+# ---------------------------------------------------------------------------------------------------- sealing
+
+
+def seal(
+    identity: NodeIdentity,
+    context: Context,
+    *,
+    microbatch: int,
+    step: int,
+    now: float,
+    tensor: torch.Tensor | None = None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    meta: Mapping[str, MetaValue] | None = None,
+    nonce: bytes | None = None,
+) -> bytes:
+    """Sign one frame from `identity` to `context.receiver`.
+
+    Pass one `tensor`, or several named `tensors` (a fragment), or neither (a metadata-only frame). `now` is the
+    sender's wall clock in seconds (it becomes the timestamp the receiver checks for skew).
+
+    Raises:
+        ValueError: bad arguments or metadata.
+        TensorPolicyError: a tensor with a dtype or shape that never travels.
+    """
+    if tensor is not None and tensors is not None:
+        raise ValueError("pass either tensor or tensors, not both")
+    named = {"": tensor} if tensor is not None else dict(tensors or {})
+    specs, views = [], []
+    for name, value in named.items():
+        dtype, shape = codec.tensor_spec(value)
+        specs.append(TensorSpec(name, dtype, shape))
+        views.append(codec.tensor_bytes(value))
+    header = Header(
+        version=PROTOCOL_VERSION,
+        run_id=context.run_id,
+        kind=context.kind,
+        sender=identity.peer_id,
+        receiver=context.receiver,
+        stage=context.stage,
+        direction=context.direction,
+        microbatch=microbatch,
+        step=step,
+        timestamp=float(now),
+        nonce=secrets.token_bytes(NONCE_SIZE) if nonce is None else nonce,
+        tensors=tuple(specs),
+        digest=payload_digest(views),
+        meta=dict(meta or {}),
+    )
+    _validate_header(header)
+    return encode_frame(identity, header, views)
+
+
+def payload_digest(parts: list[memoryview] | list[bytes]) -> bytes:
+    """BLAKE3-256 over the concatenated parts; multithreaded from 1 MiB (up to 2x faster on 2 cores)."""
+    threads = blake3.blake3.AUTO if sum(len(p) for p in parts) >= PARALLEL_DIGEST_BYTES else 1
+    hasher = blake3.blake3(max_threads=threads)
+    for part in parts:
+        hasher.update(part)
+    return hasher.digest(DIGEST_SIZE)
+
+
+def encode_frame(
+    identity: NodeIdentity, header: Header, payload_parts: list[memoryview] | list[bytes]
+) -> bytes:
+    """Sign `header` and lay out the frame. Low level: `seal` builds a consistent header; tests forge odd ones."""
+    header_bytes = _encode_header(header)
+    if len(header_bytes) > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {len(header_bytes)} bytes > {MAX_HEADER_BYTES}")
+    signature = identity.sign(SIGNATURE_DOMAIN + header_bytes)
+    return b"".join([_LENGTH.pack(len(header_bytes)), header_bytes, signature, *payload_parts])
+
+
+def _encode_header(h: Header) -> bytes:
+    return msgpack.packb(
+        [
+            h.version,
+            h.run_id,
+            h.kind.value,
+            h.sender,
+            h.receiver,
+            h.stage,
+            h.direction.value,
+            h.microbatch,
+            h.step,
+            h.timestamp,
+            h.nonce,
+            [[t.name, t.dtype, list(t.shape)] for t in h.tensors],
+            h.digest,
+            dict(sorted(h.meta.items())),
+        ],
+        use_bin_type=True,
+    )
+
+
+def _validate_header(h: Header) -> None:
+    """Sender-side sanity (the receiver re-checks everything in `_decode_header`)."""
+    if not (0 <= h.microbatch <= MAX_U63 and 0 <= h.step <= MAX_U63):
+        raise ValueError("microbatch and step must be in [0, 2**63)")
+    if not math.isfinite(h.timestamp):
+        raise ValueError("timestamp must be finite")
+    if len(h.nonce) != NONCE_SIZE:
+        raise ValueError(f"nonce must have {NONCE_SIZE} bytes")
+    names = [t.name for t in h.tensors]
+    if len(set(names)) != len(names) or any(len(n) > MAX_NAME_CHARS for n in names):
+        raise ValueError("tensor names must be unique and short")
+    try:
+        _check_meta(h.meta)
+    except MalformedFrame as e:
+        raise ValueError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------------- opening
+
+
+def open_envelope(
+    frame: bytes | bytearray | memoryview,
+    *,
+    remote_peer: str,
+    expect: Expectation,
+    limits: TensorLimits,
+    replay: ReplayGuard,
+    now: float,
+    current_step: int | None = None,
+) -> Opened:
+    """Check a frame received from `remote_peer` (the Noise-authenticated caller) and build its tensors.
+
+    `current_step`, when the receiver knows it (a syncer's version), bounds the frame's step; see `ReplayGuard`.
+
+    Raises:
+        FrameTooLarge, MalformedFrame, SignerMismatch, BadSignature, WrongContext, ClockSkew, StaleFrame,
+        ReplayedFrame, TensorPolicyError, SizeMismatch, DigestMismatch: in the order of the checks.
+    """
+    view = memoryview(frame)
+    if len(view) > max_frame_bytes(limits):
+        raise FrameTooLarge(f"frame of {len(view)} bytes > cap {max_frame_bytes(limits)}")
+    header_bytes, signature, payload = _split(view)
+    header = _decode_header(header_bytes, limits)
+    if header.sender != remote_peer:
+        raise SignerMismatch(f"frame signed by {header.sender[:16]}... arrived from {remote_peer[:16]}...")
+    if not verify_signature(header.sender, SIGNATURE_DOMAIN + header_bytes, bytes(signature)):
+        raise BadSignature(f"signature of {header.sender[:16]}... does not verify")
+    _check_context(header, expect)
+    frame_id = header.frame_id()
+    replay.check(frame_id, now=now, current_step=current_step)
+    sizes = _check_sizes(header, len(payload), limits)
+    if payload_digest([payload]) != header.digest:
+        raise DigestMismatch("payload bytes do not match the signed digest")
+    tensors, offset = {}, 0
+    for spec, size in zip(header.tensors, sizes, strict=True):
+        tensors[spec.name] = codec.build_tensor(
+            spec.dtype, spec.shape, payload[offset : offset + size], limits
+        )
+        offset += size
+    replay.record(frame_id, now=now)
+    return Opened(header, tensors)
+
+
+def open_frame(
+    frame: bytes | bytearray | memoryview,
+    *,
+    remote_peer: str,
+    expect: Expectation,
+    limits: TensorLimits,
+    replay: ReplayGuard,
+    now: float,
+    current_step: int | None = None,
+) -> tuple[Header, torch.Tensor]:
+    """`open_envelope` for the common case of exactly one tensor (named ""); anything else is a WrongContext."""
+    opened = open_envelope(
+        frame,
+        remote_peer=remote_peer,
+        expect=expect,
+        limits=limits,
+        replay=replay,
+        now=now,
+        current_step=current_step,
+    )
+    if list(opened.tensors) != [""]:
+        raise WrongContext(f"expected one unnamed tensor, got {sorted(opened.tensors)[:4]}")
+    return opened.header, opened.tensors[""]
+
+
+def _split(view: memoryview) -> tuple[bytes, memoryview, memoryview]:
+    if len(view) < _OVERHEAD_BYTES:
+        raise MalformedFrame(f"frame of {len(view)} bytes is shorter than its fixed parts")
+    (header_len,) = _LENGTH.unpack_from(view)
+    if header_len > MAX_HEADER_BYTES:
+        raise FrameTooLarge(f"header of {header_len} bytes > {MAX_HEADER_BYTES}")
+    sig_start = _LENGTH.size + header_len
+    payload_start = sig_start + SIGNATURE_SIZE
+    if payload_start > len(view):
+        raise MalformedFrame(f"header length {header_len} runs past the end of a {len(view)}-byte frame")
+    return bytes(view[_LENGTH.size : sig_start]), view[sig_start:payload_start], view[payload_start:]
+
+
+def _refuse_ext(code: int, data: bytes) -> object:
+    raise MalformedFrame(f"msgpack extension type {code} is not allowed")
+
+
+def _decode_header(raw: bytes, limits: TensorLimits) -> Header:
+    try:
+        fields = msgpack.unpackb(
+            raw,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            max_str_len=MAX_META_STR_CHARS * 4,  # UTF-8 bytes
+            max_bin_len=max(NONCE_SIZE, DIGEST_SIZE),
+            max_array_len=max(_NUM_HEADER_FIELDS, limits.max_tensors, MAX_META_LIST_LEN),
+            max_map_len=MAX_META_ENTRIES,
+            max_ext_len=0,
+        )
+    except MalformedFrame:
+        raise
+    # msgpack raises ValueError, TypeError, OverflowError or its own errors: all of them mean "garbage".
+    except Exception as e:
+        raise MalformedFrame(f"header is not valid msgpack: {type(e).__name__}") from None
+    if type(fields) is not list or len(fields) != _NUM_HEADER_FIELDS:
+        raise MalformedFrame("header is not a list of the expected fields")
+    (
+        version,
+        run_id,
+        kind,
+        sender,
+        receiver,
+        stage,
+        direction,
+        microbatch,
+        step,
+        timestamp,
+        nonce,
+        specs,
+        digest,
+        meta,
+    ) = fields
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        raise MalformedFrame(
+            f"protocol version {str(version)[:16]} is not {PROTOCOL_VERSION}", reason="unsupported version"
+        )
+    for text in (run_id, sender, receiver):
+        _require(
+            type(text) is str and 0 < len(text) <= MAX_ID_CHARS,
+            "run id, sender and receiver must be short strings",
+        )
+    _require(type(kind) is str and kind in _KINDS, "unknown kind")  # type first: a list is unhashable
+    _require(type(direction) is str and direction in _DIRECTIONS, "unknown direction")
+    _require(_is_int_in(stage, NO_STAGE, MAX_STAGE), "stage out of range")
+    _require(
+        _is_int_in(microbatch, 0, MAX_U63) and _is_int_in(step, 0, MAX_U63), "microbatch or step out of range"
+    )
+    _require(type(timestamp) is float and math.isfinite(timestamp), "timestamp must be a finite float")
+    _require(type(nonce) is bytes and len(nonce) == NONCE_SIZE, "bad nonce")
+    _require(type(digest) is bytes and len(digest) == DIGEST_SIZE, "bad digest")
+    return Header(
+        version=version,
+        run_id=run_id,
+        kind=_KINDS[kind],
+        sender=sender,
+        receiver=receiver,
+        stage=stage,
+        direction=_DIRECTIONS[direction],
+        microbatch=microbatch,
+        step=step,
+        timestamp=timestamp,
+        nonce=nonce,
+        tensors=_decode_specs(specs, limits),
+        digest=digest,
+        meta=_check_meta(meta),
+    )
+
+
+_KINDS = {k.value: k for k in Kind}
+_DIRECTIONS = {d.value: d for d in Direction}
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise MalformedFrame(message)
+
+
+def _is_int_in(value: object, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def _decode_specs(specs: object, limits: TensorLimits) -> tuple[TensorSpec, ...]:
+    """Structure only; dtype and shape policy is checked later, after the signature (`_check_sizes`)."""
+    _require(type(specs) is list, "tensor list is not a list")
+    assert isinstance(specs, list)
+    if len(specs) > limits.max_tensors:
+        raise TensorPolicyError(f"{len(specs)} tensors > {limits.max_tensors}", reason="too many tensors")
+    out, names = [], set()
+    for spec in specs:
+        _require(type(spec) is list and len(spec) == 3, "tensor entry is not [name, dtype, shape]")
+        name, dtype, shape = spec
+        _require(
+            type(name) is str and len(name) <= MAX_NAME_CHARS and name not in names,
+            "bad or repeated tensor name",
+        )
+        _require(type(dtype) is str and len(dtype) <= 16, "dtype is not a short string")
+        _require(type(shape) is list and len(shape) <= limits.max_rank, "shape is not a short list")
+        names.add(name)
+        out.append(TensorSpec(name, dtype, tuple(shape)))
+    return tuple(out)
+
+
+def _check_meta(meta: object) -> dict[str, MetaValue]:
+    _require(type(meta) is dict and len(meta) <= MAX_META_ENTRIES, "metadata is not a small map")
+    assert isinstance(meta, dict)
+    for key, value in meta.items():
+        _require(
+            type(key) is str and 0 < len(key) <= MAX_META_KEY_CHARS, "metadata key is not a short string"
+        )
+        if type(value) is list:
+            _require(len(value) <= MAX_META_LIST_LEN, "metadata list too long")
+            for item in value:
+                _check_meta_scalar(item)
+        else:
+            _check_meta_scalar(value)
+    return meta
+
+
+def _check_meta_scalar(value: object) -> None:
+    # Scalars and strings only: no bytes (nothing that could be a pickle or a nested structure to walk).
+    if value is None or type(value) is bool:
+        return
+    if type(value) is int:
+        _require(-(1 << 63) <= value <= MAX_U63, "metadata int out of range")  # type: ignore[operator]
+    elif type(value) is float:
+        _require(math.isfinite(value), "metadata float must be finite")  # type: ignore[arg-type]
+    elif type(value) is str:
+        _require(len(value) <= MAX_META_STR_CHARS, "metadata string too long")
+    else:
+        raise MalformedFrame(f"metadata value of type {type(value).__name__} is not allowed")
+
+
+def _check_context(header: Header, expect: Expectation) -> None:
+    for name in ("run_id", "kind", "stage", "direction", "receiver"):
+        got, want = getattr(header, name), getattr(expect, name)
+        if got != want:
+            raise WrongContext(
+                f"{name} is {str(getattr(got, 'value', got))[:64]!r}, expected {str(getattr(want, 'value', want))!r}"
+            )
+
+
+def _check_sizes(header: Header, payload_len: int, limits: TensorLimits) -> list[int]:
+    sizes = [codec.check_spec(t.dtype, list(t.shape), limits) for t in header.tensors]
+    total = sum(sizes)
+    if total > limits.max_bytes:
+        raise TensorPolicyError(
+            f"tensors of {total} bytes > cap {limits.max_bytes}", reason="tensor too large"
+        )
+    if total != payload_len:
+        raise SizeMismatch(f"payload has {payload_len} bytes, its tensors need {total}")
+    return sizes

@@ -1,0 +1,442 @@
+"""The signed run manifest: what a run trains and who is trusted in it.
+
+`run.toml` (or the built-in default run) parses to a `RunManifest`. Its canonical bytes (msgpack, sorted keys,
+no timestamps) are signed by the owner key into a `SignedManifest`; the `run_id` is a hash of the owner key and
+those bytes, so the run id alone commits to every setting and to who owns the run. Nodes verify the signature
+and pin the owner key per run name on first use (`OwnerPins`).
+
+Authorized syncers and verifiers are listed by peer id; an owner adds them in `run.toml` or with
+`python -m bootstrap --authorize-syncer PEER_ID --authorize-verifier PEER_ID` (see `authorize`).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+from cryptography.hazmat.primitives import serialization
+
+from protocol.errors import ConfigError, IdentityError, ManifestRejected, OwnerPinMismatch
+from protocol.identity import NodeIdentity, public_key_from_peer_id, verify_signature
+from protocol.keys import RUN_ID_HEX_CHARS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - pyproject pulls tomli on 3.10
+    import tomli as tomllib
+
+FORMAT_VERSION = 1
+DEFAULT_RUN_NAME = "default"
+MAX_MANIFEST_BYTES = 16 * 1024
+_SIGN_DOMAIN = b"hivenode-manifest-v1\x00"
+_RUN_ID_DOMAIN = b"hivenode-run-id-v1\x00"
+_FLOAT32_BYTES = 4
+_INT64_BYTES = 8
+REQUIRED_MODEL_KEYS = ("vocab_size", "context_len", "num_layers", "width", "num_heads")
+OPTIONAL_MODEL_KEYS = {"mlp_ratio": int, "dropout": float}
+Scalar = str | int | float | bool
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, float) and math.isfinite(value)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InnerOptimizerSpec:
+    """AdamW on each learner/stage; every peer of a run uses the same values."""
+
+    lr: float = 1e-3  # learning rate
+    batch_size: int = 16  # sequences per inner step
+    weight_decay: float = 0.1
+
+    def __post_init__(self) -> None:
+        _require(_is_real(self.lr) and self.lr > 0, f"inner.lr must be a positive float, got {self.lr!r}")
+        _require(_is_int(self.batch_size) and self.batch_size >= 1, "inner.batch_size must be an int >= 1")
+        _require(_is_real(self.weight_decay) and self.weight_decay >= 0, "inner.weight_decay must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DilocoSpec:
+    """Decoupled DiLoCo settings (DESIGN.md, "Decoupled DiLoCo: our reading")."""
+
+    min_quorum: int = 1  # K: contributions before a fragment may merge
+    sync_every_steps: int = 24  # H: inner steps between two syncs of one fragment
+    num_fragments: int = 4  # P: parameter fragments, each due at its own offset
+    overlap_steps: int = 2  # tau: steps a learner keeps training before applying a new version
+    grace_gamma: float = 0.8  # grace window factor
+    grace_tau: float = 2.0  # grace window, in step times
+    outer_lr: float = 0.7  # outer Nesterov learning rate
+    outer_momentum: float = 0.9  # outer Nesterov momentum
+    min_sync_interval_s: float = 5.0  # floor on the real time between two syncs of one fragment
+
+    def __post_init__(self) -> None:
+        for name in ("min_quorum", "sync_every_steps", "num_fragments"):
+            _require(
+                _is_int(getattr(self, name)) and getattr(self, name) >= 1,
+                f"diloco.{name} must be an int >= 1",
+            )
+        _require(
+            _is_int(self.overlap_steps) and self.overlap_steps >= 0,
+            "diloco.overlap_steps must be an int >= 0",
+        )
+        for name in ("grace_gamma", "grace_tau", "outer_lr", "min_sync_interval_s"):
+            _require(
+                _is_real(getattr(self, name)) and getattr(self, name) >= 0,
+                f"diloco.{name} must be a float >= 0",
+            )
+        _require(
+            _is_real(self.outer_momentum) and 0 <= self.outer_momentum < 1, "diloco.outer_momentum in [0, 1)"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WireSpec:
+    """Inputs of the wire caps; the caps themselves are derived (`RunManifest.max_tensor_bytes`)."""
+
+    max_batch: int = 64  # sequences in one pipeline microbatch, the most any boundary tensor may carry
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.max_batch) and self.max_batch >= 1, "wire.max_batch must be an int >= 1")
+
+
+def _check_model(model: Mapping[str, Any]) -> None:
+    missing = [k for k in REQUIRED_MODEL_KEYS if k not in model]
+    _require(not missing, f"model lacks {missing}")
+    unknown = sorted(set(model) - set(REQUIRED_MODEL_KEYS) - set(OPTIONAL_MODEL_KEYS))
+    _require(not unknown, f"unknown model keys {unknown}")
+    for key in REQUIRED_MODEL_KEYS:
+        _require(
+            _is_int(model[key]) and model[key] >= 1, f"model.{key} must be an int >= 1, got {model[key]!r}"
+        )
+    _require(model["vocab_size"] == 256, "model.vocab_size must be 256 (byte-level tokens)")
+    _require(model["width"] % model["num_heads"] == 0, "model.width must be divisible by model.num_heads")
+    if "mlp_ratio" in model:
+        _require(
+            _is_int(model["mlp_ratio"]) and model["mlp_ratio"] >= 1, "model.mlp_ratio must be an int >= 1"
+        )
+    if "dropout" in model:
+        _require(_is_real(model["dropout"]) and 0 <= model["dropout"] < 1, "model.dropout must be in [0, 1)")
+
+
+def _check_scalar_table(name: str, table: Mapping[str, Any]) -> None:
+    for key, value in table.items():
+        _require(isinstance(key, str) and 0 < len(key) <= 64, f"{name} keys must be short strings")
+        ok = isinstance(value, str | bool) or _is_int(value) or _is_real(value)
+        _require(ok, f"{name}.{key} must be a string, int, float or bool, got {type(value).__name__}")
+
+
+def _check_peer_ids(name: str, peer_ids: tuple[str, ...]) -> None:
+    for peer_id in peer_ids:
+        try:
+            public_key_from_peer_id(peer_id)
+        except IdentityError as e:
+            raise ValueError(f"{name}: {e}") from None
+    _require(len(set(peer_ids)) == len(peer_ids), f"{name} lists a peer twice")
+
+
+def _default_model() -> dict[str, int]:
+    return {"vocab_size": 256, "context_len": 128, "num_layers": 4, "width": 128, "num_heads": 4}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunManifest:
+    """Everything every peer of a run must agree on. Build with `parse_run_toml` or `default_manifest`."""
+
+    name: str = DEFAULT_RUN_NAME  # human name; the owner key is pinned per name
+    seed: int = 0  # model init and data sharding seed
+    model: dict[str, Any] = field(default_factory=_default_model)  # node.model.ModelConfig fields
+    num_stages: int = 2  # pipeline stages the layers are cut into
+    inner: InnerOptimizerSpec = field(default_factory=InnerOptimizerSpec)
+    diloco: DilocoSpec = field(default_factory=DilocoSpec)
+    sentinel: dict[str, Scalar] = field(default_factory=dict)  # verifier settings; empty = verifier defaults
+    bans_required: int = 1  # distinct authorized verifier signatures before a ban takes effect
+    data: dict[str, Scalar] = field(default_factory=lambda: {"source": "builtin"})  # corpus spec
+    authorized_syncers: tuple[str, ...] = ()  # peer ids
+    authorized_verifiers: tuple[str, ...] = ()  # peer ids
+    wire: WireSpec = field(default_factory=WireSpec)
+    heartbeat_period_s: float = 2.0  # how often each peer refreshes its heartbeat record
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.name, str) and 0 < len(self.name) <= 64, "name must be 1-64 characters")
+        _require(self.name.isprintable(), "name must be printable")
+        _require(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed must be a non-negative int")
+        _check_model(self.model)
+        _require(_is_int(self.num_stages) and self.num_stages >= 1, "num_stages must be an int >= 1")
+        _require(self.num_stages <= self.model["num_layers"], "num_stages cannot exceed model.num_layers")
+        _require(_is_int(self.bans_required) and self.bans_required >= 1, "bans_required must be an int >= 1")
+        _check_scalar_table("sentinel", self.sentinel)
+        _check_scalar_table("data", self.data)
+        _require(isinstance(self.data.get("source"), str), "data.source must be a string")
+        _check_peer_ids("authorized_syncers", self.authorized_syncers)
+        _check_peer_ids("authorized_verifiers", self.authorized_verifiers)
+        hb = self.heartbeat_period_s
+        _require(_is_real(hb) and 0.2 <= hb <= 600, f"heartbeat_period_s must be in [0.2, 600], got {hb!r}")
+
+    @property
+    def max_tensor_bytes(self) -> int:
+        """The largest tensor any peer of this run may send: a boundary activation/gradient of a full microbatch,
+        a token batch, or the largest single parameter tensor (fragments travel tensor by tensor)."""
+        m, batch = self.model, self.wire.max_batch
+        width, mlp = m["width"], m.get("mlp_ratio", 4)
+        boundary = batch * m["context_len"] * width * _FLOAT32_BYTES
+        tokens = batch * m["context_len"] * _INT64_BYTES
+        largest_param = max(
+            m["vocab_size"] * width, m["context_len"] * width, 3 * width * width, mlp * width * width
+        )
+        return max(boundary, tokens, largest_param * _FLOAT32_BYTES)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, canonically ordered dict (lists, not tuples) for msgpack and JSON."""
+        return _sorted(dataclasses.asdict(self))
+
+    def to_canonical_bytes(self) -> bytes:
+        return msgpack.packb({"format": FORMAT_VERSION, "run": self.to_dict()}, use_bin_type=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunManifest:
+        """Build from a dict shaped like `to_dict()` (or like run.toml); raise ValueError on any deviation."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        _require(not unknown, f"unknown settings {unknown}")
+        kwargs: dict[str, Any] = dict(data)
+        nested = {"inner": InnerOptimizerSpec, "diloco": DilocoSpec, "wire": WireSpec}
+        for name, spec in nested.items():
+            if name in kwargs:
+                kwargs[name] = _build_nested(spec, name, kwargs[name])
+        for name in ("authorized_syncers", "authorized_verifiers"):
+            if name in kwargs:
+                _require(isinstance(kwargs[name], list | tuple), f"{name} must be a list of peer ids")
+                _require(all(isinstance(p, str) for p in kwargs[name]), f"{name} must be a list of peer ids")
+                kwargs[name] = tuple(kwargs[name])
+        for name in ("model", "sentinel", "data"):
+            if name in kwargs:
+                _require(isinstance(kwargs[name], dict), f"[{name}] must be a table")
+        if "heartbeat_period_s" in kwargs:
+            kwargs["heartbeat_period_s"] = _as_float("heartbeat_period_s", kwargs["heartbeat_period_s"])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_canonical_bytes(cls, blob: bytes) -> RunManifest:
+        _require(len(blob) <= MAX_MANIFEST_BYTES, f"manifest larger than {MAX_MANIFEST_BYTES} bytes")
+        try:
+            outer = msgpack.unpackb(blob, raw=False, strict_map_key=True, max_bin_len=0, max_ext_len=0)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+            raise ValueError(f"manifest bytes do not decode: {e}") from None
+        _require(
+            isinstance(outer, dict) and set(outer) == {"format", "run"}, "manifest is not a run document"
+        )
+        _require(
+            outer["format"] == FORMAT_VERSION, f"manifest format {outer['format']!r} is not {FORMAT_VERSION}"
+        )
+        _require(isinstance(outer["run"], dict), "manifest run is not a table")
+        manifest = cls.from_dict(outer["run"])
+        _require(manifest.to_canonical_bytes() == blob, "manifest bytes are not canonical")
+        return manifest
+
+
+def _as_float(name: str, value: object) -> float:
+    # TOML writes `lr = 1` as an int; accept it, but never a bool or a string
+    _require(_is_int(value) or isinstance(value, float), f"{name} must be a number, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _build_nested(spec: type, name: str, table: object) -> Any:
+    _require(isinstance(table, dict), f"[{name}] must be a table")
+    assert isinstance(table, dict)
+    fields_by_name = {f.name: f for f in dataclasses.fields(spec)}
+    unknown = sorted(set(table) - set(fields_by_name))
+    _require(not unknown, f"unknown [{name}] settings {unknown}")
+    values = {}
+    for key, value in table.items():
+        is_float = fields_by_name[key].type in ("float", float)
+        values[key] = _as_float(f"{name}.{key}", value) if is_float else value
+    return spec(**values)
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, list | tuple):
+        return [_sorted(v) for v in value]
+    return value
+
+
+def default_manifest() -> RunManifest:
+    """The built-in run: a tiny byte-level model on the built-in corpus; no file needed."""
+    return RunManifest()
+
+
+def parse_run_toml(text: str) -> RunManifest:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"run.toml is not valid TOML: {e}") from None
+    if "model" in data and isinstance(data["model"], dict) and "dropout" in data["model"]:
+        data["model"]["dropout"] = _as_float("model.dropout", data["model"]["dropout"])
+    try:
+        return RunManifest.from_dict(data)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"run.toml: {e}") from None
+
+
+def load_run_toml(path: Path) -> RunManifest:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read run file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"run file {path} is not UTF-8 text") from None
+    try:
+        return parse_run_toml(text)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def authorize(
+    manifest: RunManifest, *, syncers: Iterable[str] = (), verifiers: Iterable[str] = ()
+) -> RunManifest:
+    """A copy of `manifest` with more authorized peers (kept sorted, so the run id does not depend on order)."""
+    try:
+        return dataclasses.replace(
+            manifest,
+            authorized_syncers=tuple(sorted(set(manifest.authorized_syncers) | set(syncers))),
+            authorized_verifiers=tuple(sorted(set(manifest.authorized_verifiers) | set(verifiers))),
+        )
+    except ValueError as e:
+        raise ConfigError(f"cannot authorize: {e}") from None
+
+
+def derive_run_id(manifest_bytes: bytes, owner_peer_id: str) -> str:
+    """The run id: a hash of the owner's public key and the canonical manifest bytes (hex, 40 chars)."""
+    owner_key = public_key_from_peer_id(owner_peer_id)
+    raw = owner_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    digest = hashlib.sha256(_RUN_ID_DOMAIN + raw + manifest_bytes).hexdigest()
+    return digest[:RUN_ID_HEX_CHARS]
+
+
+@dataclass(frozen=True, slots=True)
+class SignedManifest:
+    """Canonical manifest bytes, the owner's peer id, and the owner's signature over them.
+
+    Construct from untrusted input only through `from_wire`/`from_b64`, then call `verify()`.
+    """
+
+    manifest_bytes: bytes
+    owner: str
+    signature: bytes
+
+    @classmethod
+    def sign(cls, manifest: RunManifest, owner: NodeIdentity) -> SignedManifest:
+        blob = manifest.to_canonical_bytes()
+        return cls(blob, owner.peer_id, owner.sign(_SIGN_DOMAIN + blob))
+
+    @property
+    def run_id(self) -> str:
+        return derive_run_id(self.manifest_bytes, self.owner)
+
+    def verify(self) -> RunManifest:
+        """The manifest, if the owner signed exactly these bytes and they are a valid canonical manifest."""
+        try:
+            public_key_from_peer_id(self.owner)
+        except IdentityError as e:
+            raise ManifestRejected(f"manifest owner is not usable: {e}") from None
+        if not verify_signature(self.owner, _SIGN_DOMAIN + self.manifest_bytes, self.signature):
+            raise ManifestRejected(
+                f"run manifest is not signed by its claimed owner {self.owner} (tampered or corrupted)"
+            )
+        try:
+            return RunManifest.from_canonical_bytes(self.manifest_bytes)
+        except (ValueError, TypeError) as e:
+            raise ManifestRejected(f"signed run manifest is invalid: {e}") from None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"manifest": self.manifest_bytes, "owner": self.owner, "signature": self.signature}
+
+    @classmethod
+    def from_wire(cls, data: object) -> SignedManifest:
+        ok = isinstance(data, dict) and set(data) == {"manifest", "owner", "signature"}
+        if ok:
+            assert isinstance(data, dict)
+            blob, owner, sig = data["manifest"], data["owner"], data["signature"]
+            ok = isinstance(blob, bytes) and isinstance(owner, str) and isinstance(sig, bytes)
+            ok = ok and len(blob) <= MAX_MANIFEST_BYTES and len(owner) <= 64 and len(sig) <= 64
+        if not ok:
+            raise ManifestRejected("signed manifest has the wrong shape")
+        return cls(data["manifest"], data["owner"], data["signature"])  # type: ignore[index]
+
+    def to_b64(self) -> str:
+        return base64.b64encode(msgpack.packb(self.to_wire(), use_bin_type=True)).decode()
+
+    @classmethod
+    def from_b64(cls, text: object) -> SignedManifest:
+        if not isinstance(text, str) or len(text) > 2 * MAX_MANIFEST_BYTES:
+            raise ManifestRejected("signed manifest is missing or too large")
+        try:
+            blob = base64.b64decode(text, validate=True)
+            data = msgpack.unpackb(blob, raw=False, max_bin_len=MAX_MANIFEST_BYTES, max_ext_len=0)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+            raise ManifestRejected(f"signed manifest does not decode: {e}") from None
+        return cls.from_wire(data)
+
+
+class OwnerPins:
+    """Trust on first use: the first owner key seen for a run name is pinned in a JSON file in the state dir."""
+
+    FILENAME = "trusted_owners.json"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _load(self) -> dict[str, str]:
+        if not self.path.exists():
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read pinned owners {self.path}: {e}") from None
+        runs = data.get("runs") if isinstance(data, dict) else None
+        if not isinstance(runs, dict) or not all(isinstance(v, str) for v in runs.values()):
+            raise ConfigError(f"pinned owners file {self.path} is malformed; delete it to re-pin")
+        return runs
+
+    def pinned(self, run_name: str) -> str | None:
+        return self._load().get(run_name)
+
+    def check_and_pin(self, run_name: str, owner: str) -> bool:
+        """Pin `owner` for `run_name` if none is pinned (True: newly pinned); raise if another owner is."""
+        runs = self._load()
+        pinned = runs.get(run_name)
+        if pinned == owner:
+            return False
+        if pinned is not None:
+            raise OwnerPinMismatch(
+                f"run {run_name!r} is pinned to owner {pinned} but this swarm's manifest is signed by {owner}; "
+                f"if the owner really changed keys, remove {run_name!r} from {self.path}"
+            )
+        runs[run_name] = owner
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"runs": runs}, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+        return True

@@ -1,0 +1,682 @@
+"""Signed, schema-checked DHT records: the validator every hivenode DHT runs, and a typed client over it.
+
+Every value we store is an envelope `{"k": raw key, "b": body bytes, "s": Ed25519 signature}`. The signature is
+made by the key the record kind names (the subkey's peer id; the owner for the manifest) over
+`(raw key, subkey, body bytes, expiration)`, so a record can be neither moved to another key or subkey nor kept
+alive past the expiration its author chose. The DHT only shows a validator the hash of the key, hence the raw
+key inside the envelope: the validator re-hashes it and compares.
+
+Records are signed here, in the calling process, not in `sign_value` inside hivemind's DHT process: the private
+key then never has to be pickled into that process, and the validator holds no secret (`sign_value` is the
+identity). `check_envelope` is the pure core (the clock is an argument); `HivenodeRecordValidator` wraps it for
+hivemind and runs on every store a peer asks of us and on every record a peer returns to us.
+
+Known limitation (hivemind): a peer that answers a `get` with a dictionary containing even one invalid subkey
+has its whole answer dropped, so a non-validating DHT peer (a plain `hivemind-dht`) holding a forged entry hides
+that key's other entries it holds from us; replicas on validating peers are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import ValueWithExpiration, get_dht_time
+
+from protocol import keys
+from protocol.errors import ProtocolError, RecordRejected
+from protocol.identity import SIGNATURE_SIZE, NodeIdentity, verify_signature
+from protocol.keys import KeyKind
+from protocol.manifest import RunManifest, SignedManifest
+
+logger = logging.getLogger(__name__)
+
+_SIGN_DOMAIN = b"hivenode-record-v1\x00"
+ROLES = ("bootstrap", "learner", "stage", "verifier", "syncer")
+PEER_STATES = ("joining", "idle", "training", "serving", "verifying", "syncing", "standby", "leaving")
+SYNCER_STATES = ("active", "standby")
+MAX_MADDRS = 8
+MAX_FRAGMENTS = 1024
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecordLimits:
+    """Caps every validator applies; identical on every peer of a run."""
+
+    max_value_bytes: int = 24 * 1024  # whole signed envelope (a manifest is at most 16 KiB)
+    max_evidence_bytes: int = 8 * 1024  # opaque ban evidence
+    clock_skew_s: float = 30.0  # tolerated difference between our clock and the writer's
+    max_ttl_manifest_s: float = 3600.0  # manifest and discovery records; bootstraps re-publish
+    max_ttl_peer_s: float = 300.0  # heartbeats
+    max_ttl_syncer_s: float = 300.0  # syncer lease records
+    max_ttl_ban_s: float = 7 * 86400.0  # bans; verifiers re-publish while the ban holds
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"RecordLimits.{f.name} must be positive, got {value!r}")
+
+    def max_ttl_s(self, kind: KeyKind) -> float:
+        if kind in (KeyKind.MANIFEST, KeyKind.DISCOVERY):
+            return self.max_ttl_manifest_s
+        if kind is KeyKind.PEERS:
+            return self.max_ttl_peer_s
+        if kind is KeyKind.SYNCER:
+            return self.max_ttl_syncer_s
+        return self.max_ttl_ban_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunRules:
+    """What a validator must know about a run to check its records (all of it committed to by the run id)."""
+
+    run_id: str
+    owner: str
+    authorized_syncers: frozenset[str]
+    authorized_verifiers: frozenset[str]
+    num_stages: int
+    num_layers: int
+
+    @classmethod
+    def from_manifest(cls, signed: SignedManifest, manifest: RunManifest) -> RunRules:
+        return cls(
+            run_id=signed.run_id,
+            owner=signed.owner,
+            authorized_syncers=frozenset(manifest.authorized_syncers),
+            authorized_verifiers=frozenset(manifest.authorized_verifiers),
+            num_stages=manifest.num_stages,
+            num_layers=manifest.model["num_layers"],
+        )
+
+
+# ---- body schemas: exact keys, strict types (bool is not an int, an int is not a float) ----
+
+Check = Callable[[object], bool]
+
+
+def _str(max_len: int, choices: tuple[str, ...] | None = None) -> Check:
+    return lambda v: isinstance(v, str) and len(v) <= max_len and (choices is None or v in choices)
+
+
+def _int(lo: int, hi: int = 2**63 - 1) -> Check:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _float(lo: float = 0.0, hi: float = math.inf) -> Check:
+    return lambda v: isinstance(v, float) and math.isfinite(v) and lo <= v <= hi
+
+
+def _bool(v: object) -> bool:
+    return isinstance(v, bool)
+
+
+def _bytes(max_len: int) -> Check:
+    return lambda v: isinstance(v, bytes) and len(v) <= max_len
+
+
+def _optional(check: Check) -> Check:
+    return lambda v: v is None or check(v)
+
+
+def _list(check: Check, max_items: int, exact: int | None = None) -> Check:
+    def run(v: object) -> bool:
+        if not isinstance(v, list) or len(v) > max_items or (exact is not None and len(v) != exact):
+            return False
+        return all(check(item) for item in v)
+
+    return run
+
+
+def _signed_manifest(v: object) -> bool:
+    return isinstance(v, dict) and set(v) == {"manifest", "owner", "signature"}
+
+
+HEARTBEAT_SCHEMA: dict[str, Check] = {
+    "role": _str(16, ROLES),
+    "stage": _optional(_int(0, 4096)),
+    "span": _optional(_list(_int(0, 1 << 20), 2, exact=2)),  # [first layer, end layer)
+    "device": _str(32),
+    "throughput": _float(),  # tokens/s
+    "load": _float(0.0, 1e6),  # busy fraction (may exceed 1 when queued)
+    "http": _str(128),  # host:port of the status API, "" if none
+    "state": _str(16, PEER_STATES),
+    "leaving": _bool,
+    "maddrs": _list(_str(256), MAX_MADDRS),
+    "inner_step": _int(0),
+    "tokens": _int(0),
+    "loss": _optional(_float(-1e9, 1e9)),
+    "version": _str(32),
+    "sent_at": _float(),
+}
+SYNCER_SCHEMA: dict[str, Check] = {
+    "lease_until": _float(),  # DHT time the lease ends
+    "term": _int(0),  # lease generation; a standby takes over with term + 1
+    "versions": _list(_int(0), MAX_FRAGMENTS),  # current version per fragment index
+    "http": _str(128),
+    "state": _str(16, SYNCER_STATES),
+    "sent_at": _float(),
+}
+MANIFEST_SCHEMA: dict[str, Check] = {"signed": _signed_manifest}
+
+
+def _ban_schema(limits: RecordLimits) -> dict[str, Check]:
+    return {
+        "offender": _str(64),
+        "reason": _str(256),
+        "evidence": _bytes(limits.max_evidence_bytes),
+        "stage": _optional(_int(0, 4096)),
+        "issued_at": _float(),
+    }
+
+
+def _check_schema(kind: KeyKind, body: object, schema: Mapping[str, Check]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise RecordRejected(f"{kind.value} body is not a map", reason="schema")
+    if set(body) != set(schema):
+        missing, extra = sorted(set(schema) - set(body)), sorted(set(body) - set(schema))
+        raise RecordRejected(
+            f"{kind.value} body keys: missing {missing}, unexpected {extra}", reason="schema"
+        )
+    bad = [name for name, check in schema.items() if not check(body[name])]
+    if bad:
+        raise RecordRejected(f"{kind.value} body has bad fields {bad}", reason="schema")
+    return body
+
+
+# ---- the pure core ----
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedRecord:
+    key: keys.ParsedKey
+    subkey: str | None
+    signer: str
+    body: dict[str, Any]
+    expiration: float
+
+
+def _record_signing_bytes(raw_key: str, subkey: str | None, body: bytes, expiration: float) -> bytes:
+    return _SIGN_DOMAIN + msgpack.packb([raw_key, subkey, body, expiration], use_bin_type=True)
+
+
+def make_envelope(
+    identity: NodeIdentity, raw_key: str, subkey: str | None, body: Mapping[str, Any], expiration: float
+) -> dict[str, Any]:
+    """The DHT value for `body` under (`raw_key`, `subkey`), signed by `identity`."""
+    body_bytes = msgpack.packb(dict(body), use_bin_type=True)
+    signature = identity.sign(_record_signing_bytes(raw_key, subkey, body_bytes, float(expiration)))
+    return {"k": raw_key, "b": body_bytes, "s": signature}
+
+
+def _unpack(blob: bytes, max_bytes: int) -> object:
+    try:
+        return msgpack.unpackb(
+            blob, raw=False, strict_map_key=True, max_bin_len=max_bytes, max_str_len=max_bytes, max_ext_len=0
+        )
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise RecordRejected(f"value does not decode: {e}", reason="malformed") from None
+
+
+def decode_envelope(value_bytes: bytes, limits: RecordLimits) -> dict[str, Any]:
+    if len(value_bytes) > limits.max_value_bytes:
+        raise RecordRejected(
+            f"value of {len(value_bytes)} bytes over {limits.max_value_bytes}", reason="too large"
+        )
+    envelope = _unpack(value_bytes, limits.max_value_bytes)
+    if not isinstance(envelope, dict) or set(envelope) != {"k", "b", "s"}:
+        raise RecordRejected("value is not a hivenode record envelope", reason="foreign")
+    return envelope
+
+
+def decode_subkey(subkey_bytes: bytes) -> str | None:
+    if subkey_bytes in DHTProtocol.RESERVED_SUBKEYS:
+        return None
+    subkey = _unpack(subkey_bytes, 256)
+    if not isinstance(subkey, str):
+        raise RecordRejected("subkey is not a string", reason="malformed")
+    return subkey
+
+
+def _expected_signer(
+    parsed: keys.ParsedKey, subkey: str | None, body: dict[str, Any], rules: RunRules | None
+) -> str:
+    """Who must have signed a record of this kind; also checks kind-specific authorization and bounds."""
+    kind = parsed.kind
+    if kind is KeyKind.MANIFEST:
+        if subkey is not None:
+            raise RecordRejected("the manifest takes no subkey", reason="subkey")
+        return _manifest_owner(body, parsed.run_id)
+    if subkey is None or not keys.is_peer_id(subkey):
+        raise RecordRejected(f"{kind.value} records need a peer-id subkey", reason="subkey")
+    if kind is KeyKind.DISCOVERY:
+        if _manifest_owner(body, None) != subkey:
+            raise RecordRejected("discovery subkey is not the manifest owner", reason="subkey")
+        return subkey
+    assert rules is not None  # run kinds are only checked against a known run
+    if kind is KeyKind.PEERS:
+        _check_heartbeat_bounds(body, rules)
+    elif kind is KeyKind.SYNCER and subkey not in rules.authorized_syncers:
+        raise RecordRejected(f"{subkey[-8:]} is not an authorized syncer", reason="unauthorized")
+    elif kind is KeyKind.BANS:
+        if subkey not in rules.authorized_verifiers:
+            raise RecordRejected(f"{subkey[-8:]} is not an authorized verifier", reason="unauthorized")
+        if body["offender"] != parsed.offender:
+            raise RecordRejected("ban offender differs from its key", reason="schema")
+    return subkey
+
+
+def _manifest_owner(body: dict[str, Any], run_id: str | None) -> str:
+    try:
+        signed = SignedManifest.from_wire(body["signed"])
+        signed.verify()
+    except ProtocolError as e:
+        raise RecordRejected(str(e), reason="manifest") from None
+    if run_id is not None and signed.run_id != run_id:
+        raise RecordRejected("manifest does not hash to its run id", reason="run id")
+    return signed.owner
+
+
+def _check_heartbeat_bounds(body: dict[str, Any], rules: RunRules) -> None:
+    if body["stage"] is not None and body["stage"] >= rules.num_stages:
+        raise RecordRejected(f"stage {body['stage']} outside the run's {rules.num_stages}", reason="schema")
+    span = body["span"]
+    if span is not None and not 0 <= span[0] < span[1] <= rules.num_layers:
+        raise RecordRejected(f"span {span} outside the run's {rules.num_layers} layers", reason="schema")
+
+
+def _schema_for(kind: KeyKind, limits: RecordLimits) -> Mapping[str, Check]:
+    if kind is KeyKind.PEERS:
+        return HEARTBEAT_SCHEMA
+    if kind is KeyKind.SYNCER:
+        return SYNCER_SCHEMA
+    if kind is KeyKind.BANS:
+        return _ban_schema(limits)
+    return MANIFEST_SCHEMA
+
+
+def check_envelope(
+    envelope: Mapping[str, Any],
+    *,
+    key_id: bytes,
+    subkey: str | None,
+    expiration: float,
+    now: float,
+    runs: Mapping[str, RunRules],
+    limits: RecordLimits,
+) -> VerifiedRecord:
+    """Check one record completely; raise RecordRejected (with a short `reason`) on the first failure."""
+    if not isinstance(envelope, Mapping):
+        raise RecordRejected("value is not a hivenode record envelope", reason="foreign")
+    raw_key, body_bytes, signature = envelope.get("k"), envelope.get("b"), envelope.get("s")
+    if not (isinstance(raw_key, str) and isinstance(body_bytes, bytes) and isinstance(signature, bytes)):
+        raise RecordRejected("envelope fields have wrong types", reason="malformed")
+    if len(signature) != SIGNATURE_SIZE:
+        raise RecordRejected("signature has the wrong size", reason="malformed")
+    try:
+        parsed = keys.parse_key(raw_key)
+    except ValueError as e:
+        raise RecordRejected(str(e), reason="unknown key") from None
+    if keys.key_id(raw_key) != key_id:
+        raise RecordRejected("record is stored under another key than it names", reason="key mismatch")
+    if not isinstance(expiration, float) or not math.isfinite(expiration):
+        raise RecordRejected("expiration is not a finite float", reason="expiration")
+    horizon = now + limits.max_ttl_s(parsed.kind) + limits.clock_skew_s
+    if expiration > horizon:
+        raise RecordRejected(
+            f"expiration {expiration - now:.0f} s ahead is past the cap", reason="expiration"
+        )
+    rules = runs.get(parsed.run_id) if parsed.run_id is not None else None
+    if parsed.kind not in (KeyKind.MANIFEST, KeyKind.DISCOVERY) and rules is None:
+        raise RecordRejected(f"record of unknown run {raw_key[:8]}", reason="unknown run")
+    body = _check_schema(
+        parsed.kind, _unpack(body_bytes, limits.max_value_bytes), _schema_for(parsed.kind, limits)
+    )
+    signer = _expected_signer(parsed, subkey, body, rules)
+    if not verify_signature(
+        signer, _record_signing_bytes(raw_key, subkey, body_bytes, expiration), signature
+    ):
+        raise RecordRejected(
+            f"{parsed.kind.value} record not signed by {signer[-8:]}", reason="bad signature"
+        )
+    return VerifiedRecord(parsed, subkey, signer, body, expiration)
+
+
+class HivenodeRecordValidator(RecordValidatorBase):
+    """hivemind validator for every hivenode record. Instances merge, so runs can be added after the DHT started
+    (`dht.add_validators([HivenodeRecordValidator([rules])])`). Records that are not hivenode envelopes are
+    rejected unless `allow_foreign` (for a DHT shared with other hivemind applications)."""
+
+    def __init__(
+        self,
+        runs: Iterable[RunRules] = (),
+        *,
+        limits: RecordLimits | None = None,
+        allow_foreign: bool = False,
+    ) -> None:
+        self._runs = {rules.run_id: rules for rules in runs}
+        self._limits = limits or RecordLimits()
+        self._allow_foreign = allow_foreign
+        self.rejections: Counter[str] = Counter()
+
+    def validate(self, record: DHTRecord) -> bool:
+        try:
+            envelope = decode_envelope(record.value, self._limits)
+            check_envelope(
+                envelope,
+                key_id=record.key,
+                subkey=decode_subkey(record.subkey),
+                expiration=record.expiration_time,
+                now=get_dht_time(),
+                runs=self._runs,
+                limits=self._limits,
+            )
+        except RecordRejected as e:
+            if e.reason == "foreign" and self._allow_foreign:
+                return True
+            self.rejections[e.reason] += 1
+            logger.debug("rejected a DHT record: %s", e)
+            return False
+        except Exception:  # a bug in a check must not let the record through, nor kill the DHT handler
+            self.rejections["error"] += 1
+            logger.exception("record validation failed unexpectedly")
+            return False
+        return True
+
+    @property
+    def priority(self) -> int:
+        return 5  # checks whole values; never transforms them
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        if not isinstance(other, HivenodeRecordValidator):
+            return False
+        self._runs.update(other._runs)
+        self._allow_foreign = self._allow_foreign or other._allow_foreign
+        return True
+
+
+# ---- typed records ----
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Heartbeat:
+    """What a peer announces about itself every heartbeat period (body of a `peers` record)."""
+
+    role: str
+    state: str = "idle"
+    stage: int | None = None
+    span: tuple[int, int] | None = None
+    device: str = "cpu"
+    throughput: float = 0.0  # tokens/s
+    load: float = 0.0
+    http: str = ""
+    leaving: bool = False
+    maddrs: tuple[str, ...] = ()
+    inner_step: int = 0
+    tokens: int = 0
+    loss: float | None = None
+    version: str = ""
+    sent_at: float = 0.0
+
+    def to_body(self) -> dict[str, Any]:
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        body["span"] = list(self.span) if self.span is not None else None
+        body["maddrs"] = list(self.maddrs)
+        for name in ("throughput", "load", "sent_at"):
+            body[name] = float(body[name])
+        body["loss"] = float(self.loss) if self.loss is not None else None
+        return body
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Heartbeat:
+        values = dict(body)
+        values["span"] = tuple(values["span"]) if values["span"] is not None else None
+        values["maddrs"] = tuple(values["maddrs"])
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PeerRecord:
+    peer_id: str
+    heartbeat: Heartbeat
+    expires_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        data = {"peer_id": self.peer_id, **self.heartbeat.to_body(), "expires_at": self.expires_at}
+        return data
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncerState:
+    """Body of a `syncer` record: the lease an authorized syncer holds and the fragment versions it serves."""
+
+    lease_until: float
+    term: int = 0
+    versions: tuple[int, ...] = ()
+    http: str = ""
+    state: str = "active"
+    sent_at: float = 0.0
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "lease_until": float(self.lease_until),
+            "term": self.term,
+            "versions": list(self.versions),
+            "http": self.http,
+            "state": self.state,
+            "sent_at": float(self.sent_at),
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncerRecord:
+    peer_id: str
+    state: SyncerState
+    expires_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"peer_id": self.peer_id, **self.state.to_body(), "expires_at": self.expires_at}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BanNotice:
+    """Body of a `bans/<offender>` record written by one authorized verifier."""
+
+    offender: str
+    reason: str
+    evidence: bytes = b""
+    stage: int | None = None
+    issued_at: float = 0.0
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "offender": self.offender,
+            "reason": self.reason,
+            "evidence": self.evidence,
+            "stage": self.stage,
+            "issued_at": float(self.issued_at),
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BanRecord:
+    verifier: str
+    notice: BanNotice
+    expires_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        body = self.notice.to_body()
+        body["evidence"] = body["evidence"].hex()
+        return {"verifier": self.verifier, **body, "expires_at": self.expires_at}
+
+
+# ---- the typed client ----
+
+
+async def _bounded(awaitable: Any, timeout_s: float) -> Any:
+    return await asyncio.wait_for(awaitable, timeout_s)
+
+
+def _entries(found: Any) -> list[tuple[str | None, Any, float]]:
+    """(subkey, value, expiration) triples of a DHT.get result (a dictionary value or a plain one)."""
+    if found is None:
+        return []
+    value = found.value
+    if isinstance(value, dict) and value and all(isinstance(v, ValueWithExpiration) for v in value.values()):
+        return [(subkey, item.value, item.expiration_time) for subkey, item in value.items()]
+    return [(None, value, found.expiration_time)]
+
+
+def _verified(
+    raw_key: str, found: Any, *, now: float, runs: Mapping[str, RunRules], limits: RecordLimits
+) -> list[VerifiedRecord]:
+    """Re-check what the DHT process returned (defence in depth: the same checks its validator ran)."""
+    out = []
+    for subkey, value, expiration in _entries(found):
+        if subkey is not None and not isinstance(subkey, str):
+            continue
+        try:
+            out.append(
+                check_envelope(
+                    value,
+                    key_id=keys.key_id(raw_key),
+                    subkey=subkey,
+                    expiration=expiration,
+                    now=now,
+                    runs=runs,
+                    limits=limits,
+                )
+            )
+        except RecordRejected as e:  # a record we cannot verify is one we do not use
+            logger.debug("ignoring an unverifiable record under %s: %s", raw_key[:12], e)
+    return out
+
+
+async def publish_discovery(
+    dht: Any, owner: NodeIdentity, signed: SignedManifest, *, expiration: float, timeout_s: float
+) -> bool:
+    """Publish `signed` under the well-known discovery key (subkey = owner) so nodes with only a multiaddr find it."""
+    body, expiration = {"signed": signed.to_wire()}, float(expiration)
+    envelope = make_envelope(owner, keys.discovery_key(), owner.peer_id, body, expiration)
+    future = dht.store(keys.discovery_key(), envelope, expiration, subkey=owner.peer_id, return_future=True)
+    return bool(await _bounded(future, timeout_s))
+
+
+async def fetch_discovery(
+    dht: Any, *, timeout_s: float, now: float, limits: RecordLimits | None = None
+) -> list[SignedManifest]:
+    """Every signed manifest bootstraps published on this DHT (at most one per owner), already verified."""
+    found = await _bounded(dht.get(keys.discovery_key(), latest=True, return_future=True), timeout_s)
+    verified = _verified(keys.discovery_key(), found, now=now, runs={}, limits=limits or RecordLimits())
+    return [SignedManifest.from_wire(record.body["signed"]) for record in verified]
+
+
+async def fetch_manifest(
+    dht: Any, run_id: str, *, timeout_s: float, now: float, limits: RecordLimits | None = None
+) -> SignedManifest | None:
+    """The owner-signed manifest stored under `<run_id>/manifest`, if any (its hash is checked against run_id)."""
+    raw_key = keys.manifest_key(run_id)
+    found = await _bounded(dht.get(raw_key, latest=True, return_future=True), timeout_s)
+    verified = _verified(raw_key, found, now=now, runs={}, limits=limits or RecordLimits())
+    return SignedManifest.from_wire(verified[0].body["signed"]) if verified else None
+
+
+class SwarmRecords:
+    """Typed, signed reads and writes of one run's records. `identity` signs what this process writes.
+
+    Every call is bounded by `timeout_s` (asyncio.TimeoutError past it). Must be used from inside a running
+    event loop: hivemind futures bind to the loop that creates them.
+    """
+
+    def __init__(
+        self,
+        dht: Any,
+        rules: RunRules,
+        identity: NodeIdentity,
+        *,
+        timeout_s: float = 5.0,
+        limits: RecordLimits | None = None,
+        clock: Callable[[], float] = get_dht_time,
+    ) -> None:
+        self.dht, self.rules, self.identity = dht, rules, identity
+        self.run_id = rules.run_id
+        self.timeout_s = timeout_s
+        self.limits = limits or RecordLimits()
+        self.clock = clock
+
+    async def _store(
+        self, raw_key: str, subkey: str | None, body: Mapping[str, Any], expiration: float
+    ) -> bool:
+        expiration = float(expiration)  # signed as a float; the DHT must carry the very same number
+        envelope = make_envelope(self.identity, raw_key, subkey, body, expiration)
+        future = self.dht.store(raw_key, envelope, expiration, subkey=subkey, return_future=True)
+        return bool(await _bounded(future, self.timeout_s))
+
+    async def _get(self, raw_key: str) -> list[VerifiedRecord]:
+        found = await _bounded(self.dht.get(raw_key, latest=True, return_future=True), self.timeout_s)
+        return _verified(raw_key, found, now=self.clock(), runs={self.run_id: self.rules}, limits=self.limits)
+
+    async def publish_heartbeat(self, heartbeat: Heartbeat, *, expiration: float) -> bool:
+        """Store this peer's heartbeat; False if refused (e.g. an earlier record of ours expires later)."""
+        return await self._store(
+            keys.peers_key(self.run_id), self.identity.peer_id, heartbeat.to_body(), expiration
+        )
+
+    async def list_peers(self, *, include_leaving: bool = False) -> list[PeerRecord]:
+        """Live peers of the run, by peer id; peers that announced leaving are left out unless asked for."""
+        records = [
+            PeerRecord(peer_id=r.signer, heartbeat=Heartbeat.from_body(r.body), expires_at=r.expiration)
+            for r in await self._get(keys.peers_key(self.run_id))
+        ]
+        records = [r for r in records if include_leaving or not r.heartbeat.leaving]
+        return sorted(records, key=lambda r: r.peer_id)
+
+    async def publish_manifest(self, signed: SignedManifest, *, expiration: float) -> bool:
+        if signed.run_id != self.run_id or signed.owner != self.identity.peer_id:
+            raise ValueError("only the owner can publish this run's manifest")
+        return await self._store(
+            keys.manifest_key(self.run_id), None, {"signed": signed.to_wire()}, expiration
+        )
+
+    async def publish_syncer(self, state: SyncerState, *, expiration: float) -> bool:
+        return await self._store(
+            keys.syncer_key(self.run_id), self.identity.peer_id, state.to_body(), expiration
+        )
+
+    async def list_syncers(self) -> list[SyncerRecord]:
+        return [
+            SyncerRecord(peer_id=r.signer, state=_syncer_state(r.body), expires_at=r.expiration)
+            for r in await self._get(keys.syncer_key(self.run_id))
+        ]
+
+    async def publish_ban(self, notice: BanNotice, *, expiration: float) -> bool:
+        raw_key = keys.bans_key(self.run_id, notice.offender)
+        return await self._store(raw_key, self.identity.peer_id, notice.to_body(), expiration)
+
+    async def get_bans(self, offender: str) -> list[BanRecord]:
+        """Ban notices against `offender`, one per verifier that signed one."""
+        return [
+            BanRecord(verifier=r.signer, notice=BanNotice(**r.body), expires_at=r.expiration)
+            for r in await self._get(keys.bans_key(self.run_id, offender))
+        ]
+
+    async def list_bans(self, offenders: Iterable[str]) -> dict[str, list[BanRecord]]:
+        """Ban notices for each of `offenders` that has any (bans are keyed by offender, so ask per peer)."""
+        offenders = sorted(set(offenders))
+        results = await asyncio.gather(*(self.get_bans(o) for o in offenders), return_exceptions=True)
+        return {o: r for o, r in zip(offenders, results, strict=True) if isinstance(r, list) and r}
+
+
+def _syncer_state(body: Mapping[str, Any]) -> SyncerState:
+    values = dict(body)
+    values["versions"] = tuple(values["versions"])
+    return SyncerState(**values)

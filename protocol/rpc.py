@@ -1,0 +1,491 @@
+"""Bounded request/response streams over hivemind P2P, with the size caps enforced below any handler.
+
+hivemind's protobuf handlers read each message whole, with a length the peer declares, before a handler runs: a peer
+that declares 1 GiB can make the receiver buffer hundreds of MiB. So every RPC of ours is a raw libp2p stream
+(`P2P.add_binary_stream_handler`) carrying our own framing::
+
+    preamble: magic "HVNF" | u8 version | u8 status | u16 reserved | u64 total bytes | u32 chunk count   (20 bytes)
+    chunks:   u32 length (1..max_chunk_bytes) | bytes          (repeated exactly `chunk count` times)
+
+The receiver checks the preamble against the cap of that handler (which comes from our config, never from the peer)
+before it reads or allocates anything else, then reads each chunk under a timeout, counting chunks and bytes and
+refusing any chunk that would pass the declared total. The body buffer is allocated only once the declared size is
+known to be under the cap. A request is one message with status REQUEST; the answer is one message with status OK
+(the handler's bytes) or ERROR (a short reason tag).
+
+`remote_peer`, as handed to handlers, is the Noise-authenticated caller (`StreamInfo.peer_id` from the daemon).
+Every `ProtocolError` the stream layer or a handler raises is answered with its reason, logged, and counted against
+the remote peer in `PeerStrikes` unless the fault may be ours (see `blames_remote`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import re
+import struct
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import suppress
+from dataclasses import dataclass
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
+
+from protocol.errors import (
+    FrameTooLarge,
+    MalformedFrame,
+    ProtocolError,
+    RemoteRefused,
+    SignerMismatch,
+    SizeMismatch,
+    StreamClosed,
+    StreamTimeout,
+)
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"HVNF"
+WIRE_VERSION = 1
+PROTOCOL_PREFIX = "hivenode.framed.v1."
+MAX_ERROR_BYTES = 1024
+_PREAMBLE = struct.Struct(">4sBBHQI")
+_CHUNK_HEADER = struct.Struct(">I")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+Handler = Callable[[bytearray, str], Awaitable[bytes | None]]
+RejectHook = Callable[[str, str, ProtocolError], None]  # (remote peer, handler name, error)
+
+
+class Status(enum.IntEnum):
+    REQUEST = 0
+    OK = 1
+    ERROR = 2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamConfig:
+    """Limits of the stream layer; the per-handler byte caps live in `Route`."""
+
+    max_chunk_bytes: int = (
+        1 << 20
+    )  # largest chunk accepted, and the size we send (keep it equal on all nodes)
+    chunk_timeout_s: float = 10.0  # wait for any single read or write (preamble, chunk header, chunk)
+    message_timeout_s: float = 120.0  # wait for a whole request to arrive (64 MiB at ~0.5 MiB/s)
+    max_streams_per_peer: int = 8  # concurrent requests served per remote peer
+    max_streams: int = 64  # concurrent requests served in total
+    linger_s: float = 1.0  # after refusing a request, how long to keep the stream open so the refusal is read
+    linger_bytes: int = 4 << 20  # and how much of the caller's unread request to discard meanwhile
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_chunk_bytes <= 0xFFFFFFFF:
+            raise ValueError(f"max_chunk_bytes must be in (0, 2**32), got {self.max_chunk_bytes}")
+        if (
+            self.chunk_timeout_s <= 0
+            or self.message_timeout_s <= 0
+            or self.linger_s < 0
+            or self.linger_bytes < 0
+        ):
+            raise ValueError("timeouts must be positive")
+        if self.max_streams_per_peer <= 0 or self.max_streams <= 0:
+            raise ValueError("stream limits must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    handler: Handler  # async (frame, remote_peer) -> answer bytes or None (an empty answer)
+    max_request_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 0:
+            raise ValueError("max_request_bytes must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Preamble:
+    status: Status
+    total_bytes: int
+    num_chunks: int
+
+
+def protocol_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise ValueError(f"handler name {name!r} must match {_NAME_RE.pattern}")
+    return PROTOCOL_PREFIX + name
+
+
+def blames_remote(error: ProtocolError) -> bool:
+    """Whether a rejection counts against the authenticated remote peer.
+
+    `blame_sender` is about the frame's claimed signer. For a SignerMismatch that signer is cleared, but the remote
+    peer did send the frame, so it is the one struck; clock skew and early closes stay unblamed.
+    """
+    return error.blame_sender or isinstance(error, SignerMismatch)
+
+
+# ------------------------------------------------------------------------------------------------ pure framing
+
+
+def encode_preamble(status: Status, total_bytes: int, chunk_bytes: int) -> bytes:
+    num_chunks = -(-total_bytes // chunk_bytes)
+    return _PREAMBLE.pack(MAGIC, WIRE_VERSION, status, 0, total_bytes, num_chunks)
+
+
+def parse_preamble(
+    raw: bytes, *, max_bytes: int, max_chunk_bytes: int, statuses: frozenset[Status]
+) -> Preamble:
+    """Check a peer's preamble against our caps; nothing is allocated from its numbers before this passes.
+
+    Raises:
+        MalformedFrame: bad magic, version, status, or a chunk count that does not fit the total.
+        FrameTooLarge: the declared total is over `max_bytes` (`MAX_ERROR_BYTES` for an ERROR answer).
+    """
+    magic, version, status, _reserved, total, num_chunks = _PREAMBLE.unpack(raw)
+    if magic != MAGIC:
+        raise MalformedFrame("stream does not start with the framing magic")
+    if version != WIRE_VERSION:
+        raise MalformedFrame(f"framing version {version} is not {WIRE_VERSION}", reason="unsupported version")
+    if status not in {s.value for s in statuses}:
+        raise MalformedFrame(f"unexpected stream status {status}")
+    cap = MAX_ERROR_BYTES if status == Status.ERROR else max_bytes
+    if total > cap:
+        raise FrameTooLarge(f"stream declares {total} bytes > cap {cap}")
+    # Every chunk carries at least one byte and at most max_chunk_bytes, so the count is pinned by the total:
+    # a peer cannot make us loop over empty chunks.
+    if not -(-total // max_chunk_bytes) <= num_chunks <= total:
+        raise MalformedFrame(f"{num_chunks} chunks cannot carry {total} bytes")
+    return Preamble(Status(status), total, num_chunks)
+
+
+class Reassembler:
+    """Collects the chunks of one message, refusing any chunk that breaks what the preamble declared."""
+
+    def __init__(self, preamble: Preamble, *, max_chunk_bytes: int) -> None:
+        self.preamble = preamble
+        self.max_chunk_bytes = max_chunk_bytes
+        self.received_bytes = 0
+        self.received_chunks = 0
+        self._buffer = bytearray(preamble.total_bytes)  # already checked against our cap
+
+    @property
+    def done(self) -> bool:
+        return self.received_chunks == self.preamble.num_chunks
+
+    def next_chunk_length(self, raw_header: bytes) -> int:
+        """Validate a chunk header before its body is read."""
+        (length,) = _CHUNK_HEADER.unpack(raw_header)
+        if self.done:
+            raise MalformedFrame(f"chunk {self.received_chunks + 1} of {self.preamble.num_chunks}")
+        if not 0 < length <= self.max_chunk_bytes:
+            raise MalformedFrame(f"chunk of {length} bytes is not in [1, {self.max_chunk_bytes}]")
+        if self.received_bytes + length > self.preamble.total_bytes:
+            raise FrameTooLarge(
+                f"stream sends {self.received_bytes + length} bytes, more than the {self.preamble.total_bytes} declared",
+                reason="more than declared",
+            )
+        return length
+
+    def add(self, data: bytes) -> None:
+        start = self.received_bytes
+        self._buffer[start : start + len(data)] = data
+        self.received_bytes += len(data)
+        self.received_chunks += 1
+
+    def finish(self) -> bytearray:
+        if not self.done or self.received_bytes != self.preamble.total_bytes:
+            raise SizeMismatch(f"{self.received_bytes} of {self.preamble.total_bytes} declared bytes arrived")
+        return self._buffer
+
+
+# ------------------------------------------------------------------------------------------------ stream I/O
+
+
+async def _read_exactly(reader: asyncio.StreamReader, n: int, timeout_s: float) -> bytes:
+    try:
+        return await asyncio.wait_for(reader.readexactly(n), timeout_s)
+    except asyncio.TimeoutError:
+        raise StreamTimeout(f"no {n} bytes within {timeout_s} s") from None
+    except (asyncio.IncompleteReadError, ConnectionError) as e:
+        raise StreamClosed(f"stream ended while reading {n} bytes ({type(e).__name__})") from None
+
+
+async def read_message(
+    reader: asyncio.StreamReader, *, max_bytes: int, config: StreamConfig, statuses: frozenset[Status]
+) -> tuple[Status, bytearray]:
+    """Read one framed message, holding every cap; see `parse_preamble` and `Reassembler` for the errors."""
+    raw = await _read_exactly(reader, _PREAMBLE.size, config.chunk_timeout_s)
+    preamble = parse_preamble(
+        raw, max_bytes=max_bytes, max_chunk_bytes=config.max_chunk_bytes, statuses=statuses
+    )
+    parts = Reassembler(preamble, max_chunk_bytes=config.max_chunk_bytes)
+    while not parts.done:
+        length = parts.next_chunk_length(
+            await _read_exactly(reader, _CHUNK_HEADER.size, config.chunk_timeout_s)
+        )
+        parts.add(await _read_exactly(reader, length, config.chunk_timeout_s))
+    return preamble.status, parts.finish()
+
+
+async def write_message(
+    writer: asyncio.StreamWriter,
+    status: Status,
+    body: bytes | bytearray | memoryview,
+    *,
+    config: StreamConfig,
+) -> None:
+    """Frame `body` as one message (preamble, then chunks of `config.max_chunk_bytes`), draining as it goes."""
+    view = memoryview(body).cast("B")
+    chunk = config.max_chunk_bytes
+    writer.write(encode_preamble(status, len(view), chunk))
+    for offset in range(0, len(view), chunk):
+        part = view[offset : offset + chunk]
+        writer.write(_CHUNK_HEADER.pack(len(part)))
+        writer.write(part)
+        await asyncio.wait_for(writer.drain(), config.chunk_timeout_s)
+    await asyncio.wait_for(writer.drain(), config.chunk_timeout_s)
+
+
+async def _discard_until_closed(reader: asyncio.StreamReader, *, max_bytes: int, timeout_s: float) -> None:
+    """Read and drop what the caller still sends, until it closes, `max_bytes` or `timeout_s`.
+
+    Closing a stream that still has unread bytes makes the daemon reset it, and the caller then loses our answer
+    (measured: BrokenPipeError on its read). Lingering briefly lets an honest caller read why it was refused; the
+    bytes and the time are capped, and nothing is kept.
+    """
+    loop = asyncio.get_running_loop()
+    deadline, discarded = loop.time() + timeout_s, 0
+    while discarded < max_bytes and (remaining := deadline - loop.time()) > 0:
+        chunk = await asyncio.wait_for(reader.read(1 << 16), remaining)
+        if not chunk:
+            return
+        discarded += len(chunk)
+
+
+async def _close(writer: asyncio.StreamWriter, timeout_s: float) -> None:
+    writer.close()
+    with suppress(Exception):
+        await asyncio.wait_for(writer.wait_closed(), timeout_s)
+
+
+# ------------------------------------------------------------------------------------------------ strikes
+
+
+class PeerStrikes:
+    """Rejections blamed on each peer, by reason. Bounded: the least recently struck peers are forgotten first."""
+
+    def __init__(self, max_peers: int = 65536) -> None:
+        if max_peers <= 0:
+            raise ValueError("max_peers must be positive")
+        self.max_peers = max_peers
+        self._counts: OrderedDict[str, Counter[str]] = OrderedDict()
+
+    def record(self, peer_id: str, reason: str) -> int:
+        """Count one strike; return the peer's total."""
+        counts = self._counts.pop(peer_id, None) or Counter()
+        counts[reason] += 1
+        self._counts[peer_id] = counts
+        while len(self._counts) > self.max_peers:
+            self._counts.popitem(last=False)
+        return sum(counts.values())
+
+    def count(self, peer_id: str, reason: str | None = None) -> int:
+        counts = self._counts.get(peer_id)
+        if counts is None:
+            return 0
+        return sum(counts.values()) if reason is None else counts[reason]
+
+    def reasons(self, peer_id: str) -> dict[str, int]:
+        return dict(self._counts.get(peer_id, {}))
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {peer: dict(counts) for peer, counts in self._counts.items()}
+
+
+# ------------------------------------------------------------------------------------------------ server / client
+
+
+class FramedServer:
+    """Serves `routes` (name -> Route, or name -> (handler, max_request_bytes)) as bounded streams on `p2p`."""
+
+    def __init__(
+        self,
+        p2p: P2P,
+        routes: Mapping[str, Route | tuple[Handler, int]],
+        *,
+        config: StreamConfig | None = None,
+        strikes: PeerStrikes | None = None,
+        on_reject: RejectHook | None = None,
+    ) -> None:
+        for name in routes:
+            protocol_name(name)
+        self.p2p = p2p
+        self.routes = {name: r if isinstance(r, Route) else Route(*r) for name, r in routes.items()}
+        self.config = config or StreamConfig()
+        self.strikes = strikes if strikes is not None else PeerStrikes()
+        self.on_reject = on_reject
+        self._active: Counter[str] = Counter()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._started = False
+
+    async def start(self) -> None:
+        for name, route in self.routes.items():
+            await self.p2p.add_binary_stream_handler(
+                protocol_name(name), self._make_stream_handler(name, route)
+            )
+        self._started = True
+
+    async def stop(self) -> None:
+        """Unregister the handlers and cancel requests in flight."""
+        if self._started:
+            for name in self.routes:
+                with suppress(Exception):  # the daemon may already be gone
+                    await self.p2p.remove_binary_stream_handler(protocol_name(name))
+            self._started = False
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.config.chunk_timeout_s)
+
+    def _make_stream_handler(
+        self, name: str, route: Route
+    ) -> Callable[[StreamInfo, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+        async def handle(
+            info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        ) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._tasks.add(task)
+            try:
+                await self._serve(name, route, info.peer_id.to_base58(), reader, writer)
+            finally:
+                self._tasks.discard(task)
+                await _close(writer, self.config.chunk_timeout_s)
+
+        return handle
+
+    async def _serve(
+        self, name: str, route: Route, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if (
+            self._active[remote] >= self.config.max_streams_per_peer
+            or self._active.total() >= self.config.max_streams
+        ):
+            await self._answer_error(reader, writer, "busy")  # not a strike: honest peers retry
+            return
+        self._active[remote] += 1
+        try:
+            answer = await self._handle(route, remote, reader)
+        except ProtocolError as e:
+            self._reject(remote, name, e)
+            await self._answer_error(reader, writer, e.reason)
+            return
+        except Exception:
+            logger.exception("%s: handler failed on a request from %s", name, remote[:16])
+            await self._answer_error(reader, writer, "internal error")
+            return
+        finally:
+            self._active[remote] -= 1
+            if self._active[remote] <= 0:
+                del self._active[remote]
+        try:
+            await write_message(writer, Status.OK, answer, config=self.config)
+        except (ConnectionError, asyncio.TimeoutError) as e:
+            logger.debug("%s: answer to %s not delivered: %r", name, remote[:16], e)
+
+    async def _handle(self, route: Route, remote: str, reader: asyncio.StreamReader) -> bytes:
+        """Read the request under the caps, then run the handler."""
+        read = read_message(
+            reader,
+            max_bytes=route.max_request_bytes,
+            config=self.config,
+            statuses=frozenset({Status.REQUEST}),
+        )
+        try:
+            _, frame = await asyncio.wait_for(read, self.config.message_timeout_s)
+        except asyncio.TimeoutError:
+            raise StreamTimeout(f"request not complete within {self.config.message_timeout_s} s") from None
+        answer = await route.handler(frame, remote)
+        return b"" if answer is None else answer
+
+    def _reject(self, remote: str, name: str, error: ProtocolError) -> None:
+        blamed = blames_remote(error)
+        if blamed:
+            self.strikes.record(remote, error.reason)
+        # Unblamed refusals (clock skew, a caller that hung up) are routine; blamed ones are worth a warning.
+        logger.log(
+            logging.WARNING if blamed else logging.INFO,
+            "%s: refused a request from %s: %s (%s)%s",
+            name,
+            remote[:16],
+            error.reason,
+            error,
+            "" if blamed else " [not blamed]",
+        )
+        if self.on_reject is not None:
+            self.on_reject(remote, name, error)
+
+    async def _answer_error(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reason: str
+    ) -> None:
+        with suppress(Exception):  # the caller may be gone; the refusal is already logged
+            await write_message(writer, Status.ERROR, reason.encode()[:MAX_ERROR_BYTES], config=self.config)
+            await _discard_until_closed(
+                reader, max_bytes=self.config.linger_bytes, timeout_s=self.config.linger_s
+            )
+
+
+async def call_framed(
+    p2p: P2P,
+    peer_id: str,
+    name: str,
+    frame: bytes | bytearray | memoryview,
+    *,
+    max_response_bytes: int,
+    timeout_s: float,
+    config: StreamConfig | None = None,
+) -> bytearray:
+    """Send `frame` to handler `name` on `peer_id` and return its answer (a private bytearray).
+
+    Raises:
+        RemoteRefused: the server answered with an error (its reason tag in `.reason`).
+        ProtocolError: the answer broke the framing or `max_response_bytes` (blame the server).
+        asyncio.TimeoutError: no full answer within `timeout_s`.
+        P2PDaemonError / ConnectionError: the stream could not be opened or broke.
+    """
+    return await asyncio.wait_for(
+        _call_framed(p2p, peer_id, name, frame, max_response_bytes, config or StreamConfig()), timeout_s
+    )
+
+
+async def _call_framed(
+    p2p: P2P,
+    peer_id: str,
+    name: str,
+    frame: bytes | bytearray | memoryview,
+    max_response_bytes: int,
+    config: StreamConfig,
+) -> bytearray:
+    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol_name(name))
+    # Read while writing: a server that refuses the preamble answers at once, and we stop sending.
+    sending = asyncio.ensure_future(_send_request(writer, frame, config))
+    try:
+        status, body = await read_message(
+            reader, max_bytes=max_response_bytes, config=config, statuses=frozenset({Status.OK, Status.ERROR})
+        )
+    finally:
+        sending.cancel()
+        with suppress(asyncio.CancelledError):
+            await sending
+        await _close(writer, config.chunk_timeout_s)
+    if status == Status.ERROR:
+        reason = body.decode(errors="replace")
+        raise RemoteRefused(f"{peer_id[:16]}... refused {name}: {reason}", reason=reason)
+    return body
+
+
+async def _send_request(
+    writer: asyncio.StreamWriter, frame: bytes | bytearray | memoryview, config: StreamConfig
+) -> None:
+    with suppress(ConnectionError, asyncio.TimeoutError):  # if the server hung up, its answer says why
+        await write_message(writer, Status.REQUEST, frame, config=config)

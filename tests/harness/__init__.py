@@ -1,0 +1,1 @@
+"""Test harness: fault injectors and helpers shared by the integration tests."""

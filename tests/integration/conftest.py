@@ -1,0 +1,192 @@
+"""Shared fixtures for loopback integration tests: a child-process reaper and an event loop running in a thread.
+
+- `reap_children` (autouse) kills every process a test started and left running (p2pd daemons included, and
+  orphaned grandchildren: the session is their subreaper), SIGTERM then SIGKILL, and warns with their command
+  lines: a leak is a bug in the test or the code. Processes that module/session fixtures started before the test
+  are left to those fixtures.
+- `loop_thread` (module scope) runs one asyncio loop in a named thread, so module-scoped peers (a hivemind P2P is
+  bound to the loop that created it) can be shared by several sync tests: `loop_thread.run(coro, timeout_s=...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Coroutine, Iterator
+from contextlib import suppress
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+T = TypeVar("T")
+TERM_GRACE_S = 3.0
+EXIT_GRACE_S = 1.0  # a process already shutting down when the test returns is given this long to finish alone
+PR_SET_CHILD_SUBREAPER = 36
+# Helpers that outlive their creator by design and exit on their own: torch's shared-memory manager stays while any
+# process holds shared tensors (and killing one this process uses would break torch sharing in later tests).
+IGNORED_PROCESS_NAMES = frozenset({"torch_shm_manager"})
+
+
+def _parent_map() -> dict[int, int]:
+    """pid -> ppid for every live (non-zombie) process, from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z":
+            parents[int(entry.name)] = int(fields[1])
+    return parents
+
+
+def descendants(pid: int) -> list[int]:
+    """Live descendants of `pid`, parents before children."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _parent_map().items():
+        children.setdefault(parent, []).append(child)
+    order, frontier = [], [pid]
+    while frontier:
+        nxt = [c for p in frontier for c in children.get(p, [])]
+        order.extend(nxt)
+        frontier = nxt
+    return order
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (
+            Path(f"/proc/{pid}/cmdline")
+            .read_bytes()
+            .replace(b"\0", b" ")
+            .decode(errors="replace")
+            .strip()[:120]
+        )
+    except OSError:
+        return "?"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _still_alive_after(pids: list[int], grace_s: float) -> list[int]:
+    deadline = time.monotonic() + grace_s
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def kill_processes(pids: list[int], grace_s: float = TERM_GRACE_S) -> None:
+    """SIGTERM the pids (children first), wait up to `grace_s`, then SIGKILL what is left.
+
+    Zombies count as gone; they are left for their owner (asyncio's child watcher, a Popen) to reap.
+    """
+    for pid in reversed(pids):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    for pid in _still_alive_after(pids, grace_s):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _reap_if_zombie_child(pid: int) -> None:
+    with suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+@pytest.fixture(scope="session")
+def _subreaper() -> bool:
+    """Make this process the reaper of orphaned descendants (Linux prctl), so a grandchild whose parent died (a p2pd
+    of a killed node) is re-parented here and still found by the scan, instead of escaping to init."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+@pytest.fixture(autouse=True)
+def reap_children(_subreaper: bool) -> Iterator[None]:
+    if not Path("/proc/self/stat").exists():  # not Linux: nothing to scan
+        yield
+        return
+    before = set(descendants(os.getpid()))
+    yield
+    killed: list[int] = []
+    for _ in range(3):  # killing a parent may orphan children the first scan could not see yet
+        leaked = [
+            p
+            for p in descendants(os.getpid())
+            if p not in before and p not in killed and _comm(p) not in IGNORED_PROCESS_NAMES
+        ]
+        leaked = _still_alive_after(leaked, EXIT_GRACE_S)
+        if not leaked:
+            break
+        names = "; ".join(f"{p}: {_cmdline(p)}" for p in leaked)
+        kill_processes(leaked)
+        killed.extend(leaked)
+        warnings.warn(f"test left {len(leaked)} process(es) running, killed: {names}", stacklevel=1)
+    for pid in killed:  # a leaked process is nobody's to wait for any more
+        _reap_if_zombie_child(pid)
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; `run` submits a coroutine from sync code and waits with a bound."""
+
+    def __init__(self, name: str = "test-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=timeout_s)
+
+        if self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout_s + 1)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout_s)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def loop_thread() -> Iterator[LoopThread]:
+    runner = LoopThread()
+    try:
+        yield runner
+    finally:
+        runner.close()

@@ -1,0 +1,235 @@
+"""Violation ledger: bans need repeated own flags, corroboration and room under the stage cap."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verification.ledger import LedgerConfig, LedgerDecision, ViolationLedger
+
+REPLICAS = ["a", "b", "c"]
+
+
+def feed(ledger: ViolationLedger, events: list[tuple[str, bool]], stage: int = 1, start: int = 0) -> list[LedgerDecision]:
+    out = []
+    for i, (signer, flagged) in enumerate(events, start=start):
+        out.append(ledger.record(signer, stage, flagged, float(i), replicas=REPLICAS))
+    return out
+
+
+def actions(decisions: list[LedgerDecision]) -> list[tuple[str, str]]:
+    return [(d.signer, d.action) for dec in decisions for d in dec.all() if d.action != "none"]
+
+
+def round_robin(rounds: int, bad: dict[str, list[bool]] | None = None) -> list[tuple[str, bool]]:
+    """a, b, c in turn; `bad[signer][i]` says whether that signer's i-th microbatch is flagged."""
+    bad = bad or {}
+    return [(s, bad.get(s, [False] * rounds)[r]) for r in range(rounds) for s in REPLICAS]
+
+
+def test_persistent_offender_quarantined_then_banned_on_its_third_flag() -> None:
+    ledger = ViolationLedger()
+    got = actions(feed(ledger, round_robin(5, {"a": [True] * 5})))
+    assert got == [("a", "quarantine"), ("a", "ban")]
+    assert ledger.is_banned("a") and ledger.microbatches_seen("a") == 3
+    assert ledger.banned(1) == {"a"}
+
+
+def test_ban_decision_carries_a_reason() -> None:
+    ledger = ViolationLedger()
+    bans = [d for d in feed(ledger, round_robin(3, {"a": [True] * 3})) if d.action == "ban"]
+    assert len(bans) == 1 and "3 flags" in bans[0].reason
+
+
+def test_counting_is_per_own_microbatch_not_per_traffic_share() -> None:
+    # Two flags in every 20 own microbatches never ban, however much peer traffic is interleaved.
+    cfg = LedgerConfig(max_strikes=1000)  # isolate the window rule from the strike rule
+    for peers_per_own in (0, 1, 5):
+        ledger = ViolationLedger(cfg)
+        t = 0
+        for i in range(200):
+            ledger.record("a", 1, i % 10 == 0, float(t), replicas=REPLICAS)
+            t += 1
+            for _ in range(peers_per_own):
+                ledger.record("b", 1, False, float(t), replicas=REPLICAS)
+                t += 1
+        assert not ledger.is_banned("a"), peers_per_own
+
+
+def test_strikes_catch_an_intermittent_attacker_that_dodges_the_window() -> None:
+    # One flag every 12 own microbatches: never 3 in 20, but strikes grow faster than forgiveness.
+    ledger = ViolationLedger()
+    bad = [i % 12 == 0 for i in range(200)]
+    got = actions(feed(ledger, round_robin(200, {"a": bad})))
+    assert ("a", "ban") in got
+    banned_at = ledger.microbatches_seen("a")
+    assert 60 <= banned_at <= 80  # 6 strikes, one forgiven per 50 clean
+
+
+def test_forgiveness_keeps_rare_flags_from_adding_up() -> None:
+    ledger = ViolationLedger()
+    bad = [i % 60 == 0 for i in range(1200)]
+    feed(ledger, round_robin(1200, {"a": bad}))
+    assert not ledger.is_banned("a")
+
+
+def test_stage_wide_storm_means_rewarm_and_forgiveness_not_ban() -> None:
+    ledger = ViolationLedger()
+    # Everyone's tensors look odd at once (a new merged version, an lr change).
+    decisions = feed(ledger, round_robin(4, {s: [True] * 4 for s in REPLICAS}))
+    got = actions(decisions)
+    assert ("b", "rewarm") in got
+    assert not any(a == "ban" for _, a in got)
+    assert ledger.flags_in_window("a") <= 1  # storm flags were forgiven
+
+
+def test_ban_waits_for_peer_corroboration() -> None:
+    ledger = ViolationLedger()
+    # a's three flags arrive back to back before any peer was checked: quarantine, not ban.
+    got = actions(feed(ledger, [("a", True)] * 3))
+    assert got == [("a", "quarantine")]
+    assert ledger.is_quarantined("a")
+    # Peers then send clean microbatches: the evidence stands, the ban follows (as a related decision).
+    got = actions(feed(ledger, [("b", False), ("c", False)], start=3))
+    assert got == [("a", "ban")]
+
+
+def test_quarantine_is_lifted_after_a_clean_run() -> None:
+    ledger = ViolationLedger(LedgerConfig(release_clean_microbatches=5))
+    events = round_robin(30, {"a": [True, True] + [False] * 28})
+    got = actions(feed(ledger, events))
+    assert got == [("a", "quarantine"), ("a", "release")]
+    assert not ledger.is_quarantined("a")
+
+
+def test_cap_never_bans_a_stage_out_of_existence() -> None:
+    ledger = ViolationLedger()  # 3 replicas: at most 1 ban (min 2 active, max half)
+    events = round_robin(10, {"a": [True] * 10, "b": [i % 2 == 0 for i in range(10)]})
+    feed(ledger, events)
+    assert len(ledger.banned(1)) <= 1
+
+
+def test_cap_scales_with_the_number_of_replicas() -> None:
+    members = ["a", "b", "c", "d", "e", "f", "g"]
+    for offenders, allowed in ((["a", "b", "c"], 3), (["a", "b"], 2)):
+        ledger = ViolationLedger(LedgerConfig(max_banned_fraction_per_stage=0.3))
+        for r in range(6):
+            for s in members:
+                ledger.record(s, 1, s in offenders, float(r), replicas=members)
+        assert len(ledger.banned(1)) == min(allowed, 2)  # floor(0.3 * 7) = 2
+
+
+def test_two_replica_stage_gets_no_statistical_ban() -> None:
+    ledger = ViolationLedger()
+    for r in range(10):
+        ledger.record("a", 1, True, float(r), replicas=["a", "b"])
+        ledger.record("b", 1, False, float(r), replicas=["a", "b"])
+    assert not ledger.is_banned("a") and ledger.is_quarantined("a")
+
+
+def test_evidence_bans_at_once_but_respects_the_cap_unless_cryptographic() -> None:
+    ledger = ViolationLedger()
+    assert ledger.record_evidence("a", 1, 0.0, reason="spot check", replicas=REPLICAS).action == "ban"
+    capped = ledger.record_evidence("b", 1, 1.0, reason="spot check", replicas=REPLICAS)
+    assert capped.action == "quarantine" and "cap" in capped.reason
+    proof = ledger.record_evidence("b", 1, 2.0, reason="equivocation", bypass_cap=True, replicas=REPLICAS)
+    assert proof.action == "ban"
+
+
+def test_forward_and_backward_checks_of_one_microbatch_count_once() -> None:
+    ledger = ViolationLedger(LedgerConfig(quarantine_flags=3))
+    for mb in range(2):  # both directions flagged: still one flagged microbatch each
+        ledger.record("a", 1, True, float(mb), microbatch_id=mb, replicas=REPLICAS)
+        ledger.record("a", 1, True, float(mb), microbatch_id=mb, replicas=REPLICAS)
+        ledger.record("b", 1, False, float(mb), microbatch_id=100 + mb, replicas=REPLICAS)
+    assert ledger.flags_in_window("a") == 2 and ledger.microbatches_seen("a") == 2
+    # a clean forward then a flagged backward of the same microbatch flags it
+    ledger.record("a", 1, False, 2.0, microbatch_id=2, replicas=REPLICAS)
+    decision = ledger.record("a", 1, True, 2.0, microbatch_id=2, replicas=REPLICAS)
+    assert ledger.flags_in_window("a") == 3 and ledger.microbatches_seen("a") == 3
+    assert decision.action == "ban"
+
+
+def test_banned_signer_records_are_ignored() -> None:
+    ledger = ViolationLedger()
+    ledger.record_evidence("a", 1, 0.0, reason="test", replicas=REPLICAS)
+    decision = ledger.record("a", 1, True, 1.0, replicas=REPLICAS)
+    assert decision.action == "none" and "banned" in decision.reason
+
+
+def test_state_dict_round_trip_keeps_evidence_and_bans() -> None:
+    ledger = ViolationLedger()
+    feed(ledger, round_robin(2, {"a": [True, True], "b": [True, False]})[:5])
+    ledger.record_evidence("c", 2, 5.0, reason="x", replicas=["c", "d", "e"])
+    restored = ViolationLedger()
+    restored.load_state_dict(ledger.state_dict())
+    assert restored.state_dict() == ledger.state_dict()
+    assert restored.is_banned("c") and restored.flags_in_window("a") == ledger.flags_in_window("a")
+    # and it decides the same next step
+    assert ledger.record("a", 1, True, 9.0, replicas=REPLICAS) == restored.record("a", 1, True, 9.0, replicas=REPLICAS)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"window_microbatches": 0},
+        {"ban_flags": 30},
+        {"quarantine_flags": 4, "ban_flags": 3},
+        {"storm_fraction": 1.0},
+        {"storm_min_replicas": 1},
+        {"max_banned_fraction_per_stage": 1.0},
+        {"min_active_replicas_per_stage": 0},
+    ],
+)
+def test_config_validation(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        LedgerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+signers = st.sampled_from(["a", "b", "c", "d", "e"])
+stages = st.integers(min_value=0, max_value=2)
+clean_events = st.lists(st.tuples(signers, stages, st.integers(0, 50)), max_size=400)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=clean_events, use_members=st.booleans())
+def test_no_sequence_of_clean_microbatches_ever_bans_or_quarantines(
+    events: list[tuple[str, int, int]], use_members: bool
+) -> None:
+    ledger = ViolationLedger()
+    for t, (signer, stage, mb) in enumerate(events):
+        members = ["a", "b", "c", "d", "e"] if use_members else None
+        decision = ledger.record(signer, stage, False, float(t), microbatch_id=mb, replicas=members)
+        assert all(d.action == "none" for d in decision.all())
+    assert not any(ledger.banned(s) for s in range(3))
+
+
+flag_events = st.lists(st.tuples(signers, st.booleans()), max_size=300)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=flag_events, fraction=st.sampled_from([0.0, 0.34, 0.5, 0.8]))
+def test_the_stage_cap_holds_for_any_flag_sequence(events: list[tuple[str, bool]], fraction: float) -> None:
+    cfg = LedgerConfig(max_banned_fraction_per_stage=fraction, min_active_replicas_per_stage=2)
+    ledger = ViolationLedger(cfg)
+    members = ["a", "b", "c", "d", "e"]
+    for t, (signer, flagged) in enumerate(events):
+        for d in ledger.record(signer, 0, flagged, float(t), replicas=members).all():
+            if d.action == "ban":
+                assert d.signer in members
+        banned = ledger.banned(0)
+        assert len(banned) <= int(fraction * len(members))
+        assert len(members) - len(banned) >= 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=flag_events)
+def test_a_ban_always_rests_on_flags_of_the_banned_signer(events: list[tuple[str, bool]]) -> None:
+    ledger = ViolationLedger()
+    flags: dict[str, int] = {}
+    for t, (signer, flagged) in enumerate(events):
+        flags[signer] = flags.get(signer, 0) + int(flagged)
+        for d in ledger.record(signer, 0, flagged, float(t), replicas=["a", "b", "c", "d", "e"]).all():
+            if d.action == "ban":
+                assert flags.get(d.signer, 0) >= ledger.config.ban_flags

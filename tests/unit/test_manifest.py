@@ -1,0 +1,205 @@
+"""Run manifest: run.toml parsing, canonical bytes, the run id, owner signatures, authorization, and TOFU pins."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from protocol.errors import ConfigError, ManifestRejected, OwnerPinMismatch
+from protocol.identity import NodeIdentity
+from protocol.manifest import (
+    OwnerPins,
+    RunManifest,
+    SignedManifest,
+    authorize,
+    default_manifest,
+    load_run_toml,
+    parse_run_toml,
+)
+
+OWNER = NodeIdentity.generate()
+SYNCER = NodeIdentity.generate().peer_id
+VERIFIER = NodeIdentity.generate().peer_id
+
+FULL_TOML = f"""
+name = "tiny-wiki"
+seed = 7
+num_stages = 4
+bans_required = 2
+heartbeat_period_s = 5
+authorized_syncers = ["{SYNCER}"]
+authorized_verifiers = ["{VERIFIER}"]
+
+[model]
+vocab_size = 256
+context_len = 64
+num_layers = 8
+width = 96
+num_heads = 4
+mlp_ratio = 2
+
+[inner]
+lr = 3e-4
+batch_size = 8
+weight_decay = 0
+
+[diloco]
+min_quorum = 2
+sync_every_steps = 50
+num_fragments = 3
+overlap_steps = 1
+grace_gamma = 0.5
+grace_tau = 2
+outer_lr = 0.5
+outer_momentum = 0.8
+min_sync_interval_s = 1.5
+
+[sentinel]
+fence_k = 3.0
+window = 64
+
+[data]
+source = "corpus/"
+validation_fraction = 0.05
+
+[wire]
+max_batch = 32
+"""
+
+
+def test_built_in_default_run_needs_no_file_and_has_the_documented_defaults() -> None:
+    m = default_manifest()
+    assert m.model == {"vocab_size": 256, "context_len": 128, "num_layers": 4, "width": 128, "num_heads": 4}
+    assert (m.diloco.min_quorum, m.diloco.grace_gamma, m.diloco.grace_tau) == (1, 0.8, 2.0)
+    assert (m.diloco.outer_lr, m.diloco.outer_momentum) == (0.7, 0.9)
+    assert m.bans_required == 1 and m.data["source"] == "builtin" and m.heartbeat_period_s == 2.0
+
+
+def test_full_run_toml_parses_with_ints_accepted_where_floats_are_meant() -> None:
+    m = parse_run_toml(FULL_TOML)
+    assert (m.name, m.seed, m.num_stages, m.bans_required) == ("tiny-wiki", 7, 4, 2)
+    assert m.heartbeat_period_s == 5.0 and isinstance(m.heartbeat_period_s, float)
+    assert m.inner.weight_decay == 0.0 and isinstance(m.inner.weight_decay, float)
+    assert m.diloco.grace_tau == 2.0 and m.diloco.num_fragments == 3
+    assert m.sentinel == {"fence_k": 3.0, "window": 64}
+    assert m.authorized_syncers == (SYNCER,) and m.authorized_verifiers == (VERIFIER,)
+    assert RunManifest.from_canonical_bytes(m.to_canonical_bytes()) == m
+
+
+def test_wire_cap_is_the_largest_tensor_a_peer_may_send() -> None:
+    m = parse_run_toml(FULL_TOML)
+    boundary = 32 * 64 * 96 * 4  # max_batch x context x width x float32
+    largest_param = max(256 * 96, 64 * 96, 3 * 96 * 96, 2 * 96 * 96) * 4
+    assert m.max_tensor_bytes == max(boundary, largest_param) == boundary
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ('name = "x"\ncolour = 1', "unknown settings ['colour']"),
+        ("[inner]\nlr = 1e-3\nmomentum = 0.9", "unknown [inner] settings ['momentum']"),
+        (
+            "[model]\nvocab_size = 256\ncontext_len = 8\nnum_layers = 2\nwidth = 30\nnum_heads = 4",
+            "divisible",
+        ),
+        ("[model]\nvocab_size = 512\ncontext_len = 8\nnum_layers = 2\nwidth = 32\nnum_heads = 4", "256"),
+        ("[model]\nvocab_size = 256\ncontext_len = 8\nnum_layers = 2\nwidth = 32", "lacks"),
+        ("num_stages = 9", "num_stages cannot exceed"),
+        ('seed = "7"', "seed"),
+        ("bans_required = 0", "bans_required"),
+        ("[inner]\nlr = true", "inner.lr"),
+        ('authorized_syncers = ["QmNotAnEd25519Key"]', "authorized_syncers"),
+        ("heartbeat_period_s = 0.01", "heartbeat_period_s"),
+        ("[diloco]\nouter_momentum = 1.0", "outer_momentum"),
+        ("name = ", "not valid TOML"),
+    ],
+)
+def test_bad_run_toml_is_a_one_line_config_error(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_run_toml(text)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unreadable_run_file_names_the_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read run file"):
+        load_run_toml(tmp_path / "missing.toml")
+    (tmp_path / "run.toml").write_text(FULL_TOML)
+    assert load_run_toml(tmp_path / "run.toml").name == "tiny-wiki"
+
+
+def test_run_id_commits_to_owner_and_every_setting() -> None:
+    m = default_manifest()
+    signed = SignedManifest.sign(m, OWNER)
+    assert signed.run_id == SignedManifest.sign(m, OWNER).run_id  # deterministic, no timestamps
+    assert len(signed.run_id) == 40
+    assert SignedManifest.sign(m, NodeIdentity.generate()).run_id != signed.run_id
+    changed = dataclasses.replace(m, seed=1)
+    assert SignedManifest.sign(changed, OWNER).run_id != signed.run_id
+
+
+def test_authorize_adds_peers_sorted_so_the_run_id_ignores_flag_order() -> None:
+    a, b = sorted([SYNCER, VERIFIER])
+    m1 = authorize(default_manifest(), syncers=[b, a])
+    m2 = authorize(authorize(default_manifest(), syncers=[a]), syncers=[b, a])
+    assert m1.authorized_syncers == (a, b) == m2.authorized_syncers
+    assert m1.to_canonical_bytes() == m2.to_canonical_bytes()
+    with pytest.raises(ConfigError, match="cannot authorize"):
+        authorize(default_manifest(), verifiers=["not-a-peer"])
+
+
+def test_signature_verifies_and_survives_the_wire_and_base64() -> None:
+    signed = SignedManifest.sign(parse_run_toml(FULL_TOML), OWNER)
+    assert signed.verify().name == "tiny-wiki"
+    assert SignedManifest.from_wire(signed.to_wire()) == signed
+    assert SignedManifest.from_b64(signed.to_b64()) == signed
+
+
+def test_tampered_or_resigned_manifests_are_rejected() -> None:
+    signed = SignedManifest.sign(default_manifest(), OWNER)
+    tampered = dataclasses.replace(
+        signed, manifest_bytes=signed.manifest_bytes.replace(b"default", b"evilrun")
+    )
+    with pytest.raises(ManifestRejected, match="tampered"):
+        tampered.verify()
+    impostor = dataclasses.replace(signed, owner=NodeIdentity.generate().peer_id)
+    with pytest.raises(ManifestRejected, match="not signed by its claimed owner"):
+        impostor.verify()
+    with pytest.raises(ManifestRejected, match="not usable"):
+        dataclasses.replace(signed, owner="QmRsaPeer").verify()
+
+
+def test_non_canonical_bytes_are_rejected_even_when_signed() -> None:
+    data = msgpack.unpackb(default_manifest().to_canonical_bytes())
+    reordered = msgpack.packb({"run": data["run"], "format": 1})  # same content, other key order
+    signed = SignedManifest(reordered, OWNER.peer_id, OWNER.sign(b"hivenode-manifest-v1\x00" + reordered))
+    with pytest.raises(ManifestRejected, match="not canonical"):
+        signed.verify()
+
+
+@pytest.mark.parametrize("garbage", ["", "!!!", "aGVsbG8=", None, "A" * 100_000])
+def test_garbage_base64_manifests_are_rejected(garbage: object) -> None:
+    with pytest.raises(ManifestRejected):
+        SignedManifest.from_b64(garbage)
+
+
+def test_owner_is_pinned_on_first_use_and_a_new_owner_is_refused(tmp_path: Path) -> None:
+    pins = OwnerPins(tmp_path / "state" / OwnerPins.FILENAME)
+    assert pins.check_and_pin("default", OWNER.peer_id) is True
+    assert pins.check_and_pin("default", OWNER.peer_id) is False
+    assert pins.check_and_pin("other-run", SYNCER) is True  # pins are per run name
+    with pytest.raises(OwnerPinMismatch) as info:
+        pins.check_and_pin("default", VERIFIER)
+    assert OWNER.peer_id in str(info.value) and VERIFIER in str(info.value) and "\n" not in str(info.value)
+    assert (tmp_path / "state" / OwnerPins.FILENAME).stat().st_mode & 0o777 == 0o600
+    assert json.loads(pins.path.read_text())["runs"]["default"] == OWNER.peer_id
+
+
+def test_a_corrupt_pin_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / OwnerPins.FILENAME
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="pinned owners"):
+        OwnerPins(path).pinned("default")

@@ -1,0 +1,303 @@
+"""DHT keys and signed records: what the validator accepts and, above all, what it refuses (no sockets)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+import pytest
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer
+
+from protocol import keys
+from protocol.errors import RecordRejected
+from protocol.identity import NodeIdentity
+from protocol.manifest import RunManifest, SignedManifest, authorize
+from protocol.records import (
+    BanNotice,
+    Heartbeat,
+    HivenodeRecordValidator,
+    RecordLimits,
+    RunRules,
+    SyncerState,
+    check_envelope,
+    make_envelope,
+)
+
+NOW = 1_800_000_000.0
+LIMITS = RecordLimits()
+
+OWNER = NodeIdentity.generate()
+PEER = NodeIdentity.generate()
+OTHER = NodeIdentity.generate()
+SYNCER = NodeIdentity.generate()
+VERIFIER = NodeIdentity.generate()
+MANIFEST = authorize(RunManifest(), syncers=[SYNCER.peer_id], verifiers=[VERIFIER.peer_id])
+SIGNED = SignedManifest.sign(MANIFEST, OWNER)
+RULES = RunRules.from_manifest(SIGNED, MANIFEST)
+RUN_ID = SIGNED.run_id
+RUNS = {RUN_ID: RULES}
+
+
+def heartbeat(**changes: Any) -> Heartbeat:
+    base = Heartbeat(
+        role="learner", state="training", device="cpu", throughput=100.0, http="127.0.0.1:1", sent_at=NOW
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def check(
+    envelope: dict[str, Any], raw_key: str, subkey: str | None, expiration: float = NOW + 5, **kw: Any
+) -> Any:
+    return check_envelope(
+        envelope,
+        key_id=kw.pop("key_id", keys.key_id(raw_key)),
+        subkey=subkey,
+        expiration=expiration,
+        now=kw.pop("now", NOW),
+        runs=kw.pop("runs", RUNS),
+        limits=LIMITS,
+    )
+
+
+def signed_heartbeat(
+    identity: NodeIdentity = PEER, subkey: str | None = None, expiration: float = NOW + 5, **body
+):
+    raw_key = keys.peers_key(RUN_ID)
+    sub = subkey or identity.peer_id
+    return make_envelope(identity, raw_key, sub, heartbeat(**body).to_body(), expiration), raw_key, sub
+
+
+def reason_of(fn: Any) -> str:
+    with pytest.raises(RecordRejected) as info:
+        fn()
+    return info.value.reason
+
+
+# ---- keys ----
+
+
+def test_keys_are_prefixed_by_run_id_and_parse_back() -> None:
+    assert keys.peers_key(RUN_ID) == f"{RUN_ID}/peers"
+    assert keys.parse_key(keys.manifest_key(RUN_ID)) == keys.ParsedKey(keys.KeyKind.MANIFEST, RUN_ID)
+    assert keys.parse_key(keys.syncer_key(RUN_ID)).kind is keys.KeyKind.SYNCER
+    ban = keys.parse_key(keys.bans_key(RUN_ID, PEER.peer_id))
+    assert (ban.kind, ban.run_id, ban.offender) == (keys.KeyKind.BANS, RUN_ID, PEER.peer_id)
+    assert keys.parse_key(keys.discovery_key()).run_id is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        f"{RUN_ID}/gossip",
+        f"{RUN_ID}/peers/extra",
+        f"{RUN_ID}/bans/not-a-peer-id",
+        f"{RUN_ID}/bans",
+        "deadbeef/peers",
+        "peers",
+        f"{RUN_ID.upper()}/peers",
+    ],
+)
+def test_unknown_keys_do_not_parse(raw: str) -> None:
+    with pytest.raises(ValueError):
+        keys.parse_key(raw)
+
+
+def test_key_builders_refuse_bad_parts() -> None:
+    with pytest.raises(ValueError):
+        keys.peers_key("not-a-run")
+    with pytest.raises(ValueError):
+        keys.bans_key(RUN_ID, "QmNotEd25519")
+
+
+# ---- accepted records ----
+
+
+def test_a_peer_heartbeat_under_its_own_subkey_is_accepted() -> None:
+    envelope, raw_key, sub = signed_heartbeat()
+    record = check(envelope, raw_key, sub)
+    assert record.signer == PEER.peer_id
+    assert Heartbeat.from_body(record.body) == heartbeat()
+
+
+def test_heartbeat_round_trips_every_field() -> None:
+    full = heartbeat(stage=1, span=(2, 4), maddrs=("/ip4/1.2.3.4/tcp/5",), loss=2.5, inner_step=7, tokens=99)
+    assert Heartbeat.from_body(full.to_body()) == full
+    envelope, raw_key, sub = signed_heartbeat(stage=1, span=(2, 4), loss=2.5)
+    assert check(envelope, raw_key, sub).body["span"] == [2, 4]
+
+
+def test_manifest_syncer_ban_and_discovery_records_are_accepted() -> None:
+    raw = keys.manifest_key(RUN_ID)
+    assert check(make_envelope(OWNER, raw, None, {"signed": SIGNED.to_wire()}, NOW + 60), raw, None, NOW + 60)
+    raw = keys.syncer_key(RUN_ID)
+    body = SyncerState(lease_until=NOW + 10, term=1, versions=(3, 4), sent_at=NOW).to_body()
+    assert check(make_envelope(SYNCER, raw, SYNCER.peer_id, body, NOW + 10), raw, SYNCER.peer_id, NOW + 10)
+    raw = keys.bans_key(RUN_ID, PEER.peer_id)
+    body = BanNotice(offender=PEER.peer_id, reason="flags", evidence=b"x" * 100, issued_at=NOW).to_body()
+    assert check(
+        make_envelope(VERIFIER, raw, VERIFIER.peer_id, body, NOW + 60), raw, VERIFIER.peer_id, NOW + 60
+    )
+    raw = keys.discovery_key()
+    envelope = make_envelope(OWNER, raw, OWNER.peer_id, {"signed": SIGNED.to_wire()}, NOW + 60)
+    assert check(envelope, raw, OWNER.peer_id, NOW + 60, runs={}).signer == OWNER.peer_id
+
+
+# ---- refused records ----
+
+
+def test_writing_under_another_peers_subkey_is_refused() -> None:
+    envelope, raw_key, _ = signed_heartbeat(identity=OTHER, subkey=PEER.peer_id)
+    assert reason_of(lambda: check(envelope, raw_key, PEER.peer_id)) == "bad signature"
+
+
+def test_a_signed_record_cannot_move_to_another_subkey_key_or_expiration() -> None:
+    envelope, raw_key, sub = signed_heartbeat()
+    assert reason_of(lambda: check(envelope, raw_key, OTHER.peer_id)) == "bad signature"
+    assert reason_of(lambda: check(envelope, raw_key, sub, expiration=NOW + 6)) == "bad signature"
+    other_key = keys.syncer_key(RUN_ID)
+    assert reason_of(lambda: check(envelope, raw_key, sub, key_id=keys.key_id(other_key))) == "key mismatch"
+
+
+def test_a_tampered_body_is_refused() -> None:
+    envelope, raw_key, sub = signed_heartbeat()
+    body = msgpack.unpackb(envelope["b"])
+    body["throughput"] = 1e9
+    forged = {**envelope, "b": msgpack.packb(body)}
+    assert reason_of(lambda: check(forged, raw_key, sub)) == "bad signature"
+
+
+def test_unknown_key_under_our_prefix_is_refused() -> None:
+    raw = f"{RUN_ID}/gossip"
+    envelope = make_envelope(PEER, raw, PEER.peer_id, heartbeat().to_body(), NOW + 5)
+    assert reason_of(lambda: check(envelope, raw, PEER.peer_id)) == "unknown key"
+
+
+def test_records_of_an_unknown_run_are_refused_except_self_certifying_manifests() -> None:
+    envelope, raw_key, sub = signed_heartbeat()
+    assert reason_of(lambda: check(envelope, raw_key, sub, runs={})) == "unknown run"
+    raw = keys.manifest_key(RUN_ID)
+    manifest_envelope = make_envelope(OWNER, raw, None, {"signed": SIGNED.to_wire()}, NOW + 60)
+    assert check(manifest_envelope, raw, None, NOW + 60, runs={}).signer == OWNER.peer_id
+
+
+@pytest.mark.parametrize("ahead_s", [LIMITS.max_ttl_peer_s + LIMITS.clock_skew_s + 1, 365 * 86400.0])
+def test_far_future_expirations_are_refused(ahead_s: float) -> None:
+    envelope, raw_key, sub = signed_heartbeat(expiration=NOW + ahead_s)
+    assert reason_of(lambda: check(envelope, raw_key, sub, expiration=NOW + ahead_s)) == "expiration"
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda b: b.pop("role"),  # missing key
+        lambda b: b.update(extra=1),  # unexpected key
+        lambda b: b.update(throughput=100),  # int where a float is required
+        lambda b: b.update(inner_step=True),  # bool is not an int
+        lambda b: b.update(role="overlord"),  # not a role
+        lambda b: b.update(state="x" * 17),  # not a state
+        lambda b: b.update(throughput=float("nan")),  # not finite
+        lambda b: b.update(throughput=-1.0),  # negative
+        lambda b: b.update(span=[1]),  # span is a pair
+        lambda b: b.update(maddrs=["/ip4/1.1.1.1/tcp/1"] * 9),  # too many
+        lambda b: b.update(http=b"bytes"),  # bytes where str is required
+        lambda b: b.update(stage=2),  # the run has 2 stages: 0 and 1
+        lambda b: b.update(span=[0, 5]),  # the run has 4 layers
+    ],
+)
+def test_out_of_schema_heartbeats_are_refused(mutate: Any) -> None:
+    raw_key = keys.peers_key(RUN_ID)
+    body = heartbeat().to_body()
+    mutate(body)
+    envelope = make_envelope(PEER, raw_key, PEER.peer_id, body, NOW + 5)
+    assert reason_of(lambda: check(envelope, raw_key, PEER.peer_id)) == "schema"
+
+
+def test_only_authorized_syncers_and_verifiers_write_their_keys() -> None:
+    raw = keys.syncer_key(RUN_ID)
+    body = SyncerState(lease_until=NOW + 10, sent_at=NOW).to_body()
+    envelope = make_envelope(PEER, raw, PEER.peer_id, body, NOW + 10)
+    assert reason_of(lambda: check(envelope, raw, PEER.peer_id, NOW + 10)) == "unauthorized"
+    raw = keys.bans_key(RUN_ID, OTHER.peer_id)
+    body = BanNotice(offender=OTHER.peer_id, reason="x", issued_at=NOW).to_body()
+    envelope = make_envelope(PEER, raw, PEER.peer_id, body, NOW + 10)
+    assert reason_of(lambda: check(envelope, raw, PEER.peer_id, NOW + 10)) == "unauthorized"
+
+
+def test_a_ban_must_name_the_offender_of_its_key_and_cap_its_evidence() -> None:
+    raw = keys.bans_key(RUN_ID, OTHER.peer_id)
+    body = BanNotice(offender=PEER.peer_id, reason="x", issued_at=NOW).to_body()
+    envelope = make_envelope(VERIFIER, raw, VERIFIER.peer_id, body, NOW + 10)
+    assert reason_of(lambda: check(envelope, raw, VERIFIER.peer_id, NOW + 10)) == "schema"
+    big = BanNotice(
+        offender=OTHER.peer_id, reason="x", evidence=b"e" * (LIMITS.max_evidence_bytes + 1)
+    ).to_body()
+    envelope = make_envelope(VERIFIER, raw, VERIFIER.peer_id, big, NOW + 10)
+    assert reason_of(lambda: check(envelope, raw, VERIFIER.peer_id, NOW + 10)) == "schema"
+
+
+def test_manifest_records_need_the_owner_and_the_matching_run_id() -> None:
+    raw = keys.manifest_key(RUN_ID)
+    forged = SignedManifest.sign(MANIFEST, OTHER)  # same settings, another owner: another run id
+    envelope = make_envelope(OTHER, raw, None, {"signed": forged.to_wire()}, NOW + 60)
+    assert reason_of(lambda: check(envelope, raw, None, NOW + 60)) == "run id"
+    tampered = dataclasses.replace(
+        SIGNED, manifest_bytes=SIGNED.manifest_bytes.replace(b"default", b"defaulT")
+    )
+    envelope = make_envelope(OWNER, raw, None, {"signed": tampered.to_wire()}, NOW + 60)
+    assert reason_of(lambda: check(envelope, raw, None, NOW + 60)) == "manifest"
+    envelope = make_envelope(OTHER, raw, None, {"signed": SIGNED.to_wire()}, NOW + 60)
+    assert reason_of(lambda: check(envelope, raw, None, NOW + 60)) == "bad signature"
+
+
+def test_discovery_subkey_must_be_the_manifest_owner() -> None:
+    raw = keys.discovery_key()
+    envelope = make_envelope(OTHER, raw, OTHER.peer_id, {"signed": SIGNED.to_wire()}, NOW + 60)
+    assert reason_of(lambda: check(envelope, raw, OTHER.peer_id, NOW + 60, runs={})) == "subkey"
+
+
+def test_malformed_envelopes_are_refused() -> None:
+    envelope, raw_key, sub = signed_heartbeat()
+    assert reason_of(lambda: check({**envelope, "s": b"short"}, raw_key, sub)) == "malformed"
+    assert reason_of(lambda: check({**envelope, "k": 5}, raw_key, sub)) == "malformed"
+    assert reason_of(lambda: check({**envelope, "b": b"\xc1"}, raw_key, sub)) == "malformed"
+    assert reason_of(lambda: check("not a map", raw_key, sub)) == "foreign"  # type: ignore[arg-type]
+
+
+# ---- the hivemind validator ----
+
+
+def dht_record(envelope: Any, raw_key: str, subkey: str | None, expiration: float) -> DHTRecord:
+    subkey_bytes = DHTProtocol.IS_REGULAR_VALUE if subkey is None else MSGPackSerializer.dumps(subkey)
+    return DHTRecord(keys.key_id(raw_key), subkey_bytes, MSGPackSerializer.dumps(envelope), expiration)
+
+
+def test_validator_checks_what_hivemind_hands_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("protocol.records.get_dht_time", lambda: NOW)
+    validator = HivenodeRecordValidator([RULES])
+    envelope, raw_key, sub = signed_heartbeat()
+    assert validator.validate(dht_record(envelope, raw_key, sub, NOW + 5))
+    assert validator.sign_value(dht_record(envelope, raw_key, sub, NOW + 5)) == MSGPackSerializer.dumps(
+        envelope
+    )
+    forged, _, _ = signed_heartbeat(identity=OTHER, subkey=PEER.peer_id)
+    assert not validator.validate(dht_record(forged, raw_key, PEER.peer_id, NOW + 5))
+    assert not validator.validate(dht_record(envelope, raw_key, sub, NOW + 10 * 365 * 86400))
+    assert not validator.validate(dht_record({"plain": 1}, "some-other-app-key", None, NOW + 5))
+    oversize = DHTRecord(keys.key_id(raw_key), b"", b"\x00" * (LIMITS.max_value_bytes + 1), NOW + 5)
+    assert not validator.validate(oversize)
+    assert validator.rejections["bad signature"] == 1 and validator.rejections["too large"] == 1
+
+
+def test_validators_merge_runs_and_foreign_records_are_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("protocol.records.get_dht_time", lambda: NOW)
+    validator = HivenodeRecordValidator()
+    envelope, raw_key, sub = signed_heartbeat()
+    record = dht_record(envelope, raw_key, sub, NOW + 5)
+    assert not validator.validate(record)  # unknown run
+    assert validator.merge_with(HivenodeRecordValidator([RULES]))
+    assert validator.validate(record)
+    foreign = dht_record({"plain": 1}, "some-other-app-key", None, NOW + 5)
+    assert HivenodeRecordValidator(allow_foreign=True).validate(foreign)

@@ -1,0 +1,135 @@
+"""Spot checks: sampling rates, fp32-tolerant comparison, and the two-against-one adjudication."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from verification.spotcheck import SpotCheckConfig, SpotCheckPolicy, compare_outputs
+
+
+def stage(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+
+
+def test_rates_by_peer_state() -> None:
+    policy = SpotCheckPolicy()
+    cfg = policy.config
+    assert policy.rate(microbatches_seen=1000, recent_flags=0, quarantined=False)[0] == cfg.base_rate
+    assert policy.rate(microbatches_seen=3, recent_flags=0, quarantined=False)[0] == cfg.new_peer_rate
+    assert policy.rate(microbatches_seen=1000, recent_flags=1, quarantined=False)[0] == cfg.flagged_rate
+    rate, why = policy.rate(microbatches_seen=1000, recent_flags=1, quarantined=True)
+    assert rate == cfg.quarantined_rate and why == "quarantined"
+
+
+def test_draws_are_seeded_and_match_the_rate() -> None:
+    policy = SpotCheckPolicy()
+
+    def draws(seed: int) -> list[bool]:
+        rng = random.Random(seed)
+        return [
+            policy.should_check(rng, microbatches_seen=1000, recent_flags=0, quarantined=False).check
+            for _ in range(20_000)
+        ]
+
+    assert draws(1) == draws(1)
+    assert abs(sum(draws(2)) / 20_000 - policy.config.base_rate) < 0.005
+
+
+def test_cpu_fp32_recomputation_matches_within_the_floor_tolerance() -> None:
+    # Same weights, different batch composition and thread count: reduction order changes, the
+    # elements wobble, and the norm-wise comparison still matches at rtol 1e-4.
+    model = stage()
+    x = torch.randn(16, 32, 64)
+    threads = torch.get_num_threads()
+    with torch.no_grad():
+        full = model(x)
+        torch.set_num_threads(1)
+        try:
+            alone = torch.cat([model(x[i : i + 1]) for i in range(16)])
+        finally:
+            torch.set_num_threads(threads)
+    result = compare_outputs(alone, full, rtol=SpotCheckConfig().rtol, atol=0.0)
+    assert result.match and result.rel_diff < 1e-5
+
+
+def test_compare_outputs_rejects_corrupted_or_malformed_tensors() -> None:
+    a = torch.randn(4, 8, 16)
+    assert compare_outputs(a, a.clone(), 1e-4, 0.0) == compare_outputs(a, a, 1e-4, 0.0)
+    assert compare_outputs(a, a, 1e-4, 0.0).rel_diff == 0.0
+    noisy = compare_outputs(a + 0.1 * torch.randn_like(a), a, 1e-4, 0.0)
+    assert not noisy.match and 0.05 < noisy.rel_diff < 0.2 and noisy.max_abs_diff > 0.1
+    assert compare_outputs(-a, a, 1e-4, 0.0).rel_diff == pytest.approx(2.0)
+    assert compare_outputs(torch.zeros_like(a), a, 1e-4, 0.0).rel_diff == pytest.approx(1.0)
+    assert not compare_outputs(a[:2], a, 1.0, 1.0).match
+    bad = a.clone()
+    bad[0, 0, 0] = float("nan")
+    assert not compare_outputs(bad, a, 1.0, 1.0).match
+    assert compare_outputs(torch.zeros(3), torch.zeros(3), 0.0, 1e-6).match
+
+
+def test_symmetric_rel_diff() -> None:
+    a, b = torch.randn(100), torch.randn(100)
+    assert compare_outputs(a, 10 * b, 0, 0).rel_diff == compare_outputs(10 * b, a, 0, 0).rel_diff
+
+
+def honest_triplet(divergence: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three honest recomputations that differ like replicas whose weights drifted apart."""
+    base = torch.randn(8, 16, 32, generator=gen)
+    return tuple(base + divergence * torch.randn(base.shape, generator=gen) for _ in range(3))  # type: ignore[return-value]
+
+
+def test_adjudication_two_against_one() -> None:
+    policy = SpotCheckPolicy(SpotCheckConfig(adaptive_tolerance=False, rtol=0.05))
+    gen = torch.Generator().manual_seed(0)
+    o, c, t = honest_triplet(0.01, gen)
+    assert policy.adjudicate(o, c).outcome == "match"
+    first = policy.adjudicate(-o, c)
+    assert first.outcome == "need_third" and not first.ban_grade
+    verdict = policy.adjudicate(-o, c, t)
+    assert verdict.outcome == "original_faulty" and verdict.ban_grade
+    assert "odd one out" in verdict.reason
+    assert policy.adjudicate(o, -c, t).outcome == "checker_faulty"
+    assert policy.adjudicate(o, -c, 3 * t).outcome == "inconclusive"  # nobody is the odd one out
+
+
+def test_adaptive_tolerance_follows_honest_divergence_and_stays_capped() -> None:
+    gen = torch.Generator().manual_seed(1)
+    policy = SpotCheckPolicy()
+    cfg = policy.config
+    assert policy.tolerance == cfg.tolerance_max  # uncalibrated: convict only the blatant
+    for _ in range(cfg.tolerance_samples):
+        o, c, _ = honest_triplet(0.05, gen)
+        assert policy.adjudicate(o, c).outcome == "match"
+    # rel_diff of these honest pairs is ~0.07: tolerance = 3 x median
+    assert 0.15 < policy.tolerance < 0.3
+    o, c, t = honest_triplet(0.05, gen)
+    assert policy.adjudicate(o + 0.5 * torch.randn(o.shape, generator=gen), c, t).ban_grade
+    # honest pairs at the new tolerance still match: no false conviction
+    for _ in range(50):
+        o, c, t = honest_triplet(0.05, gen)
+        assert not policy.adjudicate(o, c, t).ban_grade
+
+
+def test_a_minority_of_borderline_matches_cannot_ratchet_the_tolerance() -> None:
+    gen = torch.Generator().manual_seed(2)
+    policy = SpotCheckPolicy()
+    for i in range(300):
+        o, c, _ = honest_triplet(0.05, gen)
+        if i % 3 == 0:  # an attacker keeps sending tensors just inside the tolerance
+            tol = policy.tolerance
+            o = c + (o - c) * (0.95 * tol / float((o - c).norm() / c.norm()))
+        policy.adjudicate(o, c)
+    assert policy.tolerance < 0.3
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"base_rate": 1.5}, {"rtol": -1.0}, {"tolerance_factor": 0.5}, {"tolerance_samples": 0}, {"rtol": 0.9}],
+)
+def test_config_validation(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        SpotCheckConfig(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,388 @@
+"""FragmentSync against a fake in-process syncer: snapshots, tau-delayed overwrite, retries while the syncer is
+away, refusals, the synchronous barrier, late join, failover offers, and the run-wide fragment plan."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from node.diloco.fragments import FragmentSchedule, SyncFloor, SyncFloorConfig
+from node.diloco.sync_client import (
+    ContributionRefused,
+    FragmentSync,
+    FragmentVersion,
+    OutgoingContribution,
+    PushReceipt,
+    SyncClientConfig,
+    SyncUnavailable,
+    VersionsView,
+    covered_fragments,
+    run_fragment_plan,
+)
+from node.model import ModelConfig, build_model, build_stage
+from protocol.manifest import DilocoSpec, RunManifest
+
+MODEL = {"vocab_size": 256, "context_len": 16, "num_layers": 2, "width": 16, "num_heads": 2}
+
+
+def manifest(**diloco: object) -> RunManifest:
+    spec = {"num_fragments": 2, "sync_every_steps": 4, "overlap_steps": 1, "min_sync_interval_s": 0.0}
+    spec.update(diloco)
+    return RunManifest(model=dict(MODEL), num_stages=2, diloco=DilocoSpec(**spec))
+
+
+class FakeSyncer:
+    """Holds one version per fragment; `publish` makes a new one; `down` makes every call fail."""
+
+    def __init__(self, plan_size: int, peer: str = "syncer-a", term: int = 1, barrier: bool = False) -> None:
+        self.current = [0] * plan_size
+        self.store: dict[int, FragmentVersion] = {}
+        self.pushed: list[OutgoingContribution] = []
+        self.offers: list[FragmentVersion] = []
+        self.peer, self.term, self.barrier = peer, term, barrier
+        self.down = False
+        self.refuse: str | None = None
+        self.changed = asyncio.Event()
+
+    def publish(self, fragment: int, params: dict[str, torch.Tensor], *, envelope: bytes | None = b"sig") -> None:
+        self.current[fragment] += 1
+        self.store[fragment] = FragmentVersion(
+            fragment=fragment,
+            version=self.current[fragment],
+            params={k: v.clone() for k, v in params.items()},
+            term=self.term,
+            signer=self.peer,
+            envelope=envelope,
+        )
+        self.changed.set()
+
+    def _check(self) -> None:
+        if self.down:
+            raise SyncUnavailable("down")
+
+    async def push(self, contribution: OutgoingContribution) -> PushReceipt:
+        self._check()
+        if self.refuse:
+            raise ContributionRefused("no", reason=self.refuse)
+        self.pushed.append(contribution)
+        return PushReceipt(target_version=self.current[contribution.fragment] + 1)
+
+    async def versions(self, known: Sequence[int], wait_s: float) -> VersionsView:
+        self._check()
+        if list(known) == self.current and wait_s > 0:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+            self._check()
+        return VersionsView(versions=tuple(self.current), term=self.term, syncer=self.peer, barrier=self.barrier)
+
+    async def fetch(self, fragment: int) -> FragmentVersion:
+        self._check()
+        return self.store[fragment]
+
+    async def offer(self, held: Sequence[FragmentVersion]) -> int:
+        self._check()
+        self.offers.extend(held)
+        return len(held)
+
+
+def learner_sync(
+    syncer: FakeSyncer | None = None, *, barrier: bool = False, **diloco: object
+) -> tuple[FragmentSync, torch.nn.Module, FakeSyncer]:
+    run = manifest(**diloco)
+    plan = run_fragment_plan(run)
+    model = build_model(ModelConfig.from_dict(run.model), seed=0)
+    syncer = syncer or FakeSyncer(plan.num_fragments)
+    config = SyncClientConfig(poll_wait_s=0.2, retry_min_s=0.01, retry_max_s=0.05, join_timeout_s=0.3, barrier=barrier)
+    sync = FragmentSync.create(dict(model.named_parameters()), plan, run.diloco, syncer, config=config)
+    return sync, model, syncer
+
+
+def bump(model: torch.nn.Module, amount: float = 0.01) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(amount)
+
+
+async def until(predicate, timeout_s: float = 3.0) -> None:  # noqa: ANN001
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+# ---- the plan ----
+
+
+def test_run_plan_is_the_union_of_per_stage_plans_and_stages_cover_a_subset() -> None:
+    run = manifest()
+    plan = run_fragment_plan(run)
+    assert plan.num_fragments == 2 * 2 + 1  # two stages x P, plus the embedding fragment of stage 0
+    cfg = ModelConfig.from_dict(run.model)
+    model = build_model(cfg, seed=0)
+    assert set(plan.names()) == {n for n, _ in model.named_parameters()}
+    assert covered_fragments(plan, dict(model.named_parameters())) == list(range(plan.num_fragments))
+    first = covered_fragments(plan, dict(build_stage(cfg, 0, 0, 2).named_parameters()))
+    last = covered_fragments(plan, dict(build_stage(cfg, 0, 1, 2).named_parameters()))
+    assert sorted(first + last) == list(range(plan.num_fragments)) and not set(first) & set(last)
+    assert any(plan.fragments[i].is_embedding for i in first)
+    with pytest.raises(ValueError, match="partly"):
+        covered_fragments(plan, ["tok_emb.weight"])
+
+
+def test_a_stage_replica_syncs_only_its_span() -> None:
+    run = manifest()
+    plan = run_fragment_plan(run)
+    stage = build_stage(ModelConfig.from_dict(run.model), 0, 1, 2)
+    sync = FragmentSync.create(dict(stage.named_parameters()), plan, run.diloco, FakeSyncer(plan.num_fragments))
+    assert sync.fragment_ids == covered_fragments(plan, dict(stage.named_parameters()))
+    assert sync.schedule.num_fragments == len(sync.fragment_ids)
+
+
+# ---- snapshots and overwrite ----
+
+
+def test_due_fragments_are_snapshotted_with_counters_and_the_copy_is_private() -> None:
+    sync, model, _ = learner_sync()
+    name_of = {fid: sync.plan.fragments[fid].names[0] for fid in sync.fragment_ids}
+    due_at: dict[int, int] = {}
+    for step in range(1, 5):
+        bump(model)
+        sync.after_inner_step(step, tokens=32)
+        for index in sync.schedule.due_to_send(step):
+            due_at[sync.fragment_ids[index]] = step
+    assert set(due_at) == set(sync.fragment_ids)  # every fragment is due once within H = 4 steps
+    outbox = {c.fragment: c for c in sync._outbox.values()}
+    for fid, contribution in outbox.items():
+        assert contribution.steps == due_at[fid] and contribution.tokens == 32 * due_at[fid]
+        assert contribution.base_version == 0
+        name = name_of[fid]
+        before = contribution.params[name].clone()
+        bump(model, 1.0)
+        assert torch.equal(contribution.params[name], before)  # a clone, not a view of the live tensor
+
+
+def test_merged_version_is_applied_tau_steps_after_the_send_and_resets_counters() -> None:
+    async def scenario() -> None:
+        sync, model, syncer = learner_sync()
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(sync.run_sender(stop)), asyncio.create_task(sync.run_watcher(stop))]
+        fid = sync.fragment_ids[sync.schedule.due_to_send(1)[0]] if sync.schedule.due_to_send(1) else None
+        step = 1
+        while fid is None:
+            step += 1
+            due = sync.schedule.due_to_send(step)
+            fid = sync.fragment_ids[due[0]] if due else None
+        for s in range(1, step + 1):
+            bump(model)
+            sync.after_inner_step(s, tokens=8)
+        await until(lambda: any(c.fragment == fid for c in syncer.pushed))
+        names = sync.plan.fragments[fid].names
+        merged = {n: torch.full_like(dict(model.named_parameters())[n], 7.0) for n in names}
+        syncer.publish(fid, merged)
+        await until(lambda: sync._inbox)
+        params = dict(model.named_parameters())
+        assert not torch.equal(params[names[0]], merged[names[0]])  # arrived, but tau = 1 step not yet over
+        sync.after_inner_step(step + 1, tokens=8)
+        assert torch.equal(params[names[0]].detach(), merged[names[0]])
+        assert sync.versions()[fid] == 1
+        assert sync._counters[sync._local[fid]].steps == 0
+        stop.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+
+
+def test_training_goes_on_while_the_syncer_is_away_and_the_newest_snapshot_is_sent_on_return() -> None:
+    async def scenario() -> None:
+        sync, model, syncer = learner_sync()
+        syncer.down = True
+        stop = asyncio.Event()
+        sender = asyncio.create_task(sync.run_sender(stop))
+        for step in range(1, 13):  # three rounds of every fragment
+            bump(model)
+            sync.after_inner_step(step, tokens=4)
+            await asyncio.sleep(0)
+        await until(lambda: sync.status()["retries"] >= 2)
+        assert not syncer.pushed and sync.status()["in_flight"] == len(sync.fragment_ids)
+        syncer.down = False
+        await until(lambda: len(syncer.pushed) == len(sync.fragment_ids))
+        assert all(c.steps > 4 for c in syncer.pushed)  # counters kept growing: the later snapshot won
+        stop.set()
+        await sender
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_contribution_is_dropped_and_does_not_hold_the_barrier() -> None:
+    async def scenario() -> None:
+        sync, model, syncer = learner_sync(barrier=True)
+        syncer.refuse = "stale base"
+        stop = asyncio.Event()
+        sender = asyncio.create_task(sync.run_sender(stop))
+        step = 1
+        while not sync.schedule.due_to_send(step):
+            step += 1
+        for s in range(1, step + 1):
+            bump(model)
+            sync.after_inner_step(s, tokens=4)
+        assert sync.blocked_at(step + 1)
+        await until(lambda: sync.status()["refused"] >= 1)
+        await asyncio.wait_for(sync.wait_barrier(step + 1, stop), 2.0)
+        assert sync.status()["refusals"] == {"stale base": sync.status()["refused"]}
+        stop.set()
+        await sender
+
+    asyncio.run(scenario())
+
+
+def test_barrier_waits_for_the_round_version_then_releases() -> None:
+    async def scenario() -> None:
+        sync, model, syncer = learner_sync(barrier=True)
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(sync.run_sender(stop)), asyncio.create_task(sync.run_watcher(stop))]
+        step = 1
+        while not sync.schedule.due_to_send(step):
+            step += 1
+        for s in range(1, step + 2):
+            bump(model)
+            sync.after_inner_step(s, tokens=4)
+        fid = sync.fragment_ids[sync.schedule.due_to_send(step)[0]]
+        waiter = asyncio.create_task(sync.wait_barrier(step + 1, stop))
+        await asyncio.sleep(0.1)
+        assert not waiter.done()  # the round of `fid` has not merged
+        await until(lambda: any(c.fragment == fid for c in syncer.pushed))
+        names = sync.plan.fragments[fid].names
+        syncer.publish(fid, {n: dict(model.named_parameters())[n].detach().clone() for n in names})
+        waited = await asyncio.wait_for(waiter, 2.0)
+        assert waited > 0.05 and sync.versions()[fid] == 1
+        stop.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+
+
+def test_inner_steps_on_a_worker_thread_while_the_loops_run() -> None:
+    async def scenario() -> None:
+        sync, model, syncer = learner_sync()
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(sync.run_sender(stop)), asyncio.create_task(sync.run_watcher(stop))]
+        threads: set[str] = set()
+
+        def step(s: int) -> None:
+            threads.add(threading.current_thread().name)
+            bump(model)
+            sync.after_inner_step(s, tokens=4)
+
+        for s in range(1, 9):
+            await asyncio.to_thread(step, s)
+        await until(lambda: len(syncer.pushed) >= len(sync.fragment_ids))
+        assert threading.current_thread().name not in threads
+        stop.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+
+
+# ---- joining and failover ----
+
+
+def test_late_joiner_loads_the_global_fragments_before_its_first_step() -> None:
+    async def scenario() -> None:
+        sync, model, syncer = learner_sync()
+        fid = sync.fragment_ids[0]
+        names = sync.plan.fragments[fid].names
+        for _ in range(3):
+            syncer.publish(fid, {n: torch.full_like(dict(model.named_parameters())[n], 3.0) for n in names})
+        assert await sync.join_global(asyncio.Event())
+        assert sync.versions()[fid] == 3
+        assert torch.equal(dict(model.named_parameters())[names[0]].detach(), syncer.store[fid].params[names[0]])
+        other = sync.fragment_ids[1]
+        assert sync.versions()[other] == 0
+
+    asyncio.run(scenario())
+
+
+def test_join_without_any_syncer_gives_up_at_the_timeout() -> None:
+    async def scenario() -> None:
+        sync, _, syncer = learner_sync()
+        syncer.down = True
+        assert not await sync.join_global(asyncio.Event())
+
+    asyncio.run(scenario())
+
+
+def test_after_a_failover_held_signed_versions_are_offered_to_a_syncer_that_is_behind() -> None:
+    async def scenario() -> None:
+        sync, model, old = learner_sync()
+        fid = sync.fragment_ids[0]
+        names = sync.plan.fragments[fid].names
+        old.publish(fid, {n: dict(model.named_parameters())[n].detach().clone() for n in names})
+        old.publish(fid, {n: dict(model.named_parameters())[n].detach().clone() for n in names})
+        assert await sync.join_global(asyncio.Event())
+        new = FakeSyncer(sync.plan.num_fragments, peer="syncer-b", term=2)
+        new.current[fid] = 1  # its checkpoint is one merge behind what the old syncer published
+        sync.transport = new
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(sync.run_watcher(stop))
+        await until(lambda: new.offers)
+        assert [(v.fragment, v.version, v.signer) for v in new.offers] == [(fid, 2, "syncer-a")]
+        stop.set()
+        await watcher
+
+    asyncio.run(scenario())
+
+
+def test_versions_only_move_forward() -> None:
+    sync, model, _ = learner_sync()
+    fid = sync.fragment_ids[0]
+    names = sync.plan.fragments[fid].names
+    params = dict(model.named_parameters())
+    newer = FragmentVersion(fragment=fid, version=5, params={n: params[n].detach() + 1 for n in names})
+    older = FragmentVersion(fragment=fid, version=4, params={n: params[n].detach() + 2 for n in names})
+    assert sync.load_global([newer]) == 1
+    sync._inbox[sync._local[fid]] = older
+    sync.after_inner_step(1, tokens=4)
+    assert sync.versions()[fid] == 5
+    assert torch.equal(params[names[0]].detach(), newer.params[names[0]])
+
+
+def test_schedule_floor_and_config_are_checked() -> None:
+    run = manifest()
+    plan = run_fragment_plan(run)
+    model = build_model(ModelConfig.from_dict(run.model), seed=0)
+    wrong = FragmentSchedule(num_fragments=2, sync_every_steps=4, overlap_steps=1)
+    floor = SyncFloor(SyncFloorConfig(min_interval_s=0.0))
+    with pytest.raises(ValueError, match="schedule"):
+        FragmentSync(dict(model.named_parameters()), plan, wrong, floor, FakeSyncer(plan.num_fragments))
+    with pytest.raises(ValueError):
+        SyncClientConfig(poll_wait_s=0)
+
+
+def test_the_real_time_floor_skips_a_due_send_and_counters_keep_growing() -> None:
+    now = [0.0]
+    run = manifest(min_sync_interval_s=100.0)
+    plan = run_fragment_plan(run)
+    model = build_model(ModelConfig.from_dict(run.model), seed=0)
+    sync = FragmentSync.create(
+        dict(model.named_parameters()), plan, run.diloco, FakeSyncer(plan.num_fragments), clock=lambda: now[0]
+    )
+    for step in range(1, 5):
+        sync.after_inner_step(step, tokens=2)
+    first = {c.fragment: c.steps for c in sync._outbox.values()}
+    sync._outbox.clear()
+    for step in range(5, 9):
+        now[0] += 1.0
+        sync.after_inner_step(step, tokens=2)
+    assert not sync._outbox  # every fragment was due again, but 100 s have not passed
+    now[0] += 200.0
+    for step in range(9, 13):
+        sync.after_inner_step(step, tokens=2)
+    assert all(c.steps == first[c.fragment] + 8 for c in sync._outbox.values())

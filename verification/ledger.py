@@ -1,0 +1,412 @@
+"""Violation ledger: turns per-microbatch SENTINEL flags into quarantine and ban decisions.
+
+This module owns the ban policy core of one verifier. It knows nothing of tensors or of the network;
+it is told, for every checked microbatch, which replica of which stage sent it and whether it was flagged,
+and answers with a decision and a reason. Enforcement (routing, signed DHT ban records) is the caller's.
+
+The rule (docs/sentinel.md explains and measures it):
+
+- Flags are counted per signer over its OWN last `window_microbatches` microbatches, so the ban rate of an
+  honest replica does not grow with its share of traffic (the surviving replicas after a ban carry more).
+- A leaky strike counter (one strike per flag, one forgiven per `forgive_clean_microbatches` clean in a
+  row) catches intermittent attackers that never put `ban_flags` into one window.
+- A stage-wide flag storm (more than `storm_fraction` of the stage's replicas flagged within a few
+  microbatches each) is the verifier's problem, not the replicas': the flags in it are forgiven and the
+  answer is `rewarm`.
+- A ban needs corroboration: peers of the same stage must have sent clean microbatches since the suspect's
+  first counted flag. Until then, or when the cap would be exceeded, the suspect is quarantined.
+- Never ban more than `max_banned_fraction_per_stage` of a stage's replicas, nor leave fewer than
+  `min_active_replicas_per_stage`, on statistical evidence. Cryptographic evidence (equivocation) may
+  bypass the cap.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+Action = Literal["none", "quarantine", "ban", "rewarm", "release"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LedgerConfig:
+    """Ban policy thresholds; all counts are in the signer's own microbatches unless named otherwise."""
+
+    window_microbatches: int = 20  # each signer's last N own microbatches
+    ban_flags: int = 3  # flags within the window that make a ban candidate
+    quarantine_flags: int = 2  # flags within the window that quarantine (more spot checks, less traffic)
+    forgive_clean_microbatches: int = 50  # one strike forgiven per this many clean in a row
+    max_strikes: int = 6  # leaky-bucket strikes that make a ban candidate (intermittent attackers)
+    storm_records_per_replica: int = 4  # storm look-back: this many stage records per replica
+    storm_fraction: float = 0.5  # storm when MORE than this share of the stage's replicas were flagged
+    storm_min_replicas: int = 2  # and at least this many
+    corroboration_clean: int = 2  # clean peer microbatches since the suspect's first counted flag
+    release_clean_microbatches: int = 20  # clean in a row that lift a quarantine
+    max_banned_fraction_per_stage: float = 0.5  # statistical bans never exceed this share of a stage
+    min_active_replicas_per_stage: int = 2  # and never leave fewer unbanned replicas than this
+
+    def __post_init__(self) -> None:
+        if self.window_microbatches < 1:
+            raise ValueError("window_microbatches must be >= 1")
+        if not 1 <= self.quarantine_flags <= self.ban_flags <= self.window_microbatches:
+            raise ValueError("need 1 <= quarantine_flags <= ban_flags <= window_microbatches")
+        if self.forgive_clean_microbatches < 1 or self.max_strikes < 1:
+            raise ValueError("forgive_clean_microbatches and max_strikes must be >= 1")
+        if self.storm_records_per_replica < 1 or self.storm_min_replicas < 2:
+            raise ValueError("need storm_records_per_replica >= 1 and storm_min_replicas >= 2")
+        if not 0.0 < self.storm_fraction < 1.0:
+            raise ValueError("storm_fraction must be in (0, 1)")
+        if self.corroboration_clean < 0 or self.release_clean_microbatches < 1:
+            raise ValueError("need corroboration_clean >= 0 and release_clean_microbatches >= 1")
+        if not 0.0 <= self.max_banned_fraction_per_stage < 1.0:
+            raise ValueError("max_banned_fraction_per_stage must be in [0, 1)")
+        if self.min_active_replicas_per_stage < 1:
+            raise ValueError("min_active_replicas_per_stage must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerDecision:
+    """What to do about `signer`; `related` holds decisions about stage peers the same event caused."""
+
+    action: Action
+    reason: str
+    signer: str
+    stage: int
+    related: tuple[LedgerDecision, ...] = ()
+
+    def all(self) -> Iterator[LedgerDecision]:
+        """This decision and the related ones, for callers that act on each."""
+        yield self
+        yield from self.related
+
+
+@dataclass(slots=True)
+class _Signer:
+    stage: int
+    window: deque[tuple[int, bool]]  # (stage sequence number, flagged) of its own last microbatches
+    strikes: int = 0
+    clean_run: int = 0
+    quarantined: bool = False
+    banned: bool = False
+    microbatches: int = 0
+    last_microbatch: int | None = None
+    last_forgave: bool = False  # whether the latest record earned a forgiveness (undone if amended)
+
+    def flags(self) -> int:
+        return sum(1 for _, flagged in self.window if flagged)
+
+    def first_flag_seq(self) -> int | None:
+        return next((seq for seq, flagged in self.window if flagged), None)
+
+
+@dataclass(slots=True)
+class _Stage:
+    records: deque[tuple[int, str, bool]] = field(default_factory=lambda: deque(maxlen=4096))
+    next_seq: int = 0
+    members: frozenset[str] = frozenset()
+    banned: set[str] = field(default_factory=set)
+
+
+class ViolationLedger:
+    """Per-signer violation accounting with forgiveness, storms, corroboration and a per-stage cap."""
+
+    def __init__(self, config: LedgerConfig | None = None) -> None:
+        self.config = config or LedgerConfig()
+        self._signers: dict[str, _Signer] = {}
+        self._stages: dict[int, _Stage] = {}
+
+    # ----------------------------------------------------------------- queries
+
+    def is_banned(self, signer: str) -> bool:
+        st = self._signers.get(signer)
+        return bool(st and st.banned)
+
+    def is_quarantined(self, signer: str) -> bool:
+        st = self._signers.get(signer)
+        return bool(st and st.quarantined and not st.banned)
+
+    def banned(self, stage: int) -> frozenset[str]:
+        return frozenset(self._stages[stage].banned) if stage in self._stages else frozenset()
+
+    def flags_in_window(self, signer: str) -> int:
+        st = self._signers.get(signer)
+        return st.flags() if st else 0
+
+    def microbatches_seen(self, signer: str) -> int:
+        st = self._signers.get(signer)
+        return st.microbatches if st else 0
+
+    # ----------------------------------------------------------------- recording
+
+    def record(
+        self,
+        signer: str,
+        stage: int,
+        flagged: bool,
+        now: float,
+        *,
+        microbatch_id: int | None = None,
+        replicas: Collection[str] | None = None,
+    ) -> LedgerDecision:
+        """Account one checked tensor of `signer` (a replica of `stage`).
+
+        Pass `microbatch_id` so that the forward and backward checks of one microbatch count once (a
+        flag in either direction flags the microbatch); without it every call is its own microbatch.
+        `replicas` is the stage's current replica set as the verifier knows it (banned ones may be
+        omitted); without it the ledger uses the signers it saw recently in that stage."""
+        stage_state = self._stage(stage)
+        self._update_members(stage_state, signer, replicas)
+        st = self._signer(signer, stage)
+        if st.banned:
+            return LedgerDecision("none", "already banned; record ignored", signer, stage)
+        if microbatch_id is not None and microbatch_id == st.last_microbatch and st.window:
+            newly_flagged = self._amend_last(st, stage_state, flagged)
+            if not newly_flagged:
+                return LedgerDecision("none", "same microbatch, already counted", signer, stage)
+        else:
+            seq = stage_state.next_seq
+            stage_state.next_seq += 1
+            stage_state.records.append((seq, signer, flagged))
+            self._account(st, seq, flagged)
+            st.last_microbatch = microbatch_id
+        if flagged and self._is_storm(stage_state):
+            return self._storm(stage_state, signer, stage, now)
+        decision = self._evaluate(signer, st, stage_state, now)
+        related = tuple(
+            d
+            for peer in sorted(stage_state.members)
+            if peer != signer and self.is_quarantined(peer)
+            for d in [self._evaluate(peer, self._signers[peer], stage_state, now)]
+            if d.action != "none"
+        )
+        return LedgerDecision(decision.action, decision.reason, signer, stage, related)
+
+    def record_evidence(
+        self,
+        signer: str,
+        stage: int,
+        now: float,
+        *,
+        reason: str,
+        bypass_cap: bool = False,
+        replicas: Collection[str] | None = None,
+    ) -> LedgerDecision:
+        """Ban-grade evidence (a spot check the third opinion confirmed; an equivocation proof).
+        Bans unless the cap forbids it; only cryptographic proof should pass `bypass_cap`."""
+        stage_state = self._stage(stage)
+        self._update_members(stage_state, signer, replicas)
+        st = self._signer(signer, stage)
+        if st.banned:
+            return LedgerDecision("none", "already banned", signer, stage)
+        if bypass_cap or self._cap_allows_ban(stage_state):
+            return self._ban(st, stage_state, signer, stage, f"evidence: {reason}", now)
+        return self._quarantine(st, signer, stage, f"evidence ({reason}) but the stage ban cap is reached")
+
+    # ----------------------------------------------------------------- internals
+
+    def _stage(self, stage: int) -> _Stage:
+        return self._stages.setdefault(stage, _Stage())
+
+    def _signer(self, signer: str, stage: int) -> _Signer:
+        st = self._signers.get(signer)
+        if st is None or st.stage != stage:
+            # A signer that moved to another stage starts afresh there; its ban (if any) stays.
+            banned = bool(st and st.banned)
+            st = _Signer(stage=stage, window=deque(maxlen=self.config.window_microbatches), banned=banned)
+            self._signers[signer] = st
+        return st
+
+    def _update_members(self, stage_state: _Stage, signer: str, replicas: Collection[str] | None) -> None:
+        if replicas is not None:
+            members = set(replicas)
+        else:
+            look_back = self.config.window_microbatches * max(1, len(stage_state.members))
+            members = {s for _, s, _ in list(stage_state.records)[-look_back:]}
+        stage_state.members = frozenset(members | {signer} | stage_state.banned)
+
+    def _account(self, st: _Signer, seq: int, flagged: bool) -> None:
+        st.window.append((seq, flagged))
+        st.microbatches += 1
+        st.last_forgave = False
+        if flagged:
+            st.strikes += 1
+            st.clean_run = 0
+            return
+        st.clean_run += 1
+        if st.clean_run % self.config.forgive_clean_microbatches == 0 and st.strikes > 0:
+            st.strikes -= 1
+            st.last_forgave = True
+
+    def _amend_last(self, st: _Signer, stage_state: _Stage, flagged: bool) -> bool:
+        """Fold a second check of the signer's latest microbatch into it; True if it newly flags it."""
+        seq, was_flagged = st.window[-1]
+        if was_flagged or not flagged:
+            return False
+        st.window[-1] = (seq, True)
+        for i in range(len(stage_state.records) - 1, -1, -1):
+            if stage_state.records[i][0] == seq:
+                stage_state.records[i] = (seq, stage_state.records[i][1], True)
+                break
+        # Undo the clean accounting of this microbatch and count it as a flag instead.
+        if st.last_forgave:
+            st.strikes += 1  # the forgiveness this microbatch granted is withdrawn
+            st.last_forgave = False
+        st.clean_run = 0
+        st.strikes += 1
+        return True
+
+    def _storm_window(self, stage_state: _Stage) -> list[tuple[int, str, bool]]:
+        span = self.config.storm_records_per_replica * max(1, len(stage_state.members - stage_state.banned))
+        return list(stage_state.records)[-span:]
+
+    def _is_storm(self, stage_state: _Stage) -> bool:
+        flagged = {s for _, s, f in self._storm_window(stage_state) if f and s not in stage_state.banned}
+        active = len(stage_state.members - stage_state.banned)
+        return (
+            len(flagged) >= self.config.storm_min_replicas
+            and len(flagged) > self.config.storm_fraction * active
+        )
+
+    def _storm(self, stage_state: _Stage, signer: str, stage: int, now: float) -> LedgerDecision:
+        window = self._storm_window(stage_state)
+        first_seq = window[0][0]
+        flagged = sorted({s for _, s, f in window if f})
+        forgiven = 0
+        for peer in stage_state.members:
+            st = self._signers.get(peer)
+            if st is None or st.banned:
+                continue
+            for i, (seq, was_flagged) in enumerate(st.window):
+                if was_flagged and seq >= first_seq:
+                    st.window[i] = (seq, False)
+                    st.strikes = max(0, st.strikes - 1)
+                    forgiven += 1
+        related = tuple(
+            self._release(self._signers[p], p, stage, "stage-wide flag storm: flags forgiven")
+            for p in sorted(stage_state.members)
+            if p != signer and self.is_quarantined(p)
+        )
+        me = self._signers[signer]
+        if me.quarantined:
+            me.quarantined = False
+        reason = (
+            f"stage-wide flag storm at t={now:.1f}: {len(flagged)} of "
+            f"{len(stage_state.members - stage_state.banned)} replicas flagged ({', '.join(flagged)}); "
+            f"{forgiven} flags forgiven, re-warm the stage's monitors"
+        )
+        logger.warning("stage %d: %s", stage, reason)
+        return LedgerDecision("rewarm", reason, signer, stage, related)
+
+    def _evaluate(self, signer: str, st: _Signer, stage_state: _Stage, now: float) -> LedgerDecision:
+        cfg = self.config
+        flags = st.flags()
+        stage = st.stage
+        if flags >= cfg.ban_flags or st.strikes >= cfg.max_strikes:
+            evidence = f"{flags} flags in its last {len(st.window)} microbatches, {st.strikes} strikes"
+            missing = self._missing_corroboration(signer, st, stage_state)
+            if missing > 0:
+                return self._quarantine(
+                    st, signer, stage, f"{evidence}; awaiting {missing} clean peer microbatches"
+                )
+            if not self._cap_allows_ban(stage_state):
+                return self._quarantine(st, signer, stage, f"{evidence}; stage ban cap reached")
+            return self._ban(st, stage_state, signer, stage, evidence, now)
+        if flags >= cfg.quarantine_flags:
+            return self._quarantine(
+                st, signer, stage, f"{flags} flags in its last {len(st.window)} microbatches"
+            )
+        if st.quarantined and st.clean_run >= cfg.release_clean_microbatches:
+            return self._release(st, signer, stage, f"{st.clean_run} clean microbatches in a row")
+        return LedgerDecision("none", "quarantined" if st.quarantined else "ok", signer, stage)
+
+    def _missing_corroboration(self, signer: str, st: _Signer, stage_state: _Stage) -> int:
+        anchor = st.first_flag_seq()
+        if anchor is None:
+            anchor = st.window[-1][0] if st.window else stage_state.next_seq
+        clean_peers = sum(1 for seq, s, f in stage_state.records if seq > anchor and s != signer and not f)
+        return max(0, self.config.corroboration_clean - clean_peers)
+
+    def _cap_allows_ban(self, stage_state: _Stage) -> bool:
+        members = len(stage_state.members)
+        after = len(stage_state.banned) + 1
+        within_fraction = after <= math.floor(self.config.max_banned_fraction_per_stage * members)
+        return within_fraction and members - after >= self.config.min_active_replicas_per_stage
+
+    def _quarantine(self, st: _Signer, signer: str, stage: int, reason: str) -> LedgerDecision:
+        if st.quarantined:
+            return LedgerDecision("none", f"quarantined: {reason}", signer, stage)
+        st.quarantined = True
+        logger.info("quarantine %s (stage %d): %s", signer, stage, reason)
+        return LedgerDecision("quarantine", reason, signer, stage)
+
+    def _release(self, st: _Signer, signer: str, stage: int, reason: str) -> LedgerDecision:
+        st.quarantined = False
+        logger.info("release %s (stage %d): %s", signer, stage, reason)
+        return LedgerDecision("release", reason, signer, stage)
+
+    def _ban(
+        self, st: _Signer, stage_state: _Stage, signer: str, stage: int, reason: str, now: float
+    ) -> LedgerDecision:
+        st.banned = True
+        st.quarantined = False
+        stage_state.banned.add(signer)
+        logger.warning("BAN %s (stage %d) at t=%.1f: %s", signer, stage, now, reason)
+        return LedgerDecision("ban", reason, signer, stage)
+
+    # ----------------------------------------------------------------- persistence
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain containers, so a restarted verifier keeps its evidence and its bans."""
+        signers = {
+            name: {
+                "stage": st.stage,
+                "window": [list(item) for item in st.window],
+                "strikes": st.strikes,
+                "clean_run": st.clean_run,
+                "quarantined": st.quarantined,
+                "banned": st.banned,
+                "microbatches": st.microbatches,
+                "last_microbatch": st.last_microbatch,
+            }
+            for name, st in self._signers.items()
+        }
+        stages = {
+            stage: {
+                "records": [list(r) for r in s.records],
+                "next_seq": s.next_seq,
+                "members": sorted(s.members),
+                "banned": sorted(s.banned),
+            }
+            for stage, s in self._stages.items()
+        }
+        return {"signers": signers, "stages": stages}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._signers = {}
+        for name, s in state["signers"].items():
+            window: deque[tuple[int, bool]] = deque(
+                ((int(seq), bool(f)) for seq, f in s["window"]), maxlen=self.config.window_microbatches
+            )
+            self._signers[name] = _Signer(
+                stage=int(s["stage"]),
+                window=window,
+                strikes=int(s["strikes"]),
+                clean_run=int(s["clean_run"]),
+                quarantined=bool(s["quarantined"]),
+                banned=bool(s["banned"]),
+                microbatches=int(s["microbatches"]),
+                last_microbatch=None if s.get("last_microbatch") is None else int(s["last_microbatch"]),
+            )
+        self._stages = {}
+        for stage, s in state["stages"].items():
+            stage_state = _Stage(
+                next_seq=int(s["next_seq"]), members=frozenset(s["members"]), banned=set(s["banned"])
+            )
+            stage_state.records.extend((int(seq), str(name), bool(f)) for seq, name, f in s["records"])
+            self._stages[int(stage)] = stage_state

@@ -1,0 +1,200 @@
+"""Spot-check recomputation policy: which microbatches another replica recomputes, and what a
+difference means.
+
+Statistics at a boundary cannot see an attacker that sends what an honest replica would plausibly send
+(slow drift, an EMA-mimicking free-rider, noise at the scale of honest variation, a quiet gradient sign
+flip). Recomputing the same input on another replica of the same stage can: the data variation that hides
+those attacks from the monitor cancels, and what remains is the replicas' weight divergence and floating
+point noise. This module owns the sampling rate (small base rate, more for new, flagged and quarantined
+peers; the RNG is the verifier's and the draw happens after the sender signed its output, so the sender
+cannot know in advance) and the comparison and adjudication rules. Running the recomputation is the
+verifier's job.
+
+Adjudication: a mismatch between the original and the checker is not yet proof (either may be the liar).
+A third replica recomputes; if the original is the odd one out (far from both others, which are close to
+each other) that is ban-grade evidence against it; if the checker is the odd one out, the checker is the
+suspect; otherwise nothing is concluded. Replicas are DiLoCo learners whose weights differ between
+syncs, so "close" is calibrated on the honest divergence this stage actually shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Outcome = Literal["match", "need_third", "original_faulty", "checker_faulty", "inconclusive"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SpotCheckConfig:
+    """Sampling rates and tolerances; docs/sentinel.md has the measurements behind the defaults."""
+
+    base_rate: float = 0.02  # share of an established, unflagged replica's microbatches recomputed
+    new_peer_rate: float = 0.25  # rate while the replica has sent fewer than new_peer_microbatches
+    new_peer_microbatches: int = 50
+    flagged_rate: float = 0.5  # rate while the replica has monitor flags in its ledger window
+    quarantined_rate: float = 1.0  # rate while quarantined: every microbatch
+    # Floor of the relative tolerance: ample for CPU fp32 nondeterminism with identical weights
+    # (measured ~1e-7). Replicas of a stage are DiLoCo learners whose weights drift apart between
+    # syncs (measured: median 7 % forward, 16 % backward at lr 1e-3), hence the adaptive tolerance.
+    rtol: float = 1e-4  # relative L2 difference ||a - b|| / ||b|| that always counts as a match
+    atol: float = 1e-6  # max |a - b| that counts as a match whatever rtol says (all-zero tensors)
+    adaptive_tolerance: bool = True  # tolerance = factor * median rel_diff of honest-looking pairs
+    tolerance_factor: float = 3.0
+    tolerance_samples: int = 16  # honest pairs needed before the tolerance adapts (until then: max)
+    tolerance_window: int = 128  # honest rel_diffs remembered
+    tolerance_max: float = 0.5  # never tolerate more than this, whatever honest pairs show
+    odd_one_out_ratio: float = 4.0  # the odd replica differs from BOTH others this many times more
+    # than they differ from each other (measured honest max: 3.9, p99: 2.3-3.0)
+
+    def __post_init__(self) -> None:
+        for name in ("base_rate", "new_peer_rate", "flagged_rate", "quarantined_rate"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.new_peer_microbatches < 0:
+            raise ValueError("new_peer_microbatches must be >= 0")
+        if self.rtol < 0 or self.atol < 0 or self.tolerance_max < self.rtol:
+            raise ValueError("need rtol >= 0, atol >= 0 and tolerance_max >= rtol")
+        if self.tolerance_factor < 1.0 or self.odd_one_out_ratio < 1.0:
+            raise ValueError("tolerance_factor and odd_one_out_ratio must be >= 1")
+        if not 1 <= self.tolerance_samples <= self.tolerance_window:
+            raise ValueError("need 1 <= tolerance_samples <= tolerance_window")
+
+
+@dataclass(frozen=True, slots=True)
+class SpotCheckDecision:
+    check: bool
+    rate: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SpotCheckResult:
+    match: bool
+    max_abs_diff: float
+    rel_diff: float  # ||a - b||_2 / max(||a||_2, ||b||_2)
+
+
+@dataclass(frozen=True, slots=True)
+class SpotCheckVerdict:
+    outcome: Outcome
+    reason: str
+    original_vs_checker: SpotCheckResult
+    third_vs_checker: SpotCheckResult | None = None
+    third_vs_original: SpotCheckResult | None = None
+
+    @property
+    def ban_grade(self) -> bool:
+        """True when the evidence convicts the original sender (two replicas against one)."""
+        return self.outcome == "original_faulty"
+
+
+def compare_outputs(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> SpotCheckResult:
+    """Compare two recomputations of the same microbatch.
+
+    rel_diff is ||a - b|| / max(||a||, ||b||): symmetric (neither side is presumed honest) and bounded
+    by 2. Norm-wise rather than torch.allclose's element-wise test, because CPU fp32 reduction order
+    (thread count, batch composition) moves single elements by far more than the tensor as a whole."""
+    if a.shape != b.shape:
+        return SpotCheckResult(False, math.inf, math.inf)
+    with torch.no_grad():
+        a32, b32 = a.detach().float(), b.detach().float()
+        norm_a, norm_b = float(a32.norm()), float(b32.norm())
+        if not (math.isfinite(norm_a) and math.isfinite(norm_b)):
+            return SpotCheckResult(False, math.inf, math.inf)
+        diff = a32 - b32
+        max_abs = float(diff.abs().max()) if diff.numel() else 0.0
+        diff_norm = float(diff.norm())
+    ref = max(norm_a, norm_b)
+    rel = diff_norm / ref if ref > 0 else 0.0
+    return SpotCheckResult(rel <= rtol or max_abs <= atol, max_abs, rel)
+
+
+class SpotCheckPolicy:
+    """Sampling and adjudication of spot-check recomputations for one stage (or one verifier)."""
+
+    def __init__(self, config: SpotCheckConfig | None = None) -> None:
+        self.config = config or SpotCheckConfig()
+        self._honest_rel: deque[float] = deque(maxlen=self.config.tolerance_window)
+
+    def rate(self, *, microbatches_seen: int, recent_flags: int, quarantined: bool) -> tuple[float, str]:
+        cfg = self.config
+        candidates = [(cfg.base_rate, "base rate")]
+        if microbatches_seen < cfg.new_peer_microbatches:
+            candidates.append((cfg.new_peer_rate, f"new peer ({microbatches_seen} microbatches seen)"))
+        if recent_flags > 0:
+            candidates.append((cfg.flagged_rate, f"{recent_flags} recent flags"))
+        if quarantined:
+            candidates.append((cfg.quarantined_rate, "quarantined"))
+        return max(candidates, key=lambda c: c[0])
+
+    def should_check(
+        self, rng: random.Random, *, microbatches_seen: int, recent_flags: int, quarantined: bool
+    ) -> SpotCheckDecision:
+        """Draw whether to recompute this microbatch; call only after the sender's output is signed."""
+        rate, why = self.rate(
+            microbatches_seen=microbatches_seen, recent_flags=recent_flags, quarantined=quarantined
+        )
+        return SpotCheckDecision(rng.random() < rate, rate, why)
+
+    @property
+    def tolerance(self) -> float:
+        """Current relative tolerance: rtol with fixed tolerances; with adaptive ones, the maximum until
+        enough honest pairs were seen, then factor * their median (a median, so the minority of
+        attacker checks that pass cannot ratchet it up), clamped to [rtol, tolerance_max]."""
+        cfg = self.config
+        if not cfg.adaptive_tolerance:
+            return cfg.rtol
+        if len(self._honest_rel) < cfg.tolerance_samples:
+            return cfg.tolerance_max
+        median = statistics.median(self._honest_rel)
+        return min(cfg.tolerance_max, max(cfg.rtol, cfg.tolerance_factor * median))
+
+    def compare(self, a: torch.Tensor, b: torch.Tensor) -> SpotCheckResult:
+        return compare_outputs(a, b, self.tolerance, self.config.atol)
+
+    def adjudicate(
+        self, original: torch.Tensor, checker: torch.Tensor, third: torch.Tensor | None = None
+    ) -> SpotCheckVerdict:
+        """Judge a spot check; pass `third` (a third replica's recomputation) after a `need_third`.
+
+        With three opinions, a replica is the odd one out when it differs from both others by more
+        than the tolerance AND by more than `odd_one_out_ratio` times their difference to each other."""
+        tol = self.tolerance
+        first = self.compare(original, checker)
+        if first.match:
+            self._honest_rel.append(first.rel_diff)
+            return SpotCheckVerdict("match", f"rel_diff {first.rel_diff:.2e} within {tol:.2e}", first)
+        if third is None:
+            return SpotCheckVerdict(
+                "need_third", f"rel_diff {first.rel_diff:.2e} > {tol:.2e}: ask a third replica", first
+            )
+        vs_checker = self.compare(third, checker)
+        vs_original = self.compare(third, original)
+        ratio = self.config.odd_one_out_ratio
+        original_odd = min(first.rel_diff, vs_original.rel_diff) > max(tol, ratio * vs_checker.rel_diff)
+        checker_odd = min(first.rel_diff, vs_checker.rel_diff) > max(tol, ratio * vs_original.rel_diff)
+        distances = f"o-c {first.rel_diff:.2e}, t-o {vs_original.rel_diff:.2e}, t-c {vs_checker.rel_diff:.2e}"
+        if original_odd:
+            self._honest_rel.append(vs_checker.rel_diff)
+            outcome: Outcome = "original_faulty"
+            reason = f"original is the odd one out ({distances}; tolerance {tol:.2e})"
+        elif checker_odd:
+            self._honest_rel.append(vs_original.rel_diff)
+            outcome = "checker_faulty"
+            reason = f"checker is the odd one out ({distances}; tolerance {tol:.2e})"
+        else:
+            outcome = "inconclusive"
+            reason = f"no odd one out ({distances}; tolerance {tol:.2e})"
+        logger.info("spot check %s: %s", outcome, reason)
+        return SpotCheckVerdict(outcome, reason, first, vs_checker, vs_original)
