@@ -47,7 +47,10 @@ BOUNDARIES: tuple[tuple[int, str], ...] = ((0, "forward"), (1, "forward"), (2, "
 # The tensor the verifier itself sent the stage for the same microbatch (the monitor's `context`):
 # stage 1 forward gets stage 0's output, stage 1 backward gets the gradient stage 2 returned. Stage 0
 # eats tokens and stage 2's output gradient is w.r.t. logits, so those boundaries have no context.
-CONTEXT: dict[tuple[int, str], tuple[int, str]] = {(1, "forward"): (0, "forward"), (1, "backward"): (2, "backward")}
+CONTEXT: dict[tuple[int, str], tuple[int, str]] = {
+    (1, "forward"): (0, "forward"),
+    (1, "backward"): (2, "backward"),
+}
 
 
 # --------------------------------------------------------------------------- model
@@ -386,12 +389,19 @@ class Lane:
                 attacked = self.attack.is_active(direction, step)
             t0 = time.perf_counter()
             ctx = mb.tensors[CONTEXT[(stage, direction)]] if (stage, direction) in CONTEXT else None
-            verdict = self.monitor.check(stage, direction, signer, mb.index, sent, float(mb.index), context=ctx)
+            verdict = self.monitor.check(
+                stage, direction, signer, mb.index, sent, float(mb.index), context=ctx
+            )
             self.stats.check_seconds.append(time.perf_counter() - t0)
             self._count(verdict.flagged, verdict.reason, attacked, f"{stage}/{direction}")
             self._apply(
                 self.ledger.record(
-                    signer, stage, verdict.flagged, float(mb.index), microbatch_id=mb.index, replicas=self.members(stage)
+                    signer,
+                    stage,
+                    verdict.flagged,
+                    float(mb.index),
+                    microbatch_id=mb.index,
+                    replicas=self.members(stage),
                 )
             )
             if stage == ATTACKED_STAGE and signer not in self.banned:
@@ -445,7 +455,7 @@ class Lane:
         if not decision.check:
             return
         self.stats.spot_checks += 1
-        (_, checker), (_, third) = mb.recomputed[direction][:2]
+        (checker_id, checker), (_, third) = mb.recomputed[direction][:2]
         verdict = self.spot.adjudicate(sent, checker)
         if verdict.outcome == "need_third":
             verdict = self.spot.adjudicate(sent, checker, third)
@@ -453,16 +463,19 @@ class Lane:
             self.stats.honest_rel_diffs.append(verdict.original_vs_checker.rel_diff)
         if verdict.outcome == "inconclusive":
             self.stats.spot_inconclusive += 1
-        if verdict.ban_grade:
-            self.stats.spot_false_convictions += int(not attacked)
-            decision_ = self.ledger.record_evidence(
-                signer,
-                ATTACKED_STAGE,
-                float(mb.index),
-                reason=verdict.reason,
-                replicas=self.members(ATTACKED_STAGE),
-            )
-            self._apply(decision_)
+        if verdict.culprit is None:
+            return
+        # The stream's checkers are honest replicas: convicting one, or an unattacked original, is false.
+        culprit = signer if verdict.culprit == "original" else checker_id
+        self.stats.spot_false_convictions += int(culprit != signer or not attacked)
+        decision = self.ledger.record_evidence(
+            culprit,
+            ATTACKED_STAGE,
+            float(mb.index),
+            reason=verdict.reason,
+            replicas=self.members(ATTACKED_STAGE),
+        )
+        self._apply(decision)
 
 
 # --------------------------------------------------------------------------- suite and report
@@ -628,7 +641,9 @@ def main(argv: list[str] | None = None) -> int:
         "--no-peers", action="store_true", help="ablation: history-only fences (paper as written)"
     )
     parser.add_argument("--name", default="sentinel_offline")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on shared cores)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: stable timings on shared cores)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 

@@ -5,13 +5,19 @@ multiaddr across restarts), signs the run manifest with the owner key, publishes
 and the well-known discovery key (and re-publishes it before it expires), heartbeats as role `bootstrap`, and
 serves `GET /api/status`, `GET /api/swarm`, `GET /metrics` and `/` (static files under bootstrap/static/).
 
-`/api/swarm` sections other work fills (`events`, `history`) come from providers registered with
-`Bootstrap.add_section(name, provider)`; a provider gets the document built so far and returns its section.
+The bootstrap keeps the swarm's history itself (`node.swarm_view.SwarmHistory`): every snapshot of the records
+(taken each heartbeat period even when nobody polls) is fed to it, with the merge details the active syncer lists
+in its own `/api/status` when it serves one. `/api/swarm` then carries `history` (time series, merges, bans),
+`events` (newest first) and `map` (peers by stage, role and health) for the dashboard; every event is also appended
+to `<state_dir>/swarm-events.jsonl`, and the swarm's figures are gauges on `/metrics`. Other sections come from
+providers registered with `Bootstrap.add_section(name, provider)`; a provider gets the document built so far and
+returns its section.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -21,6 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from hivemind.utils import get_dht_time
 from prometheus_client import Counter, Gauge
@@ -28,7 +35,16 @@ from prometheus_client import Counter, Gauge
 from node.config import DEFAULT_LISTEN, NetworkConfig, default_state_dir
 from node.runtime import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
 from node.status import metrics_response, start_site, summarize_bans
-from node.swarm import Membership, check_multiaddr, start_dht
+from node.swarm import (
+    REACH_ROUTE,
+    Membership,
+    Redialer,
+    check_multiaddr,
+    reach_check_route,
+    reach_limits,
+    start_dht,
+)
+from node.swarm_view import SwarmHistory, ViewConfig
 from protocol.errors import HivenodeError
 from protocol.identity import IdentityLock, NodeIdentity
 from protocol.manifest import RunManifest, SignedManifest, authorize, default_manifest, load_run_toml
@@ -40,6 +56,7 @@ from protocol.records import (
     SwarmRecords,
     publish_discovery,
 )
+from protocol.rpc import FramedServer
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +65,11 @@ MAX_REMEMBERED_PEERS = (
     256  # peers whose bans we keep asking about after they stop heartbeating (one get each)
 )
 SectionProvider = Callable[[dict[str, Any]], Any]
+MAX_EVENTS_SERVED = 200  # newest events in /api/swarm
+SWARM_EVENTS_FILENAME = (
+    "swarm-events.jsonl"  # in the state dir: every event the bootstrap saw, one JSON per line
+)
+MAX_SYNCER_STATUS_BYTES = 1 << 20  # the syncer's /api/status we read for merge details
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +95,10 @@ class BootstrapConfig:
     join_timeout_s: float = 30.0  # bounds the DHT start (and its first contact with --join peers)
     request_timeout_s: float = 5.0  # bounds each DHT store/get
     swarm_cache_s: float = 0.5  # /api/swarm answers from a snapshot at most this old (bounds DHT load)
+    serve_reach_checks: bool = True  # dial joining nodes back so they learn whether peers can reach them
+    syncer_status_timeout_s: float = (
+        2.0  # bounds the fetch of the active syncer's /api/status (merge details)
+    )
     shutdown_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -116,8 +142,51 @@ class Bootstrap:
             ["result"],
             registry=self.metrics.registry,
         )
-        self.sections: dict[str, SectionProvider] = {"events": lambda _doc: [], "history": lambda _doc: []}
+        self.swarm_health = Gauge(
+            "hivenode_swarm_peers_by_health",
+            "Peers on the swarm map by health",
+            ["health"],
+            registry=self.metrics.registry,
+        )
+        self.swarm_bans = Gauge(
+            "hivenode_swarm_bans", "Peers with a ban record", registry=self.metrics.registry
+        )
+        self.swarm_merges = Gauge(
+            "hivenode_swarm_merges",
+            "Fragment versions published since this bootstrap started watching",
+            registry=self.metrics.registry,
+        )
+        self.swarm_tokens = Gauge(
+            "hivenode_swarm_tokens",
+            "Tokens processed by the swarm since this bootstrap started watching",
+            registry=self.metrics.registry,
+        )
+        self.swarm_throughput = Gauge(
+            "hivenode_swarm_throughput_tokens_per_second",
+            "Tokens/s processed (last sample)",
+            registry=self.metrics.registry,
+        )
+        self.swarm_goodput = Gauge(
+            "hivenode_swarm_goodput_tokens_per_second",
+            "Tokens/s that count (last sample)",
+            registry=self.metrics.registry,
+        )
+        self.swarm_loss = Gauge(
+            "hivenode_swarm_train_loss",
+            "Mean training loss of unbanned peers (last sample)",
+            registry=self.metrics.registry,
+        )
+        self.history = SwarmHistory(ViewConfig(sample_period_s=manifest.heartbeat_period_s))
+        self.sections: dict[str, SectionProvider] = {
+            "events": lambda _doc: self.history.events_json(MAX_EVENTS_SERVED),
+            "history": lambda _doc: self.history.history_json(),
+            "map": self.history.swarm_map,
+        }
+        self._syncer_status: dict[str, Any] | None = None
+        self._events_logged = 0  # seq of the last history event appended to the swarm event log
         self.dht: Any = None
+        self._p2p: Any = None  # our replica of the DHT's daemon, for the reach checks we serve
+        self._reach: FramedServer | None = None
         self.records: SwarmRecords | None = None
         self.owner_records: SwarmRecords | None = None
         self.membership: Membership | None = None
@@ -154,10 +223,19 @@ class Bootstrap:
         )
         await self.publish_manifest()
         self._runner, self.http_address = await start_site(self._app(), config.http_host, config.http_port)
+        if config.serve_reach_checks:
+            await self._serve_reach_checks()
         await self.membership.announce()
         if config.maddrs_file is not None:
             _write_lines(config.maddrs_file, self.maddrs)
         self.metrics.info.info({"peer_id": self.identity.peer_id, "run_id": self.run_id, "role": "bootstrap"})
+
+    async def _serve_reach_checks(self) -> None:
+        """Dial joining nodes back at the addresses they announce, so they learn whether peers can reach them."""
+        self._p2p = await self.dht.replicate_p2p()
+        route = reach_check_route(self._p2p)
+        self._reach = FramedServer(self._p2p, {REACH_ROUTE: route}, limits=reach_limits())
+        await self._reach.start()
 
     def _heartbeat(self, now: float) -> Heartbeat:
         return Heartbeat(
@@ -195,13 +273,47 @@ class Bootstrap:
                 logger.warning("manifest re-publish timed out")
 
     async def _observe(self, stop: asyncio.Event) -> None:
-        """Refresh the swarm snapshot every heartbeat period, so /metrics and the seen-peer list stay current
-        even when nobody polls /api/swarm."""
-        while not await wait_or_stop(stop, self.manifest.heartbeat_period_s):
-            try:
-                await self.swarm_document()
-            except asyncio.TimeoutError:
-                logger.warning("the DHT did not answer a swarm snapshot in time")
+        """Refresh the swarm snapshot every heartbeat period, so /metrics, the history and the seen-peer list
+        stay current even when nobody polls /api/swarm."""
+        timeout = aiohttp.ClientTimeout(total=self.config.syncer_status_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while not await wait_or_stop(stop, self.manifest.heartbeat_period_s):
+                try:
+                    document = await self.swarm_document()
+                except asyncio.TimeoutError:
+                    logger.warning("the DHT did not answer a swarm snapshot in time")
+                    continue
+                self._syncer_status = await _fetch_syncer_status(session, document.get("syncer") or [])
+
+    def _log_events(self) -> None:
+        """Append new swarm events (joins, departures, stragglers, merges, bans) to `<state_dir>/swarm-events.jsonl`."""
+        events = self.history.events_after(self._events_logged)
+        if not events:
+            return
+        self._events_logged = events[-1]["seq"]
+        try:
+            self.config.state_dir.mkdir(parents=True, exist_ok=True)
+            with (self.config.state_dir / SWARM_EVENTS_FILENAME).open("a") as log:
+                log.writelines(json.dumps(e, default=str) + "\n" for e in events)
+        except OSError as e:
+            logger.warning("cannot append to the swarm event log: %s", e)
+
+    def _update_swarm_metrics(self) -> None:
+        history = self.history.history_json()
+        counts = self.history.swarm_map({})["counts"]
+        for health, count in counts.items():
+            self.swarm_health.labels(health=health).set(count)
+        self.swarm_bans.set(len(history["bans"]))
+        self.swarm_merges.set(history["totals"]["merges"])
+        self.swarm_tokens.set(history["totals"]["tokens"])
+        last = self.history.samples[-1] if self.history.samples else {}
+        for gauge, key in (
+            (self.swarm_throughput, "throughput"),
+            (self.swarm_goodput, "goodput"),
+            (self.swarm_loss, "loss"),
+        ):
+            if last.get(key) is not None:
+                gauge.set(last[key])
 
     async def run(self, stop: asyncio.Event) -> None:
         assert self.membership is not None
@@ -210,6 +322,9 @@ class Bootstrap:
         supervisor.spawn("heartbeat", partial(self.membership.run, stop), policy=RestartPolicy())
         supervisor.spawn("republish", partial(self._republish, stop), policy=RestartPolicy())
         supervisor.spawn("observe", partial(self._observe, stop), policy=RestartPolicy())
+        if self.config.join:  # other bootstraps: re-dial them if a partition leaves us alone
+            redialer = Redialer(self.dht, self.config.join, _network(self.config))
+            supervisor.spawn("redial", partial(redialer.run, stop), policy=RestartPolicy())
         try:
             stopped = asyncio.ensure_future(stop.wait())
             await asyncio.wait([stopped, supervisor.fatal], return_when=asyncio.FIRST_COMPLETED)
@@ -226,6 +341,12 @@ class Bootstrap:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._reach is not None:
+            await self._reach.stop()
+            self._reach = None
+        if self._p2p is not None:
+            await self._p2p.shutdown()  # a replica: closes our connection, the DHT owns the daemon
+            self._p2p = None
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
@@ -314,9 +435,39 @@ class Bootstrap:
             "syncer": [s.to_json() for s in syncers],
             "bootstrap_maddrs": list(dict.fromkeys([*self.maddrs, *other_bootstraps])),
         }
+        self.history.observe({**document, "syncer_status": self._syncer_status}, document["time"])
+        self._update_swarm_metrics()
+        self._log_events()
         for name, provider in self.sections.items():
             document[name] = provider(document)
         return document
+
+
+async def _fetch_syncer_status(
+    session: aiohttp.ClientSession, syncers: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The `/api/status` of the active syncer (its merge details), or None if it serves none or does not answer.
+    Syncers are authorized by the run owner, so the address they publish is one the bootstrap may ask."""
+    active = [s for s in syncers if s.get("state") == "active" and s.get("http")]
+    if not active:
+        return None
+    syncer = max(active, key=lambda s: (s.get("term", 0), s.get("sent_at", 0.0)))
+    url = f"http://{syncer['http']}/api/status"
+    try:
+        async with session.get(url) as response:
+            if response.status != 200:
+                return None
+            body = await response.content.read(MAX_SYNCER_STATUS_BYTES + 1)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        logger.debug("syncer status %s: %s", url, e)
+        return None
+    if len(body) > MAX_SYNCER_STATUS_BYTES:
+        return None
+    try:
+        status = json.loads(body)
+    except ValueError:
+        return None
+    return status if isinstance(status, dict) else None
 
 
 def _network(config: BootstrapConfig) -> NetworkConfig:

@@ -11,11 +11,16 @@ Example node.toml (every key optional; flags win over the file):
     identity = "~/.local/state/hivenode/node/identity.key"
     data = "corpus/"
     max_steps = 1000
+    [learner]                # node.learner.LearnerConfig
+    min_step_s = 0.25
+    [syncer]                 # node.syncer.SyncerConfig
+    lease_s = 6.0
     run_id = "..."           # only when the DHT hosts several runs
     log_level = "INFO"
-    [network]
+    [network]                # --listen / --announce override listen / announce
     listen = ["/ip4/0.0.0.0/tcp/31338"]
     announce = ["/ip4/203.0.113.9/tcp/31338"]
+    use_auto_relay = false   # become reachable through libp2p relays (set on its own when we are unreachable)
     join_timeout_s = 30.0
     request_timeout_s = 5.0
     [http]
@@ -80,10 +85,22 @@ class NetworkConfig:
     )
     request_timeout_s: float = 5.0  # bounds: each DHT store/get and each HTTP fetch of a bootstrap URL
     client_mode: bool = False  # True: do not serve DHT requests (for nodes others cannot dial)
+    use_relay: bool = True  # reach peers behind NAT through libp2p circuit relays (hivemind's default)
+    use_auto_relay: bool = False  # become reachable through relays; turned on when others cannot dial us
+    check_reachability: bool = True  # at start, ask a bootstrap to dial us back; unreachable -> client mode
+    # Losing every peer (a partition, a dead uplink): hivemind never re-dials its initial peers on its own, so we
+    # check the peer count this often and re-dial the bootstraps with exponential backoff between these bounds.
+    peer_check_period_s: float = 5.0
+    redial_min_s: float = 1.0
+    redial_max_s: float = 60.0
 
     def __post_init__(self) -> None:
         _positive("network.join_timeout_s", self.join_timeout_s)
         _positive("network.request_timeout_s", self.request_timeout_s)
+        for name in ("peer_check_period_s", "redial_min_s", "redial_max_s"):
+            _positive(f"network.{name}", getattr(self, name))
+        if self.redial_max_s < self.redial_min_s:
+            raise ValueError("network.redial_max_s must be >= network.redial_min_s")
         if not self.listen or not all(isinstance(m, str) and m.startswith("/") for m in self.listen):
             raise ValueError(f"network.listen must be multiaddrs, got {self.listen!r}")
         if not all(isinstance(m, str) and m.startswith("/") for m in self.announce):
@@ -121,8 +138,14 @@ class NodeConfig:
     shutdown_timeout_s: float = 5.0  # bounds: announcing leave, cancelling tasks, stopping the DHT
     network: NetworkConfig = field(default_factory=NetworkConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    # role options, checked by the role itself (node.learner.LearnerConfig, node.syncer.SyncerConfig)
+    learner: dict[str, Any] = field(default_factory=dict)
+    syncer: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for table in ("learner", "syncer"):
+            if not isinstance(getattr(self, table), dict):
+                raise ValueError(f"[{table}] must be a table")
         if not self.join:
             raise ValueError("at least one --join MADDR_OR_URL is needed")
         if self.role not in ROLE_CHOICES:
@@ -161,6 +184,18 @@ def build_run_parser() -> argparse.ArgumentParser:
     add("--identity", type=Path, metavar="PATH", help="Ed25519 key file (default: <state-dir>/identity.key)")
     add("--state-dir", type=Path, metavar="DIR", help="identity, pinned owners, event log")
     add("--http", metavar="HOST:PORT", help="status API address (default: 127.0.0.1:0)")
+    add(
+        "--listen",
+        action="append",
+        metavar="MADDR",
+        help="libp2p listen multiaddr (repeatable; default /ip4/127.0.0.1/tcp/0, e.g. /ip4/0.0.0.0/tcp/31338)",
+    )
+    add(
+        "--announce",
+        action="append",
+        metavar="MADDR",
+        help="multiaddr others should dial: public IP and a fixed port (repeatable)",
+    )
     add("--data", metavar="PATH", help="training data override (file, directory, or dataset name)")
     add("--max-steps", type=int, metavar="N", help="stop after N inner steps")
     add("--config", type=Path, metavar="node.toml", help="settings file; flags win over it")
@@ -240,4 +275,10 @@ def load_node_config(argv: Sequence[str]) -> NodeConfig:
     if args.http is not None:
         host, port = parse_host_port(args.http)
         data["http"] = {**data.get("http", {}), "host": host, "port": port}
+    network = {"listen": args.listen, "announce": args.announce}
+    if any(v is not None for v in network.values()):
+        table = data.get("network", {})
+        if not isinstance(table, dict):
+            raise ConfigError("[network] must be a table")
+        data["network"] = {**table, **{k: v for k, v in network.items() if v is not None}}
     return config_from_mapping(data)

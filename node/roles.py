@@ -6,8 +6,10 @@ not built yet in this version (it never pretends to train).
 
 `--role auto` picks, in order:
 1. `syncer` if this node's key is an authorized syncer of the run and no live peer announces the syncer role;
-2. `learner` otherwise.
-(Stages and verifiers are chosen explicitly for now: `--role stage [--stage N]`, `--role verifier`.)
+2. `stage` if the run is a pipeline run (more than one stage and at least one authorized verifier to drive it),
+   on the stage with the least announced throughput per layer (`node.routing.choose_stage`);
+3. `learner` otherwise.
+(Verifiers are chosen explicitly: `--role verifier`; `--role stage` without `--stage` places as in 2.)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from node.swarm import least_served_stage
+from node.routing import ReplicaInfo, choose_stage, stage_loads
 from protocol.errors import ConfigError
 from protocol.manifest import RunManifest
 from protocol.records import PeerRecord
@@ -118,8 +120,7 @@ def choose_role(
         )
     if requested == "stage":
         if requested_stage is None:
-            stage = least_served_stage(peers, manifest.num_stages)
-            return RoleChoice("stage", stage, f"stage {stage} has the least announced throughput")
+            return RoleChoice("stage", *_place_stage(manifest, peers, now))
         if requested_stage >= manifest.num_stages:
             raise ConfigError(
                 f"--stage {requested_stage}: run {manifest.name!r} has {manifest.num_stages} stages"
@@ -129,4 +130,19 @@ def choose_role(
         return RoleChoice(requested, None, "asked for")
     if peer_id in manifest.authorized_syncers and not _live(peers, "syncer", now):
         return RoleChoice("syncer", None, "authorized syncer and no syncer is alive")
+    if manifest.num_stages > 1 and manifest.authorized_verifiers:
+        return RoleChoice("stage", *_place_stage(manifest, peers, now))
     return RoleChoice("learner", None, "default for volunteers")
+
+
+def _place_stage(manifest: RunManifest, peers: Sequence[PeerRecord], now: float) -> tuple[int, str]:
+    """The stage with the least announced throughput per layer among live, non-leaving stage replicas."""
+    from node.model import stage_spans  # imports torch: only when a stage is being placed
+
+    replicas = [
+        ReplicaInfo(peer_id=p.peer_id, stage=p.heartbeat.stage, throughput=p.heartbeat.throughput)
+        for p in _live(peers, "stage", now)
+        if p.heartbeat.stage is not None
+    ]
+    spans = stage_spans(manifest.model["num_layers"], manifest.num_stages)
+    return choose_stage(stage_loads(replicas, spans))

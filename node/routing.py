@@ -15,7 +15,8 @@ Nothing here touches sockets, asyncio or the global clock: `now` (seconds on any
   can never re-open a double application (microbatch ids grow per sender).
 * `choose_stage` places a new node on the stage with the least announced throughput per layer.
 * `Rebalancer` moves a replica from a well-served stage to a starved one, with hysteresis: the imbalance must
-  hold for `dwell_s`, the move must leave the donor stage still better served than the starved one, moves are
+  hold for `dwell_s`, the move must not leave the donor stage starved in turn (the same ratio both ways, so a
+  move is never immediately undone), moves are
   at least `cooldown_s` apart, and only the donor stage's slowest replica moves (so replicas that all see the
   same view do not stampede).
 """
@@ -173,15 +174,18 @@ class ReplicaRouter:
     ) -> Choice | None:
         """The replica of `stage` with the earliest projected finish, or None if none is usable.
 
-        Replicas in `exclude` (already failed for this hop) or `banned`, and those in a failure cooldown, are
-        skipped. Ties (within 1 %) are broken at random, so equal replicas share the load.
+        Replicas in `exclude` (already failed for this hop) or `banned` are skipped, and so are those in a failure
+        cooldown unless every remaining replica of the stage is in one. Ties (within 1 %) are broken at random,
+        so equal replicas share the load.
         """
         skip = set(exclude) | set(banned)
-        candidates = [
-            r
-            for r in replicas
-            if r.stage == stage and r.peer_id not in skip and not self.is_blocked(r.peer_id, now)
-        ]
+        eligible = [r for r in replicas if r.stage == stage and r.peer_id not in skip]
+        candidates = [r for r in eligible if not self.is_blocked(r.peer_id, now)]
+        note = ""
+        if not candidates and eligible:
+            # A cooldown is a preference, not a ban: when it covers the whole stage, a transient fault on every
+            # replica would otherwise stall the pipeline until the cooldowns run out.
+            candidates, note = eligible, " (all in cooldown)"
         if not candidates:
             return None
         scored = sorted((self.projected_s(r, tokens), r.peer_id) for r in candidates)
@@ -191,7 +195,7 @@ class ReplicaRouter:
         return Choice(
             peer_id=peer_id,
             projected_s=best_s,
-            reason=f"least projected time {best_s * 1000:.0f} ms of {len(candidates)} live replica(s)",
+            reason=f"least projected time {best_s * 1000:.0f} ms of {len(candidates)} live replica(s){note}",
         )
 
 
@@ -201,8 +205,9 @@ class ReplicaRouter:
 class HopFailure(str, enum.Enum):
     """Why one hop (one request to one replica) failed, as the retry policy sees it."""
 
-    UNREACHABLE = "unreachable"  # could not open the stream, or it broke
+    UNREACHABLE = "unreachable"  # could not open the stream or reach the replica
     TIMEOUT = "timeout"  # no full answer in time
+    LOST = "answer lost"  # the stream ended after the request went out: the replica may have applied it
     REFUSED = "refused"  # the replica answered with an error
     NO_CONTEXT = "no context"  # a backward reached a replica that no longer holds the forward's context
     BAD_REPLY = "bad reply"  # the answer failed our checks (signature, signer, shape...)
@@ -232,7 +237,7 @@ class RetryPolicy:
     def ask_same_again(self, failure: HopFailure, same_tries: int) -> bool:
         """A backward whose answer was lost may already be applied there: ask the same replica again first,
         where it is answered from cache, before re-running it elsewhere (which would apply it twice)."""
-        return failure is HopFailure.TIMEOUT and same_tries < self.same_replica_retries
+        return failure in (HopFailure.TIMEOUT, HopFailure.LOST) and same_tries < self.same_replica_retries
 
     def blames_replica(self, failure: HopFailure) -> bool:
         """Whether the failure should put the replica in a cooldown (a lost context is not its fault)."""
@@ -432,12 +437,12 @@ class Rebalancer:
         loads = stage_loads(replicas, spans, exclude=me)
         mine = loads[my_stage]
         own = max(0.0, my_throughput) if math.isfinite(my_throughput) else 0.0
-        # what the donor stage keeps if we leave, against what the starved stage gets if we come
-        donor_after = mine.per_layer
+        donor_after = mine.per_layer  # what our stage keeps if we leave (loads exclude us)
         starved = [
             s
             for s in loads
-            if s.stage != my_stage and s.per_layer < cfg.starve_ratio * (mine.throughput + own) / mine.num_layers
+            if s.stage != my_stage
+            and s.per_layer < cfg.starve_ratio * (mine.throughput + own) / mine.num_layers
         ]
         for stage in list(self._starved_since):
             if stage not in {s.stage for s in starved}:
@@ -451,7 +456,8 @@ class Rebalancer:
         if mine.replicas + 1 < cfg.min_donor_replicas:
             self.last_reason = f"stage {my_stage} would be left with {mine.replicas} replica(s)"
             return None
-        if donor_after <= target.per_layer + own / max(target.num_layers, 1):
+        target_after = (target.throughput + own) / max(target.num_layers, 1)
+        if donor_after < cfg.starve_ratio * target_after:  # the same ratio both ways: no ping-pong
             self.last_reason = f"moving would starve stage {my_stage} instead"
             return None
         held_s = now - self._starved_since[target.stage]
@@ -459,7 +465,9 @@ class Rebalancer:
             self.last_reason = f"stage {target.stage} starved for {held_s:.0f} s < dwell {cfg.dwell_s:.0f} s"
             return None
         if now - self.started_at < cfg.cooldown_s:
-            self.last_reason = f"moved or joined {now - self.started_at:.0f} s ago < cooldown {cfg.cooldown_s:.0f} s"
+            self.last_reason = (
+                f"moved or joined {now - self.started_at:.0f} s ago < cooldown {cfg.cooldown_s:.0f} s"
+            )
             return None
         if not _is_slowest(me, own, my_stage, replicas):
             self.last_reason = "a slower replica of this stage should move first"

@@ -1,6 +1,6 @@
 """The node's runtime skeleton: context, supervised background tasks, event log, logging, and the run sequence.
 
-`run_node` is the whole life of a node: identity and its lock -> join (DHT, manifest, owner pin) -> role ->
+`run_node` is the whole life of a node: identity and its lock -> join (DHT, reachability, manifest, owner pin) ->
 heartbeats and status API under a `TaskSupervisor` -> wait for a stop signal, a fatal task, or the role finishing
 -> announce leaving -> cancel everything -> stop the DHT. Every wait in it is bounded by a named config timeout.
 """
@@ -361,7 +361,11 @@ async def _serve(
         with contextlib.suppress(asyncio.TimeoutError):  # the heartbeat loop retries; it logs the failure
             await membership.announce()
         events.emit("joined", run_id=ctx.run_id, role=choice.role, stage=choice.stage, why=choice.reason)
+        _note_reachability(events, joined)
         supervisor.spawn("heartbeat", partial(membership.run, stop), policy=RestartPolicy())
+        if joined.entry_points:
+            redialer = swarm.Redialer(joined.dht, joined.entry_points, config.network, events=events)
+            supervisor.spawn("redial", partial(redialer.run, stop), policy=RestartPolicy())
         supervisor.spawn("role", partial(role.run, ctx, stop), ends_node=True)
         if on_ready is not None:
             on_ready(ctx)
@@ -373,6 +377,19 @@ async def _serve(
         await server.stop()
         events.emit("left")
         events.close()
+
+
+def _note_reachability(events: EventLog, joined: Any) -> None:
+    reach = joined.reachability
+    if reach is not None:
+        events.emit(
+            "reachability",
+            reachable=reach.reachable,
+            client_mode=joined.client_mode,
+            checked=list(reach.checked),
+            dialable=list(reach.dialable),
+            observed=list(reach.observed),
+        )
 
 
 async def _wait_for_end(stop: asyncio.Event, supervisor: TaskSupervisor) -> None:

@@ -4,6 +4,7 @@ text summary behind `python -m node status <url-or-multiaddr>`."""
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 from hivemind.utils import get_dht_time
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from node.config import NetworkConfig
 from node.runtime import VERSION, NodeContext, short_id
@@ -45,11 +46,54 @@ def metrics_response(registry: CollectorRegistry) -> web.Response:
     return response
 
 
+# Numeric fields of a role's status exported as gauges on every scrape, so each process's /metrics carries its
+# role's progress without every role registering its own metrics.
+STATUS_GAUGES: dict[str, tuple[str, str]] = {
+    "inner_step": ("hivenode_inner_step", "Inner steps done (merges, for a syncer)"),
+    "tokens": ("hivenode_tokens", "Tokens processed since the process started (merged, for a syncer)"),
+    "throughput": ("hivenode_throughput_tokens_per_second", "Tokens per second over the last seconds"),
+    "loss": ("hivenode_loss", "Latest training loss (held-out loss of the global model, for a syncer)"),
+    "held_out_loss": ("hivenode_held_out_loss", "Latest held-out loss this process measured"),
+    "load": ("hivenode_load", "Busy fraction or queue length the role announces"),
+    "merges": ("hivenode_merges", "Merges this syncer committed"),
+    "tokens_merged": ("hivenode_tokens_merged", "Tokens (capped) in the merges this syncer committed"),
+    "live_holders": (
+        "hivenode_syncer_live_holders",
+        "Live learners and stages the syncer expects contributions from",
+    ),
+    "microbatches_completed": (
+        "hivenode_microbatches_completed",
+        "Pipeline microbatches this verifier completed",
+    ),
+    "microbatches_served": ("hivenode_microbatches_served", "Microbatches this stage served"),
+    "val_loss": ("hivenode_val_loss", "Held-out loss of the pipeline this verifier measured"),
+}
+
+
+class StatusMetrics:
+    """Gauges mirroring the numeric fields of a status document (see STATUS_GAUGES), updated at scrape time; a
+    gauge appears once its field has a number (a learner exports no merge count)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._gauges: dict[str, Gauge] = {}
+
+    def update(self, status: dict[str, Any]) -> None:
+        for key, (name, help_text) in STATUS_GAUGES.items():
+            value = status.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                if key not in self._gauges:
+                    self._gauges[key] = Gauge(name, help_text, registry=self.registry)
+                self._gauges[key].set(value)
+
+
 class StatusServer:
-    """`/api/status` (JSON from a status source) and `/metrics` (this node's own Prometheus registry)."""
+    """`/api/status` (JSON from a status source) and `/metrics` (this node's own Prometheus registry, plus gauges
+    of the role's status fields)."""
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
         self.host, self.port, self.registry = host, port, registry
+        self.status_metrics = StatusMetrics(registry)
         self._source: StatusSource = dict
         self._runner: web.AppRunner | None = None
         self.app = web.Application()
@@ -63,6 +107,10 @@ class StatusServer:
         return web.json_response(self._source())
 
     async def _metrics(self, _request: web.Request) -> web.Response:
+        try:
+            self.status_metrics.update(self._source())
+        except Exception:  # a role whose status cannot be read must not take /metrics down with it
+            logger.exception("status source failed while serving /metrics")
         return metrics_response(self.registry)
 
     async def start(self) -> str:
@@ -120,7 +168,7 @@ def summarize_bans(bans: dict[str, list[BanRecord]], bans_required: int) -> list
 
 
 def render_swarm(data: dict[str, Any]) -> str:
-    """A text summary of an /api/swarm document."""
+    """A text summary of an /api/swarm document (with the bootstrap's history when it has one)."""
     lines = [f"run {data.get('run_name', '?')} ({data.get('run_id', '?')})"]
     peers = data.get("peers") or []
     lines.append(f"{len(peers)} live peer(s)")
@@ -128,17 +176,56 @@ def render_swarm(data: dict[str, Any]) -> str:
         stage = peer.get("stage")
         where = f" stage {stage}" if stage is not None else ""
         step = peer.get("inner_step")
+        loss = peer.get("loss")
         lines.append(
             f"  {short_id(str(peer.get('peer_id', '')))}  {peer.get('role', '?'):9}{where:9} {peer.get('state', '?'):10}"
-            f" step {step if step is not None else '-'}  {peer.get('throughput', 0.0):.0f} tok/s  {peer.get('http', '')}"
+            f" step {step if step is not None else '-'}  {peer.get('throughput', 0.0):.0f} tok/s"
+            f"  loss {f'{loss:.3f}' if isinstance(loss, int | float) else '-'}  {peer.get('http', '')}"
+        )
+    syncers = data.get("syncer") or []
+    lines.append(f"{len(syncers)} syncer record(s)")
+    for record in syncers:
+        versions = " ".join(str(v) for v in record.get("versions") or [])
+        lines.append(
+            f"  {short_id(str(record.get('peer_id', '')))}  {record.get('state', '?')} term {record.get('term', '?')}"
+            f"  versions [{versions}]"
         )
     bans = data.get("bans") or []
     lines.append(f"{len(bans)} banned peer(s)")
-    syncers = data.get("syncer") or []
-    lines.append(f"{len(syncers)} syncer record(s)")
+    for ban in bans:
+        reasons = sorted({n.get("reason", "") for n in ban.get("notices") or []} - {""})
+        signed = ", ".join(short_id(v) for v in ban.get("verifiers") or [])
+        effect = "in effect" if ban.get("in_effect") else "not yet in effect"
+        lines.append(
+            f"  {short_id(str(ban.get('offender', '')))}  {effect}, signed by {signed}: {'; '.join(reasons)}"
+        )
+    lines += _history_lines(data.get("history"))
     for maddr in data.get("bootstrap_maddrs") or []:
         lines.append(f"bootstrap {maddr}")
     return "\n".join(lines)
+
+
+def _last_number(values: object) -> float | None:
+    if not isinstance(values, list):
+        return None
+    numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    return numbers[-1] if numbers else None
+
+
+def _history_lines(history: object) -> list[str]:
+    """What the bootstrap's history adds: current rates, merges, the latest held-out loss."""
+    if not isinstance(history, dict) or not history.get("t"):
+        return []
+    throughput, goodput = _last_number(history.get("throughput")), _last_number(history.get("goodput"))
+    totals = history.get("totals") if isinstance(history.get("totals"), dict) else {}
+    evals = [p for p in history.get("eval") or [] if isinstance(p, dict)]
+    line = (
+        f"swarm: {throughput or 0:,.0f} tok/s processed, goodput {goodput or 0:,.0f} tok/s"
+        f" ({history.get('goodput_source', '?')}); {totals.get('merges', 0)} merges seen"
+    )
+    if evals:
+        line += f"; held-out loss {evals[-1].get('loss')}"
+    return [line]
 
 
 async def swarm_from_dht(maddrs: list[str], network: NetworkConfig) -> list[dict[str, Any]]:

@@ -74,6 +74,9 @@ class InnerOptimizerSpec:
         _require(_is_real(self.weight_decay) and self.weight_decay >= 0, "inner.weight_decay must be >= 0")
 
 
+DILOCO_MODES = ("decoupled", "sync", "elastic_sync")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DilocoSpec:
     """Decoupled DiLoCo settings (DESIGN.md, "Decoupled DiLoCo: our reading")."""
@@ -87,8 +90,16 @@ class DilocoSpec:
     outer_lr: float = 0.7  # outer Nesterov learning rate
     outer_momentum: float = 0.9  # outer Nesterov momentum
     min_sync_interval_s: float = 5.0  # floor on the real time between two syncs of one fragment
+    # decoupled: K = min_quorum plus the grace window; sync: every one of sync_learners, learners wait for
+    # their round (the synchronous DiLoCo baseline); elastic_sync: every learner alive per the DHT, learners wait
+    mode: str = "decoupled"
+    sync_learners: int = 4  # M, the learners mode "sync" waits for (dead ones included)
 
     def __post_init__(self) -> None:
+        _require(self.mode in DILOCO_MODES, f"diloco.mode must be one of {DILOCO_MODES}, got {self.mode!r}")
+        _require(
+            _is_int(self.sync_learners) and self.sync_learners >= 1, "diloco.sync_learners must be an int >= 1"
+        )
         for name in ("min_quorum", "sync_every_steps", "num_fragments"):
             _require(
                 _is_int(getattr(self, name)) and getattr(self, name) >= 1,

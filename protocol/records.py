@@ -54,7 +54,7 @@ class RecordLimits:
 
     max_value_bytes: int = 24 * 1024  # whole signed envelope (a manifest is at most 16 KiB)
     max_evidence_bytes: int = 8 * 1024  # opaque ban evidence
-    clock_skew_s: float = 30.0  # tolerated difference between our clock and the writer's
+    clock_skew_s: float = 60.0  # tolerated writer clock offset (as envelopes and hivemind auth allow)
     max_ttl_manifest_s: float = 3600.0  # manifest and discovery records; bootstraps re-publish
     max_ttl_peer_s: float = 300.0  # heartbeats
     max_ttl_syncer_s: float = 300.0  # syncer lease records
@@ -348,7 +348,21 @@ def check_envelope(
         raise RecordRejected(
             f"{parsed.kind.value} record not signed by {signer[-8:]}", reason="bad signature"
         )
+    _check_written_at(parsed.kind, body, now, limits)
     return VerifiedRecord(parsed, subkey, signer, body, expiration)
+
+
+def _check_written_at(kind: KeyKind, body: Mapping[str, Any], now: float, limits: RecordLimits) -> None:
+    """A record its author dated in our future comes from a clock that is off: refuse it as "clock skew" (a reason
+    nobody is struck for), or its short-lived record would outlive its author's intent by the skew. Checked after
+    the signature, so the reason is only ever given for authentic records."""
+    written_at = body.get("sent_at", body.get("issued_at"))
+    if isinstance(written_at, float) and written_at > now + limits.clock_skew_s:
+        raise RecordRejected(
+            f"{kind.value} record written {written_at - now:+.0f} s ahead of our clock "
+            f"(limit {limits.clock_skew_s:g} s)",
+            reason="clock skew",
+        )
 
 
 class HivenodeRecordValidator(RecordValidatorBase):

@@ -16,6 +16,14 @@ known to be under the cap. A request is one message with status REQUEST; the ans
 `remote_peer`, as handed to handlers, is the Noise-authenticated caller (`StreamInfo.peer_id` from the daemon).
 Every `ProtocolError` the stream layer or a handler raises is answered with its reason, logged, and counted against
 the remote peer in `PeerStrikes` unless the fault may be ours (see `blames_remote`).
+
+Load limits sit above all of that (p2pd runs libp2p with `InfiniteLimits`, so nothing below us sheds load). Before
+a byte of a request is read, the server asks its `PeerLimiter` for a rate token of that route and a stream slot of
+that peer; once the preamble has declared the request's size, and before the buffer is allocated, it reserves those
+bytes against the peer's and the node's bytes-in-flight caps. A refused peer gets a quick typed answer
+(`throttled: <limit>; retry_after_s=<s>`, raised as `PeerThrottled` by `call_framed`), is counted, and is not struck:
+being over a limit is load. A peer refused for its own behaviour more than the limiter's flood threshold is
+flooding: that is logged once per flood window and recorded as one "flood" strike per window.
 """
 
 from __future__ import annotations
@@ -23,8 +31,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import re
 import struct
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import suppress
@@ -43,6 +53,17 @@ from protocol.errors import (
     StreamClosed,
     StreamTimeout,
 )
+from protocol.limits import (
+    GLOBAL_STREAMS,
+    OTHER_RPCS,
+    STREAMS,
+    Admission,
+    FloodReport,
+    LimitsConfig,
+    PeerLimiter,
+    RateLimit,
+    Throttled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +77,18 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 Handler = Callable[[bytearray, str], Awaitable[bytes | None]]
 RejectHook = Callable[[str, str, ProtocolError], None]  # (remote peer, handler name, error)
+ThrottleHook = Callable[[str, str, Admission], None]  # (remote peer, handler name, refusal)
+THROTTLED_PREFIX = "throttled: "
+BUSY = "busy"
+_STREAM_LIMITS = frozenset({STREAMS, GLOBAL_STREAMS})
+FLOOD_STRIKE = "flood"
+# Routes that do real work (a stage forward, a fragment merge) set their own `Route.rate` from their service time.
+# The default only bounds cheap-call spam: an honest caller that waits for each answer makes at most a few hundred
+# calls a second on loopback (the wire tests do), so 500/s with a burst of 1000 per peer and route never refuses it,
+# while a flood of thousands a second from one identity is cut to that before any handler runs.
+DEFAULT_ROUTE_RATE = RateLimit(rate_per_s=500.0, burst=1000.0)
+# All peers and routes of one server together: what one asyncio handler loop can turn around on a 2-core node.
+DEFAULT_GLOBAL_RATE = RateLimit(rate_per_s=2000.0, burst=4000.0)
 
 
 class Status(enum.IntEnum):
@@ -77,6 +110,7 @@ class StreamConfig:
     max_streams: int = 64  # concurrent requests served in total
     linger_s: float = 1.0  # after refusing a request, how long to keep the stream open so the refusal is read
     linger_bytes: int = 4 << 20  # and how much of the caller's unread request to discard meanwhile
+    max_lingering: int = 256  # refusals lingering at once; past it a refusal closes at once (a flood)
 
     def __post_init__(self) -> None:
         if not 0 < self.max_chunk_bytes <= 0xFFFFFFFF:
@@ -88,7 +122,7 @@ class StreamConfig:
             or self.linger_bytes < 0
         ):
             raise ValueError("timeouts must be positive")
-        if self.max_streams_per_peer <= 0 or self.max_streams <= 0:
+        if self.max_streams_per_peer <= 0 or self.max_streams <= 0 or self.max_lingering < 0:
             raise ValueError("stream limits must be positive")
 
 
@@ -96,6 +130,7 @@ class StreamConfig:
 class Route:
     handler: Handler  # async (frame, remote_peer) -> answer bytes or None (an empty answer)
     max_request_bytes: int
+    rate: RateLimit | None = None  # per-peer request rate of this route; None: `DEFAULT_ROUTE_RATE`
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 0:
@@ -218,13 +253,18 @@ async def read_message(
     preamble = parse_preamble(
         raw, max_bytes=max_bytes, max_chunk_bytes=config.max_chunk_bytes, statuses=statuses
     )
+    return preamble.status, await _read_chunks(reader, preamble, config)
+
+
+async def _read_chunks(reader: asyncio.StreamReader, preamble: Preamble, config: StreamConfig) -> bytearray:
+    """The body a checked preamble announced (allocated here, once, at the declared size)."""
     parts = Reassembler(preamble, max_chunk_bytes=config.max_chunk_bytes)
     while not parts.done:
         length = parts.next_chunk_length(
             await _read_exactly(reader, _CHUNK_HEADER.size, config.chunk_timeout_s)
         )
         parts.add(await _read_exactly(reader, length, config.chunk_timeout_s))
-    return preamble.status, parts.finish()
+    return parts.finish()
 
 
 async def write_message(
@@ -305,8 +345,61 @@ class PeerStrikes:
 # ------------------------------------------------------------------------------------------------ server / client
 
 
+class PeerThrottled(RemoteRefused):
+    """A server refused a framed call for load: `limit` names the cap; retrying before `retry_after_s` is pointless
+    (inf: the call can never pass, e.g. a request larger than the peer's whole bytes-in-flight budget)."""
+
+    def __init__(self, message: str, *, reason: str, limit: str, retry_after_s: float) -> None:
+        super().__init__(message, reason=reason)
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+
+
+def throttle_reason(admission: Admission) -> str:
+    """The reason tag a refused caller receives: `busy` for the stream caps (the tag older nodes already send and
+    understand), else `throttled: <limit>[; retry_after_s=<s>]`."""
+    if admission.reason in _STREAM_LIMITS:
+        return BUSY
+    tag = THROTTLED_PREFIX + admission.reason
+    if admission.retry_after_s > 0:
+        tag += f"; retry_after_s={admission.retry_after_s:.3f}"
+    return tag
+
+
+def parse_throttle(reason: str) -> tuple[str, float] | None:
+    """(limit, retry_after_s) from a `throttle_reason` tag; None for any other reason."""
+    if reason == BUSY:
+        return STREAMS, 0.0
+    if not reason.startswith(THROTTLED_PREFIX):
+        return None
+    limit, _, hint = reason[len(THROTTLED_PREFIX) :].partition("; retry_after_s=")
+    try:
+        retry_after_s = float(hint) if hint else 0.0
+    except ValueError:
+        retry_after_s = 0.0
+    if math.isnan(retry_after_s) or retry_after_s < 0:
+        retry_after_s = 0.0
+    return limit, retry_after_s
+
+
+def route_limits(routes: Mapping[str, Route], config: StreamConfig) -> LimitsConfig:
+    """The `LimitsConfig` a server uses when none is given: each route's rate (or the default) per peer, and the
+    stream caps of `config`."""
+    return LimitsConfig(
+        default_rate=DEFAULT_ROUTE_RATE,
+        rpc_rates={name: route.rate or DEFAULT_ROUTE_RATE for name, route in routes.items()},
+        global_rate=DEFAULT_GLOBAL_RATE,
+        max_streams_per_peer=config.max_streams_per_peer,
+        max_streams_total=max(config.max_streams, config.max_streams_per_peer),
+    )
+
+
 class FramedServer:
-    """Serves `routes` (name -> Route, or name -> (handler, max_request_bytes)) as bounded streams on `p2p`."""
+    """Serves `routes` (name -> Route, or name -> (handler, max_request_bytes)) as bounded streams on `p2p`.
+
+    `limiter` (else a `PeerLimiter` built from `limits`, else from `route_limits`) is consulted before any request
+    is read. There is no switch to turn it off: a server without limits is one given limits nobody reaches.
+    """
 
     def __init__(
         self,
@@ -316,17 +409,37 @@ class FramedServer:
         config: StreamConfig | None = None,
         strikes: PeerStrikes | None = None,
         on_reject: RejectHook | None = None,
+        limits: LimitsConfig | None = None,
+        limiter: PeerLimiter | None = None,
+        on_throttle: ThrottleHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name in routes:
             protocol_name(name)
+            if name == OTHER_RPCS:
+                raise ValueError(f"{OTHER_RPCS!r} is not a route name")
         self.p2p = p2p
         self.routes = {name: r if isinstance(r, Route) else Route(*r) for name, r in routes.items()}
         self.config = config or StreamConfig()
         self.strikes = strikes if strikes is not None else PeerStrikes()
         self.on_reject = on_reject
-        self._active: Counter[str] = Counter()
+        self.on_throttle = on_throttle
+        if limiter is None:
+            limiter = PeerLimiter(limits or route_limits(self.routes, self.config))
+        self.limiter = limiter
+        self.clock = clock
+        self.floods: Counter[str] = Counter()  # flood windows logged per peer
+        self._flood_logged_at: OrderedDict[str, float] = OrderedDict()
+        self._lingering = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
+
+    @property
+    def _active(self) -> dict[str, int]:
+        """Open streams per peer (what the stream caps count)."""
+        return {
+            peer: s.num_open_streams for peer, s in self.limiter.stats().peers.items() if s.num_open_streams
+        }
 
     async def start(self) -> None:
         for name, route in self.routes.items():
@@ -367,15 +480,15 @@ class FramedServer:
     async def _serve(
         self, name: str, route: Route, remote: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        if (
-            self._active[remote] >= self.config.max_streams_per_peer
-            or self._active.total() >= self.config.max_streams
-        ):
-            await self._answer_error(reader, writer, "busy")  # not a strike: honest peers retry
+        admission = self.limiter.open_stream(remote, name, self.clock())  # before reading a single byte
+        if not admission:
+            await self._throttle(remote, name, admission, reader, writer)
             return
-        self._active[remote] += 1
         try:
-            answer = await self._handle(route, remote, reader)
+            answer = await self._handle(name, route, remote, reader)
+        except Throttled as e:
+            await self._throttle(remote, name, e.admission, reader, writer)
+            return
         except ProtocolError as e:
             self._reject(remote, name, e)
             await self._answer_error(reader, writer, e.reason)
@@ -385,28 +498,65 @@ class FramedServer:
             await self._answer_error(reader, writer, "internal error")
             return
         finally:
-            self._active[remote] -= 1
-            if self._active[remote] <= 0:
-                del self._active[remote]
+            self.limiter.close_stream(remote, name)
         try:
             await write_message(writer, Status.OK, answer, config=self.config)
         except (ConnectionError, asyncio.TimeoutError) as e:
             logger.debug("%s: answer to %s not delivered: %r", name, remote[:16], e)
 
-    async def _handle(self, route: Route, remote: str, reader: asyncio.StreamReader) -> bytes:
-        """Read the request under the caps, then run the handler."""
-        read = read_message(
-            reader,
+    async def _handle(self, name: str, route: Route, remote: str, reader: asyncio.StreamReader) -> bytes:
+        """Read the request under the caps (its bytes reserved before they are allocated), then run the handler."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.message_timeout_s
+        raw = await _read_exactly(reader, _PREAMBLE.size, self.config.chunk_timeout_s)
+        preamble = parse_preamble(
+            raw,
             max_bytes=route.max_request_bytes,
-            config=self.config,
+            max_chunk_bytes=self.config.max_chunk_bytes,
             statuses=frozenset({Status.REQUEST}),
         )
-        try:
-            _, frame = await asyncio.wait_for(read, self.config.message_timeout_s)
-        except asyncio.TimeoutError:
-            raise StreamTimeout(f"request not complete within {self.config.message_timeout_s} s") from None
-        answer = await route.handler(frame, remote)
+        with self.limiter.reserved_bytes(remote, preamble.total_bytes, self.clock()):
+            try:
+                frame = await asyncio.wait_for(
+                    _read_chunks(reader, preamble, self.config), max(0.0, deadline - loop.time())
+                )
+            except asyncio.TimeoutError:
+                raise StreamTimeout(
+                    f"request not complete within {self.config.message_timeout_s} s"
+                ) from None
+            answer = await route.handler(frame, remote)
         return b"" if answer is None else answer
+
+    async def _throttle(
+        self,
+        remote: str,
+        name: str,
+        admission: Admission,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> None:
+        """Refuse for load: counted by the limiter, never a strike; a flood is logged and struck once per window."""
+        if admission.flood is not None:
+            self._note_flood(remote, name, admission.flood)
+        if self.on_throttle is not None:
+            self.on_throttle(remote, name, admission)
+        logger.debug("%s: throttled %s: %s", name, remote[:16], admission.reason)
+        await self._answer_error(reader, writer, throttle_reason(admission))
+
+    def _note_flood(self, remote: str, name: str, flood: FloodReport) -> None:
+        now = self.clock()
+        last = self._flood_logged_at.get(remote)
+        if last is not None and now - last < flood.window_s:
+            return
+        self._flood_logged_at[remote] = now
+        self._flood_logged_at.move_to_end(remote)
+        while len(self._flood_logged_at) > self.strikes.max_peers:
+            self._flood_logged_at.popitem(last=False)
+        self.floods[remote] += 1
+        if len(self.floods) > self.strikes.max_peers:
+            del self.floods[next(iter(self.floods))]
+        self.strikes.record(remote, FLOOD_STRIKE)
+        logger.warning("%s: peer %s is flooding: %s", name, remote[:16], flood.reason)
 
     def _reject(self, remote: str, name: str, error: ProtocolError) -> None:
         blamed = blames_remote(error)
@@ -430,9 +580,15 @@ class FramedServer:
     ) -> None:
         with suppress(Exception):  # the caller may be gone; the refusal is already logged
             await write_message(writer, Status.ERROR, reason.encode()[:MAX_ERROR_BYTES], config=self.config)
-            await _discard_until_closed(
-                reader, max_bytes=self.config.linger_bytes, timeout_s=self.config.linger_s
-            )
+            if self._lingering >= self.config.max_lingering:
+                return  # under a flood, holding every refused stream open would itself be the exhaustion
+            self._lingering += 1
+            try:
+                await _discard_until_closed(
+                    reader, max_bytes=self.config.linger_bytes, timeout_s=self.config.linger_s
+                )
+            finally:
+                self._lingering -= 1
 
 
 async def call_framed(
@@ -448,6 +604,7 @@ async def call_framed(
     """Send `frame` to handler `name` on `peer_id` and return its answer (a private bytearray).
 
     Raises:
+        PeerThrottled: the server refused for load (`.limit`, `.retry_after_s`); a RemoteRefused.
         RemoteRefused: the server answered with an error (its reason tag in `.reason`).
         ProtocolError: the answer broke the framing or `max_response_bytes` (blame the server).
         asyncio.TimeoutError: no full answer within `timeout_s`.
@@ -480,7 +637,11 @@ async def _call_framed(
         await _close(writer, config.chunk_timeout_s)
     if status == Status.ERROR:
         reason = body.decode(errors="replace")
-        raise RemoteRefused(f"{peer_id[:16]}... refused {name}: {reason}", reason=reason)
+        message = f"{peer_id[:16]}... refused {name}: {reason}"
+        throttle = parse_throttle(reason)
+        if throttle is not None:
+            raise PeerThrottled(message, reason=reason, limit=throttle[0], retry_after_s=throttle[1])
+        raise RemoteRefused(message, reason=reason)
     return body
 
 

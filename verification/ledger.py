@@ -14,7 +14,8 @@ The rule (docs/sentinel.md explains and measures it):
   microbatches each) is the verifier's problem, not the replicas': the flags in it are forgiven and the
   answer is `rewarm`.
 - A ban needs corroboration: peers of the same stage must have sent clean microbatches since the suspect's
-  first counted flag. Until then, or when the cap would be exceeded, the suspect is quarantined.
+  first counted flag. Until then, while bans are paused after a storm anywhere (`storm_cooldown_s`), or
+  when the cap would be exceeded, the suspect is quarantined instead.
 - Never ban more than `max_banned_fraction_per_stage` of a stage's replicas, nor leave fewer than
   `min_active_replicas_per_stage`, on statistical evidence. Cryptographic evidence (equivocation) may
   bypass the cap.
@@ -46,6 +47,14 @@ class LedgerConfig:
     storm_records_per_replica: int = 4  # storm look-back: this many stage records per replica
     storm_fraction: float = 0.5  # storm when MORE than this share of the stage's replicas were flagged
     storm_min_replicas: int = 2  # and at least this many
+    # After any storm, statistical bans pause this long (in the caller's clock units): honest
+    # turbulence (an lr change, a big merge) reaches the stages one replica at a time, and the first
+    # replica to go odd looks exactly like a lone offender until its peers follow.
+    storm_cooldown_s: float = 60.0
+    # Statistical evidence must stand this long (from the moment the signer first qualified, with no
+    # storm anywhere meanwhile) before it bans; the suspect is quarantined (spot-checked at the
+    # quarantine rate) in between, so spot-check evidence usually convicts a real attacker sooner.
+    confirm_s: float = 20.0
     corroboration_clean: int = 2  # clean peer microbatches since the suspect's first counted flag
     release_clean_microbatches: int = 20  # clean in a row that lift a quarantine
     max_banned_fraction_per_stage: float = 0.5  # statistical bans never exceed this share of a stage
@@ -62,6 +71,8 @@ class LedgerConfig:
             raise ValueError("need storm_records_per_replica >= 1 and storm_min_replicas >= 2")
         if not 0.0 < self.storm_fraction < 1.0:
             raise ValueError("storm_fraction must be in (0, 1)")
+        if self.storm_cooldown_s < 0 or self.confirm_s < 0:
+            raise ValueError("storm_cooldown_s and confirm_s must be >= 0")
         if self.corroboration_clean < 0 or self.release_clean_microbatches < 1:
             raise ValueError("need corroboration_clean >= 0 and release_clean_microbatches >= 1")
         if not 0.0 <= self.max_banned_fraction_per_stage < 1.0:
@@ -97,6 +108,7 @@ class _Signer:
     microbatches: int = 0
     last_microbatch: int | None = None
     last_forgave: bool = False  # whether the latest record earned a forgiveness (undone if amended)
+    candidate_since: float | None = None  # when its statistical evidence first reached ban level
 
     def flags(self) -> int:
         return sum(1 for _, flagged in self.window if flagged)
@@ -120,6 +132,8 @@ class ViolationLedger:
         self.config = config or LedgerConfig()
         self._signers: dict[str, _Signer] = {}
         self._stages: dict[int, _Stage] = {}
+        self._paused_until = -math.inf  # statistical bans pause until then (after a storm)
+        self._last_storm = -math.inf
 
     # ----------------------------------------------------------------- queries
 
@@ -166,14 +180,14 @@ class ViolationLedger:
         if st.banned:
             return LedgerDecision("none", "already banned; record ignored", signer, stage)
         if microbatch_id is not None and microbatch_id == st.last_microbatch and st.window:
-            newly_flagged = self._amend_last(st, stage_state, flagged)
+            newly_flagged = self._amend_last(st, stage_state, flagged, now)
             if not newly_flagged:
                 return LedgerDecision("none", "same microbatch, already counted", signer, stage)
         else:
             seq = stage_state.next_seq
             stage_state.next_seq += 1
             stage_state.records.append((seq, signer, flagged))
-            self._account(st, seq, flagged)
+            self._account(st, seq, flagged, now)
             st.last_microbatch = microbatch_id
         if flagged and self._is_storm(stage_state):
             return self._storm(stage_state, signer, stage, now)
@@ -230,12 +244,13 @@ class ViolationLedger:
             members = {s for _, s, _ in list(stage_state.records)[-look_back:]}
         stage_state.members = frozenset(members | {signer} | stage_state.banned)
 
-    def _account(self, st: _Signer, seq: int, flagged: bool) -> None:
+    def _account(self, st: _Signer, seq: int, flagged: bool, now: float) -> None:
         st.window.append((seq, flagged))
         st.microbatches += 1
         st.last_forgave = False
         if flagged:
-            st.strikes += 1
+            if now >= self._paused_until:  # turbulence flags stay in the window but leave no strike
+                st.strikes += 1
             st.clean_run = 0
             return
         st.clean_run += 1
@@ -243,7 +258,7 @@ class ViolationLedger:
             st.strikes -= 1
             st.last_forgave = True
 
-    def _amend_last(self, st: _Signer, stage_state: _Stage, flagged: bool) -> bool:
+    def _amend_last(self, st: _Signer, stage_state: _Stage, flagged: bool, now: float) -> bool:
         """Fold a second check of the signer's latest microbatch into it; True if it newly flags it."""
         seq, was_flagged = st.window[-1]
         if was_flagged or not flagged:
@@ -258,7 +273,8 @@ class ViolationLedger:
             st.strikes += 1  # the forgiveness this microbatch granted is withdrawn
             st.last_forgave = False
         st.clean_run = 0
-        st.strikes += 1
+        if now >= self._paused_until:
+            st.strikes += 1
         return True
 
     def _storm_window(self, stage_state: _Stage) -> list[tuple[int, str, bool]]:
@@ -276,7 +292,9 @@ class ViolationLedger:
     def _storm(self, stage_state: _Stage, signer: str, stage: int, now: float) -> LedgerDecision:
         window = self._storm_window(stage_state)
         first_seq = window[0][0]
-        flagged = sorted({s for _, s, f in window if f})
+        flagged = sorted({s for _, s, f in window if f and s not in stage_state.banned})
+        self._paused_until = max(self._paused_until, now + self.config.storm_cooldown_s)
+        self._last_storm = now
         forgiven = 0
         for peer in stage_state.members:
             st = self._signers.get(peer)
@@ -298,7 +316,8 @@ class ViolationLedger:
         reason = (
             f"stage-wide flag storm at t={now:.1f}: {len(flagged)} of "
             f"{len(stage_state.members - stage_state.banned)} replicas flagged ({', '.join(flagged)}); "
-            f"{forgiven} flags forgiven, re-warm the stage's monitors"
+            f"{forgiven} flags forgiven, re-warm the stage's monitors; statistical bans paused "
+            f"until t={self._paused_until:.1f}"
         )
         logger.warning("stage %d: %s", stage, reason)
         return LedgerDecision("rewarm", reason, signer, stage, related)
@@ -309,14 +328,24 @@ class ViolationLedger:
         stage = st.stage
         if flags >= cfg.ban_flags or st.strikes >= cfg.max_strikes:
             evidence = f"{flags} flags in its last {len(st.window)} microbatches, {st.strikes} strikes"
+            if st.candidate_since is None or self._last_storm >= st.candidate_since:
+                # (re)start the confirmation clock; after a storm it starts when the pause ends
+                st.candidate_since = max(now, self._paused_until)
+            confirm_at = st.candidate_since + cfg.confirm_s
+            if now < confirm_at:
+                return self._quarantine(st, signer, stage, f"{evidence}; confirming until t={confirm_at:.1f}")
             missing = self._missing_corroboration(signer, st, stage_state)
             if missing > 0:
                 return self._quarantine(
                     st, signer, stage, f"{evidence}; awaiting {missing} clean peer microbatches"
                 )
+            if now < self._paused_until:
+                reason = f"{evidence}; bans paused after a flag storm until t={self._paused_until:.1f}"
+                return self._quarantine(st, signer, stage, reason)
             if not self._cap_allows_ban(stage_state):
                 return self._quarantine(st, signer, stage, f"{evidence}; stage ban cap reached")
             return self._ban(st, stage_state, signer, stage, evidence, now)
+        st.candidate_since = None
         if flags >= cfg.quarantine_flags:
             return self._quarantine(
                 st, signer, stage, f"{flags} flags in its last {len(st.window)} microbatches"
@@ -373,6 +402,7 @@ class ViolationLedger:
                 "banned": st.banned,
                 "microbatches": st.microbatches,
                 "last_microbatch": st.last_microbatch,
+                "candidate_since": st.candidate_since,
             }
             for name, st in self._signers.items()
         }
@@ -385,9 +415,16 @@ class ViolationLedger:
             }
             for stage, s in self._stages.items()
         }
-        return {"signers": signers, "stages": stages}
+        return {
+            "signers": signers,
+            "stages": stages,
+            "paused_until": self._paused_until,
+            "last_storm": self._last_storm,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._paused_until = float(state.get("paused_until", -math.inf))
+        self._last_storm = float(state.get("last_storm", -math.inf))
         self._signers = {}
         for name, s in state["signers"].items():
             window: deque[tuple[int, bool]] = deque(
@@ -402,6 +439,7 @@ class ViolationLedger:
                 banned=bool(s["banned"]),
                 microbatches=int(s["microbatches"]),
                 last_microbatch=None if s.get("last_microbatch") is None else int(s["last_microbatch"]),
+                candidate_since=None if s.get("candidate_since") is None else float(s["candidate_since"]),
             )
         self._stages = {}
         for stage, s in state["stages"].items():

@@ -47,8 +47,6 @@ Direction = Literal["forward", "backward"]
 Mode = Literal["invalid", "warmup", "solo", "peer", "rewarm"]
 
 METRICS: tuple[str, ...] = ("l1", "l2", "sfr", "sw", "level", "spread", "align", "gain")
-# Metrics that need the context tensor (what the verifier sent the stage for this microbatch).
-PAIRED_METRICS: frozenset[str] = frozenset({"align", "gain"})
 _EPS = 1e-30
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal sample times this estimates its sigma
 _IQR_TO_SIGMA = 1.349  # likewise for the inter-quartile range
@@ -131,10 +129,8 @@ class Verdict:
 
 
 def _as_batch_tokens_features(tensor: torch.Tensor) -> torch.Tensor:
-    """View any [B, ..., D] tensor as [B, tokens, D] float32 without copying when possible."""
-    x = tensor.detach()
-    if x.dtype != torch.float32:
-        x = x.float()
+    """View any [B, ..., D] tensor as [B, tokens, D] float32 on the CPU, without copying when possible."""
+    x = tensor.detach().to("cpu", torch.float32)
     if x.dim() == 1:
         return x.reshape(1, 1, -1)
     return x.reshape(x.shape[0], -1, x.shape[-1])
@@ -169,7 +165,7 @@ class _ScoreWindow:
         self._next = 0
         self._refresh = refresh
         self._stale = 0
-        self._cache: tuple[str, float, np.ndarray, np.ndarray] | None = None
+        self._cache: tuple[str, np.ndarray, np.ndarray] | None = None  # (fence kind, centre, sigma)
 
     def __len__(self) -> int:
         return self._count
@@ -183,9 +179,9 @@ class _ScoreWindow:
     def fences(self, cfg: SentinelConfig) -> tuple[np.ndarray, np.ndarray]:
         """(centre, sigma) per metric; a value v is out at multiplier k when |v - centre| > width(k)."""
         if self._cache is None or self._stale >= self._refresh or self._cache[0] != cfg.fence_kind:
-            self._cache = (cfg.fence_kind, 0.0, *self._compute(cfg))
+            self._cache = (cfg.fence_kind, *self._compute(cfg))
             self._stale = 0
-        return self._cache[2], self._cache[3]
+        return self._cache[1], self._cache[2]
 
     def _compute(self, cfg: SentinelConfig) -> tuple[np.ndarray, np.ndarray]:
         data = self._data[: self._count]
@@ -581,7 +577,9 @@ class SentinelMonitor:
     ) -> Verdict:
         """Score a tensor sent by `replica_peer_id` of `stage` and fold it in unless flagged;
         `context` as in BoundaryMonitor.score."""
-        return self.boundary(stage, direction).check(tensor, replica_peer_id, microbatch_id, now, context=context)
+        return self.boundary(stage, direction).check(
+            tensor, replica_peer_id, microbatch_id, now, context=context
+        )
 
     def rewarm(self, stage: int) -> None:
         """Re-warm both directions of a stage (the ledger's answer to a stage-wide flag storm)."""

@@ -94,9 +94,18 @@ class SpotCheckVerdict:
     third_vs_original: SpotCheckResult | None = None
 
     @property
+    def culprit(self) -> Literal["original", "checker"] | None:
+        """Who two replicas agree against: ban-grade evidence for `LedgerDecision.record_evidence`."""
+        if self.outcome == "original_faulty":
+            return "original"
+        if self.outcome == "checker_faulty":
+            return "checker"
+        return None
+
+    @property
     def ban_grade(self) -> bool:
-        """True when the evidence convicts the original sender (two replicas against one)."""
-        return self.outcome == "original_faulty"
+        """True when the check convicts someone (the original or the checker) two against one."""
+        return self.culprit is not None
 
 
 def compare_outputs(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> SpotCheckResult:

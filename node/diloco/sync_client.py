@@ -206,7 +206,7 @@ class SyncTransport(Protocol):
         """Send a contribution; raise ContributionRefused when the syncer refuses it for good."""
 
     async def versions(self, known: Sequence[int], wait_s: float) -> VersionsView:
-        """The syncer's versions, once one differs from `known` or after at most `wait_s`."""
+        """The syncer's versions, as soon as one is newer than `known`, else after at most `wait_s`."""
 
     async def fetch(self, fragment: int) -> FragmentVersion:
         """The syncer's current version of `fragment`."""
@@ -226,6 +226,8 @@ class SyncClientConfig:
     barrier: bool = False  # synchronous baselines: wait at send step + tau for the round's version
     join_timeout_s: float = 30.0  # how long join_global looks for a syncer before starting from the seed
     step_time_ema: float = 0.2  # weight of a new step time in the reported xi_step
+    align_tolerance_steps: int = 3  # decoupled: re-align at once when the run's clock is this far off
+    align_confirmations: int = 3  # ... and after this many answers in a row show the same smaller offset
 
     def __post_init__(self) -> None:
         for name in ("poll_wait_s", "retry_min_s", "retry_max_s", "join_timeout_s"):
@@ -245,6 +247,8 @@ class _Pending:
     base_version: int
     apply_at: int
     target_version: int | None = None  # known once the syncer acknowledged
+    contribution: OutgoingContribution | None = None  # kept until answered, to re-send to a new syncer
+    term: int | None = None  # term of the syncer that acknowledged it
 
 
 @dataclass(slots=True)
@@ -302,6 +306,8 @@ class FragmentSync:
         self._offered: set[tuple[str, int, int]] = set()  # (syncer, fragment, version) already offered
         self._step = 0
         self._sched_offset = 0
+        self._align_diff = 0
+        self._align_votes = 0
         self._last_step_at: float | None = None
         self._step_time_s = 0.0
         self._view: VersionsView | None = None
@@ -546,12 +552,15 @@ class FragmentSync:
             self._stats.last_error = str(e)[:200]
             logger.debug("fragment %d push deferred: %s", contribution.fragment, e)
             return False
+        view = self._view
         with self._lock:
             if self._outbox.get(index) is contribution:
                 del self._outbox[index]
             pending = self._pending.get(index)
             if pending is not None and pending.base_version == contribution.base_version:
                 pending.target_version = receipt.target_version
+                pending.contribution = contribution
+                pending.term = view.term if view is not None else None
         self._stats.acked += 1
         return True
 
@@ -564,6 +573,7 @@ class FragmentSync:
                 view = await self.transport.versions(self._known(), self.config.poll_wait_s)
                 await self._absorb(view)
                 backoff = self.config.retry_min_s
+                await asyncio.sleep(0)  # a transport that answers without suspending must not starve the loop
             except SyncUnavailable as e:
                 self._stats.last_error = str(e)[:200]
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -586,7 +596,12 @@ class FragmentSync:
             raise SyncUnavailable(
                 f"syncer reports {len(view.versions)} fragments, the plan has {self.plan.num_fragments}"
             )
+        previous = self._view
         self._view = view
+        if not self.config.barrier and view.clock > 0:
+            self._align(view.clock)
+        if previous is not None and (previous.syncer, previous.term) != (view.syncer, view.term):
+            self._resend_unanswered(view)
         known = self._known()
         newer = [fid for fid in self.fragment_ids if view.versions[fid] > known[fid]]
         behind = [fid for fid in self.fragment_ids if view.versions[fid] < known[fid]]
@@ -606,6 +621,41 @@ class FragmentSync:
             self._wake(self._arrived)
         if behind:
             await self._offer(view, behind)
+
+    def _align(self, clock: int) -> None:
+        """Keep our schedule in phase with the run's: learners that send a fragment at the same time land in
+        the same round (the grace window merges them together) instead of overwriting each other's unsent
+        progress with every merge."""
+        with self._lock:
+            diff = clock - (self._step + self._sched_offset)
+            # a one-step offset is often estimation jitter: act on it only once it persists
+            self._align_votes = self._align_votes + 1 if diff != 0 and diff == self._align_diff else 1
+            self._align_diff = diff
+            persistent = diff != 0 and self._align_votes >= self.config.align_confirmations
+            if abs(diff) >= self.config.align_tolerance_steps or persistent:
+                self._sched_offset += diff
+                self._align_votes, self._align_diff = 0, 0
+                logger.info("schedule re-aligned by %+d steps to the run's clock %d", diff, clock)
+
+    def _resend_unanswered(self, view: VersionsView) -> None:
+        """A new syncer does not have the rounds of the old one: queue again what it acknowledged but never
+        answered (unless a newer snapshot of that fragment is already queued)."""
+        requeued = 0
+        with self._lock:
+            for index, pending in self._pending.items():
+                if pending.contribution is None or pending.term == view.term or index in self._outbox:
+                    continue
+                self._outbox[index] = pending.contribution
+                pending.target_version = None
+                requeued += 1
+        if requeued:
+            logger.info(
+                "syncer changed to %s (term %d): re-sending %d contributions",
+                view.syncer[-8:],
+                view.term,
+                requeued,
+            )
+            self._wake(self._outbox_ready)
 
     def _fits(self, version: FragmentVersion) -> bool:
         """Whether a version carries exactly our tensors of that fragment, with our shapes."""
@@ -628,7 +678,11 @@ class FragmentSync:
             for fid in behind:
                 held = self._held.get(self._local[fid])
                 key = (view.syncer, fid, held.version if held is not None else -1)
-                if held is not None and held.signer != view.syncer and key not in self._offered:
+                published_elsewhere = held is not None and (held.signer, held.term) != (
+                    view.syncer,
+                    view.term,
+                )
+                if held is not None and published_elsewhere and key not in self._offered:
                     offers.append(held)
                     self._offered.add(key)
         if not offers:
@@ -976,7 +1030,9 @@ class FramedSyncTransport:
 
 
 # Refusals that say "not now" rather than "never": the contribution is kept and sent again.
-RETRYABLE_REFUSALS = frozenset({"busy", "recovering", "standby", "internal error"})
+RETRYABLE_REFUSALS = frozenset(
+    {"busy", "recovering", "standby", "internal error", "ahead of syncer", "unknown peer"}
+)
 
 
 def choose_syncer(

@@ -162,7 +162,14 @@ def test_parse_attack() -> None:
 
 @pytest.mark.parametrize(
     "spec",
-    ["nonsense", "scaling:strength", "scaling:power=2", "scaling:strength=x", "zeros:direction=up", "onoff:inner=delay"],
+    [
+        "nonsense",
+        "scaling:strength",
+        "scaling:power=2",
+        "scaling:strength=x",
+        "zeros:direction=up",
+        "onoff:inner=delay",
+    ],
 )
 def test_parse_attack_rejects_bad_specs(spec: str) -> None:
     with pytest.raises(ValueError):

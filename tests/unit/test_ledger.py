@@ -9,9 +9,13 @@ from hypothesis import strategies as st
 from verification.ledger import LedgerConfig, LedgerDecision, ViolationLedger
 
 REPLICAS = ["a", "b", "c"]
+# Most tests look at one rule at a time: no confirmation period unless the test is about it.
+PROMPT = LedgerConfig(confirm_s=0.0)
 
 
-def feed(ledger: ViolationLedger, events: list[tuple[str, bool]], stage: int = 1, start: int = 0) -> list[LedgerDecision]:
+def feed(
+    ledger: ViolationLedger, events: list[tuple[str, bool]], stage: int = 1, start: int = 0
+) -> list[LedgerDecision]:
     out = []
     for i, (signer, flagged) in enumerate(events, start=start):
         out.append(ledger.record(signer, stage, flagged, float(i), replicas=REPLICAS))
@@ -29,7 +33,7 @@ def round_robin(rounds: int, bad: dict[str, list[bool]] | None = None) -> list[t
 
 
 def test_persistent_offender_quarantined_then_banned_on_its_third_flag() -> None:
-    ledger = ViolationLedger()
+    ledger = ViolationLedger(PROMPT)
     got = actions(feed(ledger, round_robin(5, {"a": [True] * 5})))
     assert got == [("a", "quarantine"), ("a", "ban")]
     assert ledger.is_banned("a") and ledger.microbatches_seen("a") == 3
@@ -37,7 +41,7 @@ def test_persistent_offender_quarantined_then_banned_on_its_third_flag() -> None
 
 
 def test_ban_decision_carries_a_reason() -> None:
-    ledger = ViolationLedger()
+    ledger = ViolationLedger(PROMPT)
     bans = [d for d in feed(ledger, round_robin(3, {"a": [True] * 3})) if d.action == "ban"]
     assert len(bans) == 1 and "3 flags" in bans[0].reason
 
@@ -59,7 +63,7 @@ def test_counting_is_per_own_microbatch_not_per_traffic_share() -> None:
 
 def test_strikes_catch_an_intermittent_attacker_that_dodges_the_window() -> None:
     # One flag every 12 own microbatches: never 3 in 20, but strikes grow faster than forgiveness.
-    ledger = ViolationLedger()
+    ledger = ViolationLedger(PROMPT)
     bad = [i % 12 == 0 for i in range(200)]
     got = actions(feed(ledger, round_robin(200, {"a": bad})))
     assert ("a", "ban") in got
@@ -74,6 +78,49 @@ def test_forgiveness_keeps_rare_flags_from_adding_up() -> None:
     assert not ledger.is_banned("a")
 
 
+def test_statistical_evidence_must_stand_for_the_confirmation_period() -> None:
+    ledger = ViolationLedger(LedgerConfig(confirm_s=20.0))
+    decisions = feed(ledger, round_robin(30, {"a": [True] * 30}))
+    bans = [(i, d) for i, dec in enumerate(decisions) for d in dec.all() if d.action == "ban"]
+    assert len(bans) == 1
+    # a's third flag arrives at t=6 (its microbatches are at t=0, 3, 6, ...): the ban comes 20 later
+    assert bans[0][0] == 6 + 20  # the first record once the confirmation is over (here c's)
+    assert any("confirming until t=26.0" in d.reason for dec in decisions for d in dec.all())
+
+
+def test_a_storm_anywhere_pauses_statistical_bans_and_restarts_confirmation() -> None:
+    cfg = LedgerConfig(confirm_s=20.0, storm_cooldown_s=60.0)
+    ledger = ViolationLedger(cfg)
+    t = 0
+    for r in range(4):  # a is flagged on every microbatch of stage 1 ...
+        for s in REPLICAS:
+            ledger.record(s, 1, s == "a", float(t), replicas=REPLICAS)
+            t += 1
+    # ... when most replicas of stage 2 start flagging together (turbulence reaching the pipeline)
+    for s in ("x", "y"):
+        ledger.record(s, 2, True, float(t), replicas=["x", "y", "z"])
+    storm_at = t
+    banned_at = None
+    while banned_at is None and t < 400:
+        t += 1
+        for s in REPLICAS:
+            for d in ledger.record(s, 1, s == "a", float(t), replicas=REPLICAS).all():
+                if d.action == "ban":
+                    banned_at = t
+    assert banned_at is not None and banned_at >= storm_at + 60 + 20
+    assert ledger.banned(1) == {"a"}
+
+
+def test_flags_during_a_storm_pause_add_no_strikes() -> None:
+    ledger = ViolationLedger(LedgerConfig(storm_cooldown_s=1000.0))
+    ledger.record("x", 2, True, 0.0, replicas=["x", "y", "z"])
+    assert ledger.record("y", 2, True, 1.0, replicas=["x", "y", "z"]).action == "rewarm"
+    for t in range(2, 40):  # one flag per 4 own microbatches: strikes would otherwise reach 6
+        ledger.record("a", 1, t % 4 == 0, float(t), replicas=REPLICAS)
+    assert ledger.state_dict()["signers"]["a"]["strikes"] == 0
+    assert ledger.flags_in_window("a") > 0
+
+
 def test_stage_wide_storm_means_rewarm_and_forgiveness_not_ban() -> None:
     ledger = ViolationLedger()
     # Everyone's tensors look odd at once (a new merged version, an lr change).
@@ -85,7 +132,7 @@ def test_stage_wide_storm_means_rewarm_and_forgiveness_not_ban() -> None:
 
 
 def test_ban_waits_for_peer_corroboration() -> None:
-    ledger = ViolationLedger()
+    ledger = ViolationLedger(PROMPT)
     # a's three flags arrive back to back before any peer was checked: quarantine, not ban.
     got = actions(feed(ledger, [("a", True)] * 3))
     assert got == [("a", "quarantine")]
@@ -104,7 +151,7 @@ def test_quarantine_is_lifted_after_a_clean_run() -> None:
 
 
 def test_cap_never_bans_a_stage_out_of_existence() -> None:
-    ledger = ViolationLedger()  # 3 replicas: at most 1 ban (min 2 active, max half)
+    ledger = ViolationLedger(PROMPT)  # 3 replicas: at most 1 ban (min 2 active, max half)
     events = round_robin(10, {"a": [True] * 10, "b": [i % 2 == 0 for i in range(10)]})
     feed(ledger, events)
     assert len(ledger.banned(1)) <= 1
@@ -113,7 +160,7 @@ def test_cap_never_bans_a_stage_out_of_existence() -> None:
 def test_cap_scales_with_the_number_of_replicas() -> None:
     members = ["a", "b", "c", "d", "e", "f", "g"]
     for offenders, allowed in ((["a", "b", "c"], 3), (["a", "b"], 2)):
-        ledger = ViolationLedger(LedgerConfig(max_banned_fraction_per_stage=0.3))
+        ledger = ViolationLedger(LedgerConfig(max_banned_fraction_per_stage=0.3, confirm_s=0.0))
         for r in range(6):
             for s in members:
                 ledger.record(s, 1, s in offenders, float(r), replicas=members)
@@ -121,7 +168,7 @@ def test_cap_scales_with_the_number_of_replicas() -> None:
 
 
 def test_two_replica_stage_gets_no_statistical_ban() -> None:
-    ledger = ViolationLedger()
+    ledger = ViolationLedger(PROMPT)
     for r in range(10):
         ledger.record("a", 1, True, float(r), replicas=["a", "b"])
         ledger.record("b", 1, False, float(r), replicas=["a", "b"])
@@ -138,7 +185,7 @@ def test_evidence_bans_at_once_but_respects_the_cap_unless_cryptographic() -> No
 
 
 def test_forward_and_backward_checks_of_one_microbatch_count_once() -> None:
-    ledger = ViolationLedger(LedgerConfig(quarantine_flags=3))
+    ledger = ViolationLedger(LedgerConfig(quarantine_flags=3, confirm_s=0.0))
     for mb in range(2):  # both directions flagged: still one flagged microbatch each
         ledger.record("a", 1, True, float(mb), microbatch_id=mb, replicas=REPLICAS)
         ledger.record("a", 1, True, float(mb), microbatch_id=mb, replicas=REPLICAS)
@@ -167,7 +214,9 @@ def test_state_dict_round_trip_keeps_evidence_and_bans() -> None:
     assert restored.state_dict() == ledger.state_dict()
     assert restored.is_banned("c") and restored.flags_in_window("a") == ledger.flags_in_window("a")
     # and it decides the same next step
-    assert ledger.record("a", 1, True, 9.0, replicas=REPLICAS) == restored.record("a", 1, True, 9.0, replicas=REPLICAS)
+    assert ledger.record("a", 1, True, 9.0, replicas=REPLICAS) == restored.record(
+        "a", 1, True, 9.0, replicas=REPLICAS
+    )
 
 
 @pytest.mark.parametrize(
@@ -180,6 +229,8 @@ def test_state_dict_round_trip_keeps_evidence_and_bans() -> None:
         {"storm_min_replicas": 1},
         {"max_banned_fraction_per_stage": 1.0},
         {"min_active_replicas_per_stage": 0},
+        {"confirm_s": -1.0},
+        {"storm_cooldown_s": -1.0},
     ],
 )
 def test_config_validation(kwargs: dict[str, object]) -> None:
@@ -211,7 +262,7 @@ flag_events = st.lists(st.tuples(signers, st.booleans()), max_size=300)
 @settings(max_examples=150, deadline=None)
 @given(events=flag_events, fraction=st.sampled_from([0.0, 0.34, 0.5, 0.8]))
 def test_the_stage_cap_holds_for_any_flag_sequence(events: list[tuple[str, bool]], fraction: float) -> None:
-    cfg = LedgerConfig(max_banned_fraction_per_stage=fraction, min_active_replicas_per_stage=2)
+    cfg = LedgerConfig(max_banned_fraction_per_stage=fraction, min_active_replicas_per_stage=2, confirm_s=0.0)
     ledger = ViolationLedger(cfg)
     members = ["a", "b", "c", "d", "e"]
     for t, (signer, flagged) in enumerate(events):
@@ -226,7 +277,7 @@ def test_the_stage_cap_holds_for_any_flag_sequence(events: list[tuple[str, bool]
 @settings(max_examples=150, deadline=None)
 @given(events=flag_events)
 def test_a_ban_always_rests_on_flags_of_the_banned_signer(events: list[tuple[str, bool]]) -> None:
-    ledger = ViolationLedger()
+    ledger = ViolationLedger(PROMPT)
     flags: dict[str, int] = {}
     for t, (signer, flagged) in enumerate(events):
         flags[signer] = flags.get(signer, 0) + int(flagged)

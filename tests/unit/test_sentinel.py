@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
 
 FAST = SentinelConfig(warmup_checks=60, min_window_checks=24, window_checks=128)
 
@@ -68,11 +70,21 @@ def drive(
     return verdicts
 
 
+_WARMED: dict[tuple[int, SentinelConfig], tuple[BoundaryMonitor, torch.Tensor]] = {}
+
+
 def warmed(seed: int = 0, config: SentinelConfig = FAST) -> tuple[BoundaryMonitor, SyntheticStage]:
-    monitor = BoundaryMonitor(config, stage=1, direction="forward")
+    """A monitor after 300 honest checks, and the stage in the state it left; cached (deep copies)."""
+    key = (seed, config)
+    if key not in _WARMED:
+        monitor = BoundaryMonitor(config, stage=1, direction="forward")
+        stage = SyntheticStage(seed)
+        drive(monitor, stage, 300)
+        _WARMED[key] = (monitor, stage.gen.get_state())
+    monitor, gen_state = _WARMED[key]
     stage = SyntheticStage(seed)
-    drive(monitor, stage, 300)
-    return monitor, stage
+    stage.gen.set_state(gen_state)
+    return copy.deepcopy(monitor), stage
 
 
 def flag_rate(verdicts: list[Verdict]) -> float:
@@ -171,7 +183,11 @@ def test_score_is_pure() -> None:
     state = monitor.state_dict()
     first = monitor.score(y, "r0", 0, 0.0, context=x)
     second = monitor.score(y, "r0", 0, 0.0, context=x)
-    assert (first.flagged, first.scores, first.deviations) == (second.flagged, second.scores, second.deviations)
+    assert (first.flagged, first.scores, first.deviations) == (
+        second.flagged,
+        second.scores,
+        second.deviations,
+    )
     assert _states_equal(state, monitor.state_dict())
 
 
@@ -180,7 +196,10 @@ def test_stage_wide_shift_re_anchors_instead_of_locking_out() -> None:
     bans nobody, while the paper's history-only fences flag nearly everything afterwards (the lock-out
     of the digest's section 13)."""
     results = {}
-    for name, config in (("peer", FAST), ("history only", SentinelConfig(**{**_kw(FAST), "min_peer_replicas": 10**6}))):
+    for name, config in (
+        ("peer", FAST),
+        ("history only", SentinelConfig(**{**_kw(FAST), "min_peer_replicas": 10**6})),
+    ):
         monitor, stage = warmed(seed=5, config=config)
         stage.shift_all(1.0)
         after = drive(monitor, stage, 300, start=300)
@@ -198,7 +217,9 @@ def test_a_single_replica_that_shifts_stays_flagged_and_is_not_absorbed() -> Non
     """The same kind of change as above, on one replica only: the centre stays with the majority,
     so the odd replica is flagged to the end instead of being learned as the new normal."""
     monitor, stage = warmed(seed=6)
-    verdicts = drive(monitor, stage, 300, start=300, attack=Attack(AttackConfig(kind="scaling", strength=1.3)))
+    verdicts = drive(
+        monitor, stage, 300, start=300, attack=Attack(AttackConfig(kind="scaling", strength=1.3))
+    )
     odd = [v for v in verdicts if v.signer == "r0"]
     assert flag_rate(odd[:10]) > 0.9 and flag_rate(odd[-10:]) > 0.9
     assert flag_rate([v for v in verdicts if v.signer != "r0"]) < 0.02
@@ -277,7 +298,9 @@ def test_sentinel_monitor_routes_boundaries_and_round_trips() -> None:
 
 def test_check_cost_is_small_for_pipeline_sized_tensors() -> None:
     """Loose regression bound (machines are shared); the measured figure is in docs/sentinel.md."""
-    monitor = BoundaryMonitor(SentinelConfig(warmup_checks=20, min_window_checks=10), stage=1, direction="forward")
+    monitor = BoundaryMonitor(
+        SentinelConfig(warmup_checks=20, min_window_checks=10), stage=1, direction="forward"
+    )
     gen = torch.Generator().manual_seed(0)
     pattern = torch.randn(128, 128, generator=gen)
     xs = [pattern + torch.randn(16, 128, 128, generator=gen) for _ in range(8)]

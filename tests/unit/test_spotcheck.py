@@ -76,7 +76,9 @@ def test_symmetric_rel_diff() -> None:
     assert compare_outputs(a, 10 * b, 0, 0).rel_diff == compare_outputs(10 * b, a, 0, 0).rel_diff
 
 
-def honest_triplet(divergence: float, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def honest_triplet(
+    divergence: float, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Three honest recomputations that differ like replicas whose weights drifted apart."""
     base = torch.randn(8, 16, 32, generator=gen)
     return tuple(base + divergence * torch.randn(base.shape, generator=gen) for _ in range(3))  # type: ignore[return-value]
@@ -92,7 +94,9 @@ def test_adjudication_two_against_one() -> None:
     verdict = policy.adjudicate(-o, c, t)
     assert verdict.outcome == "original_faulty" and verdict.ban_grade
     assert "odd one out" in verdict.reason
-    assert policy.adjudicate(o, -c, t).outcome == "checker_faulty"
+    assert verdict.culprit == "original"
+    against_checker = policy.adjudicate(o, -c, t)
+    assert against_checker.outcome == "checker_faulty" and against_checker.culprit == "checker"
     assert policy.adjudicate(o, -c, 3 * t).outcome == "inconclusive"  # nobody is the odd one out
 
 
@@ -111,7 +115,7 @@ def test_adaptive_tolerance_follows_honest_divergence_and_stays_capped() -> None
     # honest pairs at the new tolerance still match: no false conviction
     for _ in range(50):
         o, c, t = honest_triplet(0.05, gen)
-        assert not policy.adjudicate(o, c, t).ban_grade
+        assert policy.adjudicate(o, c, t).culprit is None
 
 
 def test_a_minority_of_borderline_matches_cannot_ratchet_the_tolerance() -> None:

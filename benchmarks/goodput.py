@@ -1,0 +1,514 @@
+"""Goodput under chaos: Decoupled DiLoCo (K = 1 + grace) against elastic synchronous and K = M synchronous DiLoCo.
+
+Four arms run one after another, each a fresh swarm of real processes on loopback: a bootstrap, a primary and
+a standby syncer, and M = 4 learners stepping at a fixed speed (`min_step_s`, well inside what two cores do
+with this tiny model). The chaos arms share one seeded fault schedule (`node.chaos`): SIGKILL + restart of a
+learner, SIGSTOP stragglers, SIGKILL of the active syncer (the standby takes over).
+
+* goodput of an arm = tokens merged into the global model within the measured window / tokens the
+  failure-free (decoupled) arm merges in a window of the same length. Merges a syncer made that its
+  successor did not resume from (lost with it) do not count.
+* compute goodput of an arm = tokens the learners processed within the window / the same in the failure-free
+  arm (the paper's "share of chip time doing useful work": time lost to crashes, stalls and barrier waits).
+* loss gap = (held-out loss of the decoupled chaos arm's global model at its final merged-token count - the
+  failure-free arm's loss interpolated at the same token count) / the latter.
+
+    python -m benchmarks.goodput            # 90 s windows, about 9 minutes
+    python -m benchmarks.goodput --quick    # 45 s windows, fewer faults
+
+Writes benchmarks/results/goodput.json (headline: goodput_decoupled, goodput_sync, goodput_elastic_sync,
+loss_gap_decoupled, faults_injected, faults_planned) and goodput.png (loss vs merged tokens, goodput over time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import plot_path, write_result
+from node.chaos import ChaosConfig, ChaosRunner, Fault, ProcessGroup, plan_faults
+from protocol.identity import NodeIdentity
+
+logger = logging.getLogger("benchmarks.goodput")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NUM_LEARNERS = 4
+RUN_TOML = """
+name = "goodput-{arm}"
+seed = 11
+num_stages = 1
+heartbeat_period_s = 1.0
+authorized_syncers = [{syncers}]
+[model]
+vocab_size = 256
+context_len = 32
+num_layers = 2
+width = 64
+num_heads = 2
+[inner]
+lr = 0.003
+batch_size = 8
+weight_decay = 0.01
+[diloco]
+num_fragments = 2
+sync_every_steps = 12
+overlap_steps = 1
+min_sync_interval_s = 0.0
+mode = "{mode}"
+sync_learners = {num_learners}
+"""
+NODE_TOML = """
+[learner]
+min_step_s = {min_step_s}
+eval_every_steps = 0
+torch_threads = 1
+join_timeout_s = 40.0
+[syncer]
+recovery_s = 4.0
+eval_every_merges = 6
+eval_batches = 8
+eval_batch_size = 8
+checkpoint_every_merges = 8
+checkpoint_dir = "{checkpoints}"
+"""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Arm:
+    name: str
+    mode: str
+    chaos: bool
+
+
+ARMS = (
+    Arm(name="failure_free", mode="decoupled", chaos=False),
+    Arm(name="decoupled", mode="decoupled", chaos=True),
+    Arm(name="elastic_sync", mode="elastic_sync", chaos=True),
+    Arm(name="sync", mode="sync", chaos=True),
+)
+
+
+def http_json(url: str, timeout_s: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+def try_json(url: str | None) -> dict[str, Any] | None:
+    if not url:
+        return None
+    try:
+        return http_json(url)
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise RuntimeError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class Swarm:
+    """One arm's processes; status URLs are read from each node's log ("status: http://...")."""
+
+    def __init__(self, root: Path, arm: Arm, min_step_s: float) -> None:
+        self.root, self.arm = root, arm
+        env = dict(os.environ)
+        env.update(
+            PYTHONUNBUFFERED="1",
+            HIVENODE_STATE_DIR=str(root / "state-default"),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
+        )
+        self.group = ProcessGroup(root / "logs", env=env, cwd=REPO_ROOT, active_syncer=self.active_syncer)
+        self.keys = [root / "syncer-a.key", root / "syncer-b.key"]
+        ids = [NodeIdentity.load_or_create(k).peer_id for k in self.keys]
+        self.run_path = root / "run.toml"
+        self.run_path.write_text(
+            RUN_TOML.format(
+                arm=arm.name,
+                syncers=", ".join(f'"{i}"' for i in ids),
+                mode=arm.mode,
+                num_learners=NUM_LEARNERS,
+            )
+        )
+        self.node_toml = root / "node.toml"
+        self.node_toml.write_text(NODE_TOML.format(min_step_s=min_step_s, checkpoints=root / "checkpoints"))
+        self.syncers = ["syncer-a", "syncer-b"]
+        self.learners = [f"learner{i}" for i in range(NUM_LEARNERS)]
+        self._urls: dict[str, str] = {}
+
+    def start(self) -> None:
+        python = sys.executable
+        maddrs = self.root / "bootstrap.maddrs"
+        self.group.start(
+            "bootstrap",
+            [
+                python,
+                "-m",
+                "bootstrap",
+                "--run",
+                str(self.run_path),
+                "--state-dir",
+                str(self.root / "bootstrap"),
+                "--maddrs-file",
+                str(maddrs),
+            ],
+        )
+        maddr = wait_for(lambda: maddrs.exists() and maddrs.read_text().split(), 60, "bootstrap")[0]
+        common = ["--join", maddr, "--config", str(self.node_toml), "--max-steps", "1000000"]
+        for name, key in zip(self.syncers, self.keys, strict=True):
+            argv = [
+                python,
+                "-m",
+                "node",
+                "--state-dir",
+                str(self.root / name),
+                "--role",
+                "syncer",
+                "--identity",
+                str(key),
+            ]
+            self.group.start(name, argv + common)
+            if name == "syncer-a":  # the primary first, so it holds the first lease
+                wait_for(
+                    lambda: (self.status("syncer-a") or {}).get("state") == "syncing", 60, "primary syncer"
+                )
+        for name in self.learners:
+            self.group.start(
+                name,
+                [python, "-m", "node", "--state-dir", str(self.root / name), "--role", "learner", *common],
+            )
+        wait_for(
+            lambda: all((self.status(n) or {}).get("state") == "training" for n in self.learners),
+            120,
+            "learners training",
+        )
+
+    def url(self, name: str) -> str | None:
+        found = re.findall(r"^status: (http://\S+)$", self.group.log(name), re.MULTILINE)
+        if found:
+            self._urls[name] = found[-1]  # a restarted node prints a new one
+        return self._urls.get(name)
+
+    def status(self, name: str) -> dict[str, Any] | None:
+        return try_json(self.url(name))
+
+    def active_syncer(self) -> str:
+        def find() -> str | None:
+            live = [(s, self.status(s)) for s in self.syncers if self.group.alive(s)]
+            active = [(st.get("term", 0), s) for s, st in live if st and st.get("state") == "syncing"]
+            return max(active)[1] if active else None
+
+        return wait_for(find, 20, "an active syncer")
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        path = self.root / name / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def stop(self) -> None:
+        self.group.terminate_all()
+
+
+def kept_merges(tapes: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Merge events whose effect survived: a term's merges count up to the versions its successor resumed from
+    (after adopting what learners offered during recovery)."""
+    merges = sorted(
+        (e for tape in tapes.values() for e in tape if e["event"] == "merge"), key=lambda e: e["t"]
+    )
+    takeovers = sorted(
+        (e for tape in tapes.values() for e in tape if e["event"] == "syncer_takeover"),
+        key=lambda e: e["term"],
+    )
+    adopted = [e for tape in tapes.values() for e in tape if e["event"] == "adopted"]
+    resumed: dict[int, list[int]] = {}  # term -> versions the syncer of that term resumed from
+    for takeover in takeovers:
+        versions = list(takeover["versions"])
+        later = [t["t"] for t in takeovers if t["term"] > takeover["term"]]
+        horizon = min(later) if later else float("inf")
+        for event in adopted:
+            if takeover["t"] <= event["t"] < horizon:
+                versions[event["fragment"]] = max(versions[event["fragment"]], event["version"])
+        resumed[takeover["term"]] = versions
+    kept = []
+    for merge in merges:
+        successor = resumed.get(merge["term"] + 1)
+        if successor is None or merge["version"] <= successor[merge["fragment"]]:
+            kept.append(merge)
+    return kept
+
+
+def measure(swarm: Swarm, plan: list[Fault], duration_s: float, sample_s: float = 1.0) -> dict[str, Any]:
+    t0 = time.time()
+    runner = ChaosRunner(plan, swarm.group) if plan else None
+    if runner is not None:
+        runner.start()
+    samples = []
+    while (elapsed := time.time() - t0) < duration_s:
+        row: dict[str, Any] = {"t": round(elapsed, 2)}
+        for name in swarm.learners:
+            st = swarm.status(name) if swarm.group.alive(name) else None
+            row[name] = st.get("tokens") if st else None
+        samples.append(row)
+        time.sleep(max(0.0, sample_s - (time.time() - t0 - elapsed)))
+    t1 = time.time()
+    report = runner.join(timeout_s=30) if runner is not None else None
+    tapes = {name: swarm.events(name) for name in swarm.syncers}
+    kept = kept_merges(tapes)
+    window = [m for m in kept if t0 <= m["t"] <= t1]
+    merged_curve = []
+    total = 0
+    for merge in window:
+        total += merge["tokens"]
+        merged_curve.append((round(merge["t"] - t0, 3), total))
+    evals = sorted((e for tape in tapes.values() for e in tape if e["event"] == "eval"), key=lambda e: e["t"])
+    times = [m["t"] for m in kept]
+    cumulative = []
+    running = 0
+    for m in kept:
+        running += m["tokens"] if m["t"] >= t0 else 0
+        cumulative.append(running)
+    loss_curve = []
+    for ev in evals:
+        if not t0 <= ev["t"] <= t1:
+            continue
+        i = bisect.bisect_right(times, ev["t"]) - 1
+        loss_curve.append((cumulative[i] if i >= 0 else 0, ev["loss"]))
+    return {
+        "window_s": round(t1 - t0, 2),
+        "tokens_merged": total,
+        "tokens_processed": processed_tokens(samples, swarm.learners),
+        "merges": len(window),
+        "merges_lost_with_a_syncer": len(
+            [m for tape in tapes.values() for m in tape if m["event"] == "merge"]
+        )
+        - len(kept),
+        "merged_curve": merged_curve,
+        "loss_curve": loss_curve,
+        "takeovers": [
+            {"t": round(e["t"] - t0, 2), "term": e["term"], "source": e["source"]}
+            for tape in tapes.values()
+            for e in tape
+            if e["event"] == "syncer_takeover"
+        ],
+        "faults": report.to_json() if report is not None else [],
+        "faults_ok": report.check(plan) if report is not None else True,
+        "learner_samples": samples,
+    }
+
+
+def processed_tokens(samples: list[dict[str, Any]], learners: list[str]) -> int:
+    """Tokens the learners stepped on within the window, from their status samples. A restarted learner's
+    counter starts again from 0, so only increases are summed; a missed sample (dead, stopped) adds nothing."""
+    total = 0
+    for name in learners:
+        last = None
+        for row in samples:
+            value = row.get(name)
+            if value is None:
+                continue
+            if last is not None and value >= last:
+                total += value - last
+            last = value
+    return total
+
+
+def interpolate(curve: list[tuple[int, float]], x: float) -> float | None:
+    if not curve:
+        return None
+    xs = [c[0] for c in curve]
+    if x <= xs[0]:
+        return curve[0][1]
+    if x >= xs[-1]:
+        return curve[-1][1]
+    i = bisect.bisect_right(xs, x)
+    (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+
+
+def goodput_over_time(
+    arm: list[tuple[float, int]], reference: list[tuple[float, int]], step_s: float = 5.0
+) -> list[tuple[float, float]]:
+    def at(curve: list[tuple[float, int]], t: float) -> int:
+        i = bisect.bisect_right([c[0] for c in curve], t) - 1
+        return curve[i][1] if i >= 0 else 0
+
+    end = min(arm[-1][0] if arm else 0.0, reference[-1][0] if reference else 0.0)
+    out = []
+    t = step_s
+    while t <= end:
+        ref = at(reference, t)
+        out.append((t, at(arm, t) / ref if ref else 0.0))
+        t += step_s
+    return out
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_good) = plt.subplots(1, 2, figsize=(12, 4.5))
+    reference = results["failure_free"]["merged_curve"]
+    for name, result in results.items():
+        curve = result["loss_curve"]
+        if curve:
+            ax_loss.plot([c[0] / 1e3 for c in curve], [c[1] for c in curve], marker=".", label=name)
+        if name != "failure_free":
+            series = goodput_over_time(result["merged_curve"], reference)
+            ax_good.plot([s[0] for s in series], [s[1] for s in series], label=name)
+    for fault in results.get("decoupled", {}).get("faults", []):
+        ax_good.axvline(fault["injected_at_s"], color="grey", alpha=0.3, linewidth=1)
+    ax_loss.set_xlabel("tokens merged into the global model (thousands)")
+    ax_loss.set_ylabel("held-out loss of the global model (nats/byte)")
+    ax_loss.set_title("loss at equal merged tokens")
+    ax_loss.legend()
+    ax_good.set_xlabel("seconds since the chaos clock started (grey: faults)")
+    ax_good.set_ylabel("merged tokens / failure-free merged tokens")
+    ax_good.set_ylim(0, 1.2)
+    ax_good.set_title("goodput over time")
+    ax_good.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=90.0, help="seconds measured per arm")
+    parser.add_argument("--quick", action="store_true", help="45 s windows and fewer faults")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--min-step-s", type=float, default=0.25)
+    parser.add_argument("--arms", default=",".join(a.name for a in ARMS))
+    parser.add_argument("--keep", action="store_true", help="keep the temporary run directories")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    duration = 45.0 if args.quick else args.duration
+    if args.quick:
+        chaos = ChaosConfig(
+            seed=args.seed,
+            duration_s=duration,
+            learner_kills=1,
+            stragglers=1,
+            syncer_kills=1,
+            restart_delay_s=3.0,
+            stop_s=5.0,
+            margin_s=6.0,
+            min_gap_s=8.0,
+        )
+    else:
+        chaos = ChaosConfig(
+            seed=args.seed,
+            duration_s=duration,
+            learner_kills=1,
+            stragglers=2,
+            syncer_kills=2,
+            restart_delay_s=3.0,
+            stop_s=5.0,
+            margin_s=8.0,
+            min_gap_s=10.0,
+            min_syncer_gap_s=30.0,
+        )
+    learners = [f"learner{i}" for i in range(NUM_LEARNERS)]
+    plan = plan_faults(chaos, learners)
+    logger.info("fault plan: %s", [(f.at_s, f.kind, f.target) for f in plan])
+    chosen = [a for a in ARMS if a.name in args.arms.split(",")]
+    results: dict[str, dict[str, Any]] = {}
+    base = Path(tempfile.mkdtemp(prefix="goodput-"))
+    try:
+        for arm in chosen:
+            root = base / arm.name
+            root.mkdir()
+            swarm = Swarm(root, arm, args.min_step_s)
+            logger.info("arm %s: starting the swarm", arm.name)
+            try:
+                swarm.start()
+                logger.info(
+                    "arm %s: measuring %.0f s%s", arm.name, duration, " under chaos" if arm.chaos else ""
+                )
+                results[arm.name] = measure(swarm, plan if arm.chaos else [], duration)
+            finally:
+                swarm.stop()
+            logger.info(
+                "arm %s: %d tokens merged in %d merges",
+                arm.name,
+                results[arm.name]["tokens_merged"],
+                results[arm.name]["merges"],
+            )
+    finally:
+        if args.keep:
+            logger.info("run directories kept in %s", base)
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+    reference = results.get("failure_free", {}).get("tokens_merged") or 0
+    goodput = {name: (r["tokens_merged"] / reference if reference else None) for name, r in results.items()}
+    processed_ref = results.get("failure_free", {}).get("tokens_processed") or 0
+    compute = {
+        name: (r["tokens_processed"] / processed_ref if processed_ref else None)
+        for name, r in results.items()
+    }
+    loss_gap = None
+    if "decoupled" in results and "failure_free" in results and results["decoupled"]["loss_curve"]:
+        final_tokens, final_loss = results["decoupled"]["loss_curve"][-1]
+        ref_loss = interpolate(results["failure_free"]["loss_curve"], final_tokens)
+        loss_gap = (final_loss - ref_loss) / ref_loss if ref_loss else None
+    injected = sum(len(r["faults"]) for r in results.values())
+    headline = {
+        "goodput_decoupled": _round(goodput.get("decoupled")),
+        "goodput_sync": _round(goodput.get("sync")),
+        "goodput_elastic_sync": _round(goodput.get("elastic_sync")),
+        "compute_goodput_decoupled": _round(compute.get("decoupled")),
+        "compute_goodput_sync": _round(compute.get("sync")),
+        "compute_goodput_elastic_sync": _round(compute.get("elastic_sync")),
+        "loss_gap_decoupled": _round(loss_gap),
+        "faults_injected": injected,
+        "faults_planned": len(plan) * sum(1 for a in chosen if a.chaos),
+        "faults_match_plan": all(r["faults_ok"] for r in results.values()),
+        "window_s": duration,
+        "learners": NUM_LEARNERS,
+    }
+    detail = {
+        "plan": [
+            {"at_s": f.at_s, "kind": f.kind, "target": f.target, "duration_s": f.duration_s} for f in plan
+        ],
+        "chaos": {k: getattr(chaos, k) for k in chaos.__dataclass_fields__},
+        "min_step_s": args.min_step_s,
+        "arms": results,
+        "goals": {
+            "goodput_decoupled": ">= 0.9",
+            "goodput_sync": "< 0.6",
+            "abs(loss_gap_decoupled)": "<= 0.02",
+        },
+    }
+    path = write_result("goodput", headline, detail)
+    if "failure_free" in results:
+        plot(results, plot_path("goodput"))
+    print(json.dumps(headline, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

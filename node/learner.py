@@ -1,0 +1,266 @@
+"""The learner role: the whole model, a data shard, AdamW inner steps that never wait on the network, and a
+`FragmentSync` that is a Decoupled DiLoCo learner for every fragment of the run.
+
+Life of a learner: build the model from the manifest's seed, load the corpus (`--data` or the run's data
+spec, else the built-in one) and take the shard `shard_for(peer_id, num_shards)`, start the sync client's
+sender and watcher as supervised tasks, download the current global fragments from the syncer (late
+joiners and restarted learners; with no syncer in `join_timeout_s` it starts from the seed, which is
+version 0), then step. Each inner step runs in a worker thread (`asyncio.to_thread`), so the event loop
+keeps serving heartbeats, the status API and the sync client while torch computes; the sync client's
+`after_inner_step` runs in that same thread, between steps. In the synchronous baselines
+(`diloco.mode` sync or elastic_sync) the learner waits at each round's apply step for the round's version,
+which is exactly the stall those baselines pay. `min_step_s` pads every step to a fixed speed
+(benchmarks), `--max-steps` ends the node.
+
+Options (node.toml `[learner]`, see `LearnerConfig`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from node.diloco.sync_client import FragmentSync, FramedSyncTransport, SyncClientConfig, run_fragment_plan
+from protocol.errors import ConfigError
+
+if TYPE_CHECKING:
+    from node.runtime import NodeContext
+
+logger = logging.getLogger(__name__)
+
+THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LearnerConfig:
+    """Learner-local settings (node.toml `[learner]`); the model, optimizer and DiLoCo knobs are the run's."""
+
+    min_step_s: float = 0.0  # floor on the wall time of one inner step (a fixed speed for benchmarks)
+    eval_every_steps: int = 50  # held-out loss every N inner steps (0 = never)
+    eval_batches: int = 4  # held-out batches per evaluation
+    num_shards: int = 16  # the training split is cut into this many shards; ours is chosen by peer id
+    join_timeout_s: float = 30.0  # how long to look for a syncer before starting from the seed
+    poll_wait_s: float = 5.0  # versions long-poll bound
+    torch_threads: int = 0  # torch intra-op threads for the inner step (0 = torch's default)
+
+    def __post_init__(self) -> None:
+        for name in ("min_step_s",):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"learner.{name} must be a number >= 0, got {value!r}")
+        for name in ("join_timeout_s", "poll_wait_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"learner.{name} must be a positive number, got {value!r}")
+        for name in ("eval_every_steps", "torch_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"learner.{name} must be an int >= 0, got {value!r}")
+        for name in ("eval_batches", "num_shards"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"learner.{name} must be an int >= 1, got {value!r}")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> LearnerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"unknown [learner] settings {unknown}")
+        try:
+            return cls(**options)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"[learner]: {e}") from None
+
+
+class Throughput:
+    """Tokens per second over a sliding window of recent steps; the clock is passed in."""
+
+    def __init__(self, window_s: float = THROUGHPUT_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, now: float, tokens: int) -> None:
+        self._samples.append((now, tokens))
+        while self._samples and now - self._samples[0][0] > self.window_s:
+            self._samples.popleft()
+
+    def rate(self) -> float:
+        if len(self._samples) < 2:
+            return 0.0
+        span = self._samples[-1][0] - self._samples[0][0]
+        tokens = sum(t for _, t in list(self._samples)[1:])
+        return tokens / span if span > 0 else 0.0
+
+
+class LearnerRole:
+    name = "learner"
+
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx = ctx
+        self.config = LearnerConfig.from_options(ctx.config.learner)
+        self.state = "joining"
+        self.inner_step = 0
+        self.tokens = 0
+        self.loss: float | None = None
+        self.held_out_loss: float | None = None
+        self.joined_from_syncer: bool | None = None
+        self.barrier_wait_s = 0.0
+        self.shard: int | None = None
+        self.sync: FragmentSync | None = None
+        self._throughput = Throughput()
+        self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._sampler: Any = None
+
+    async def run(self, ctx: NodeContext, stop: asyncio.Event) -> None:
+        from node.runtime import RestartPolicy
+
+        if self.config.torch_threads:
+            torch.set_num_threads(self.config.torch_threads)
+        held_out = await asyncio.to_thread(self._prepare)
+        plan = run_fragment_plan(ctx.manifest)
+        p2p = await ctx.dht.replicate_p2p()
+        transport = FramedSyncTransport(
+            p2p,
+            ctx.identity,
+            ctx.records,
+            plan,
+            authorized_syncers=ctx.manifest.authorized_syncers,
+            lookup_period_s=ctx.manifest.heartbeat_period_s,
+        )
+        assert self._model is not None
+        barrier = getattr(ctx.manifest.diloco, "mode", "decoupled") != "decoupled"
+        sync_config = SyncClientConfig(
+            barrier=barrier, join_timeout_s=self.config.join_timeout_s, poll_wait_s=self.config.poll_wait_s
+        )
+        self.sync = FragmentSync.create(
+            dict(self._model.named_parameters()), plan, ctx.manifest.diloco, transport, config=sync_config
+        )
+        if ctx.manifest.authorized_syncers:
+            ctx.supervisor.spawn("diloco-sender", partial(self.sync.run_sender, stop), policy=RestartPolicy())
+            ctx.supervisor.spawn("diloco-watcher", partial(self.sync.run_watcher, stop), policy=RestartPolicy())
+            self.joined_from_syncer = await self.sync.join_global(stop)
+        else:  # no syncer can ever exist in this run: nothing to wait for
+            logger.warning("run %r authorizes no syncer: training locally, nothing is merged", ctx.manifest.name)
+            self.joined_from_syncer = False
+        ctx.events.emit("learner_joined", from_syncer=self.joined_from_syncer, versions=self.sync.versions())
+        self.state = "training"
+        await self._train(stop, held_out)
+
+    def _prepare(self) -> list[Any]:
+        """Model, optimizer, data shard, held-out batches (in a worker thread: torch and file I/O)."""
+        from node.data import BatchSampler, load_corpus, shard_for, validation_batches
+        from node.model import ModelConfig, build_model
+
+        manifest, ctx = self.ctx.manifest, self.ctx
+        cfg = ModelConfig.from_dict(manifest.model)
+        model = build_model(cfg, manifest.seed).to(ctx.device)
+        model.train()
+        inner = manifest.inner
+        self._optimizer = torch.optim.AdamW(model.parameters(), lr=inner.lr, weight_decay=inner.weight_decay)
+        self._model = model
+        corpus = load_corpus(ctx.config.data or _data_spec(manifest))
+        self.shard = shard_for(ctx.peer_id, self.config.num_shards)
+        stream = corpus.train_stream(self.shard, self.config.num_shards)
+        seed = (manifest.seed * 1_000_003 + int.from_bytes(ctx.peer_id.encode()[-8:], "big")) % (2**63)
+        self._sampler = BatchSampler(
+            stream,
+            batch_size=inner.batch_size,
+            context_len=cfg.context_len,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        logger.info(
+            "learner: shard %d/%d (%d tokens), batch %d x %d",
+            self.shard,
+            self.config.num_shards,
+            len(stream),
+            inner.batch_size,
+            cfg.context_len,
+        )
+        if not self.config.eval_every_steps:
+            return []
+        return validation_batches(
+            corpus,
+            batch_size=inner.batch_size,
+            context_len=cfg.context_len,
+            num_batches=self.config.eval_batches,
+        )
+
+    async def _train(self, stop: asyncio.Event, held_out: list[Any]) -> None:
+        from node.data import evaluate
+        from node.runtime import wait_or_stop
+
+        assert self.sync is not None and self._model is not None
+        max_steps = self.ctx.config.max_steps
+        while not stop.is_set():
+            started = time.monotonic()
+            step = self.inner_step + 1
+            loss, tokens = await asyncio.to_thread(self._inner_step, step)
+            self.inner_step, self.loss = step, loss
+            self.tokens += tokens
+            if self.sync.barrier:
+                self.barrier_wait_s += await self.sync.wait_barrier(step, stop)
+            pause = self.config.min_step_s - (time.monotonic() - started)
+            if pause > 0 and await wait_or_stop(stop, pause):
+                break
+            self._throughput.add(time.monotonic(), tokens)
+            if held_out and step % self.config.eval_every_steps == 0:
+                self.held_out_loss = await asyncio.to_thread(evaluate, self._model, held_out)
+                self.ctx.events.emit(
+                    "learner_eval", step=step, loss=round(self.held_out_loss, 5), tokens=self.tokens
+                )
+            if max_steps is not None and step >= max_steps:
+                logger.info("reached --max-steps %d", max_steps)
+                self.state = "idle"
+                return
+
+    def _inner_step(self, step: int) -> tuple[float, int]:
+        """One AdamW step on a fresh batch, then the sync client's bookkeeping (same thread)."""
+        assert self._model is not None and self._optimizer is not None and self.sync is not None
+        inputs, targets = self._sampler.next_batch()
+        device = self.ctx.device
+        _, loss = self._model(inputs.to(device), targets.to(device))
+        self._optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self._optimizer.step()
+        tokens = int(inputs.numel())
+        self.sync.after_inner_step(step, tokens)
+        return float(loss.detach()), tokens
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "state": self.state,
+            "inner_step": self.inner_step,
+            "tokens": self.tokens,
+            "loss": self.loss,
+            "held_out_loss": self.held_out_loss,
+            "throughput": round(self._throughput.rate(), 1),
+            "shard": self.shard,
+            "joined_from_syncer": self.joined_from_syncer,
+            "barrier_wait_s": round(self.barrier_wait_s, 3),
+            "min_step_s": self.config.min_step_s,
+        }
+        if self.sync is not None:
+            sync = self.sync.status()
+            out["versions"] = sync.pop("versions")
+            out["sync"] = sync
+        return out
+
+
+def _data_spec(manifest: Any) -> str | None:
+    source = manifest.data.get("source", "builtin")
+    return None if source == "builtin" else str(source)
+
+
+def create_role(ctx: NodeContext) -> LearnerRole:
+    return LearnerRole(ctx)

@@ -1,0 +1,1180 @@
+"""The pipeline stage role: serves layers [a, b) of the run's model to authorized verifiers.
+
+Three layers, from pure to networked:
+
+* `StageCore` (no network, no asyncio): the stage's `StageModule`, its AdamW, the autograd context of every
+  microbatch between its forward and its backward, gradient accumulation and the idempotency ledger. All its
+  methods run on one thread (the service's compute thread), so its state needs no lock.
+  Forward passes run on a *snapshot* of the weights (a detached copy taken after each optimizer step or
+  DiLoCo overwrite) through `torch.func.functional_call`: an optimizer step therefore never invalidates the
+  graph of a microbatch still waiting for its backward (PipeDream's weight stashing), and several
+  microbatches can be in flight at once. Gradients of each microbatch are computed explicitly
+  (`torch.autograd.grad`) and accumulated, weighted by its sequences, into a sum that becomes `.grad` (the
+  batch mean) when `inner.batch_size` sequences are in; then AdamW steps.
+* `StageService`: the wire. Routes `stage.forward`, `stage.backward`, `stage.receipt` for a `FramedServer`;
+  each handler checks that the caller is an authorized verifier of the manifest (else `UnauthorizedCaller`,
+  a typed refusal), opens the signed envelope, runs the core on the compute thread and signs its answer
+  (activation on forward, input gradient on backward; the last stage answers a forward with the loss and the
+  input gradient at once).
+* `StageRole`: the node role (`--role stage --stage N`): P2P from the node's DHT daemon, the DiLoCo
+  `FragmentSync` for the span's fragments, context expiry, heartbeat fields (throughput, load) and the
+  periodic rebalancing check (`node.routing.Rebalancer`).
+
+Idempotency (docs/pipeline.md): the key is (run, verifier, microbatch, stage, direction). A backward is applied
+at most once; a retried backward is answered from cache; a forward for a microbatch whose backward was applied
+is refused (`already applied`); a repeated forward whose context is still held is answered from cache.
+
+Token receipts (signed by verifiers, format in `TokenReceipt`) are accepted on `stage.receipt` and kept, newest
+per verifier session, for the syncer to weight this replica's contributions by verified tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgpack
+import torch
+from torch.func import functional_call
+
+from node.model import ModelConfig, StageModule, build_stage, stage_spans
+from node.routing import (
+    IdempotencyKey,
+    IdempotencyLedger,
+    LedgerConfig,
+    Phase,
+    RebalanceConfig,
+    Rebalancer,
+    ReplicaInfo,
+    Verdict,
+)
+from protocol.codec import TensorLimits
+from protocol.envelope import (
+    MAX_HEADER_BYTES,
+    Context,
+    Direction,
+    Header,
+    Kind,
+    Opened,
+    max_frame_bytes,
+    open_envelope,
+    seal,
+)
+from protocol.errors import ConfigError, MalformedFrame, ProtocolError, TensorPolicyError, WrongContext
+from protocol.identity import NodeIdentity
+from protocol.manifest import InnerOptimizerSpec, RunManifest
+from protocol.replay import ReplayConfig, ReplayGuard
+from protocol.rpc import FramedServer, PeerStrikes, Route
+
+if TYPE_CHECKING:
+    from node.runtime import NodeContext
+
+logger = logging.getLogger(__name__)
+
+STAGE_ENV = (
+    "HIVENODE_STAGE"  # overrides of StageConfig, "key=value,key=value" (read once, when the role is built)
+)
+FORWARD_RPC = "stage.forward"
+BACKWARD_RPC = "stage.backward"
+RECEIPT_RPC = "stage.receipt"
+TARGETS = "targets"  # name of the targets tensor beside the input ("") in a last-stage request
+EVAL_META = "eval"  # meta flag: forward only, no context, no ledger (held-out loss)
+LOSS_META = "loss"
+APPLIED_META = "applied"
+RECEIPT_FORMAT = "hivenode.receipt.v1"
+MAX_CONTROL_BYTES = 64 * 1024
+
+# Refusal reasons a verifier acts on (RemoteRefused.reason on its side).
+UNAUTHORIZED = "not an authorized verifier"
+ALREADY_APPLIED = "already applied"
+STALE_MICROBATCH = "stale microbatch"
+NO_CONTEXT = "no context"
+NOT_SERVING = "not serving this stage"
+
+T = TypeVar("T")
+
+# On pipeline frames the header's step is informational (the verifier's step on requests, the replica's inner step
+# on answers) and restarts at 0 when either restarts; a step window would lock a restarted peer out. What stops
+# replays here is the nonce seen-set and the timestamp window, and what stops double application is the
+# idempotency ledger. The seen-set is sized for ~250 frames/s per peer over the 60 s skew window.
+PIPELINE_REPLAY = ReplayConfig(window_steps=1 << 62, max_seen_per_sender=16384)
+
+
+class UnauthorizedCaller(ProtocolError):
+    """The caller is not an authorized verifier of this run: stages work for verifiers only."""
+
+    reason = UNAUTHORIZED
+
+
+class StageRefusal(ProtocolError):
+    """A well-formed request this stage will not serve (a retry it must not apply, a lost context...).
+
+    Never blamed on the caller: an honest verifier retrying after a lost answer gets exactly these."""
+
+    blame_sender = False
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message, reason=reason, blame_sender=False)
+
+
+# ---------------------------------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageConfig:
+    """Settings of one stage replica (the model, optimizer and stage count come from the manifest)."""
+
+    max_contexts: int = 32  # microbatches held between forward and backward; past it the oldest is dropped
+    context_timeout_s: float = 120.0  # a context whose backward does not come within this is dropped
+    sweep_period_s: float = 5.0  # how often expired contexts are looked for
+    throughput_ema: float = 0.2  # weight of a new measurement in the announced tokens/s
+    compute_threads: int = 0  # torch intra-op threads of this process; 0 = torch's default
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
+    rebalance_enabled: bool = True  # run the periodic "move to a starved stage?" check
+    join_timeout_s: float = 30.0  # how long a late joiner waits for the syncer's global version
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    max_receipts: int = 64  # verifier sessions whose latest receipt is kept
+    recent_applied: int = 4096  # applied microbatch ids shown in status (for audits and tests)
+
+    def __post_init__(self) -> None:
+        if self.max_contexts < 1:
+            raise ValueError(f"max_contexts must be >= 1, got {self.max_contexts}")
+        for name in ("context_timeout_s", "sweep_period_s", "join_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be positive, got {value}")
+        if not 0 < self.throughput_ema <= 1:
+            raise ValueError(f"throughput_ema must be in (0, 1], got {self.throughput_ema}")
+        if self.compute_threads < 0 or self.max_receipts < 1 or self.recent_applied < 0:
+            raise ValueError("compute_threads >= 0, max_receipts >= 1, recent_applied >= 0")
+
+
+def apply_overrides(config: T, text: str) -> T:
+    """`config` with "key=value,..." applied (nested fields as `rebalance.dwell_s=5`); ValueError on typos.
+
+    Values are parsed by the type of the field's current value (int, float, bool, str)."""
+    for item in filter(None, (part.strip() for part in text.replace(";", ",").split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} is not key=value")
+        config = _replace_path(config, key.strip().split("."), raw.strip())
+    return config
+
+
+def load_role_config(
+    default: T, *, table: Mapping[str, Any] | None, env: str, environ: Mapping[str, str]
+) -> T:
+    """A role's settings: `default`, then a node.toml table (nested tables for nested settings), then the
+    `env` variable's "key=value,..." overrides. Raises ConfigError naming the bad setting."""
+    try:
+        config = default
+        for key, value in _flatten(table or {}):
+            config = _replace_path(config, key.split("."), value)
+        return apply_overrides(config, environ.get(env, ""))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{type(default).__name__}: {e}") from None
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            out.extend(_flatten(value, f"{prefix}{key}."))
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def _replace_path(obj: T, path: list[str], raw: object) -> T:
+    name = path[0]
+    names = {f.name for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
+    if name not in names:
+        raise ValueError(f"unknown setting {name!r} of {type(obj).__name__} (known: {sorted(names)})")
+    current = getattr(obj, name)
+    value = _replace_path(current, path[1:], raw) if len(path) > 1 else _coerce(name, current, raw)
+    return dataclasses.replace(obj, **{name: value})  # type: ignore[type-var]
+
+
+def _coerce(name: str, current: object, raw: object) -> object:
+    """`raw` (text from the environment, or a TOML value) as the type of the setting's current value."""
+    if isinstance(current, bool):
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{name} must be true or false, got {raw!r}")
+        return str(raw).lower() in ("true", "1")
+    if isinstance(current, int) and not isinstance(raw, bool):
+        return int(raw) if isinstance(raw, (int, str)) else _bad(name, raw)
+    if isinstance(current, float) and not isinstance(raw, bool):
+        return float(raw) if isinstance(raw, (int, float, str)) else _bad(name, raw)
+    if isinstance(current, str) and isinstance(raw, str):
+        return raw
+    return _bad(name, raw)
+
+
+def _bad(name: str, raw: object) -> object:
+    raise ValueError(f"{name} cannot be set to {raw!r}")
+
+
+# ---------------------------------------------------------------------------------------------------- wire caps
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BoundaryShape:
+    """What boundary tensors of this run must look like (from the manifest, never from the peer)."""
+
+    max_batch: int
+    context_len: int
+    width: int
+    vocab_size: int
+
+    @classmethod
+    def from_manifest(cls, manifest: RunManifest) -> BoundaryShape:
+        m = manifest.model
+        return cls(
+            max_batch=manifest.wire.max_batch,
+            context_len=m["context_len"],
+            width=m["width"],
+            vocab_size=m["vocab_size"],
+        )
+
+    @property
+    def limits(self) -> TensorLimits:
+        """Caps of one pipeline frame: an activation or gradient plus, to the last stage, int64 targets."""
+        activation = self.max_batch * self.context_len * self.width * 4
+        tokens = self.max_batch * self.context_len * 8
+        return TensorLimits(
+            max_bytes=activation + tokens,
+            max_rank=3,
+            max_tensors=2,
+            allowed_dtypes=frozenset({"float32", "int64"}),
+        )
+
+    def check_tokens(self, tokens: torch.Tensor, what: str = "tokens") -> None:
+        ok = (
+            tokens.dtype == torch.int64
+            and tokens.dim() == 2
+            and 1 <= tokens.shape[0] <= self.max_batch
+            and 1 <= tokens.shape[1] <= self.context_len
+        )
+        if not ok:
+            raise TensorPolicyError(f"{what} must be int64 [B<={self.max_batch}, T<={self.context_len}]")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
+            raise TensorPolicyError(f"{what} outside [0, {self.vocab_size})", reason="bad tokens")
+
+    def check_activation(self, x: torch.Tensor, what: str = "activation") -> None:
+        ok = (
+            x.dtype == torch.float32
+            and x.dim() == 3
+            and 1 <= x.shape[0] <= self.max_batch
+            and 1 <= x.shape[1] <= self.context_len
+            and x.shape[2] == self.width
+        )
+        if not ok:
+            raise TensorPolicyError(f"{what} must be float32 [B, T, {self.width}], got {tuple(x.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------------- the core
+
+
+@dataclass(slots=True)
+class _Context:
+    """What a microbatch's backward needs: the graph from its input (or tokens) to its output."""
+
+    created_at: float
+    x: torch.Tensor | None  # the input leaf (None on the first stage: tokens have no gradient)
+    output: torch.Tensor
+    leaves: dict[str, torch.Tensor]  # the weight snapshot this forward ran on
+    sequences: int
+    tokens: int
+
+
+_NO_GRAD = object()  # cached result of an applied backward on the first stage (nothing to send back)
+
+
+@dataclass(slots=True)
+class StageCounters:
+    microbatches_served: int = 0  # forwards computed (training and eval)
+    microbatches_applied: int = 0  # backwards applied (each microbatch once)
+    tokens: int = 0  # tokens of applied microbatches
+    answered_from_cache: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    contexts_dropped: dict[str, int] = field(default_factory=dict)
+    compute_s: float = 0.0
+
+
+class StageCore:
+    """One stage's model, optimizer, contexts and ledger. Not thread-safe: call from one thread."""
+
+    def __init__(
+        self,
+        module: StageModule,
+        *,
+        stage: int,
+        run_id: str,
+        inner: InnerOptimizerSpec,
+        shape: BoundaryShape,
+        config: StageConfig | None = None,
+        on_step: Callable[[int, int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.module = module
+        self.module.train()
+        self.stage = stage
+        self.run_id = run_id
+        self.inner = inner
+        self.shape = shape
+        self.config = config or StageConfig()
+        self.on_step = on_step
+        self.clock = clock
+        self.is_first = module.is_first
+        self.is_last = module.is_last
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=inner.lr, weight_decay=inner.weight_decay)
+        self.params = dict(module.named_parameters())
+        self.ledger = IdempotencyLedger(self.config.ledger)
+        self.counters = StageCounters()
+        self.inner_step = 0
+        self.train_loss: float | None = None  # EMA, last stage only
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._contexts: OrderedDict[tuple[str, int], _Context] = OrderedDict()
+        self._grad_sum: dict[str, torch.Tensor] = {}
+        self._acc_sequences = 0
+        self._acc_tokens = 0
+        self._sec_per_token: float | None = None
+
+    # ---- status
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.module.span
+
+    @property
+    def num_contexts(self) -> int:
+        return len(self._contexts)
+
+    @property
+    def throughput(self) -> float:
+        """Measured tokens/s of forward plus backward compute (0 before the first measurement)."""
+        spt = self._sec_per_token
+        return 0.0 if spt is None or spt <= 0 else 1.0 / spt
+
+    def accumulated_gradients(self) -> dict[str, torch.Tensor]:
+        """The batch-mean gradient accumulated since the last step (what `.grad` will be at the next one)."""
+        if self._acc_sequences == 0:
+            return {}
+        return {name: total / self._acc_sequences for name, total in self._grad_sum.items()}
+
+    def weights_changed(self) -> None:
+        """Call after the parameters were overwritten (DiLoCo version): later forwards use the new values."""
+        self._snapshot = None
+
+    # ---- forward
+
+    def forward(self, sender: str, microbatch: int, x: torch.Tensor) -> torch.Tensor:
+        """Training forward of a non-last stage; keeps the context until the backward. Idempotent."""
+        assert not self.is_last, "the last stage answers forwards with forward_loss"
+        self._check_input(x)
+        key = self._key(sender, microbatch, Phase.BACKWARD)
+        self._refuse_applied(key, "forward")
+        held = self._contexts.get((sender, microbatch))
+        if held is not None:  # a retry whose answer was lost: same output, nothing recomputed
+            self.counters.answered_from_cache += 1
+            return held.output.detach()
+        started = time.perf_counter()
+        leaves = self._leaves()
+        x_in = None if self.is_first else x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            output = functional_call(self.module, leaves, (x if x_in is None else x_in,))
+        self._remember(sender, microbatch, _Context(self.clock(), x_in, output, leaves, *self._size(x)))
+        self._measure(started, self._size(x)[1], share=1 / 3)
+        self.counters.microbatches_served += 1
+        return output.detach()
+
+    def forward_eval(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward without context or ledger (held-out loss): activations, or the loss on the last stage."""
+        self._check_input(x)
+        if self.is_last:
+            if targets is None:
+                raise TensorPolicyError("the last stage needs targets", reason="missing targets")
+            self.shape.check_tokens(targets, "targets")
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                args = (x,) if not self.is_last else (x, targets)
+                out = functional_call(self.module, self._leaves(), args)
+        finally:
+            self.module.train()
+        self.counters.microbatches_served += 1
+        return out.detach()
+
+    def forward_loss(
+        self, sender: str, microbatch: int, x: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[float, torch.Tensor | None]:
+        """Last stage: forward, loss, backward and accumulation at once; (loss, input gradient). Idempotent."""
+        assert self.is_last, "forward_loss is the last stage's forward"
+        self._check_input(x)
+        self.shape.check_tokens(targets, "targets")
+        if tuple(targets.shape) != tuple(x.shape[:2]):
+            raise TensorPolicyError("targets must match the input's [B, T]", reason="bad shape")
+        key = self._key(sender, microbatch, Phase.BACKWARD)
+        cached = self._cached_or_refuse(key)
+        if cached is not None:
+            loss_value, grad = cached  # type: ignore[misc]
+            return loss_value, grad
+        started = time.perf_counter()
+        leaves = self._leaves()
+        x_in = None if self.is_first else x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss = functional_call(self.module, leaves, (x if x_in is None else x_in, targets))
+            inputs = ([] if x_in is None else [x_in]) + list(leaves.values())
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        input_grad = None if x_in is None else grads[0]
+        sequences, tokens = self._size(x)
+        loss_value = float(loss.detach())
+        self.train_loss = loss_value if self.train_loss is None else 0.9 * self.train_loss + 0.1 * loss_value
+        self.counters.microbatches_served += 1
+        self._apply(key, list(leaves), grads[len(inputs) - len(leaves) :], sequences, tokens)
+        self.ledger.mark_applied(key, (loss_value, input_grad))
+        self._measure(started, tokens, share=1.0)
+        return loss_value, input_grad
+
+    # ---- backward
+
+    def backward(self, sender: str, microbatch: int, grad_output: torch.Tensor) -> torch.Tensor | None:
+        """Apply the gradient of this stage's output for a held context; the input gradient (None on stage 0)."""
+        assert not self.is_last, "the last stage computes its backward in forward_loss"
+        key = self._key(sender, microbatch, Phase.BACKWARD)
+        cached = self._cached_or_refuse(key)
+        if cached is not None:
+            return None if cached is _NO_GRAD else cached  # type: ignore[return-value]
+        context = self._contexts.get((sender, microbatch))
+        if context is None:
+            self._refuse(
+                NO_CONTEXT, f"no context for microbatch {microbatch} (expired, dropped or never sent)"
+            )
+        assert context is not None
+        if grad_output.dtype != torch.float32 or tuple(grad_output.shape) != tuple(context.output.shape):
+            raise TensorPolicyError(
+                f"gradient {tuple(grad_output.shape)} does not match the output {tuple(context.output.shape)}",
+                reason="bad shape",
+            )
+        del self._contexts[(sender, microbatch)]
+        started = time.perf_counter()
+        inputs = ([] if context.x is None else [context.x]) + list(context.leaves.values())
+        grads = torch.autograd.grad(context.output, inputs, grad_outputs=grad_output, allow_unused=True)
+        input_grad = None if context.x is None else grads[0]
+        self._apply(
+            key,
+            list(context.leaves),
+            grads[len(inputs) - len(context.leaves) :],
+            context.sequences,
+            context.tokens,
+        )
+        self.ledger.mark_applied(key, _NO_GRAD if input_grad is None else input_grad)
+        self._measure(started, context.tokens, share=2 / 3)
+        return input_grad
+
+    # ---- contexts
+
+    def expire(self) -> int:
+        """Drop contexts older than `context_timeout_s`; returns how many."""
+        now = self.clock()
+        old = [k for k, c in self._contexts.items() if now - c.created_at > self.config.context_timeout_s]
+        for key in old:
+            self._drop(key, "timeout")
+        return len(old)
+
+    def _remember(self, sender: str, microbatch: int, context: _Context) -> None:
+        self.expire()
+        self._contexts[(sender, microbatch)] = context
+        while len(self._contexts) > self.config.max_contexts:
+            self._drop(next(iter(self._contexts)), "too many in flight")
+
+    def _drop(self, key: tuple[str, int], reason: str) -> None:
+        del self._contexts[key]
+        dropped = self.counters.contexts_dropped
+        dropped[reason] = dropped.get(reason, 0) + 1
+        logger.info("dropped the context of microbatch %d from %s: %s", key[1], key[0][-8:], reason)
+
+    # ---- gradients and steps
+
+    def _apply(
+        self,
+        key: IdempotencyKey,
+        names: Sequence[str],
+        grads: Sequence[torch.Tensor | None],
+        sequences: int,
+        tokens: int,
+    ) -> None:
+        """Accumulate one microbatch's parameter gradients (weighted by its sequences); step when a batch is in."""
+        for name, grad in zip(names, grads, strict=True):
+            if grad is None:
+                continue
+            held = self._grad_sum.get(name)
+            if held is None:
+                self._grad_sum[name] = grad.detach() * sequences
+            else:
+                held.add_(grad.detach(), alpha=sequences)
+        self._acc_sequences += sequences
+        self._acc_tokens += tokens
+        self.counters.microbatches_applied += 1
+        self.counters.tokens += tokens
+        if self._acc_sequences >= self.inner.batch_size:
+            self._step()
+
+    def _step(self) -> None:
+        for name, param in self.params.items():
+            total = self._grad_sum.get(name)
+            param.grad = None if total is None else total / self._acc_sequences
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = self._acc_tokens
+        self._grad_sum.clear()
+        self._acc_sequences = self._acc_tokens = 0
+        self.inner_step += 1
+        self._snapshot = None
+        if self.on_step is not None:
+            self.on_step(self.inner_step, tokens)  # DiLoCo: may overwrite fragments in place
+            self._snapshot = None
+
+    def _leaves(self) -> dict[str, torch.Tensor]:
+        # A private copy per weight version: an in-place optimizer step must never touch a graph still held.
+        if self._snapshot is None:
+            self._snapshot = {
+                name: p.detach().clone().requires_grad_(True) for name, p in self.params.items()
+            }
+        return self._snapshot
+
+    # ---- helpers
+
+    def _key(self, sender: str, microbatch: int, phase: Phase) -> IdempotencyKey:
+        return IdempotencyKey(self.run_id, sender, microbatch, self.stage, phase)
+
+    def _refuse_applied(self, key: IdempotencyKey, what: str) -> None:
+        verdict = self.ledger.check(key)
+        if verdict is Verdict.APPLIED:
+            self.ledger.note_duplicate()
+            self._refuse(ALREADY_APPLIED, f"{what} of microbatch {key.microbatch}: its backward was applied")
+        if verdict is Verdict.STALE:
+            self._refuse(STALE_MICROBATCH, f"{what} of microbatch {key.microbatch} is below the ledger floor")
+
+    def _cached_or_refuse(self, key: IdempotencyKey) -> object | None:
+        verdict = self.ledger.check(key)
+        if verdict is Verdict.NEW:
+            return None
+        if verdict is Verdict.APPLIED:
+            cached = self.ledger.cached(key)
+            self.ledger.note_duplicate()
+            if cached is not None:
+                self.counters.answered_from_cache += 1
+                return cached
+            self._refuse(
+                ALREADY_APPLIED, f"microbatch {key.microbatch} was applied; its answer is no longer cached"
+            )
+        self._refuse(STALE_MICROBATCH, f"microbatch {key.microbatch} is below the ledger floor")
+        return None
+
+    def _refuse(self, reason: str, message: str) -> None:
+        self.counters.refused[reason] = self.counters.refused.get(reason, 0) + 1
+        raise StageRefusal(message, reason=reason)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if self.is_first:
+            self.shape.check_tokens(x)
+        else:
+            self.shape.check_activation(x)
+
+    @staticmethod
+    def _size(x: torch.Tensor) -> tuple[int, int]:
+        return int(x.shape[0]), int(x.shape[0] * x.shape[1])
+
+    def _measure(self, started: float, tokens: int, *, share: float) -> None:
+        """Fold one compute time into seconds per token of a whole microbatch (forward ~1/3, backward ~2/3)."""
+        seconds = time.perf_counter() - started
+        self.counters.compute_s += seconds
+        if tokens <= 0 or share <= 0:
+            return
+        sample = seconds / share / tokens
+        alpha = self.config.throughput_ema
+        old = self._sec_per_token
+        self._sec_per_token = sample if old is None else (1 - alpha) * old + alpha * sample
+
+    def recent_applied(self, limit: int) -> list[int]:
+        return [k.microbatch for k in self.ledger.recent(limit)]
+
+
+# ---------------------------------------------------------------------------------------------------- receipts
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenReceipt:
+    """A verifier's signed statement: "replica R of stage s processed N tokens for me, verified".
+
+    Counts are cumulative over one verifier session (`session`, chosen at the verifier's start), so the latest
+    receipt supersedes the earlier ones and a lost receipt loses nothing: the syncer weights a replica by
+    the growth of `tokens` between the receipts it saw at two syncs. The frame is an envelope of kind
+    `receipt` (no tensor), signed by the verifier, `receiver` = the replica, `stage` = its stage,
+    `microbatch` = the receipt's sequence number in the session, `step` = the verifier's step; the fields
+    below are its metadata. See docs/pipeline.md.
+    """
+
+    verifier: str  # signer (an authorized verifier)
+    replica: str  # whose work it counts (also the envelope's receiver)
+    stage: int
+    session: str  # hex id of the verifier session
+    sequence: int  # receipts of this session, increasing
+    tokens: int  # cumulative verified tokens this session
+    microbatches: int  # cumulative microbatches this session
+    last_microbatch: int  # id of the latest microbatch counted
+    issued_at: float  # verifier wall clock (also the envelope timestamp)
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "format": RECEIPT_FORMAT,
+            "replica": self.replica,
+            "session": self.session,
+            "tokens": self.tokens,
+            "microbatches": self.microbatches,
+            "last_microbatch": self.last_microbatch,
+        }
+
+    def seal(self, identity: NodeIdentity, run_id: str, *, step: int = 0) -> bytes:
+        if identity.peer_id != self.verifier:
+            raise ValueError("a receipt is sealed by its verifier")
+        context = Context(run_id=run_id, kind=Kind.RECEIPT, receiver=self.replica, stage=self.stage)
+        return seal(
+            identity, context, microbatch=self.sequence, step=step, now=self.issued_at, meta=self.meta()
+        )
+
+    @classmethod
+    def from_opened(cls, opened: Opened) -> TokenReceipt:
+        h, meta = opened.header, opened.meta
+        fields = {
+            "tokens": meta.get("tokens"),
+            "microbatches": meta.get("microbatches"),
+            "last_microbatch": meta.get("last_microbatch"),
+        }
+        ok = (
+            meta.get("format") == RECEIPT_FORMAT
+            and meta.get("replica") == h.receiver
+            and isinstance(meta.get("session"), str)
+            and 0 < len(meta["session"]) <= 64
+            and all(type(v) is int and v >= 0 for v in fields.values())
+            and not opened.tensors
+        )
+        if not ok:
+            raise MalformedFrame("receipt metadata does not match the receipt format", reason="bad receipt")
+        return cls(
+            verifier=h.sender,
+            replica=h.receiver,
+            stage=h.stage,
+            session=meta["session"],  # type: ignore[arg-type]
+            sequence=h.microbatch,
+            issued_at=h.timestamp,
+            **fields,  # type: ignore[arg-type]
+        )
+
+
+def receipt_signer(frame: bytes | bytearray | memoryview) -> str:
+    """The claimed signer of a frame (header field 3), read without trusting anything; `open_receipt` checks it."""
+    view = memoryview(frame)
+    if len(view) < 4:
+        raise MalformedFrame("frame too short")
+    (length,) = struct.unpack_from(">I", view)
+    if length > MAX_HEADER_BYTES or 4 + length > len(view):
+        raise MalformedFrame("bad header length")
+    try:
+        fields = msgpack.unpackb(bytes(view[4 : 4 + length]), raw=False, max_array_len=64, max_map_len=64)
+    except Exception as e:  # msgpack raises several types for garbage
+        raise MalformedFrame(f"header is not msgpack: {type(e).__name__}") from None
+    if not isinstance(fields, list) or len(fields) < 4 or not isinstance(fields[3], str):
+        raise MalformedFrame("header has no sender")
+    return fields[3]
+
+
+def open_receipt(
+    frame: bytes | bytearray | memoryview,
+    *,
+    run_id: str,
+    replica: str,
+    stage: int,
+    authorized_verifiers: Sequence[str],
+    now: float,
+    max_age_s: float = 3600.0,
+) -> TokenReceipt:
+    """Verify a receipt however it reached us (from the verifier, or relayed by the replica to a syncer).
+
+    A receipt is a relayed statement: its signature binds it, not the channel, so the signer is checked
+    against the authorized verifiers instead of the remote peer. Every other envelope check applies (context:
+    run, kind, receiver = `replica`, stage; digest; age up to `max_age_s`).
+
+    Raises:
+        ProtocolError: not signed by an authorized verifier, or any envelope check failed.
+    """
+    signer = receipt_signer(frame)
+    if signer not in authorized_verifiers:
+        raise UnauthorizedCaller(f"receipt signed by {signer[-8:]}, not an authorized verifier")
+    expect = Context(run_id=run_id, kind=Kind.RECEIPT, receiver=replica, stage=stage)
+    guard = ReplayGuard(ReplayConfig(max_skew_s=max_age_s))
+    opened = open_envelope(
+        frame, remote_peer=signer, expect=expect, limits=TensorLimits(max_bytes=1), replay=guard, now=now
+    )
+    return TokenReceipt.from_opened(opened)
+
+
+# ---------------------------------------------------------------------------------------------------- service
+
+
+class StageService:
+    """The wire of one stage replica: authorize, open, compute on the single compute thread, seal."""
+
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        run_id: str,
+        core: StageCore,
+        *,
+        authorized: Callable[[], Sequence[str]] | Sequence[str],
+        executor: ThreadPoolExecutor | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        max_receipts: int = 64,
+    ) -> None:
+        self.identity = identity
+        self.run_id = run_id
+        self.core = core
+        self._authorized = authorized
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self.wall_clock = wall_clock
+        self.limits = core.shape.limits
+        self.replay = ReplayGuard(PIPELINE_REPLAY)
+        self.receipts: OrderedDict[tuple[str, str], bytes] = OrderedDict()  # (verifier, session) -> frame
+        self.receipt_view: OrderedDict[tuple[str, str], TokenReceipt] = OrderedDict()
+        self.max_receipts = max_receipts
+        self.queued = 0  # requests waiting for or on the compute thread
+        self.moved_at: float | None = None  # wall time of the last stage move (late requests are not blamed)
+        self.timings = {"open_s": 0.0, "compute_s": 0.0, "seal_s": 0.0, "requests": 0}
+
+    @property
+    def stage(self) -> int:
+        return self.core.stage
+
+    def routes(self) -> dict[str, Route]:
+        cap = max_frame_bytes(self.limits)
+        return {
+            FORWARD_RPC: Route(self.rpc_forward, cap),
+            BACKWARD_RPC: Route(self.rpc_backward, cap),
+            RECEIPT_RPC: Route(self.rpc_receipt, MAX_CONTROL_BYTES),
+        }
+
+    def authorized(self) -> Sequence[str]:
+        return self._authorized() if callable(self._authorized) else self._authorized
+
+    # ---- handlers
+
+    async def rpc_forward(self, frame: bytearray, remote_peer: str) -> bytes:
+        core = self.core
+        kind = Kind.TOKENS if core.is_first else Kind.ACTIVATION
+        opened = self._open(frame, remote_peer, kind, Direction.FORWARD, limits=self.limits)
+        header, x, targets = opened.header, opened.tensors.get(""), opened.tensors.get(TARGETS)
+        if x is None or set(opened.tensors) - {"", TARGETS}:
+            raise WrongContext(
+                "a forward carries its input (and targets for the last stage)", reason="bad tensors"
+            )
+        if opened.meta.get(EVAL_META) is True:
+            out = await self.compute(core.forward_eval, x, targets)
+            if core.is_last:
+                return self._seal(
+                    remote_peer, Kind.LOSS, Direction.FORWARD, header, meta={LOSS_META: float(out)}
+                )
+            return self._seal(
+                remote_peer, Kind.ACTIVATION, Direction.FORWARD, header, tensor=out, meta={EVAL_META: True}
+            )
+        if core.is_last:
+            if targets is None:
+                raise WrongContext("the last stage needs targets", reason="bad tensors")
+            loss, grad = await self.compute(core.forward_loss, remote_peer, header.microbatch, x, targets)
+            if grad is None:  # a single-stage pipeline: nothing to send back but the loss
+                return self._seal(remote_peer, Kind.LOSS, Direction.BACKWARD, header, meta={LOSS_META: loss})
+            return self._seal(
+                remote_peer, Kind.GRADIENT, Direction.BACKWARD, header, tensor=grad, meta={LOSS_META: loss}
+            )
+        if targets is not None:
+            raise WrongContext("only the last stage takes targets", reason="bad tensors")
+        out = await self.compute(core.forward, remote_peer, header.microbatch, x)
+        return self._seal(remote_peer, Kind.ACTIVATION, Direction.FORWARD, header, tensor=out)
+
+    async def rpc_backward(self, frame: bytearray, remote_peer: str) -> bytes:
+        core = self.core
+        if core.is_last:
+            raise WrongContext("the last stage takes no backward request (its forward is the backward)")
+        opened = self._open(frame, remote_peer, Kind.GRADIENT, Direction.BACKWARD, limits=self.limits)
+        grad = opened.tensors.get("")
+        if grad is None or len(opened.tensors) != 1:
+            raise WrongContext("a backward carries one gradient", reason="bad tensors")
+        header = opened.header
+        result = await self.compute(core.backward, remote_peer, header.microbatch, grad)
+        if result is None:
+            return self._seal(
+                remote_peer, Kind.CONTROL, Direction.BACKWARD, header, meta={APPLIED_META: True}
+            )
+        return self._seal(remote_peer, Kind.GRADIENT, Direction.BACKWARD, header, tensor=result)
+
+    async def rpc_receipt(self, frame: bytearray, remote_peer: str) -> bytes:
+        self._authorize(remote_peer)
+        receipt = open_receipt(
+            frame,
+            run_id=self.run_id,
+            replica=self.identity.peer_id,
+            stage=self.stage,
+            authorized_verifiers=self.authorized(),
+            now=self.wall_clock(),
+        )
+        key = (receipt.verifier, receipt.session)
+        held = self.receipt_view.get(key)
+        if held is None or receipt.sequence > held.sequence:
+            self.receipts.pop(key, None)
+            self.receipt_view.pop(key, None)
+            self.receipts[key] = bytes(frame)
+            self.receipt_view[key] = receipt
+            while len(self.receipts) > self.max_receipts:
+                self.receipts.popitem(last=False)
+                self.receipt_view.popitem(last=False)
+        return b""
+
+    # ---- pieces
+
+    def _authorize(self, remote_peer: str) -> None:
+        if remote_peer not in self.authorized():
+            raise UnauthorizedCaller(f"{remote_peer[-8:]} is not an authorized verifier of this run")
+
+    def _open(
+        self, frame: bytearray, remote_peer: str, kind: Kind, direction: Direction, *, limits: TensorLimits
+    ) -> Opened:
+        self._authorize(remote_peer)
+        started = time.perf_counter()
+        expect = Context(
+            run_id=self.run_id,
+            kind=kind,
+            receiver=self.identity.peer_id,
+            stage=self.stage,
+            direction=direction,
+        )
+        try:
+            opened = open_envelope(
+                frame,
+                remote_peer=remote_peer,
+                expect=expect,
+                limits=limits,
+                replay=self.replay,
+                now=self.wall_clock(),
+            )
+        except WrongContext as e:
+            moved = self.moved_at
+            if moved is not None and self.wall_clock() - moved < self.core.config.context_timeout_s:
+                raise StageRefusal(f"{e} (this replica moved stages recently)", reason=NOT_SERVING) from None
+            raise
+        self.timings["open_s"] += time.perf_counter() - started
+        return opened
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` on the compute thread (the only thread that touches the core)."""
+        self.queued += 1
+        started = time.perf_counter()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args))
+        finally:
+            self.queued -= 1
+            self.timings["compute_s"] += time.perf_counter() - started
+
+    def _seal(
+        self,
+        receiver: str,
+        kind: Kind,
+        direction: Direction,
+        request: Header,
+        *,
+        tensor: torch.Tensor | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> bytes:
+        started = time.perf_counter()
+        context = Context(
+            run_id=self.run_id, kind=kind, receiver=receiver, stage=self.stage, direction=direction
+        )
+        frame = seal(
+            self.identity,
+            context,
+            microbatch=request.microbatch,
+            step=self.core.inner_step,
+            now=self.wall_clock(),
+            tensor=tensor,
+            meta=meta,
+        )
+        self.timings["seal_s"] += time.perf_counter() - started
+        self.timings["requests"] += 1
+        return frame
+
+    def verified_tokens(self) -> int:
+        return sum(r.tokens for r in self.receipt_view.values())
+
+
+# ---------------------------------------------------------------------------------------------------- the role
+
+
+def stage_config(
+    table: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+) -> StageConfig:
+    """StageConfig from the node.toml `[stage_options]` table (when NodeConfig has one) and `HIVENODE_STAGE`."""
+    return load_role_config(
+        StageConfig(), table=table, env=STAGE_ENV, environ=os.environ if environ is None else environ
+    )
+
+
+def build_core(
+    manifest: RunManifest,
+    run_id: str,
+    stage: int,
+    config: StageConfig,
+    *,
+    on_step: Callable[[int, int], None] | None = None,
+) -> StageCore:
+    """A fresh core for `stage` of the run's model, initialised from the run seed (version 0)."""
+    cfg = ModelConfig.from_dict(manifest.model)
+    module = build_stage(cfg, manifest.seed, stage, manifest.num_stages)
+    return StageCore(
+        module,
+        stage=stage,
+        run_id=run_id,
+        inner=manifest.inner,
+        shape=BoundaryShape.from_manifest(manifest),
+        config=config,
+        on_step=on_step,
+    )
+
+
+def replicas_from_peers(peers: Sequence[Any], now: float) -> list[ReplicaInfo]:
+    """Live serving stage replicas from heartbeat records (`protocol.records.PeerRecord`)."""
+    out = []
+    for peer in peers:
+        hb = peer.heartbeat
+        if (
+            hb.role != "stage"
+            or hb.stage is None
+            or hb.leaving
+            or hb.state != "serving"
+            or peer.expires_at <= now
+        ):
+            continue
+        out.append(
+            ReplicaInfo(
+                peer_id=peer.peer_id,
+                stage=hb.stage,
+                throughput=hb.throughput,
+                queue=hb.load,
+                maddrs=tuple(hb.maddrs),
+            )
+        )
+    return out
+
+
+class StageRole:
+    """`--role stage`: serve one stage, sync its fragments, expire contexts, move when another stage starves."""
+
+    name = "stage"
+
+    def __init__(self, ctx: NodeContext, config: StageConfig | None = None) -> None:
+        if ctx.stage is None:
+            raise ValueError("the stage role needs a stage")
+        self.ctx = ctx
+        self.config = config or stage_config(getattr(ctx.config, "stage_options", None))
+        if self.config.compute_threads > 0:
+            torch.set_num_threads(self.config.compute_threads)
+        self.manifest = ctx.manifest
+        self.spans = stage_spans(ctx.manifest.model["num_layers"], ctx.manifest.num_stages)
+        self.sync: Any = None  # node.diloco.sync_client.FragmentSync of the current stage, if a syncer exists
+        self.core = build_core(ctx.manifest, ctx.run_id, ctx.stage, self.config, on_step=self._after_step)
+        self.service = StageService(
+            ctx.identity,
+            ctx.run_id,
+            self.core,
+            authorized=lambda: ctx.manifest.authorized_verifiers,
+            max_receipts=self.config.max_receipts,
+        )
+        self.strikes = PeerStrikes()
+        self.state = "joining"
+        self.rebalancer = Rebalancer(self.config.rebalance, started_at=time.monotonic())
+        self.moves = 0
+        self._sync_stop: asyncio.Event | None = None
+        self._p2p: Any = None
+
+    # ---- life
+
+    async def run(self, ctx: NodeContext, stop: asyncio.Event) -> None:
+        self._p2p = await ctx.dht.replicate_p2p()
+        server = FramedServer(self._p2p, self.service.routes(), strikes=self.strikes)
+        try:
+            await self._start_sync(stop)
+            await server.start()
+            self.state = "serving"
+            ctx.events.emit("stage_serving", stage=self.core.stage, span=list(self.core.span))
+            ctx.supervisor.spawn("stage-sweep", partial(self._sweep, stop))
+            if self.config.rebalance_enabled and self.manifest.num_stages > 1:
+                ctx.supervisor.spawn("stage-rebalance", partial(self._rebalance_loop, stop))
+            await self._wait_for_end(stop)
+        finally:
+            self.state = "leaving"
+            if self._sync_stop is not None:
+                self._sync_stop.set()
+            await server.stop()
+            self.service.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _wait_for_end(self, stop: asyncio.Event) -> None:
+        max_steps = self.ctx.config.max_steps
+        while not stop.is_set():
+            if max_steps is not None and self.core.inner_step >= max_steps:
+                logger.info("reached --max-steps %d", max_steps)
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+
+    async def _sweep(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.sweep_period_s)
+            await self.service.compute(self.core.expire)
+
+    # ---- DiLoCo
+
+    def _after_step(self, step: int, tokens: int) -> None:
+        if self.sync is not None:
+            self.sync.after_inner_step(step, tokens)
+
+    async def _start_sync(self, stop: asyncio.Event) -> None:
+        """FragmentSync for the current stage's span; a late joiner first loads the current global version."""
+        if not self.manifest.authorized_syncers:
+            logger.info("the run lists no authorized syncer: this stage trains without outer syncs")
+            return
+        from node.diloco.sync_client import FragmentSync, FramedSyncTransport, run_fragment_plan
+
+        plan = run_fragment_plan(self.manifest)
+        transport = FramedSyncTransport(
+            self._p2p,
+            self.ctx.identity,
+            self.ctx.records,
+            plan,
+            authorized_syncers=self.manifest.authorized_syncers,
+        )
+        self.sync = FragmentSync.create(self.core.params, plan, self.manifest.diloco, transport)
+        loaded = await self.sync.join_global(stop, timeout_s=self.config.join_timeout_s)
+        self.core.weights_changed()
+        self.ctx.events.emit(
+            "stage_joined_global", stage=self.core.stage, loaded=loaded, versions=self.sync.versions()
+        )
+        self._sync_stop = asyncio.Event()
+        local_stop = self._sync_stop
+        sync = self.sync
+
+        async def run_sync() -> None:
+            relay = asyncio.ensure_future(_relay_stop(stop, local_stop))
+            try:
+                await asyncio.gather(sync.run_sender(local_stop), sync.run_watcher(local_stop))
+            finally:
+                relay.cancel()
+
+        self.ctx.supervisor.spawn(f"stage-diloco-{self.moves}", run_sync)
+
+    # ---- rebalancing
+
+    async def _rebalance_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.rebalance.check_period_s)
+            if stop.is_set():
+                return
+            try:
+                peers = await self.ctx.records.list_peers()
+            except asyncio.TimeoutError:
+                continue
+            from hivemind.utils import get_dht_time
+
+            replicas = replicas_from_peers(peers, get_dht_time())
+            move = self.rebalancer.decide(
+                now=time.monotonic(),
+                me=self.ctx.peer_id,
+                my_stage=self.core.stage,
+                my_throughput=self.core.throughput,
+                replicas=replicas,
+                spans=self.spans,
+            )
+            if move is not None:
+                await self._move_to(move.to_stage, move.reason, stop)
+
+    async def _move_to(self, stage: int, reason: str, stop: asyncio.Event) -> None:
+        old = self.core.stage
+        logger.info("moving from stage %d to stage %d: %s", old, stage, reason)
+        self.state = "joining"
+        if self._sync_stop is not None:
+            self._sync_stop.set()
+        self.moves += 1
+        core = build_core(self.manifest, self.ctx.run_id, stage, self.config, on_step=self._after_step)
+        self.sync = None
+        self.core = core
+        self.service.core = core
+        self.service.moved_at = self.service.wall_clock()
+        self.ctx.stage = stage
+        await self._start_sync(stop)
+        self.rebalancer.moved(time.monotonic())
+        self.state = "serving"
+        self.ctx.events.emit("stage_moved", from_stage=old, to_stage=stage, why=reason)
+
+    # ---- status
+
+    def status(self) -> dict[str, Any]:
+        core, counters = self.core, self.core.counters
+        status: dict[str, Any] = {
+            "state": self.state,
+            "stage": core.stage,
+            "span": list(core.span),
+            "inner_step": core.inner_step,
+            "tokens": counters.tokens,
+            "loss": core.train_loss,
+            "throughput": round(core.throughput, 1),
+            "load": float(self.service.queued),
+            "queue": self.service.queued,
+            "contexts": core.num_contexts,
+            "microbatches_served": counters.microbatches_served,
+            "microbatches_applied": counters.microbatches_applied,
+            "answered_from_cache": counters.answered_from_cache,
+            "duplicates": core.ledger.duplicates,
+            "refused": dict(counters.refused),
+            "contexts_dropped": dict(counters.contexts_dropped),
+            "strikes": self.strikes.snapshot(),
+            "verified_tokens": self.service.verified_tokens(),
+            "receipts": len(self.service.receipts),
+            "applied_recent": core.recent_applied(self.config.recent_applied),
+            "moves": self.moves,
+            "rebalance": self.rebalancer.last_reason,
+        }
+        if self.sync is not None:
+            status["diloco"] = self.sync.status()
+        return status
+
+
+async def _relay_stop(source: asyncio.Event, target: asyncio.Event) -> None:
+    await source.wait()
+    target.set()
+
+
+def create_role(ctx: NodeContext) -> StageRole:
+    return StageRole(ctx)

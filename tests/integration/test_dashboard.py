@@ -1,0 +1,159 @@
+"""The dashboard in a real browser: headless Chromium loads the bootstrap's `/` of a running demo swarm and shows its
+peers, loss points and a ban with its evidence. A screenshot is saved under tests/artifacts/.
+
+The ban is real: when this version has the stage attack option, the demo runs with `--attack` and the verifier's
+own ban shows up; until then the test signs a ban notice with the demo's authorized verifier key and publishes it
+into the swarm's DHT through `SwarmRecords.publish_ban`, so the whole path (DHT record -> validator -> bootstrap ->
+/api/swarm -> page) is exercised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integration.procs import PYTHON, REPO_ROOT, Proc, Procs, get_json, procs, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ARTIFACTS = REPO_ROOT / "tests" / "artifacts"
+ATTACK_KIND = "random"
+
+
+def _skip_reason() -> str | None:
+    if not CHROMIUM.exists():
+        return f"{CHROMIUM} is missing (Debian's chromium; `make browser` installs it)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright's Python package is not installed (pip install -e '.[test]')"
+    return None
+
+
+def _has_attack_option() -> bool:
+    from node.config import build_run_parser
+
+    return any("--unsafe-attack" in a.option_strings for a in build_run_parser()._actions)
+
+
+@pytest.fixture(scope="module")
+def demo_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str, Path, bool]]:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("dashboard")
+    out = root / "run"
+    attack = _has_attack_option()
+    argv = [PYTHON, "-m", "node", "demo", "--no-live", "--out", str(out), "--stages", "1", "--learners", "1"]
+    if attack:
+        argv = [PYTHON, "-m", "node", "demo", "--no-live", "--out", str(out), "--attack", ATTACK_KIND]
+    with procs(root) as group:
+        demo = _spawn(group, argv)
+        url = demo.wait_line(r"^dashboard: (http://\S+)$", timeout_s=120).group(1)
+        demo.wait_line(r"^swarm up", timeout_s=240)
+        yield demo, url, out, attack
+        demo.signal(2)  # SIGINT: the demo stops its swarm and writes its report
+        demo.wait_exit(120)
+
+
+def _spawn(group: Procs, argv: list[str]) -> Proc:
+    return group._spawn(Proc, "demo", argv)
+
+
+def _publish_ban(maddr: str, verifier_key: Path, offender: str, stage: int) -> bool:
+    """Sign a ban notice with an authorized verifier key and store it in the swarm's DHT (as a verifier would)."""
+    from hivemind.utils import get_dht_time
+
+    from node.config import NetworkConfig
+    from node.swarm import start_dht
+    from protocol.identity import NodeIdentity
+    from protocol.records import BanNotice, HivenodeRecordValidator, RunRules, SwarmRecords, fetch_discovery
+
+    async def publish() -> bool:
+        with tempfile.TemporaryDirectory() as tmp:
+            throwaway = NodeIdentity.load_or_create(
+                Path(tmp) / "dht.key"
+            )  # the DHT peer; the record's signer differs
+            dht = start_dht(throwaway, [maddr], NetworkConfig(), HivenodeRecordValidator())
+            try:
+                signed = (await fetch_discovery(dht, timeout_s=10.0, now=get_dht_time()))[0]
+                rules = RunRules.from_manifest(signed, signed.verify())
+                dht.add_validators([HivenodeRecordValidator([rules])])
+                records = SwarmRecords(dht, rules, NodeIdentity.load(verifier_key), timeout_s=10.0)
+                notice = BanNotice(
+                    offender=offender,
+                    reason="test: gradient flagged 3 times in 20 microbatches",
+                    evidence=bytes(range(64)),
+                    stage=stage,
+                    issued_at=get_dht_time(),
+                )
+                return await records.publish_ban(notice, expiration=get_dht_time() + 600.0)
+            finally:
+                dht.shutdown()
+
+    return asyncio.run(publish())
+
+
+def test_dashboard_shows_peers_loss_and_a_ban(demo_swarm) -> None:
+    from playwright.sync_api import sync_playwright
+
+    demo, url, out, attack = demo_swarm
+
+    def with_a_stage() -> dict | None:
+        doc = get_json(url + "api/swarm", 10.0)
+        return doc if any(p["role"] == "stage" for p in doc["peers"]) else None
+
+    swarm = wait_until(with_a_stage, 120, what="a stage replica in /api/swarm")
+    if attack:
+        offender = None  # the verifier finds the liar itself
+    else:
+        stage_peer = next(p for p in swarm["peers"] if p["role"] == "stage")
+        offender = stage_peer["peer_id"]
+        verifier_key = out / "state" / "verifier1" / "identity.key"
+        assert _publish_ban(swarm["bootstrap_maddrs"][0], verifier_key, offender, stage_peer["stage"])
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1600})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(url)
+            page.wait_for_function("document.querySelectorAll('.peer').length >= 4", timeout=60_000)
+            page.wait_for_function(
+                "Number(document.getElementById('chart-loss').dataset.points || 0) >= 3", timeout=120_000
+            )
+            row = f'#bans tr[data-offender="{offender}"]' if offender else "#bans tr[data-offender]"
+            page.wait_for_selector(row, timeout=150_000)
+            page.wait_for_selector(".peer[data-health='banned']", timeout=30_000)
+            page.locator(f"{row} details").first.click()  # open the evidence
+            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+            roles = set(page.locator(".peer").evaluate_all("els => els.map(e => e.dataset.role)"))
+            ban_text = page.locator(row).first.inner_text()
+            evidence = page.locator(f"{row} pre").first.inner_text()
+            summary_bans = page.locator("#summary-bans").inner_text()
+            assert not errors, errors
+        finally:
+            browser.close()
+    assert {"bootstrap", "syncer", "stage", "verifier"} <= roles
+    assert int(summary_bans) >= 1
+    if offender:
+        assert offender[-8:] in ban_text and "gradient flagged" in ban_text
+        assert evidence.startswith(bytes(range(64)).hex()[:32])
+    shutil.copy(ARTIFACTS / "dashboard.png", out / "dashboard.png")

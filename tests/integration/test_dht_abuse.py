@@ -1,0 +1,343 @@
+"""DHT storage spam (reliability.md §6, D2) against a real hivemind DHT peer on loopback.
+
+One attacker peer (a plain hivemind DHT: it validates nothing and talks to the victim's store RPC directly) tries to
+store 100,000 small records in batches of 1,000, eight 1 MiB values, 100 records that expire a year ahead, and 100
+hivenode records signed correctly but out of schema, as fast as the victim answers. The victim runs what every
+hivenode peer runs (`node.swarm.start_dht`: the record validator and `QuotaDHTProtocol`'s per-peer store quota); an
+honest peer keeps storing its heartbeat and looking records up meanwhile.
+
+Oracles: the quota's arithmetic is exact (every refusal has its reason and count, and exactly `max_records_per_peer`
+records pass per window); the victim's storage never holds more of the attacker's records than the quota admitted,
+and none outside the schema; honest lookups stay fast. Negative control: a victim that accepts foreign records (a
+DHT shared with other hivemind applications, `allow_foreign=True`) stores the whole flood and the year-ahead
+records when it has no quota, and at most the quota with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import os
+import re
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import hivemind
+import msgpack
+import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from node.config import NetworkConfig
+from node.swarm import dht_quota_stats, dht_store_quota, start_dht
+from protocol import keys
+from protocol.identity import NodeIdentity
+from protocol.limits import (
+    EXPIRATION_TOO_FAR,
+    STORE_RECORDS,
+    VALUE_TOO_LARGE,
+    QuotaConfig,
+    QuotaStats,
+)
+from protocol.manifest import RunManifest, SignedManifest
+from protocol.records import Heartbeat, HivenodeRecordValidator, RunRules, SwarmRecords, make_envelope
+
+logger = logging.getLogger(__name__)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+OWNER, MALLORY = NodeIdentity.generate(), NodeIdentity.generate()
+MANIFEST = RunManifest()
+SIGNED = SignedManifest.sign(MANIFEST, OWNER)
+RULES = RunRules.from_manifest(SIGNED, MANIFEST)
+RUN_ID = SIGNED.run_id
+
+NUM_SPAM = 100_000  # small foreign records, the bulk of the flood
+BATCH = 1_000  # records per store request (~100 KiB, far under hivemind's 4 MiB message cap)
+NUM_BIG = 8  # 1 MiB values, one per request
+NUM_FAR = 100  # records expiring a year ahead
+NUM_SCHEMA = 100  # hivenode records signed by their own key but out of schema
+YEAR_S = 365 * 86400.0
+QUOTA: QuotaConfig = dht_store_quota()  # what every hivenode peer runs
+LOOKUP_SAMPLES = 30
+REPUBLISH_S = 0.5
+RSS_BOUND_MIB = 16  # the victim's DHT process grows less than this under the quota (and more without it)
+FLOOD_DEADLINE_S = 90.0
+
+
+# ---- run inside the DHT processes (functions are pickled by reference into them) ------------------------------
+
+
+def _plan(now: float) -> list[tuple[str, list[tuple[bytes, bytes, bytes, float]]]]:
+    """(phase, [(key id, subkey tag, value bytes, expiration)]) batches, in the order they are sent."""
+    from hivemind.dht.protocol import DHTProtocol
+
+    regular = DHTProtocol.IS_REGULAR_VALUE
+    big = [
+        ("big", [(DHTID.generate(source=f"big{i}").to_bytes(), regular, os.urandom(1 << 20), now + 60)])
+        for i in range(NUM_BIG)
+    ]
+    far_items = [
+        (DHTID.generate(source=f"far{i}").to_bytes(), regular, msgpack.packb({"far": i}), now + YEAR_S)
+        for i in range(NUM_FAR)
+    ]
+    raw = keys.peers_key(RUN_ID)
+    schema = []
+    for i in range(NUM_SCHEMA):
+        body = {**Heartbeat(role="learner", sent_at=now).to_body(), "throughput": "fast", "i": i}
+        envelope = make_envelope(MALLORY, raw, MALLORY.peer_id, body, now + 10)
+        tag = MSGPackSerializer.dumps(MALLORY.peer_id)
+        schema.append((keys.key_id(raw), tag, MSGPackSerializer.dumps(envelope), now + 10))
+    spam = []
+    for start in range(0, NUM_SPAM, BATCH):
+        items = [
+            (DHTID.generate(source=f"spam{i}").to_bytes(), regular, msgpack.packb({"spam": i}), now + 60)
+            for i in range(start, min(NUM_SPAM, start + BATCH))
+        ]
+        spam.append(("spam", items))
+    return [*big, ("far", far_items), ("schema", schema), *spam]
+
+
+async def _flood_coro(_dht: Any, node: Any, victim: str) -> dict[str, Any]:
+    """The attacker: store every planned batch on the victim as fast as it answers; count what it was told."""
+    from hivemind.p2p import PeerID
+    from hivemind.proto import dht_pb2
+
+    peer = PeerID.from_base58(victim)
+    stub = node.protocol.get_stub(peer)
+    sent: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    start = time.monotonic()
+    for phase, items in _plan(get_dht_time()):
+        request = dht_pb2.StoreRequest(
+            keys=[k for k, _, _, _ in items],
+            subkeys=[t for _, t, _, _ in items],
+            values=[v for _, _, v, _ in items],
+            expiration_time=[e for _, _, _, e in items],
+            in_cache=[False] * len(items),
+            peer=node.protocol.node_info,
+        )
+        response = await stub.rpc_store(request, timeout=30)
+        sent[phase] = sent.get(phase, 0) + len(items)
+        stored[phase] = stored.get(phase, 0) + sum(response.store_ok)
+    return {"sent": sent, "stored": stored, "seconds": time.monotonic() - start}
+
+
+async def _census(_dht: Any, node: Any) -> dict[str, Any]:
+    """Inside the victim: what its storage holds (records, bytes, how many expire more than a day ahead)."""
+    now = get_dht_time()
+    records = far = num_bytes = 0
+    for _key, item in node.protocol.storage.items():
+        value = item.value
+        entries = (
+            [(v.value, v.expiration_time) for _, v in value.items()]
+            if hasattr(value, "items")
+            else [(value, item.expiration_time)]
+        )
+        for blob, expiration in entries:
+            records += 1
+            num_bytes += len(blob)
+            far += expiration > now + 86400
+    return {"records": records, "bytes": num_bytes, "far": far}
+
+
+# ---- the test's side ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Swarm:
+    victim: Any
+    honest: Any
+    attacker: Any
+    honest_records: SwarmRecords
+
+
+def _rss_kib(pid: int) -> int:
+    match = re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
+    return int(match.group(1)) if match else 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_shm_manager() -> Iterator[None]:
+    """Start torch's shared-memory manager (hivemind's futures use it) before any test, so the reaper counts it as
+    the module's, not as a process a test leaked: killing it under a live process aborts that process."""
+    import torch
+
+    keep = torch.empty(1, dtype=torch.uint8).share_memory_()
+    yield
+    del keep
+
+
+@pytest.fixture
+def swarm_factory(tmp_path: Path) -> Iterator[Any]:
+    started: list[Any] = []
+    network = NetworkConfig(join_timeout_s=20, request_timeout_s=5)
+
+    def make(*, quota: bool, allow_foreign: bool) -> Swarm:
+        victim_id = NodeIdentity.load_or_create(tmp_path / f"victim{len(started)}.key")
+        honest_id = NodeIdentity.load_or_create(tmp_path / f"honest{len(started)}.key")
+        validator = HivenodeRecordValidator([RULES], allow_foreign=allow_foreign)
+        if quota:
+            victim = start_dht(victim_id, [], network, validator, store_quota=QUOTA)
+        else:
+            victim = _start_without_quota(victim_id, network, validator)
+        started.append(victim)
+        maddrs = [str(m) for m in victim.get_visible_maddrs()]
+        honest = start_dht(honest_id, maddrs, network, HivenodeRecordValidator([RULES]))
+        started.append(honest)
+        attacker = hivemind.DHT(initial_peers=maddrs, start=True, client_mode=True)
+        started.append(attacker)
+        return Swarm(victim, honest, attacker, SwarmRecords(honest, RULES, honest_id, timeout_s=5.0))
+
+    try:
+        yield make
+    finally:
+        for dht in started:
+            dht.shutdown()
+
+
+def _start_without_quota(identity: NodeIdentity, network: NetworkConfig, validator: Any) -> Any:
+    """The negative control's victim: everything as `start_dht`, but hivemind's stock store handler."""
+    return hivemind.DHT(
+        start=True,
+        record_validators=[validator],
+        identity_path=str(identity.path),
+        check_if_identity_free=False,
+        host_maddrs=list(network.listen),
+    )
+
+
+async def _lookup_latencies(swarm: Swarm, samples: int) -> list[float]:
+    out = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        peers = await swarm.honest_records.list_peers()
+        out.append(time.perf_counter() - start)
+        assert peers, "the honest peer lost its own heartbeat"
+    return out
+
+
+async def _publish(swarm: Swarm) -> bool:
+    now = get_dht_time()
+    return await swarm.honest_records.publish_heartbeat(
+        Heartbeat(role="learner", sent_at=now), expiration=now + 30
+    )
+
+
+def _p99(values: list[float]) -> float:
+    return sorted(values)[max(0, int(0.99 * len(values)) - 1)]
+
+
+def _flood(swarm: Swarm) -> tuple[dict[str, Any], list[float]]:
+    """Run the flood in the attacker's process while the honest peer looks records up and re-stores its heartbeat
+    (every REPUBLISH_S: faster than the 2 s heartbeat, inside its own quota); bounded by FLOOD_DEADLINE_S."""
+    victim = swarm.victim.peer_id.to_base58()
+    future = swarm.attacker.run_coroutine(functools.partial(_flood_coro, victim=victim), return_future=True)
+    latencies: list[float] = []
+    republished: list[bool] = []
+    deadline = time.monotonic() + FLOOD_DEADLINE_S
+    last_publish = -REPUBLISH_S
+    while not future.done() and time.monotonic() < deadline:
+        latencies += asyncio.run(_lookup_latencies(swarm, 1))
+        if time.monotonic() - last_publish >= REPUBLISH_S:
+            last_publish = time.monotonic()
+            republished.append(asyncio.run(_publish(swarm)))
+    assert all(republished), "an honest heartbeat was refused during the flood"
+    return future.result(timeout=max(1.0, deadline - time.monotonic())), latencies
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    result: dict[str, Any]  # what the attacker sent and was told was stored, per phase
+    baseline: list[float]  # honest lookup latencies before the flood
+    during: list[float]  # ... while it ran
+    after: list[float]  # ... right after it
+    rss_growth_kib: int  # the victim's DHT process
+
+
+def _run_flood(swarm: Swarm) -> Outcome:
+    assert asyncio.run(_publish(swarm))
+    baseline = asyncio.run(_lookup_latencies(swarm, LOOKUP_SAMPLES))
+    rss_before = _rss_kib(swarm.victim.pid)
+    result, during = _flood(swarm)
+    after = asyncio.run(_lookup_latencies(swarm, LOOKUP_SAMPLES))
+    return Outcome(result, baseline, during, after, _rss_kib(swarm.victim.pid) - rss_before)
+
+
+def test_a_storage_flood_is_held_to_the_quota_and_the_schema(swarm_factory: Any) -> None:
+    swarm = swarm_factory(quota=True, allow_foreign=False)
+    outcome = _run_flood(swarm)
+    result = outcome.result
+    stats: QuotaStats = dht_quota_stats(swarm.victim)
+    census = swarm.victim.run_coroutine(_census)
+    attacker = swarm.attacker.peer_id.to_base58()
+    mine = stats.rejected_by_peer.get(attacker, {})
+    _log("quota, strict schema", outcome, stats, census)
+
+    assert result["sent"] == {"big": NUM_BIG, "far": NUM_FAR, "schema": NUM_SCHEMA, "spam": NUM_SPAM}
+    assert result["seconds"] < QUOTA.window_s  # the whole flood fell inside one quota window
+    # The quota's arithmetic, exactly: size and horizon are refused first, then records past the per-peer budget.
+    # (A peer's own table entry starts with its first admitted record, so the refusals that come before it are
+    # only in the global counts; the honest peer is never refused, so the global counts are the attacker's.)
+    assert stats.rejected_by_reason.get(VALUE_TOO_LARGE) == NUM_BIG
+    assert stats.rejected_by_reason.get(EXPIRATION_TOO_FAR) == NUM_FAR
+    admitted = QUOTA.max_records_per_peer
+    assert mine == {STORE_RECORDS: NUM_SCHEMA + NUM_SPAM - admitted}
+    assert sum(stats.rejected_by_reason.values()) == NUM_BIG + NUM_FAR + NUM_SCHEMA + NUM_SPAM - admitted
+    assert swarm.honest.peer_id.to_base58() not in stats.rejected_by_peer
+    # Of what the quota let through, the validator kept nothing: out of schema, or not a hivenode record at all.
+    assert sum(result["stored"].values()) == 0
+    assert census["far"] == 0
+    assert census["records"] <= 2  # the honest heartbeat (and nothing else)
+    # Honest peers barely notice: their stores went through (checked in `_flood`), lookups during the flood stay
+    # well under a second, and right after it they are back at the baseline's p99 (2x, with a 50 ms floor).
+    assert max(outcome.during) < 1.0, outcome.during
+    assert _p99(outcome.after) <= max(2 * _p99(outcome.baseline), _p99(outcome.baseline) + 0.05)
+
+
+@pytest.mark.parametrize("quota", [True, False], ids=["quota", "no-quota-control"])
+def test_a_shared_dht_without_the_quota_stores_the_whole_flood(swarm_factory: Any, quota: bool) -> None:
+    swarm = swarm_factory(quota=quota, allow_foreign=True)
+    outcome = _run_flood(swarm)
+    census = swarm.victim.run_coroutine(_census)
+    stats = dht_quota_stats(swarm.victim) if quota else None
+    _log(f"allow_foreign, quota={quota}", outcome, stats, census)
+    stored = outcome.result["stored"]
+    assert stored.get("big", 0) == 0  # the validator's own size cap refuses 1 MiB values in both cases
+    if quota:
+        # At most the per-peer budget entered storage; nothing that outlives the horizon cap.
+        assert stored.get("spam", 0) <= QUOTA.max_records_per_peer - NUM_SCHEMA
+        assert stored.get("far", 0) == 0 and census["far"] == 0
+        assert census["records"] <= QUOTA.max_records_per_peer + 2
+        assert outcome.rss_growth_kib < RSS_BOUND_MIB * 1024
+    else:
+        # The control: the attack wins. Every spam record and every year-ahead record is stored.
+        assert stored.get("spam", 0) == NUM_SPAM
+        assert stored.get("far", 0) == NUM_FAR and census["far"] == NUM_FAR
+        assert census["records"] >= NUM_SPAM
+        assert outcome.rss_growth_kib >= RSS_BOUND_MIB * 1024  # ~50 MiB here: a stored flood costs memory
+
+
+def _log(name: str, outcome: Outcome, stats: QuotaStats | None, census: dict[str, Any]) -> None:
+    ms = [
+        (statistics.median(v) * 1e3, _p99(v) * 1e3) for v in (outcome.baseline, outcome.during, outcome.after)
+    ]
+    logger.warning(
+        "%s: attacker sent %s in %.1f s, victim accepted %s; quota refused %s (admitted %s); victim storage %s, "
+        "DHT process RSS %+.1f MiB; honest lookup median/p99 ms: before %.1f/%.1f, during %.1f/%.1f, "
+        "after %.1f/%.1f",
+        name,
+        outcome.result["sent"],
+        outcome.result["seconds"],
+        outcome.result["stored"],
+        None if stats is None else stats.rejected_by_reason,
+        None if stats is None else stats.num_admitted,
+        census,
+        outcome.rss_growth_kib / 1024,
+        *[x for pair in ms for x in pair],
+    )

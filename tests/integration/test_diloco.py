@@ -1,0 +1,383 @@
+"""Decoupled DiLoCo with real processes on loopback: one bootstrap, authorized syncers, learners.
+
+`TestSwarm` shares one swarm (a syncer and three learners, a fourth joining late) across its tests, in order:
+training lowers the global model's held-out loss; malformed and oversized contributions are refused and
+counted while the syncer goes on; a SIGSTOPped straggler holds no round past its grace window; a SIGKILLed
+learner does not stall rounds and the survivors agree on the global version; a late joiner starts from the
+current global version. `test_syncer_failover` runs its own swarm with a primary and a standby syncer.
+
+The model is tiny (2 layers x 32 wide, context 32, batch 4) and every learner steps at most every 0.1 s, so a
+swarm fits on two busy cores.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from node.diloco.sync_client import PUSH_ROUTE, fragment_limits, run_fragment_plan
+from protocol.envelope import Context, Kind, max_frame_bytes, seal
+from protocol.errors import RemoteRefused
+from protocol.identity import NodeIdentity
+from protocol.manifest import parse_run_toml
+from tests.integration.procs import Bootstrap, Node, Procs, get_status, procs, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+RUN_TOML = """
+name = "diloco-test"
+seed = 3
+num_stages = 1
+heartbeat_period_s = 1.0
+authorized_syncers = [{syncers}]
+[model]
+vocab_size = 256
+context_len = 32
+num_layers = 2
+width = 32
+num_heads = 2
+[inner]
+lr = 0.003
+batch_size = 4
+weight_decay = 0.01
+[diloco]
+num_fragments = 2
+sync_every_steps = 8
+overlap_steps = 1
+min_sync_interval_s = 0.0
+mode = "{mode}"
+"""
+NODE_TOML = """
+[learner]
+min_step_s = 0.1
+eval_every_steps = 0
+torch_threads = 1
+join_timeout_s = 20.0
+[syncer]
+recovery_s = {recovery_s}
+eval_every_merges = 8
+eval_batches = 2
+checkpoint_every_merges = 4
+{syncer_extra}
+"""
+MAX_STEPS = "100000"
+GRACE_SLACK_S = 0.5  # event-loop and scheduling delay on a loaded 2-core box
+
+
+def write_run(root: Path, syncers: list[str], mode: str = "decoupled") -> Path:
+    text = RUN_TOML.format(syncers=", ".join(f'"{s}"' for s in syncers), mode=mode)
+    parse_run_toml(text)  # fail here, readably, if the template is wrong
+    path = root / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def write_node_toml(root: Path, syncer_extra: str = "", recovery_s: float = 1.0) -> Path:
+    path = root / "node.toml"
+    path.write_text(NODE_TOML.format(syncer_extra=syncer_extra, recovery_s=recovery_s))
+    return path
+
+
+def events(root: Path, state: str, kind: str | None = None) -> list[dict[str, Any]]:
+    path = root / state / "events.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [e for e in lines if kind is None or e["event"] == kind]
+
+
+def status(node: Node) -> dict[str, Any]:
+    return get_status(node.status_url) or {}
+
+
+def learner_versions(node: Node) -> dict[str, int] | None:
+    return status(node).get("versions")
+
+
+class Swarm:
+    def __init__(self, root: Path, group: Procs) -> None:
+        self.root, self.group = root, group
+        self.syncer_key = root / "syncer.key"
+        self.syncer_id = NodeIdentity.load_or_create(self.syncer_key).peer_id
+        self.run_path = write_run(root, [self.syncer_id])
+        self.node_toml = write_node_toml(root)
+        self.bootstrap: Bootstrap = group.start_bootstrap("--run", str(self.run_path))
+        self.syncer = self.start_node("syncer", state="syncer", identity=self.syncer_key)
+        self.learners = [self.start_node("learner", state=f"learner{i}", wait=False) for i in range(3)]
+        for learner in self.learners:
+            group.wait_node(learner)
+
+    def start_node(self, role: str, *, state: str, identity: Path | None = None, wait: bool = True) -> Node:
+        args = ["--join", self.bootstrap.maddr, "--role", role, "--config", str(self.node_toml)]
+        args += ["--max-steps", MAX_STEPS, "--log-level", "INFO"]
+        if identity is not None:
+            args += ["--identity", str(identity)]
+        return self.group.start_node(*args, state=state, wait=wait)
+
+
+@pytest.fixture(scope="class")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    root = tmp_path_factory.mktemp("diloco")
+    with procs(root) as group:
+        yield Swarm(root, group)
+
+
+def merges_after(root: Path, state: str, t: float) -> list[dict[str, Any]]:
+    return [e for e in events(root, state, "merge") if e["t"] > t]
+
+
+class TestSwarm:
+    def test_training_reduces_held_out_loss(self, swarm: Swarm) -> None:
+        def evals() -> list[dict[str, Any]] | None:
+            found = events(swarm.root, "syncer", "eval")
+            return found if len(found) >= 4 else None
+
+        found = wait_until(evals, 150, what="four evaluations of the global model", interval_s=0.5)
+        initial, latest = found[0]["loss"], found[-1]["loss"]
+        print(
+            f"\nglobal held-out loss {initial:.3f} (seed) -> {latest:.3f} after {found[-1]['merges']} merges"
+        )
+        assert found[0]["merges"] == 0 and initial > 5.0  # the seed model: about ln 256
+        assert latest < initial - 0.5
+        wait_until(
+            lambda: (
+                {p for m in events(swarm.root, "syncer", "merge") for p in m["participants"]}
+                == {status(n)["peer_id"] for n in swarm.learners}
+            ),
+            30,
+            what="every learner in some merge",
+        )
+        for learner in swarm.learners:
+            st = status(learner)
+            assert st["state"] == "training" and st["joined_from_syncer"] is True
+            assert st["sync"]["acked"] > 0 and st["sync"]["applied"] > 0
+
+    def test_malformed_and_oversized_contributions_are_refused_and_counted(
+        self, swarm: Swarm, loop_thread: Any
+    ) -> None:
+        from hivemind.p2p import P2P
+
+        from protocol.rpc import call_framed
+
+        plan = run_fragment_plan(parse_run_toml(swarm.run_path.read_text()))
+        run_id = status(swarm.syncer)["run_id"]
+        attacker = NodeIdentity.load_or_create(swarm.root / "attacker.key")
+        cap = max_frame_bytes(fragment_limits(plan))
+
+        async def attack() -> dict[str, str]:
+            p2p = await P2P.create(
+                initial_peers=[swarm.bootstrap.maddr],
+                identity_path=str(attacker.path),
+                check_if_identity_free=False,
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+            )
+            context = Context(run_id=run_id, kind=Kind.FRAGMENT, receiver=swarm.syncer_id)
+            meta = {
+                "fragment": 0,
+                "base_version": 0,
+                "steps": 1,
+                "tokens": 4,
+                "sched_step": 1,
+                "step_time_s": 0.1,
+            }
+            wrong_names = seal(
+                attacker,
+                context,
+                microbatch=0,
+                step=0,
+                now=time.time(),
+                tensors={"evil": torch.zeros(4)},
+                meta=meta,
+            )
+            names = plan.fragments[0].names
+            wrong_shapes = seal(
+                attacker,
+                context,
+                microbatch=0,
+                step=0,
+                now=time.time(),
+                tensors={n: torch.zeros(3) for n in names},
+                meta=meta,
+            )
+            frames = {
+                "oversized": b"\0" * (cap + 1),
+                "garbage": b"\x00\x00\x00\x05hello" + b"\0" * 100,
+                "wrong names": wrong_names,
+                "wrong shapes": wrong_shapes,
+            }
+            reasons = {}
+            try:
+                for label, frame in frames.items():
+                    try:
+                        await call_framed(
+                            p2p, swarm.syncer_id, PUSH_ROUTE, frame, max_response_bytes=1 << 16, timeout_s=20
+                        )
+                        reasons[label] = "accepted"
+                    except RemoteRefused as e:
+                        reasons[label] = e.reason
+            finally:
+                await p2p.shutdown()
+            return reasons
+
+        merges_before = status(swarm.syncer)["merges"]
+        reasons = loop_thread.run(attack(), timeout_s=90)
+        print(f"\nrefusals: {reasons}")
+        assert reasons["oversized"] == "too large"
+        assert reasons["garbage"] == "malformed"
+        assert reasons["wrong names"] == reasons["wrong shapes"] == "malformed contribution"
+        strikes = wait_until(
+            lambda: status(swarm.syncer)["strikes"].get(attacker.peer_id), 10, what="strikes recorded"
+        )
+        assert sum(strikes.values()) == 4
+        wait_until(lambda: status(swarm.syncer)["merges"] > merges_before + 3, 30, what="merging goes on")
+        assert swarm.syncer.popen.poll() is None and "Traceback" not in swarm.syncer.stderr()
+
+    def test_a_straggler_does_not_hold_any_round_past_its_grace_window(self, swarm: Swarm) -> None:
+        straggler = swarm.learners[1]
+        straggler_id = status(straggler)["peer_id"]
+        versions_before = status(swarm.syncer)["versions"]
+        stopped_at = time.time()
+        straggler.signal(signal.SIGSTOP)
+        try:
+            wait_until(
+                lambda: len(merges_after(swarm.root, "syncer", stopped_at + 0.5)) >= 4,
+                20,
+                what="merges while the straggler is stopped",
+            )
+        finally:
+            straggler.signal(signal.SIGCONT)
+        resumed_at = time.time()
+        during = [m for m in merges_after(swarm.root, "syncer", stopped_at + 0.5) if m["t"] < resumed_at]
+        assert during and all(straggler_id not in m["participants"] for m in during)
+        versions_after = status(swarm.syncer)["versions"]
+        assert sum(versions_after) > sum(versions_before)
+        for merge in events(swarm.root, "syncer", "merge"):
+            assert merge["grace_waited_s"] <= merge["grace_s"] + GRACE_SLACK_S, merge
+            assert merge["grace_s"] <= merge["xi_step_s"] + 1e-6  # capped at one (EMA) step time
+        print(
+            f"\n{len(during)} merges while the straggler was stopped, max grace waited "
+            f"{max(m['grace_waited_s'] for m in during):.3f} s"
+        )
+
+        def contributes_again() -> bool:
+            return any(
+                straggler_id in m["participants"] for m in merges_after(swarm.root, "syncer", resumed_at)
+            )
+
+        wait_until(contributes_again, 30, what="the straggler contributes again")
+
+    def test_a_killed_learner_does_not_stall_rounds_and_survivors_agree(self, swarm: Swarm) -> None:
+        victim, survivors = swarm.learners[0], swarm.learners[1:]
+        victim_id = status(victim)["peer_id"]
+        tokens_before = status(swarm.syncer)["tokens_merged"]
+        killed_at = time.time()
+        victim.signal(signal.SIGKILL)
+        wait_until(
+            lambda: len(merges_after(swarm.root, "syncer", killed_at)) >= 6,
+            30,
+            what="rounds close without it",
+        )
+        after = merges_after(swarm.root, "syncer", killed_at + 1.0)
+        assert after and all(victim_id not in m["participants"] for m in after)
+        assert all(m["grace_waited_s"] <= m["grace_s"] + GRACE_SLACK_S for m in after)
+        history: list[list[int]] = []
+
+        def agree() -> bool:
+            a, b = learner_versions(survivors[0]), learner_versions(survivors[1])
+            history.append(status(swarm.syncer)["versions"])
+            return a is not None and a == b
+
+        wait_until(agree, 30, what="the survivors hold the same version of every fragment", interval_s=0.05)
+        assert all(
+            x <= y
+            for prev, cur in zip(history, history[1:], strict=False)
+            for x, y in zip(prev, cur, strict=True)
+        )
+        assert status(swarm.syncer)["tokens_merged"] > tokens_before
+        swarm.learners.remove(victim)
+
+    def test_a_late_joiner_starts_from_the_current_global_version(self, swarm: Swarm) -> None:
+        before = status(swarm.syncer)["versions"]
+        assert sum(before) > 0
+        late = swarm.start_node("learner", state="late")
+        joined = wait_until(
+            lambda: events(swarm.root, "late", "learner_joined"), 40, what="the late joiner loaded"
+        )
+        loaded = joined[0]["versions"]
+        print(f"\nsyncer versions before the join {before}, the late joiner loaded {loaded}")
+        assert joined[0]["from_syncer"] is True
+        assert all(loaded[str(f)] >= v for f, v in enumerate(before))
+        wait_until(
+            lambda: status(late).get("sync", {}).get("acked", 0) > 0, 30, what="the late joiner contributes"
+        )
+        assert status(late)["joined_from_syncer"] is True
+        late.signal(signal.SIGTERM)
+        assert late.wait_exit(timeout_s=15) == 0
+
+
+def test_syncer_failover(tmp_path: Path) -> None:
+    keys = [tmp_path / "syncer-a.key", tmp_path / "syncer-b.key"]
+    ids = [NodeIdentity.load_or_create(k).peer_id for k in keys]
+    run_path = write_run(tmp_path, ids)
+    shared = tmp_path / "checkpoints"
+    # learners retry a lost syncer with up to 3 s of backoff: the recovery window must let them offer
+    node_toml = write_node_toml(tmp_path, f'checkpoint_dir = "{shared}"', recovery_s=5.0)
+    with procs(tmp_path) as group:
+        bootstrap = group.start_bootstrap("--run", str(run_path))
+        common = ["--join", bootstrap.maddr, "--config", str(node_toml), "--max-steps", MAX_STEPS]
+        primary = group.start_node(*common, "--role", "syncer", "--identity", str(keys[0]), state="syncer-a")
+        wait_until(lambda: status(primary).get("state") == "syncing", 30, what="primary active")
+        standby = group.start_node(*common, "--role", "syncer", "--identity", str(keys[1]), state="syncer-b")
+        learners = [
+            group.start_node(*common, "--role", "learner", state=f"l{i}", wait=False) for i in range(2)
+        ]
+        for learner in learners:
+            group.wait_node(learner)
+        assert status(standby)["state"] == "standby"
+        wait_until(lambda: status(primary)["merges"] >= 12, 90, what="merges on the primary")
+        wait_until(lambda: status(standby).get("mirror_versions"), 20, what="the standby mirrors the primary")
+        held_before = [learner_versions(learner) for learner in learners]
+        killed_at = time.time()
+        primary.signal(signal.SIGKILL)
+        took_over = wait_until(
+            lambda: (st := status(standby)).get("state") == "syncing" and not st["recovering"] and st,
+            40,
+            what="the standby takes over",
+        )
+        takeover = events(tmp_path, "syncer-b", "syncer_takeover")
+        print(
+            f"\ntakeover {takeover[-1]['t'] - killed_at:.1f} s after the kill, from {took_over['takeover_source']}, "
+            f"term {took_over['term']}, versions {took_over['versions']}"
+        )
+        assert took_over["term"] == 2 and took_over["takeover_source"] in ("mirror", "checkpoint")
+        # versions only move forward: the new syncer serves at least what any learner had applied
+        for held in held_before:
+            assert held is not None
+            assert all(took_over["versions"][int(f)] >= v for f, v in held.items()), (
+                held,
+                took_over["versions"],
+            )
+        resumed = wait_until(
+            lambda: [m for m in events(tmp_path, "syncer-b", "merge") if m["term"] == 2][3:] or None,
+            60,
+            what="merges under the new term",
+        )
+        assert {p for m in resumed for p in m["participants"]} <= {
+            status(learner)["peer_id"] for learner in learners
+        }
+        for learner, held in zip(learners, held_before, strict=True):
+            now_held = wait_until(
+                lambda learner=learner, held=held: (
+                    (v := learner_versions(learner)) and sum(v.values()) > sum(held.values()) and v
+                ),
+                30,
+                what="learners apply new versions",
+            )
+            assert all(now_held[f] >= v for f, v in held.items())

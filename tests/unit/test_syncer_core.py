@@ -1,0 +1,254 @@
+"""The syncer's network-free parts: admission, quorum-driven merges, the three modes, counter caps, idempotency,
+adoption of newer versions, checkpoints, and the lease decision."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from node.diloco.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from node.diloco.quorum import QuorumConfig
+from node.diloco.sync_client import run_fragment_plan
+from node.model import ModelConfig, build_model, embedding_param_names
+from node.syncer import LeaseView, Refusal, SyncerConfig, SyncerCore, lease_action, quorum_config
+from protocol.errors import ConfigError, MalformedFrame
+from protocol.manifest import DilocoSpec, RunManifest
+from protocol.records import SyncerRecord, SyncerState
+
+MODEL = {"vocab_size": 256, "context_len": 16, "num_layers": 2, "width": 16, "num_heads": 2}
+RUN = RunManifest(model=dict(MODEL), num_stages=1, diloco=DilocoSpec(num_fragments=2, sync_every_steps=4))
+PLAN = run_fragment_plan(RUN)
+CFG = ModelConfig.from_dict(MODEL)
+
+
+def core(quorum: QuorumConfig | None = None, *, now: float = 0.0, **kwargs: object) -> SyncerCore:
+    model = build_model(CFG, seed=0)
+    options = {
+        "quorum": quorum or QuorumConfig.decoupled(1, grace_gamma=0.0),
+        "embedding_names": embedding_param_names(CFG),
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "clip_factor": 3.0,
+        "max_staleness": 2,
+        "max_steps_per_s": 10.0,
+        "tokens_per_step": 64,
+        "now": now,
+    }
+    options.update(kwargs)
+    return SyncerCore(PLAN, dict(model.named_parameters()), **options)  # type: ignore[arg-type]
+
+
+def learner_params(c: SyncerCore, fragment: int, shift: float) -> dict[str, torch.Tensor]:
+    return {n: t + shift * torch.randn_like(t) for n, t in c.fragment_tensors(fragment).items()}
+
+
+def push(
+    c: SyncerCore,
+    peer: str,
+    fragment: int = 0,
+    *,
+    now: float = 10.0,
+    steps: int = 4,
+    base: int = 0,
+    nonce: bytes = b"n" * 16,
+    shift: float = 0.01,
+):  # noqa: ANN201
+    return c.accept(
+        peer,
+        fragment,
+        learner_params(c, fragment, shift),
+        base_version=base,
+        steps=steps,
+        tokens=steps * 64,
+        sched_step=7,
+        step_time_s=0.1,
+        nonce=nonce,
+        now=now,
+    )
+
+
+def test_a_contribution_opens_a_round_and_k1_merges_it_into_version_1() -> None:
+    c = core()
+    admission = push(c, "a")
+    assert admission.target_version == 1 and not admission.capped
+    ready, _ = c.due(10.0, lambda _f: 3)
+    assert ready == [0]
+    before = c.fragment_tensors(0)
+    record = c.merge_now(0, 3, 10.0)
+    assert record is not None and record.version == 1 and record.participants == ("a",)
+    assert record.tokens == 4 * 64 and c.tokens_merged == 256 and c.versions[0] == 1
+    assert any(not torch.equal(before[n], t) for n, t in c.fragment_tensors(0).items())
+    assert c.clock == 7
+
+
+def test_grace_window_waits_for_latecomers_then_merges_all_of_them() -> None:
+    c = core(QuorumConfig.decoupled(1, grace_gamma=0.8, max_grace_steps=1.0))
+    push(c, "a", now=10.0)
+    ready, deadline = c.due(10.0, lambda _f: 3)
+    assert (
+        ready == [] and deadline is not None and math.isclose(deadline, 10.0 + 0.1 * 1.0)
+    )  # capped at one step
+    push(c, "b", now=10.05, nonce=b"m" * 16)
+    ready, _ = c.due(10.2, lambda _f: 3)
+    assert ready == [0]
+    record = c.merge_now(0, 3, 10.2)
+    assert record is not None and set(record.participants) == {"a", "b"} and record.grace_waited_s >= 0
+
+
+def test_synchronous_mode_waits_for_all_m_even_when_the_membership_says_fewer() -> None:
+    c = core(quorum_config(DilocoSpec(mode="sync", sync_learners=3), max_grace_s=5.0))
+    push(c, "a")
+    push(c, "b")
+    assert c.due(100.0, lambda _f: 2)[0] == []  # a dead third learner still holds the round
+    push(c, "c")
+    assert c.due(100.0, lambda _f: 2)[0] == [0]
+
+
+def test_elastic_synchronous_mode_waits_for_every_live_learner() -> None:
+    c = core(quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0))
+    push(c, "a")
+    assert c.due(100.0, lambda _f: 2)[0] == []
+    assert c.due(100.0, lambda _f: 1)[0] == [0]  # the other one's heartbeat expired
+
+
+def test_counters_are_capped_by_elapsed_time_and_batch_size() -> None:
+    c = core(now=0.0)
+    admission = c.accept(
+        "a",
+        0,
+        learner_params(c, 0, 0.01),
+        base_version=0,
+        steps=1000,
+        tokens=10**9,
+        sched_step=1,
+        step_time_s=0.1,
+        nonce=b"x" * 16,
+        now=2.0,
+    )
+    assert admission.capped
+    entry = c.rounds[0].entries["a"]
+    assert entry.contribution.steps == 20 and entry.contribution.tokens == 20 * 64  # 2 s x 10 steps/s
+
+
+def test_stale_ahead_malformed_and_duplicate_contributions_are_refused() -> None:
+    c = core()
+    for version in range(4):
+        now = 10.0 * (version + 1)
+        push(c, "a", base=version, nonce=bytes([version]) * 16, now=now)
+        c.merge_now(0, 1, now)
+    assert c.versions[0] == 4
+    with pytest.raises(Refusal) as stale:
+        push(c, "b", base=1, now=50.0)
+    assert stale.value.reason == "stale base" and not stale.value.blame_sender
+    with pytest.raises(Refusal) as ahead:
+        push(c, "b", base=5)
+    assert ahead.value.reason == "ahead of syncer"
+    with pytest.raises(MalformedFrame):
+        c.accept(
+            "b",
+            0,
+            {"nope": torch.zeros(2)},
+            base_version=4,
+            steps=1,
+            tokens=1,
+            sched_step=0,
+            step_time_s=0.1,
+            nonce=b"z" * 16,
+            now=10.0,
+        )
+    wrong_shape = {n: torch.zeros(3) for n in PLAN.fragments[0].names}
+    with pytest.raises(MalformedFrame):
+        c.accept(
+            "b",
+            0,
+            wrong_shape,
+            base_version=4,
+            steps=1,
+            tokens=1,
+            sched_step=0,
+            step_time_s=0.1,
+            nonce=b"z" * 16,
+            now=10.0,
+        )
+    with pytest.raises(Refusal) as duplicate:
+        push(c, "a", base=3, nonce=bytes([3]) * 16)
+    assert duplicate.value.reason == "duplicate" and duplicate.value.blame_sender
+
+
+def test_a_peer_has_one_contribution_per_round_the_newest() -> None:
+    c = core()
+    push(c, "a", steps=2, nonce=b"1" * 16)
+    push(c, "a", steps=5, nonce=b"2" * 16)
+    assert len(c.rounds[0].entries) == 1 and c.rounds[0].entries["a"].contribution.steps == 5
+    record = c.merge_now(0, 1, 10.0)
+    assert record is not None and record.tokens == 5 * 64  # counted once
+
+
+def test_a_merged_claim_cannot_be_claimed_again_on_the_same_base() -> None:
+    c = core(now=0.0)
+    push(c, "a", base=0, steps=20, now=2.0, nonce=b"1" * 16)
+    c.merge_now(0, 1, 2.0)
+    # the same learner, not having applied version 1, claims its old steps again 0.5 s later
+    c.accept(
+        "a",
+        0,
+        learner_params(c, 0, 0.01),
+        base_version=0,
+        steps=25,
+        tokens=25 * 64,
+        sched_step=1,
+        step_time_s=0.1,
+        nonce=b"2" * 16,
+        now=2.5,
+    )
+    assert c.rounds[0].entries["a"].contribution.steps == 5  # only what 0.5 s since the merge allows
+
+
+def test_adopt_moves_versions_forward_only_and_snapshots_round_trip(tmp_path: Path) -> None:
+    c = core()
+    newer = {n: torch.full_like(t, 0.5) for n, t in c.fragment_tensors(1).items()}
+    assert c.adopt(1, 7, newer, 1.0) and c.versions[1] == 7
+    assert not c.adopt(1, 6, newer, 1.0)
+    push(c, "a")
+    c.merge_now(0, 1, 10.0)
+    path = checkpoint_path(tmp_path, "ab" * 20)
+    save_checkpoint(path, c.snapshot("ab" * 20, term=3))
+    loaded = load_checkpoint(path, run_id="ab" * 20, expected=c.shapes, num_fragments=PLAN.num_fragments)
+    assert loaded.versions == tuple(c.versions) and loaded.term == 3 and loaded.merges == 1
+    assert loaded.momentum.keys() == c.outer.state_dict().keys()
+    fresh = core()
+    fresh.restore(loaded, 20.0)
+    assert fresh.versions == c.versions
+    assert all(torch.equal(fresh.params[n], c.params[n]) for n in c.params)
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path, run_id="cd" * 20, expected=c.shapes, num_fragments=PLAN.num_fragments)
+
+
+def _record(peer: str, term: int, *, active: bool = True, lease_until: float = 100.0) -> SyncerRecord:
+    state = SyncerState(lease_until=lease_until, term=term, state="active" if active else "standby")
+    return SyncerRecord(peer_id=peer, state=state, expires_at=lease_until)
+
+
+def test_lease_actions() -> None:
+    empty = LeaseView(live_active=(), highest_term=2)
+    assert lease_action(me="b", active=False, term=2, view=empty, vacant_looks=1) == "wait"
+    assert lease_action(me="b", active=False, term=2, view=empty, vacant_looks=2) == "take_over"
+    other = LeaseView(live_active=(_record("a", 3),), highest_term=3)
+    assert lease_action(me="b", active=False, term=2, view=other, vacant_looks=0) == "stand_by"
+    assert lease_action(me="b", active=True, term=2, view=other, vacant_looks=0) == "step_down"
+    assert lease_action(me="b", active=True, term=4, view=other, vacant_looks=0) == "renew"
+    tie = LeaseView(live_active=(_record("a", 4),), highest_term=4)
+    assert lease_action(me="b", active=True, term=4, view=tie, vacant_looks=0) == "step_down"  # lower id wins
+    assert lease_action(me="0", active=True, term=4, view=tie, vacant_looks=0) == "renew"
+
+
+def test_syncer_config_defaults_follow_the_heartbeat_and_reject_unknown_keys() -> None:
+    config = SyncerConfig.from_options({}, heartbeat_period_s=1.0)
+    assert (config.renew_every_s, config.lease_s) == (1.0, 3.0)
+    with pytest.raises(ConfigError):
+        SyncerConfig.from_options({"lease": 3}, heartbeat_period_s=1.0)
+    with pytest.raises(ConfigError):
+        SyncerConfig.from_options({"lease_s": 1.0, "renew_every_s": 1.0}, heartbeat_period_s=1.0)
