@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -266,11 +267,15 @@ def plot(result: dict[str, Any]) -> Path:
     left.set_title("throughput")
     left.legend()
     share = result["breakdown"]["share"]
-    names = list(share)
-    right.bar(names, [100 * share[n] for n in names], color=["C0", "C3", "C1", "C7"])
+    labels = {
+        "compute": "compute",
+        "serialization_signing_checks": "seal + open",
+        "transport": "transport",
+        "driver_other": "driver",
+    }
+    right.bar([labels[n] for n in share], [100 * v for v in share.values()], color=["C0", "C3", "C1", "C7"])
     right.set_ylabel("% of a microbatch (1 in flight)")
     right.set_title(f"where a microbatch's {1000 * result['breakdown']['microbatch_s']:.0f} ms go")
-    right.tick_params(axis="x", labelrotation=20)
     fig.tight_layout()
     path = plot_path("pipeline")
     fig.savefig(path, dpi=120)
@@ -332,6 +337,7 @@ def main() -> None:
             "seconds_per_setting": args.seconds,
             "rounds": args.rounds,
             "verifier_torch_threads": 1,
+            "load_average_1m_at_end": os.getloadavg()[0],  # other work on the machine skews every figure
         },
         "tokens_per_s_single_by_threads": singles,
         "tokens_per_s_samples": {str(k): v for k, v in pipe["samples"].items()},

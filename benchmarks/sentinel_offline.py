@@ -624,6 +624,52 @@ def print_table(table: dict[str, dict[str, object]]) -> None:
         )
 
 
+def measure_cost(batches: tuple[int, ...] = (8, 16), repeats: int = 200) -> dict[str, dict[str, float]]:
+    """CPU time of the two checks of a microbatch against the stage compute that produced the tensors
+    (a 2-block stage of the model above), interleaved so both see the same machine load."""
+    from verification.sentinel import BoundaryMonitor
+
+    torch.manual_seed(0)
+    module = StageModule(128, 128, 2, first=False, last=False)
+    out: dict[str, dict[str, float]] = {}
+    for batch in batches:
+        config = SentinelConfig(warmup_checks=10, min_window_checks=8)
+        fwd_mon = BoundaryMonitor(config, stage=1, direction="forward")
+        bwd_mon = BoundaryMonitor(config, stage=1, direction="backward")
+        pattern = torch.randn(128, 128)
+        times: dict[str, list[float]] = {
+            "forward": [],
+            "backward": [],
+            "check_forward": [],
+            "check_backward": [],
+        }
+        for i in range(repeats + 20):
+            x = (pattern + torch.randn(batch, 128, 128)).requires_grad_(True)
+            grad_out = torch.randn(batch, 128, 128) * 1e-3
+            t0 = time.process_time()
+            y = module(x)
+            t1 = time.process_time()
+            y.backward(grad_out)
+            t2 = time.process_time()
+            fwd_mon.check(y.detach(), f"r{i % 3}", i, float(i), context=x.detach())
+            t3 = time.process_time()
+            assert x.grad is not None
+            bwd_mon.check(x.grad, f"r{i % 3}", i, float(i), context=grad_out)
+            t4 = time.process_time()
+            if i >= 20:  # after the monitors' warm-up, when every fence is live
+                for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                    times[key].append(1000 * value)
+        # Median: this (shared, often oversubscribed) machine; 10th percentile: closer to an idle one.
+        for label, pick in (("median", statistics.median), ("p10", lambda v: sorted(v)[len(v) // 10])):
+            row = {key: pick(values) for key, values in times.items()}
+            row["share_of_stage_compute"] = (row["check_forward"] + row["check_backward"]) / (
+                row["forward"] + row["backward"]
+            )
+            row["forward_check_share_of_forward"] = row["check_forward"] / row["forward"]
+            out[f"batch_{batch}_{label}"] = row
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -644,8 +690,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: stable timings on shared cores)"
     )
+    parser.add_argument("--cost", action="store_true", help="only measure the CPU cost of checks")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.cost:
+        from benchmarks.common import write_result
+
+        cost = measure_cost()
+        print(cost)
+        write_result(f"{args.name}_cost", {"threads": args.threads, **cost})
+        return 0
 
     overrides: dict[str, object] = {}
     if args.fence_k is not None:

@@ -66,6 +66,9 @@ MAX_REMEMBERED_PEERS = (
 )
 SectionProvider = Callable[[dict[str, Any]], Any]
 MAX_EVENTS_SERVED = 200  # newest events in /api/swarm
+MAX_POINTS_SERVED = 600  # points per time series in /api/swarm's history (thinned evenly)
+MAX_PEER_SERIES_SERVED = 24  # per-peer loss series (the most recently seen peers)
+MAX_MERGES_SERVED = 300  # newest merges
 SWARM_EVENTS_FILENAME = (
     "swarm-events.jsonl"  # in the state dir: every event the bootstrap saw, one JSON per line
 )
@@ -179,7 +182,11 @@ class Bootstrap:
         self.history = SwarmHistory(ViewConfig(sample_period_s=manifest.heartbeat_period_s))
         self.sections: dict[str, SectionProvider] = {
             "events": lambda _doc: self.history.events_json(MAX_EVENTS_SERVED),
-            "history": lambda _doc: self.history.history_json(),
+            "history": lambda _doc: self.history.history_json(
+                max_points=MAX_POINTS_SERVED,
+                max_peer_series=MAX_PEER_SERIES_SERVED,
+                max_merges=MAX_MERGES_SERVED,
+            ),
             "map": self.history.swarm_map,
         }
         self._syncer_status: dict[str, Any] | None = None
@@ -299,14 +306,13 @@ class Bootstrap:
             logger.warning("cannot append to the swarm event log: %s", e)
 
     def _update_swarm_metrics(self) -> None:
-        history = self.history.history_json()
-        counts = self.history.swarm_map({})["counts"]
-        for health, count in counts.items():
+        history = self.history
+        last = history.samples[-1] if history.samples else {}
+        for health, count in (last.get("by_health") or {}).items():
             self.swarm_health.labels(health=health).set(count)
-        self.swarm_bans.set(len(history["bans"]))
-        self.swarm_merges.set(history["totals"]["merges"])
-        self.swarm_tokens.set(history["totals"]["tokens"])
-        last = self.history.samples[-1] if self.history.samples else {}
+        self.swarm_bans.set(len(history.bans))
+        self.swarm_merges.set(history.merges_total)
+        self.swarm_tokens.set(history.tokens_total)
         for gauge, key in (
             (self.swarm_throughput, "throughput"),
             (self.swarm_goodput, "goodput"),

@@ -88,8 +88,8 @@ class NetworkConfig:
     use_relay: bool = True  # reach peers behind NAT through libp2p circuit relays (hivemind's default)
     use_auto_relay: bool = False  # become reachable through relays; turned on when others cannot dial us
     check_reachability: bool = True  # at start, ask a bootstrap to dial us back; unreachable -> client mode
-    # Losing every peer (a partition, a dead uplink): hivemind never re-dials its initial peers on its own, so we
-    # check the peer count this often and re-dial the bootstraps with exponential backoff between these bounds.
+    # Losing the bootstraps (a partition, a dead uplink): hivemind never re-dials its initial peers on its own, so
+    # we check the routing table this often and re-dial them with exponential backoff between these bounds.
     peer_check_period_s: float = 5.0
     redial_min_s: float = 1.0
     redial_max_s: float = 60.0

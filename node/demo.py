@@ -15,7 +15,8 @@ What it does, in order:
 4. watches the swarm through the bootstrap's `/api/swarm` (and the active syncer's `/api/status`) with
    `node.swarm_view.SwarmHistory`, and shows it live (rich) or, without a terminal, as a log line every 10 s;
 5. with `--chaos`, runs `node.chaos` schedules (learner kills and restarts, stalls, a syncer kill with failover);
-   with `--attack KIND`, one stage replica runs the named attack through the stage's explicit unsafe option;
+   with `--attack KIND`, one stage replica runs the named attack (`HIVENODE_UNSAFE_ATTACK`, the stage's explicit
+   unsafe option; `verification.attacks` names the kinds);
 6. at `--duration` (seconds of training after the swarm is up) or on Ctrl-C: stops every process (SIGTERM, then
    SIGKILL of whatever is left and what it forked; the demo is the subreaper of everything it started, so nothing
    escapes), checks that no process is left, evaluates the syncer's final checkpoint on held-out data, and writes
@@ -41,14 +42,13 @@ import resource
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from node.config import build_run_parser
 from node.report import ReportInputs, build_report, render_text, write_plots, write_report
 from node.swarm_view import SwarmHistory, ViewConfig, short, summary_line
 from protocol.errors import ConfigError, HivenodeError
@@ -61,7 +61,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = {"vocab_size": 256, "context_len": 64, "num_layers": 2, "width": 64, "num_heads": 4}
 EVAL_BATCHES, EVAL_BATCH_SIZE = 4, 8  # held-out batches the syncer and the demo evaluate the global model on
 PR_SET_CHILD_SUBREAPER = 36
-REVIVE_AFTER_S = 6.0  # a node down this long that chaos does not account for is started again
+MIN_CHAOS_DURATION_S = 40.0
+REVIVE_AFTER_S = 6.0
+ATTACK_START_AFTER = 80  # honest steps of the attacker before it attacks (the monitors warm up first)  # a node down this long that chaos does not account for is started again
 _DASHBOARD = re.compile(r"^dashboard: (http://\S+?)/?$", re.M)
 _MADDR = re.compile(r"^(/ip4/\S+/p2p/\S+)$", re.M)
 _STATUS = re.compile(r"^status: (http://\S+)$", re.M)
@@ -92,7 +94,7 @@ class DemoConfig:
     eval_every_merges: int = 10  # the syncer evaluates the global model this often
     refresh_s: float = 1.0  # how often the demo reads the swarm
     start_timeout_s: float = 120.0  # bounds the start of each process (a cold torch import on a busy box)
-    stop_timeout_s: float = 15.0  # bounds the graceful stop of all processes
+    stop_timeout_s: float = 24.0  # bounds the graceful stop of all processes (four tiers)
     chaos_window_s: float = 120.0  # chaos schedules are drawn per window (the whole run with --duration)
     live: bool = False  # rich live view (needs a terminal); else a log line every `log_every_s`
     log_every_s: float = 10.0
@@ -108,6 +110,10 @@ class DemoConfig:
             raise ValueError("--attack needs a pipeline with at least 2 replicas per stage (one may lie)")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("--duration must be positive")
+        if self.chaos and self.duration_s is not None and self.duration_s < MIN_CHAOS_DURATION_S:
+            raise ValueError(
+                f"--chaos needs --duration of at least {MIN_CHAOS_DURATION_S:g} s (its faults take time)"
+            )
         for name in (
             "heartbeat_period_s",
             "refresh_s",
@@ -220,16 +226,24 @@ def node_toml(spec: NodeSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def attack_flags(kind: str) -> list[str]:
-    """The command-line option that makes a stage replica attack; ConfigError if this version has none."""
-    options = {opt for action in build_run_parser()._actions for opt in action.option_strings}
-    for flag in ("--unsafe-attack",):
-        if flag in options:
-            return [flag, kind]
-    raise ConfigError(
-        "--attack needs the stage's explicit attack option (`python -m node --unsafe-attack KIND`), which this "
-        "version does not have yet"
-    )
+def attack_prefix(kind: str) -> list[str]:
+    """The command prefix that makes a stage replica attack (`env HIVENODE_UNSAFE_ATTACK=<spec>`: the stage's
+    explicit, loudly named unsafe option); ConfigError if this version has none or the attack is unknown. A bare
+    KIND starts attacking after `ATTACK_START_AFTER` honest steps, so the verifiers' monitors warm up on honest
+    traffic first; a full spec (`KIND:key=value,...`, see verification.attacks.parse_attack) is used as given."""
+    try:
+        from node.sentinel_tap import UNSAFE_ATTACK_ENV
+        from verification.attacks import parse_attack
+    except ImportError:
+        raise ConfigError(
+            "--attack needs the stage's unsafe attack option, which this version does not have yet"
+        ) from None
+    spec = kind if ":" in kind else f"{kind}:start_after={ATTACK_START_AFTER}"
+    try:
+        parse_attack(spec)
+    except ValueError as e:
+        raise ConfigError(f"--attack {kind}: {e}") from None
+    return ["env", f"{UNSAFE_ATTACK_ENV}={spec}"]
 
 
 def role_available(role: str) -> bool:
@@ -284,8 +298,8 @@ def descendants(root: int, table: dict[int, tuple[int, str, int]] | None = None)
 class ProcessWatch:
     """Counts the processes the demo started (directly or not), their CPU time, and reaps orphaned zombies."""
 
-    def __init__(self, own_children: set[int]) -> None:
-        self.own_children = own_children  # pids a Popen owns (it reaps them)
+    def __init__(self, own_children: Callable[[], set[int]]) -> None:
+        self.own_children = own_children  # pids a Popen owns now (it reaps them itself)
         self.seen: set[int] = set()
         self.peak_alive = 0
         self._ticks: dict[int, int] = {}
@@ -303,9 +317,9 @@ class ProcessWatch:
 
     def reap(self, table: dict[int, tuple[int, str, int]] | None = None) -> None:
         table = table if table is not None else _proc_table()
-        me = os.getpid()
+        me, own = os.getpid(), self.own_children()
         for pid, (ppid, state, _) in table.items():
-            if ppid == me and state == "Z" and pid not in self.own_children:
+            if ppid == me and state == "Z" and pid not in own:
                 with contextlib.suppress(ChildProcessError, OSError):
                     os.waitpid(pid, os.WNOHANG)
 
@@ -399,7 +413,7 @@ class DemoSwarm:
         self.faults: list[dict[str, Any]] = []
         self.chaos_events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.last_doc: dict[str, Any] = {}
-        self.watch = ProcessWatch(set())
+        self.watch = ProcessWatch(self._popen_pids)
         self.left_behind: list[str] = []
         self._chaos_runner: Any = None
         self._start_eval: asyncio.Future[float] | None = None
@@ -410,6 +424,9 @@ class DemoSwarm:
         self._down_since: dict[str, float] = {}
         self.unplanned_exits: list[dict[str, Any]] = []
 
+    def _popen_pids(self) -> set[int]:
+        return {self.group.pid(name) for name in self.group.names()}
+
     # ---- setup ----
 
     def prepare(self) -> None:
@@ -418,7 +435,7 @@ class DemoSwarm:
             path.mkdir(parents=True, exist_ok=True)
         specs = plan_nodes(self.config)
         if self.config.attack is not None:
-            attack_flags(self.config.attack)  # fail now, not after the swarm started
+            attack_prefix(self.config.attack)  # fail now, not after the swarm started
         for spec in specs:
             if not role_available(spec.role):
                 logger.warning(
@@ -435,7 +452,7 @@ class DemoSwarm:
                 (state_dir / "node.toml").write_text(node_toml(spec))
                 argv += ["--config", str(state_dir / "node.toml")]
             if spec.attack is not None:
-                argv += attack_flags(spec.attack)
+                argv = attack_prefix(spec.attack) + argv  # `env` execs python: the same process
             self.nodes[spec.name] = Started(
                 spec=spec, argv=argv, peer_id=identity.peer_id, state_dir=state_dir
             )
@@ -450,7 +467,6 @@ class DemoSwarm:
         argv = [sys.executable, "-m", "bootstrap", "--run", str(self.run_file), "--state-dir"]
         argv += [str(self.state / "bootstrap"), "--http", f"127.0.0.1:{self.config.http_port}"]
         self.group.start("bootstrap", argv)
-        self.watch.own_children.add(self.group.pid("bootstrap"))
         text = await self._wait_log("bootstrap", [_DASHBOARD, _MADDR], stop)
         self.dashboard = _DASHBOARD.search(text).group(1) + "/"  # type: ignore[union-attr]
         self.maddr = _MADDR.search(text).group(1)  # type: ignore[union-attr]
@@ -459,7 +475,6 @@ class DemoSwarm:
         for started in self.nodes.values():
             started.argv[started.argv.index("MADDR")] = self.maddr
             self.group.start(started.spec.name, started.argv)
-            self.watch.own_children.add(self.group.pid(started.spec.name))
         await asyncio.gather(*(self._wait_log(name, [_STATUS], stop) for name in self.nodes))
         self.started_at = time.time()
         self.history.note(self.started_at, "demo", f"swarm up: {len(self.nodes) + 1} nodes")
@@ -665,7 +680,11 @@ class DemoSwarm:
                 margin_s=min(10.0, window / 5),
                 min_gap_s=8.0,
             )
-            plan = plan_faults(config, targets)
+            try:
+                plan = plan_faults(config, targets)
+            except ValueError as e:  # a window too short for its faults: say so, do not take the demo down
+                self.history.note(time.time(), "chaos", f"no chaos schedule: {e}")
+                return
             runner = ChaosRunner(
                 plan, self.group, on_event=lambda kind, injected: self.chaos_events.put((kind, injected))
             )
@@ -752,8 +771,14 @@ class DemoSwarm:
             self._chaos_runner.cancel()
         workers = [n for n, s in self.nodes.items() if s.spec.role != "syncer"]
         syncers = [n for n, s in self.nodes.items() if s.spec.role == "syncer"]
-        per_tier = self.config.stop_timeout_s / 3
-        for names in (workers, syncers, ["bootstrap"]):
+        try:
+            active = [self.active_syncer()]
+        except (ValueError, KeyError):
+            active = []
+        standbys = [n for n in syncers if n not in active]
+        # standbys before the active syncer: it writes the final checkpoint, and none may take over from it
+        per_tier = self.config.stop_timeout_s / 4
+        for names in (workers, standbys, active, ["bootstrap"]):
             await asyncio.to_thread(self._terminate, names, per_tier)
         await asyncio.to_thread(self.group.terminate_all, 2.0)
         self.left_behind = await asyncio.to_thread(kill_leftovers)
@@ -877,18 +902,19 @@ def render_live(swarm: DemoSwarm) -> Any:
     merges = list(history.merges)
     quorums = [m["quorum"] for m in merges[-20:] if isinstance(m.get("quorum"), int)]
     versions = [s.get("versions") for s in doc.get("syncer") or [] if s.get("state") == "active"]
+    merged = sum(m["count"] for m in merges)
     stats = Table.grid(padding=(0, 2))
     stats.add_row(
-        f"held-out loss {evals[0]['loss']:.3f} -> {evals[-1]['loss']:.3f}" if evals else "held-out loss -",
-        f"train loss {last.get('loss'):.3f}" if last.get("loss") is not None else "train loss -",
-        f"{last.get('throughput') or 0:,.0f} tok/s (goodput {last.get('goodput') or 0:,.0f})",
+        f"held-out {evals[0]['loss']:.3f} -> {evals[-1]['loss']:.3f}" if evals else "held-out -",
+        f"train {last['loss']:.3f}" if last.get("loss") is not None else "train -",
+        f"{last.get('throughput') or 0:,.0f} tok/s",
+        f"goodput {last.get('goodput') or 0:,.0f} tok/s",
     )
     stats.add_row(
-        f"versions {versions[0] if versions else '-'}",
-        f"merges {sum(m['count'] for m in merges)} (quorum {sum(quorums) / len(quorums):.1f})"
-        if quorums
-        else f"merges {sum(m['count'] for m in merges)}",
-        f"peers {len(doc.get('peers') or [])}, bans {len(history.bans)}, faults {len(swarm.faults)}",
+        f"versions {' '.join(map(str, versions[0])) if versions else '-'}",
+        f"merges {merged}" + (f" (quorum {sum(quorums) / len(quorums):.1f})" if quorums else ""),
+        f"peers {len(doc.get('peers') or [])}",
+        f"bans {len(history.bans)}, faults {len(swarm.faults)}",
     )
     table = Table(expand=False, show_edge=False, pad_edge=False)
     for column in ("node", "peer", "role", "health", "step", "tok/s", "loss"):

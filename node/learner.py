@@ -148,10 +148,14 @@ class LearnerRole:
         )
         if ctx.manifest.authorized_syncers:
             ctx.supervisor.spawn("diloco-sender", partial(self.sync.run_sender, stop), policy=RestartPolicy())
-            ctx.supervisor.spawn("diloco-watcher", partial(self.sync.run_watcher, stop), policy=RestartPolicy())
+            ctx.supervisor.spawn(
+                "diloco-watcher", partial(self.sync.run_watcher, stop), policy=RestartPolicy()
+            )
             self.joined_from_syncer = await self.sync.join_global(stop)
         else:  # no syncer can ever exist in this run: nothing to wait for
-            logger.warning("run %r authorizes no syncer: training locally, nothing is merged", ctx.manifest.name)
+            logger.warning(
+                "run %r authorizes no syncer: training locally, nothing is merged", ctx.manifest.name
+            )
             self.joined_from_syncer = False
         ctx.events.emit("learner_joined", from_syncer=self.joined_from_syncer, versions=self.sync.versions())
         self.state = "training"

@@ -10,7 +10,11 @@ Definitions (also written into the report):
 - *time to fall*: seconds from the first held-out evaluation until the held-out loss is `fall_nats` below it.
 - *goodput*: tokens the global model got (committed by merges when the syncer says so, else processed by peers
   that were neither banned nor missing), divided by the tokens a fault-free swarm of the planned size would have
-  processed over the same working time at the healthy per-peer rate measured in this run.
+  processed over the same working time at the healthy per-peer rate measured in this run. Committed tokens lag
+  (tokens not yet synced at the end) and Decoupled DiLoCo drops some by design (a learner overwrites a fragment
+  with a version it did not contribute to, losing its steps since its last send), so a fault-free run stays
+  below 1. *working fraction*: the same ratio for tokens processed by unbanned live peers (the share of the
+  fault-free chip time spent training, the paper's sense of goodput).
 - *fault survived*: after it, the global model kept advancing (a merge happened), and a killed or stalled node
   came back (heartbeated again after going missing or straggling; or never visibly went away) before the end.
 """
@@ -127,6 +131,10 @@ def throughput_summary(history: Mapping[str, Any], planned_workers: int) -> dict
         "mean_goodput_tokens_per_s": round(statistics.fmean(_finite(goodput[first : last + 1]) or [0.0]), 1),
         "healthy_tokens_per_s_per_peer": round(healthy_rate, 1) if healthy_rate else None,
         "goodput_fraction": round(min(got / reference, 1.0), 3) if reference else None,
+        # the same against tokens processed by unbanned live peers: the share of chip time spent working
+        "working_fraction": round(min(totals.get("useful_tokens", 0) / reference, 1.0), 3)
+        if reference
+        else None,
         "goodput_source": history.get("goodput_source"),
         "goodput_definition": GOODPUT_DEFINITION,
     }
@@ -244,7 +252,8 @@ def render_text(report: Mapping[str, Any]) -> str:
         f" (best {_fmt(loss['best'], '.3f')}; fell {loss.get('fall_nats', 0.5)} nats after "
         f"{_fmt(fall, '.0f', 'never')}{' s' if fall is not None else ''})",
         f"  tokens             {thr['tokens']:,} processed, {_fmt(thr.get('mean_tokens_per_s'), ',.0f')} tok/s",
-        f"  goodput            {_fmt(thr.get('goodput_fraction'), '.0%')} (source: {thr.get('goodput_source')})",
+        f"  goodput            {_fmt(thr.get('goodput_fraction'), '.0%')} ({_goodput_source(thr)});"
+        f" peers worked {_fmt(thr.get('working_fraction'), '.0%')} of the fault-free time",
         f"  merges             {merges['count']} (mean quorum {_fmt(merges['mean_quorum'])})",
         f"  faults             {faults['survived']}/{faults['injected']} survived {faults['by_action'] or ''}",
         f"  bans               {len(bans)}"
@@ -259,6 +268,12 @@ def render_text(report: Mapping[str, Any]) -> str:
         f"  cpu                {_fmt(cpu.get('mean_utilisation'), '.0%')} of {cpu.get('cores', '?')} cores",
     ]
     return "\n".join(lines)
+
+
+def _goodput_source(throughput: Mapping[str, Any]) -> str:
+    if throughput.get("goodput_source") == "syncer":
+        return "tokens merged into the global model"
+    return "tokens of unbanned live peers"
 
 
 def write_report(out_dir: Path, report: Mapping[str, Any]) -> Path:
@@ -282,13 +297,16 @@ def _series(history: Mapping[str, Any], name: str, t0: float) -> tuple[list[floa
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+_FAULT_STYLE = {"kill": ("0.35", ":"), "stall": ("tab:orange", "-.")}
+
+
 def _mark_faults(ax: Any, report: Mapping[str, Any]) -> None:
     labelled = set()
     for fault in report["faults"]["faults"]:
         action = fault["action"]
-        ax.axvline(
-            fault["t"], color="0.6", lw=0.8, ls=":", label=None if action in labelled else f"chaos: {action}"
-        )
+        color, style = _FAULT_STYLE.get(action, ("0.6", ":"))
+        label = None if action in labelled else f"chaos: {action}"
+        ax.axvline(fault["t"], color=color, lw=0.9, ls=style, label=label)
         labelled.add(action)
     for ban in report["bans"]:
         if ban.get("first_seen_s") is not None:

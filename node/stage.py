@@ -60,6 +60,7 @@ from node.routing import (
     ReplicaInfo,
     Verdict,
 )
+from node.sentinel_tap import attack_from_env, ban_watcher_for
 from protocol.codec import TensorLimits
 from protocol.envelope import (
     MAX_HEADER_BYTES,
@@ -750,8 +751,16 @@ class StageService:
         executor: ThreadPoolExecutor | None = None,
         wall_clock: Callable[[], float] = time.time,
         max_receipts: int = 64,
+        is_banned: Callable[[str], bool] = lambda _peer: False,
+        attack: Any = None,
     ) -> None:
+        """`is_banned`: swarm-wide SENTINEL bans (callers that are banned are refused). `attack`: a
+        `verification.attacks.Attack` applied to this replica's outputs; only ever set through the loudly
+        named `HIVENODE_UNSAFE_ATTACK` option (tests and benchmarks)."""
         self.identity = identity
+        self.is_banned = is_banned
+        self.attack = attack
+        self._attack_steps = {"forward": 0, "backward": 0}
         self.run_id = run_id
         self.core = core
         self._authorized = authorized
@@ -807,12 +816,14 @@ class StageService:
             loss, grad = await self.compute(core.forward_loss, remote_peer, header.microbatch, x, targets)
             if grad is None:  # a single-stage pipeline: nothing to send back but the loss
                 return self._seal(remote_peer, Kind.LOSS, Direction.BACKWARD, header, meta={LOSS_META: loss})
+            grad = self._attacked(grad, "backward", header.microbatch)
             return self._seal(
                 remote_peer, Kind.GRADIENT, Direction.BACKWARD, header, tensor=grad, meta={LOSS_META: loss}
             )
         if targets is not None:
             raise WrongContext("only the last stage takes targets", reason="bad tensors")
         out = await self.compute(core.forward, remote_peer, header.microbatch, x)
+        out = self._attacked(out, "forward", header.microbatch)
         return self._seal(remote_peer, Kind.ACTIVATION, Direction.FORWARD, header, tensor=out)
 
     async def rpc_backward(self, frame: bytearray, remote_peer: str) -> bytes:
@@ -829,6 +840,7 @@ class StageService:
             return self._seal(
                 remote_peer, Kind.CONTROL, Direction.BACKWARD, header, meta={APPLIED_META: True}
             )
+        result = self._attacked(result, "backward", header.microbatch)
         return self._seal(remote_peer, Kind.GRADIENT, Direction.BACKWARD, header, tensor=result)
 
     async def rpc_receipt(self, frame: bytearray, remote_peer: str) -> bytes:
@@ -855,7 +867,16 @@ class StageService:
 
     # ---- pieces
 
+    def _attacked(self, tensor: torch.Tensor, direction: str, microbatch: int) -> torch.Tensor:
+        if self.attack is None:
+            return tensor
+        step = self._attack_steps[direction]
+        self._attack_steps[direction] = step + 1
+        return self.attack.apply(tensor, direction=direction, microbatch_id=microbatch, step=step)
+
     def _authorize(self, remote_peer: str) -> None:
+        if self.is_banned(remote_peer):
+            raise UnauthorizedCaller(f"{remote_peer[-8:]} is banned in this run")
         if remote_peer not in self.authorized():
             raise UnauthorizedCaller(f"{remote_peer[-8:]} is not an authorized verifier of this run")
 
@@ -1010,7 +1031,10 @@ class StageRole:
             self.core,
             authorized=lambda: ctx.manifest.authorized_verifiers,
             max_receipts=self.config.max_receipts,
+            attack=attack_from_env(),
         )
+        self.bans = ban_watcher_for(ctx)
+        self.service.is_banned = self.bans.is_banned
         self.strikes = PeerStrikes()
         self.state = "joining"
         self.rebalancer = Rebalancer(self.config.rebalance, started_at=time.monotonic())
@@ -1029,6 +1053,7 @@ class StageRole:
             self.state = "serving"
             ctx.events.emit("stage_serving", stage=self.core.stage, span=list(self.core.span))
             ctx.supervisor.spawn("stage-sweep", partial(self._sweep, stop))
+            ctx.supervisor.spawn("stage-bans", partial(self.bans.run, stop))
             if self.config.rebalance_enabled and self.manifest.num_stages > 1:
                 ctx.supervisor.spawn("stage-rebalance", partial(self._rebalance_loop, stop))
             await self._wait_for_end(stop)

@@ -33,8 +33,9 @@ import hivemind
 import hivemind.dht.node
 import msgpack
 from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
-from hivemind.p2p import P2PContext
+from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
@@ -235,21 +236,37 @@ class QuotaDHTProtocol(DHTProtocol):
         expiration: float,
         now: float,
     ) -> bool:
+        if len(key) != DHTID.HASH_NBYTES:
+            return False  # not a key hivemind could have made (its handler would raise on it)
         if tag != self.IS_DICTIONARY:
             subkey = None if tag == self.IS_REGULAR_VALUE else tag
+            if subkey is not None and not self._is_subkey(subkey):
+                return False
             return self._note(quota.admit_store(peer, key, len(value), expiration, now, subkey=subkey), peer)
         try:
             dictionary = self.serializer.loads(value)
-        except Exception:  # hivemind would raise on it too; refusing here keeps the refusal typed and counted
+        except Exception:  # garbage hivemind's handler would raise on: refuse the item instead
             return False
-        if not isinstance(dictionary, DictionaryDHTValue):
-            return False
+        if not isinstance(dictionary, DictionaryDHTValue) or not len(dictionary):
+            return False  # an empty dictionary stores nothing; hivemind would still answer "stored"
         for subkey, item in dictionary.items():
+            blob, item_expiration = item.value, item.expiration_time
+            if not isinstance(blob, bytes) or type(item_expiration) not in (int, float):
+                return False
             admission = quota.admit_store(
-                peer, key, len(item.value), item.expiration_time, now, subkey=self.serializer.dumps(subkey)
+                peer, key, len(blob), float(item_expiration), now, subkey=self.serializer.dumps(subkey)
             )
             if not self._note(admission, peer):
                 return False
+        return True
+
+    def _is_subkey(self, tag: bytes) -> bool:
+        """Whether hivemind can decode `tag` into a subkey it can store (its handler would raise otherwise)."""
+        try:
+            subkey = self.serializer.loads(tag)
+            hash(subkey)
+        except Exception:  # undecodable, or a list or map: not usable as a dictionary key
+            return False
         return True
 
     def _note(self, admission: Any, peer: str) -> bool:
@@ -453,11 +470,48 @@ def dial_targets(requested: object, caller: str) -> list[str]:
     return list(dict.fromkeys(targets))
 
 
-async def probe_dial(maddr: str, peer_id: str, timeout_s: float) -> bool:
-    """Whether a fresh daemon, with no relay and no other connection, can open a secure connection to `peer_id`
-    at `maddr` (the peer id is checked by the handshake)."""
+def _unpack_small(raw: bytes | bytearray) -> object:
+    """msgpack from a peer, for the small reach messages: strings and lists only, everything capped."""
     try:
-        probe = await hivemind.P2P.create(
+        return msgpack.unpackb(
+            bytes(raw),
+            raw=False,
+            max_str_len=256,
+            max_bin_len=0,
+            max_array_len=16,
+            max_map_len=8,
+            max_ext_len=0,
+        )
+    except Exception:  # msgpack raises a zoo of types on garbage
+        raise MalformedFrame("not a small msgpack message") from None
+
+
+def parse_reach_reply(
+    raw: bytes | bytearray, ours: Sequence[str]
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(dialable, unknown, observed) from a bootstrap's answer; only our own addresses count as dialable or
+    unknown. Raises MalformedFrame."""
+    reply = _unpack_small(raw)
+    if not isinstance(reply, dict):
+        raise MalformedFrame("a reach answer is a map")
+
+    def strings(name: str) -> list[str]:
+        items = reply.get(name, [])
+        if not isinstance(items, list) or not all(isinstance(m, str) for m in items):
+            raise MalformedFrame(f"a reach answer's {name!r} is a list of strings")
+        return items
+
+    dialable = tuple(m for m in strings("dialable") if m in ours)
+    unknown = tuple(m for m in strings("unknown") if m in ours)
+    return dialable, unknown, tuple(strings("observed")[:MAX_REACH_MADDRS])
+
+
+async def probe_dial(maddr: str, peer_id: str, timeout_s: float) -> bool | None:
+    """Whether a fresh daemon, with no relay and no other connection, can open a secure connection to `peer_id`
+    at `maddr` (the handshake checks the peer id). None when the probe itself failed (our daemon did not start in
+    time, say): that says nothing about the peer, and must not make it give up serving."""
+    try:
+        probe = await P2P.create(
             initial_peers=[f"{maddr}/p2p/{peer_id}"],
             dht_mode="client",
             use_relay=False,
@@ -467,26 +521,26 @@ async def probe_dial(maddr: str, peer_id: str, timeout_s: float) -> bool:
             startup_timeout=timeout_s,
             check_if_identity_free=False,
         )
-    except Exception as e:  # P2PDaemonError "failed to connect to bootstrap peers", or a timeout
-        logger.debug("reach probe of %s at %s failed: %s", peer_id[-8:], maddr, _daemon_message(e))
-        return False
+    except Exception as e:  # P2PDaemonError; only "failed to connect to bootstrap peers" is about the peer
+        message = _daemon_message(e)
+        logger.debug("reach probe of %s at %s failed: %s", peer_id[-8:], maddr, message)
+        return False if "failed to connect to bootstrap peers" in message else None
     await probe.shutdown()
     return True
 
 
 def reach_check_route(p2p: Any, *, probe_timeout_s: float = REACH_PROBE_TIMEOUT_S) -> Route:
     """The `REACH_ROUTE` a bootstrap serves on `p2p`: dial the caller back at the addresses it names; answer
-    msgpack {"dialable": [...], "observed": [...]}. Bounded: `REACH_RATE` per peer, one probe at a time."""
+    msgpack {"dialable": [...], "unknown": [...], "observed": [...]} ("unknown": our probe failed, not the
+    dial). Bounded: `REACH_RATE` per peer, one probe at a time."""
     busy = asyncio.Semaphore(1)
 
     async def check(frame: bytearray, caller: str) -> bytes:
-        try:
-            requested = msgpack.unpackb(bytes(frame), raw=False, max_str_len=256, max_array_len=16)
-        except Exception:  # msgpack raises a zoo of types on garbage
-            raise MalformedFrame("a reach check is not msgpack") from None
-        targets = dial_targets(requested, caller)
+        targets = dial_targets(_unpack_small(frame), caller)
         async with busy:
-            dialable = [m for m in targets if await probe_dial(m, caller, probe_timeout_s)]
+            results = {m: await probe_dial(m, caller, probe_timeout_s) for m in targets}
+        dialable = [m for m, ok in results.items() if ok]
+        unknown = [m for m, ok in results.items() if ok is None]
         observed = [
             str(addr)
             for info in await p2p.list_peers()
@@ -494,9 +548,13 @@ def reach_check_route(p2p: Any, *, probe_timeout_s: float = REACH_PROBE_TIMEOUT_
             for addr in info.addrs
         ][:MAX_REACH_MADDRS]
         logger.info(
-            "reach check for %s: %d of %d address(es) dialable", caller[-8:], len(dialable), len(targets)
+            "reach check for %s: %d of %d address(es) dialable%s",
+            caller[-8:],
+            len(dialable),
+            len(targets),
+            f" ({len(unknown)} could not be probed)" if unknown else "",
         )
-        return msgpack.packb({"dialable": dialable, "observed": observed})
+        return msgpack.packb({"dialable": dialable, "unknown": unknown, "observed": observed})
 
     return Route(check, MAX_REACH_REQUEST_BYTES, rate=REACH_RATE)
 
@@ -540,12 +598,12 @@ async def check_reachability(
                     max_response_bytes=MAX_REACH_REQUEST_BYTES,
                     timeout_s=timeout_s,
                 )
-                reply = msgpack.unpackb(bytes(answer), raw=False, max_str_len=256, max_array_len=16)
-                dialable = tuple(m for m in reply.get("dialable", ()) if m in ours)
-                observed = tuple(str(m) for m in reply.get("observed", ()))[:MAX_REACH_MADDRS]
+                dialable, unknown, observed = parse_reach_reply(answer, ours)
             except Exception as e:  # an older bootstrap, a throttled check, a timeout: ask the next one
                 logger.debug("reach check via %s failed: %r", checker[-8:], e)
                 continue
+            if not dialable and unknown:
+                continue  # its probe failed, not ours to judge: ask the next bootstrap
             return Reachability(bool(dialable), tuple(ours), dialable, observed, checker)
     finally:
         await p2p.shutdown()
@@ -555,9 +613,12 @@ async def check_reachability(
 # ---- re-dialing the bootstraps after losing every peer ----
 
 
-async def _routing_table_size(_dht: Any, node: Any) -> int:
-    """Runs inside the DHT process: peers in the routing table (hivemind drops a peer after one failed call)."""
-    return len(node.protocol.routing_table.peer_id_to_uid)
+async def _routing_view(_dht: Any, node: Any, entry_points: Sequence[str]) -> tuple[int, int]:
+    """Runs inside the DHT process: (peers in the routing table, how many of them are entry points). hivemind
+    drops a peer from the table after one failed call."""
+    table = {peer.to_base58() for peer in node.protocol.routing_table.peer_id_to_uid}
+    entries = {_maddr_part(entry, "p2p") for entry in entry_points}
+    return len(table), len(table & entries)
 
 
 async def _redial(_dht: Any, node: Any, entry_points: Sequence[str]) -> int:
@@ -584,9 +645,14 @@ async def _redial(_dht: Any, node: Any, entry_points: Sequence[str]) -> int:
 
 
 class Redialer:
-    """Watches the DHT's routing table; when it is empty, re-dials `entry_points` with exponential backoff
-    (`redial_min_s` doubling to `redial_max_s`, with jitter) and says so, once when the peers are lost, at each
-    attempt, and once when they are back. Counts in `attempts` and `recoveries`."""
+    """Keeps this node in touch with its entry points (the bootstraps it joined through).
+
+    hivemind drops a peer from its routing table after one failed call and never re-contacts its initial peers, so
+    after a partition a node may stay alone, or in a DHT of its own with the peers on its side, for good. Every
+    `peer_check_period_s` this looks at the routing table; when no entry point is left in it, it re-dials them with
+    exponential backoff (`redial_min_s` doubling to `redial_max_s`, with jitter) and says so: once when contact is
+    lost, at each failed attempt, and once when it is back. Counts in `attempts` and `recoveries`.
+    """
 
     def __init__(
         self,
@@ -613,7 +679,8 @@ class Redialer:
         backoff_s = self.network.redial_min_s
         delay_s = self.network.peer_check_period_s
         while not await wait_or_stop(stop, delay_s):
-            if await self._call(_routing_table_size) > 0:
+            num_peers, num_entries = await self._call(partial(_routing_view, entry_points=self.entry_points))
+            if num_entries > 0:
                 if self.lost_since is not None:
                     self._recovered()
                 backoff_s, delay_s = self.network.redial_min_s, self.network.peer_check_period_s
@@ -621,12 +688,13 @@ class Redialer:
             if self.lost_since is None:
                 self.lost_since = time.monotonic()
                 logger.warning(
-                    "lost every peer; re-dialing %d bootstrap(s) with backoff %.1f-%.0f s",
+                    "%s; re-dialing %d bootstrap(s) with backoff %.1f-%.0f s",
+                    "lost every peer" if num_peers == 0 else f"lost every bootstrap ({num_peers} peers left)",
                     len(self.entry_points),
                     self.network.redial_min_s,
                     self.network.redial_max_s,
                 )
-                self._emit("peers_lost")
+                self._emit("peers_lost", peers_left=num_peers)
             self.attempts += 1
             answered = await self._call(partial(_redial, entry_points=self.entry_points))
             if answered:

@@ -19,7 +19,7 @@ and its report read the same structures. Definitions:
   killed, stalled or cut off -- a clean leave withdraws the record and a crash lets it expire, so the records
   cannot tell them apart; kept on the map for `remember_missing_s`), `straggling` (its
   heartbeat is more than `stale_periods` periods old, or it trains at under `slow_fraction` of the median
-  throughput of its peers), `idle` (joined but does no work, e.g. a role this version does not have), else `alive`.
+  throughput of its peers, when it has at least two), `idle` (joined but does no work, e.g. a role this version does not have), else `alive`.
 - *throughput*: tokens/s processed, from the increments of every learner's token counter and of every stage-0
   replica's (a pipeline microbatch crosses every stage; counting stage 0 counts it once). A counter that goes
   down (a restarted process) counts from zero.
@@ -172,6 +172,7 @@ class SwarmHistory:
         self.committed_tokens_total = 0.0
         self.started_at: float | None = None
         self.event_seq = 0
+        self.merges_total = 0
 
     # ---- ingest ----
 
@@ -207,7 +208,8 @@ class SwarmHistory:
         self, peers: Sequence[Mapping[str, Any]], banned: set[str], now: float, period_s: float
     ) -> None:
         live = {str(p["peer_id"]) for p in peers}
-        medians = {k: statistics.median(v) for k, v in _throughput_groups(peers).items() if len(v) >= 2}
+        # with two peers, which one is "slow" is a coin toss on noisy rates: compare within groups of three or more
+        medians = {k: statistics.median(v) for k, v in _throughput_groups(peers).items() if len(v) >= 3}
         for peer in peers:
             peer_id = str(peer["peer_id"])
             track = self._peers.get(peer_id)
@@ -366,6 +368,7 @@ class SwarmHistory:
                 self._pending[2] += committed
                 self.committed_tokens_total += committed
         self.merges.append(merge)
+        self.merges_total += count
         quorum = merge.get("quorum")
         text = f"fragment {fragment} -> v{version}" + (f" (quorum {quorum})" if quorum is not None else "")
         if count > 1:
@@ -471,9 +474,24 @@ class SwarmHistory:
             "last_seen": round(track.last_seen, 3),
         }
 
-    def history_json(self) -> dict[str, Any]:
-        """Column-oriented series for charts (aligned on `t`), merges, bans, held-out loss points."""
-        samples = list(self.samples)
+    def history_json(
+        self,
+        *,
+        max_points: int | None = None,
+        max_peer_series: int | None = None,
+        max_merges: int | None = None,
+    ) -> dict[str, Any]:
+        """Column-oriented series for charts (aligned on `t`), merges, bans, held-out loss points. `max_points`
+        thins every series to about that many points (evenly, keeping the newest), `max_peer_series` keeps the
+        loss series of the most recently seen peers only, `max_merges` the newest merges: what a page polling
+        every few seconds should download, whatever the size of the swarm."""
+        samples = _thin(list(self.samples), max_points)
+        peer_ids = sorted(
+            self.peer_loss, key=lambda p: self.peer_loss[p][-1][0] if self.peer_loss[p] else 0.0
+        )
+        if max_peer_series is not None:
+            peer_ids = peer_ids[-max_peer_series:]
+        merges = list(self.merges)
         return {
             "t": [s["t"] for s in samples],
             "peers": [s["peers"] for s in samples],
@@ -490,16 +508,17 @@ class SwarmHistory:
             "tokens": [s["tokens"] for s in samples],
             "peer_loss": {
                 peer_id: {"t": [p[0] for p in series], "loss": [p[1] for p in series]}
-                for peer_id, series in self.peer_loss.items()
+                for peer_id in peer_ids
+                for series in [_thin(list(self.peer_loss[peer_id]), max_points)]
             },
-            "eval": list(self.eval_points),
-            "merges": list(self.merges),
+            "eval": _thin(list(self.eval_points), max_points),
+            "merges": merges[-max_merges:] if max_merges is not None else merges,
             "bans": list(self.bans.values()),
             "totals": {
                 "tokens": self.tokens_total,
                 "useful_tokens": self.useful_tokens_total,
                 "committed_tokens": round(self.committed_tokens_total) if self._committed_known else None,
-                "merges": sum(m["count"] for m in self.merges),
+                "merges": self.merges_total,
                 "bans": len(self.bans),
             },
             "started_at": self.started_at,
@@ -509,6 +528,14 @@ class SwarmHistory:
         """Events, newest first."""
         events = list(reversed(self.events))
         return events[:limit] if limit is not None else events
+
+
+def _thin(items: list[Any], max_points: int | None) -> list[Any]:
+    """Every k-th item so that at most about `max_points` remain, always keeping the newest."""
+    if max_points is None or len(items) <= max_points:
+        return items
+    stride = math.ceil(len(items) / max_points)
+    return items[::-1][::stride][::-1]
 
 
 def _worth_an_event(before: str, after: str) -> bool:
@@ -560,5 +587,5 @@ def summary_line(history: SwarmHistory) -> str:
     loss = f"{last['loss']:.3f}" if last["loss"] is not None else "-"
     return (
         f"{last['peers']} peers, {throughput:.0f} tok/s, goodput {goodput:.0f} tok/s, loss {loss}, "
-        f"{sum(m['count'] for m in history.merges)} merges, {len(history.bans)} bans"
+        f"{history.merges_total} merges, {len(history.bans)} bans"
     )

@@ -659,6 +659,11 @@ class SyncerRole:
         ctx.supervisor.spawn("syncer-members", partial(self._membership_loop, stop), policy=RestartPolicy())
         ctx.supervisor.spawn("syncer-merge", partial(self._merge_loop, stop), policy=RestartPolicy())
         ctx.supervisor.spawn("syncer-mirror", partial(self._mirror_loop, stop), policy=RestartPolicy())
+        from node.sentinel_tap import ban_watcher_for  # SENTINEL bans: refuse banned peers' contributions
+
+        bans = ban_watcher_for(ctx)
+        self.is_banned = bans.is_banned
+        ctx.supervisor.spawn("syncer-bans", partial(bans.run, stop), policy=RestartPolicy())
         logger.info(
             "syncer ready: mode %s, %d fragments, checkpoints in %s",
             self.mode,

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import logging
 import math
 import os
@@ -73,6 +75,7 @@ from protocol.errors import ProtocolError, RemoteRefused, StreamClosed
 from protocol.identity import NodeIdentity
 from protocol.replay import ReplayGuard
 from protocol.rpc import PeerStrikes, call_framed
+from verification.bans import SignedBoundaryHeader, signed_header_of
 
 if TYPE_CHECKING:
     from hivemind.p2p import P2P
@@ -167,7 +170,13 @@ class BoundaryTap:
         microbatch_id: int,
         tensor: torch.Tensor,
         header: Header,
+        *,
+        context: torch.Tensor | None = None,
+        signed: SignedBoundaryHeader | None = None,
     ) -> torch.Tensor | Drop:
+        """`context`: what the verifier sent that stage for this microbatch (its input forward, the output
+        gradient it was given backward; None when there is none). `signed`: the answer's header and signature."""
+        del context, signed
         key = (stage, direction.value)
         self.seen[key] = self.seen.get(key, 0) + 1
         return tensor
@@ -398,6 +407,9 @@ class PipelineDriver:
         self.step = 0  # the verifier's step (sequences driven / inner batch), stamped on requests
         self.last_route: list[str | None] = [None] * num_stages
         self.on_failure: Callable[[int, int, str, HopError], None] | None = None
+        # (microbatch, stage, direction) -> the signed header of the answer just opened, for the tap (evidence,
+        # equivocation); popped by the tap call that follows the hop without an await in between.
+        self._signed: dict[tuple[int, int, str], SignedBoundaryHeader] = {}
 
     # ---- readiness
 
@@ -476,7 +488,9 @@ class PipelineDriver:
                 expected = (x.shape[0], x.shape[1], self.shape.width)
                 if out.dtype != torch.float32 or tuple(out.shape) != expected:
                     raise HopError(HopFailure.BAD_REPLY, f"activation {tuple(out.shape)} != {expected}")
-                checked = self.tap.check(stage, Direction.FORWARD, replica, microbatch, out, opened.header)
+                checked = self._tap_check(
+                    stage, Direction.FORWARD, replica, microbatch, out, opened, x if stage > 0 else None
+                )
                 if isinstance(checked, Drop):
                     raise HopError(HopFailure.DROPPED, checked.reason)
                 return replica, checked
@@ -516,7 +530,7 @@ class PipelineDriver:
                     raise HopError(HopFailure.BAD_REPLY, "answer lacks a finite loss")
                 grad = None
                 if stage > 0:
-                    grad = self._checked_grad(opened, replica, stage, microbatch, x)
+                    grad = self._checked_grad(opened, replica, stage, microbatch, x, None)
                 return replica, loss, grad
             except HopError as e:
                 if self.retry.ask_same_again(e.failure, same_tries):
@@ -552,7 +566,7 @@ class PipelineDriver:
                     if opened.meta.get(APPLIED_META) is not True or opened.tensors:
                         raise HopError(HopFailure.BAD_REPLY, "stage 0 did not confirm the backward")
                     return replica, None
-                return replica, self._checked_grad(opened, replica, stage, microbatch, x)
+                return replica, self._checked_grad(opened, replica, stage, microbatch, x, grad)
             except HopError as e:
                 if e.failure is HopFailure.REFUSED and e.detail == ALREADY_APPLIED and stage == 0:
                     return replica, None  # applied there before; stage 0 has nothing to send back
@@ -574,15 +588,38 @@ class PipelineDriver:
                 self.stats.recomputed += 1
 
     def _checked_grad(
-        self, opened: Opened, replica: str, stage: int, microbatch: int, x: torch.Tensor
+        self,
+        opened: Opened,
+        replica: str,
+        stage: int,
+        microbatch: int,
+        x: torch.Tensor,
+        given: torch.Tensor | None,
     ) -> torch.Tensor:
         grad = self._one_tensor(opened, replica)
         if grad.dtype != torch.float32 or tuple(grad.shape) != tuple(x.shape):
             raise HopError(HopFailure.BAD_REPLY, f"gradient {tuple(grad.shape)} != input {tuple(x.shape)}")
-        checked = self.tap.check(stage, Direction.BACKWARD, replica, microbatch, grad, opened.header)
+        checked = self._tap_check(stage, Direction.BACKWARD, replica, microbatch, grad, opened, given)
         if isinstance(checked, Drop):
             raise HopError(HopFailure.DROPPED, checked.reason)
         return checked
+
+    def _tap_check(
+        self,
+        stage: int,
+        direction: Direction,
+        replica: str,
+        microbatch: int,
+        tensor: torch.Tensor,
+        opened: Opened,
+        context: torch.Tensor | None,
+    ) -> torch.Tensor | Drop:
+        signed = self._signed.pop((microbatch, stage, direction.value), None)
+        if not _takes_context(type(self.tap)):  # a tap written for the original six-argument seam
+            return self.tap.check(stage, direction, replica, microbatch, tensor, opened.header)
+        return self.tap.check(
+            stage, direction, replica, microbatch, tensor, opened.header, context=context, signed=signed
+        )
 
     # ---- held-out loss
 
@@ -662,21 +699,20 @@ class PipelineDriver:
         meta: dict[str, Any] | None = None,
     ) -> Opened:
         """Seal a request for `replica`, send it, and open its answer; every failure becomes a HopError."""
-        if request_direction is None:
-            request_direction = answer_direction
         if request_kind is None:
-            is_tokens = stage == 0 and rpc == FORWARD_RPC
-            request_kind = (
-                Kind.TOKENS if is_tokens else (Kind.ACTIVATION if rpc == FORWARD_RPC else Kind.GRADIENT)
-            )
+            request_kind = _request_kind(rpc, stage)
         timings = self.stats.timings
         started = time.perf_counter()
-        context = Context(
-            run_id=self.run_id, kind=request_kind, receiver=replica, stage=stage, direction=request_direction
+        request = Context(
+            run_id=self.run_id,
+            kind=request_kind,
+            receiver=replica,
+            stage=stage,
+            direction=request_direction or answer_direction,
         )
         frame = seal(
             self.identity,
-            context,
+            request,
             microbatch=microbatch,
             step=self.step,
             now=self.wall_clock(),
@@ -686,9 +722,27 @@ class PipelineDriver:
         )
         sent = time.perf_counter()
         timings["seal_s"] += sent - started
+        raw = await self._send(replica, rpc, frame)
+        answered = time.perf_counter()
+        timings["call_s"] += answered - sent
+        answer = Context(
+            run_id=self.run_id,
+            kind=answer_kind,
+            receiver=self.identity.peer_id,
+            stage=stage,
+            direction=answer_direction,
+        )
+        try:
+            opened = self._open_answer(raw, replica, answer, microbatch)
+        finally:
+            timings["open_s"] += time.perf_counter() - answered
+        self.router.record_success(replica, tokens=int(x.shape[0] * x.shape[1]), seconds=answered - started)
+        return opened
+
+    async def _send(self, replica: str, rpc: str, frame: bytes) -> bytes | bytearray:
         self.router.started(replica)
         try:
-            raw = await self.transport.call(
+            return await self.transport.call(
                 replica,
                 rpc,
                 frame,
@@ -711,15 +765,8 @@ class PipelineDriver:
             raise HopError(HopFailure.UNREACHABLE, f"{type(e).__name__}: {e}") from None
         finally:
             self.router.finished(replica)
-        answered = time.perf_counter()
-        timings["call_s"] += answered - sent
-        expect = Context(
-            run_id=self.run_id,
-            kind=answer_kind,
-            receiver=self.identity.peer_id,
-            stage=stage,
-            direction=answer_direction,
-        )
+
+    def _open_answer(self, raw: bytes | bytearray, replica: str, expect: Context, microbatch: int) -> Opened:
         try:
             opened = open_envelope(
                 raw,
@@ -734,11 +781,14 @@ class PipelineDriver:
             self.strikes.record(replica, e.reason)
             self.stats.bad_replies += 1
             raise HopError(HopFailure.BAD_REPLY, e.reason) from None
-        finally:
-            timings["open_s"] += time.perf_counter() - answered
         if opened.header.microbatch != microbatch:
             raise HopError(HopFailure.BAD_REPLY, "answer for another microbatch")
-        self.router.record_success(replica, tokens=int(x.shape[0] * x.shape[1]), seconds=answered - started)
+        if opened.tensors and opened.meta.get(EVAL_META) is not True:
+            signed = signed_header_of(raw)
+            if len(self._signed) > 4096:  # answers whose tap call never came (a failed shape check)
+                self._signed.clear()
+            if signed is not None:
+                self._signed[(microbatch, expect.stage, expect.direction.value)] = signed
         return opened
 
     def _one_tensor(self, opened: Opened, replica: str) -> torch.Tensor:
@@ -794,6 +844,17 @@ class PipelineDriver:
             self.on_failure(microbatch, stage, replica, error)
 
 
+@functools.cache
+def _takes_context(tap_type: type) -> bool:
+    return "context" in inspect.signature(tap_type.check).parameters
+
+
+def _request_kind(rpc: str, stage: int) -> Kind:
+    if rpc == BACKWARD_RPC:
+        return Kind.GRADIENT
+    return Kind.TOKENS if stage == 0 else Kind.ACTIVATION
+
+
 # ---------------------------------------------------------------------------------------------------- the role
 
 
@@ -829,6 +890,8 @@ class VerifierRole:
         self.progress = _Progress()
         self._replicas: list[ReplicaInfo] = []
         self.driver: PipelineDriver | None = None
+        self.tap: Any = None  # node.sentinel_tap.SentinelTap once running
+        self.bans: Any = None  # node.sentinel_tap.BanWatcher once running
         self._next_id = (
             int(time.time() * 1000) << 16
         )  # ids grow across restarts: stage ledgers never see a reuse
@@ -838,6 +901,16 @@ class VerifierRole:
     async def run(self, ctx: NodeContext, stop: asyncio.Event) -> None:
         p2p = await ctx.dht.replicate_p2p()
         transport = FramedTransport(p2p, connect_timeout_s=self.config.connect_timeout_s)
+        from node.sentinel_tap import SentinelTap, ban_watcher_for
+
+        self.tap = SentinelTap(
+            verifier=ctx.peer_id,
+            run_id=ctx.run_id,
+            stage_replicas=lambda s: [r.peer_id for r in self._replicas if r.stage == s],
+            emit=ctx.events.emit,
+        )
+        self.bans = ban_watcher_for(ctx, outbox=self.tap.pending)
+        tap, bans = self.tap, self.bans
         self.driver = PipelineDriver(
             identity=ctx.identity,
             run_id=ctx.run_id,
@@ -847,6 +920,8 @@ class VerifierRole:
             replicas=lambda: self._replicas,
             router=ReplicaRouter(self.config.routing),
             retry=self.config.retry,
+            tap=tap,  # type: ignore[arg-type]  # SentinelTap implements the BoundaryTap seam
+            banned=lambda: tap.banned() | bans.active(),
             rng=random.Random(ctx.peer_id),
         )
         self.driver.on_failure = self._on_failure
@@ -855,6 +930,7 @@ class VerifierRole:
         await self._refresh_replicas()
         ctx.supervisor.spawn("verifier-replicas", partial(self._refresh_loop, stop))
         ctx.supervisor.spawn("verifier-receipts", partial(self._receipt_loop, stop))
+        ctx.supervisor.spawn("verifier-bans", partial(bans.run, stop))
         await self._wait_for_stages(stop)
         if stop.is_set():
             return
@@ -1112,6 +1188,8 @@ class VerifierRole:
             status["verified_tokens"] = driver.receipts.tokens_by_replica()
             status["strikes"] = driver.strikes.snapshot()
             status["timings"] = {k: round(v, 3) for k, v in driver.stats.timings.items()}
+        if self.tap is not None:
+            status["sentinel"] = {**self.tap.status(), "swarm_banned": sorted(self.bans.active())}
         return status
 
 

@@ -108,6 +108,7 @@ class _Summary:
     """What accept() needs from a scored tensor, so it is not recomputed."""
 
     batch_mean: np.ndarray  # [tokens, features] float32
+    projected: np.ndarray  # batch_mean @ sliced-Wasserstein projections: [tokens, projections]
     log_rms: float
     scores: np.ndarray | None  # [len(METRICS)] log-domain scores; None before a baseline exists
     residual: np.ndarray | None  # scores minus the cross-replica centre, in peer mode
@@ -146,6 +147,23 @@ def _paired(x: torch.Tensor, context: torch.Tensor, rms: float) -> tuple[float, 
     if not (math.isfinite(align) and math.isfinite(rms_c)) or rms_c == 0.0:
         return math.nan, math.nan
     return align, math.log(rms + _EPS) - math.log(rms_c)
+
+
+def _sliced_wasserstein(projected_a: np.ndarray, projected_b: np.ndarray) -> float:
+    """Mean 1-D Wasserstein-1 distance between two sets of projected token rows ([tokens, projections]).
+    The sort is numpy's: about 20x faster than torch's CPU sort for columns this short."""
+    return float(np.abs(np.sort(projected_a, axis=0) - np.sort(projected_b, axis=0)).sum()) / projected_a.size
+
+
+def _small_median(rows: list[np.ndarray]) -> np.ndarray:
+    """Per-column median of a few score vectors (np.median's machinery costs more than the data here)."""
+    if len(rows) == 1:
+        return rows[0]
+    if len(rows) == 2:
+        return (rows[0] + rows[1]) / 2
+    stacked = np.sort(np.stack(rows), axis=0)
+    middle = len(rows) // 2
+    return stacked[middle] if len(rows) % 2 else (stacked[middle - 1] + stacked[middle]) / 2
 
 
 def _lower_median(rows: np.ndarray) -> np.ndarray:
@@ -240,6 +258,7 @@ class BoundaryMonitor:
         self._ema: np.ndarray | None = None  # [tokens, features] float32
         self._log_scale: float = 0.0  # EMA of log RMS of accepted tensors
         self._projections: torch.Tensor | None = None  # [features, sw_projections]
+        self._ema_projected: np.ndarray | None = None  # EMA @ projections, kept by linearity
         self._accepted = 0
         self._checks = 0
         self._rewarm_left = 0
@@ -310,17 +329,18 @@ class BoundaryMonitor:
                 signer, microbatch_id, f"shape {tuple(x.shape[1:])} != baseline {self._ema.shape}"
             )
         batch_mean = x.mean(dim=0).numpy()
+        projected = self._project(batch_mean)
         log_rms = math.log(rms + _EPS)
         if self._ema is None:
-            summary = _Summary(batch_mean, log_rms, None, None)
+            summary = _Summary(batch_mean, projected, log_rms, None, None)
             return Verdict(False, "first tensor: baseline starts here", "warmup", signer, microbatch_id,
                            {}, {}, {}, summary)  # fmt: skip
-        scores = self._metric_scores(x.shape[0], batch_mean, rms)
+        scores = self._metric_scores(x.shape[0], batch_mean, projected, rms)
         if context is not None and context.shape == tensor.shape:
             scores[METRICS.index("align")], scores[METRICS.index("gain")] = _paired(x, context, rms)
         centre = self._peer_centre()
         residual = None if centre is None else scores - centre
-        summary = _Summary(batch_mean, log_rms, scores, residual)
+        summary = _Summary(batch_mean, projected, log_rms, scores, residual)
         named = {METRICS[i]: float(scores[i]) for i in self._metric_index}
         if self.in_warmup:
             return Verdict(False, "warm-up", "warmup", signer, microbatch_id, named, {}, {}, summary)
@@ -370,18 +390,20 @@ class BoundaryMonitor:
     def _invalid(self, signer: str, microbatch_id: int, why: str) -> Verdict:
         return Verdict(True, why, "invalid", signer, microbatch_id, {}, {}, {}, None)
 
-    def _metric_scores(self, batch: int, batch_mean: np.ndarray, rms: float) -> np.ndarray:
-        assert self._ema is not None
+    def _metric_scores(
+        self, batch: int, batch_mean: np.ndarray, projected: np.ndarray, rms: float
+    ) -> np.ndarray:
+        assert self._ema is not None and self._ema_projected is not None
         ema = self._ema
         scale = math.exp(self._log_scale)
         diff = batch_mean - ema
-        abs_diff = np.abs(diff)
-        l1 = float(abs_diff.mean()) / scale
+        # .sum() / size rather than .mean(): numpy's mean is a Python wrapper, and overhead dominates here
+        l1 = float(np.abs(diff).sum()) / diff.size / scale
         l2 = math.sqrt(float(np.vdot(diff, diff)) / diff.size) / scale
         # Sign flips weighted by |EMA|: elements whose baseline is ~0 flip at random and only add noise.
         weight = np.abs(ema)
         sfr = float(np.vdot(weight, (batch_mean * ema) < 0)) / (float(weight.sum()) + _EPS)
-        sw = self._sliced_wasserstein(batch_mean, ema) / scale
+        sw = _sliced_wasserstein(projected, self._ema_projected) / scale
         spread = math.nan
         if batch > 1:
             # mean((x - mean_b x)^2) = mean(x^2) - mean((mean_b x)^2): no second pass over the tensor;
@@ -403,17 +425,14 @@ class BoundaryMonitor:
         ]
         return np.array([*logs, math.nan, math.nan])
 
-    def _sliced_wasserstein(self, rows_a: np.ndarray, rows_b: np.ndarray) -> float:
-        """Mean 1-D Wasserstein-1 distance between the token rows of a and b over fixed projections."""
-        if self._projections is None or self._projections.shape[0] != rows_a.shape[1]:
+    def _project(self, rows: np.ndarray) -> np.ndarray:
+        """Token rows onto the fixed sliced-Wasserstein directions: [tokens, projections]."""
+        if self._projections is None or self._projections.shape[0] != rows.shape[1]:
             gen = torch.Generator().manual_seed(self.config.sw_seed)
-            proj = torch.randn(rows_a.shape[1], self.config.sw_projections, generator=gen)
+            proj = torch.randn(rows.shape[1], self.config.sw_projections, generator=gen)
             self._projections = proj / proj.norm(dim=0, keepdim=True)
         # The matmul stays in torch: numpy's BLAS threads spin against torch's and slow both tenfold.
-        # The sort goes to numpy: ~20x faster than torch's CPU sort for rows this short.
-        both = torch.from_numpy(np.stack((rows_a, rows_b))) @ self._projections  # [2, rows, projections]
-        ordered = np.sort(both.numpy(), axis=1)
-        return float(np.abs(ordered[0] - ordered[1]).mean())
+        return (torch.from_numpy(rows) @ self._projections).numpy()
 
     def _peer_centre(self) -> np.ndarray | None:
         """Lower median over current replicas of their recent-median scores; None with too few replicas."""
@@ -483,12 +502,15 @@ class BoundaryMonitor:
         self._replicas.pop(signer, None)
 
     def _update_baseline(self, summary: _Summary) -> None:
-        if self._ema is None:
+        if self._ema is None or self._ema_projected is None:
             self._ema = summary.batch_mean.copy()
+            self._ema_projected = summary.projected.copy()
             self._log_scale = summary.log_rms
         else:
             self._ema *= self._beta
             self._ema += (1.0 - self._beta) * summary.batch_mean
+            self._ema_projected *= self._beta
+            self._ema_projected += (1.0 - self._beta) * summary.projected
             self._log_scale = self._beta * self._log_scale + (1.0 - self._beta) * summary.log_rms
         self._accepted += 1
 
@@ -499,7 +521,7 @@ class BoundaryMonitor:
             self._replicas[signer] = entry
         entry.recent.append(scores)
         entry.last_check = self._checks
-        entry.median = np.median(np.stack(tuple(entry.recent)), axis=0)
+        entry.median = _small_median(list(entry.recent))
         if len(self._replicas) > 4 * self.config.peer_horizon_checks:
             self._prune_replicas()
 
@@ -536,6 +558,7 @@ class BoundaryMonitor:
             )
         ema = state["ema"]
         self._ema = None if ema is None else ema.detach().cpu().float().numpy().copy()
+        self._ema_projected = None if self._ema is None else self._project(self._ema)
         self._log_scale = float(state["log_scale"])
         self._accepted = int(state["accepted"])
         self._checks = int(state["checks"])
@@ -546,9 +569,7 @@ class BoundaryMonitor:
         for signer, entry in state["replicas"].items():
             rows = entry["recent"].detach().cpu().numpy().astype(np.float64)
             recent = deque(list(rows), maxlen=self.config.peer_recent_checks)
-            self._replicas[signer] = _Replica(
-                int(entry["last"]), recent, np.median(np.stack(tuple(recent)), axis=0)
-            )
+            self._replicas[signer] = _Replica(int(entry["last"]), recent, _small_median(list(recent)))
 
 
 class SentinelMonitor:

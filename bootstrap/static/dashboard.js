@@ -153,7 +153,8 @@ function renderSummary(doc) {
   setText("summary-eval", evals.length ? `held-out ${fmt(evals[evals.length - 1].loss, 3)}` : "mean of peers");
   const totals = history.totals || {};
   setText("summary-merges", fmt(totals.merges));
-  const syncer = (doc.syncer || [])[0];
+  const active = (doc.syncer || []).filter((s) => s.state === "active");
+  const syncer = active.sort((a, b) => (b.term - a.term) || (b.lease_until - a.lease_until))[0];
   setText("summary-versions", syncer ? `versions ${syncer.versions.join(" ")}` : "no syncer record");
   setText("summary-bans", String((doc.bans || []).length));
 }

@@ -1,10 +1,10 @@
 """The dashboard in a real browser: headless Chromium loads the bootstrap's `/` of a running demo swarm and shows its
 peers, loss points and a ban with its evidence. A screenshot is saved under tests/artifacts/.
 
-The ban is real: when this version has the stage attack option, the demo runs with `--attack` and the verifier's
-own ban shows up; until then the test signs a ban notice with the demo's authorized verifier key and publishes it
-into the swarm's DHT through `SwarmRecords.publish_ban`, so the whole path (DHT record -> validator -> bootstrap ->
-/api/swarm -> page) is exercised.
+The ban is real: when this version has the stage attack option (`HIVENODE_UNSAFE_ATTACK`), the demo runs with
+`--attack` and the verifier's own SENTINEL ban shows up; without it the test signs a ban notice with the demo's
+authorized verifier key and publishes it into the swarm's DHT through `SwarmRecords.publish_ban`, so the whole
+path (DHT record -> validator -> bootstrap -> /api/swarm -> page) is exercised either way.
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ def _skip_reason() -> str | None:
 
 
 def _has_attack_option() -> bool:
-    from node.config import build_run_parser
-
-    return any("--unsafe-attack" in a.option_strings for a in build_run_parser()._actions)
+    try:
+        from node.sentinel_tap import UNSAFE_ATTACK_ENV  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +62,8 @@ def demo_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc,
     root = tmp_path_factory.mktemp("dashboard")
     out = root / "run"
     attack = _has_attack_option()
-    argv = [PYTHON, "-m", "node", "demo", "--no-live", "--out", str(out), "--stages", "1", "--learners", "1"]
-    if attack:
-        argv = [PYTHON, "-m", "node", "demo", "--no-live", "--out", str(out), "--attack", ATTACK_KIND]
+    argv = [PYTHON, "-m", "node", "demo", "--no-live", "--out", str(out), "--learners", "1"]
+    argv += ["--stages", "2", "--replicas", "2", "--attack", ATTACK_KIND] if attack else ["--stages", "1"]
     with procs(root) as group:
         demo = _spawn(group, argv)
         url = demo.wait_line(r"^dashboard: (http://\S+)$", timeout_s=120).group(1)
@@ -157,3 +158,32 @@ def test_dashboard_shows_peers_loss_and_a_ban(demo_swarm) -> None:
         assert offender[-8:] in ban_text and "gradient flagged" in ban_text
         assert evidence.startswith(bytes(range(64)).hex()[:32])
     shutil.copy(ARTIFACTS / "dashboard.png", out / "dashboard.png")
+
+
+def test_operator_views_of_the_same_swarm(demo_swarm, tmp_path: Path) -> None:
+    """/metrics of the bootstrap and of every role, and `python -m node status URL`, on the live swarm."""
+    from tests.integration.procs import get_text, run_cli
+
+    _demo, url, _out, _attack = demo_swarm
+    bootstrap_metrics = get_text(url + "metrics")
+    for name in (
+        "hivenode_swarm_peers",
+        "hivenode_swarm_tokens",
+        "hivenode_swarm_merges",
+        "hivenode_swarm_bans",
+    ):
+        assert f"\n{name}" in bootstrap_metrics, name
+    peers = get_json(url + "api/swarm", 10.0)["peers"]
+    expected = {"learner": "hivenode_tokens", "syncer": "hivenode_merges", "stage": "hivenode_inner_step"}
+    for role, gauge in expected.items():
+        peer = next(p for p in peers if p["role"] == role)
+
+        def exported(peer: dict = peer, gauge: str = gauge) -> bool:
+            return f"\n{gauge} " in get_text(f"http://{peer['http']}/metrics")
+
+        wait_until(exported, 30, what=f"{gauge} on the {role}'s /metrics")
+    result = run_cli("node", "status", url, root=tmp_path, timeout_s=60)
+    assert result.returncode == 0, result.stderr
+    assert "syncer record(s)" in result.stdout and "\nswarm: " in result.stdout
+    syncer = next(p for p in peers if p["role"] == "syncer")
+    assert f"{syncer['peer_id'][-8:]}  active" in result.stdout  # its lease record, with its versions

@@ -120,10 +120,10 @@ def stage_statuses(swarm: Swarm) -> list[dict[str, Any]]:
 def test_training_lowers_held_out_loss_and_uses_every_replica(swarm: Swarm) -> None:
     def trained() -> list[dict[str, Any]] | None:
         history = swarm.verifier.status()["val_history"]
-        return history if len(history) >= 3 and history[-1]["microbatches"] >= 150 else None
+        return history if len(history) >= 3 and history[-1]["microbatches"] >= 100 else None
 
     history = wait_until(
-        trained, 120, what="three held-out evaluations over 150 microbatches", interval_s=0.5
+        trained, 120, what="three held-out evaluations over 100 microbatches", interval_s=0.5
     )
     first, last = history[0], history[-1]
     print(

@@ -96,6 +96,7 @@ def test_report_figures_from_a_simulated_run() -> None:
     assert throughput["healthy_tokens_per_s_per_peer"] == 100.0
     # 10,900 tokens over 60 s against 2 x 100 tok/s
     assert throughput["goodput_fraction"] == pytest.approx(10900 / 12000, abs=0.01)
+    assert throughput["working_fraction"] == throughput["goodput_fraction"]  # no syncer figures here
     assert throughput["goodput_source"] == "heartbeats"
     faults_out = report["faults"]
     assert faults_out["injected"] == 1 and faults_out["survived"] == 1

@@ -324,3 +324,17 @@ def test_a_peer_back_from_a_stall_does_not_count_its_old_tokens_again() -> None:
     history.observe(doc(3.0, []), 3.0)  # killed and restarted: a fresh counter
     history.observe(doc(4.0, [peer("A", tokens=300)]), 4.0)
     assert history.tokens_total == 5400
+
+
+def test_the_served_history_is_thinned_and_bounded() -> None:
+    history = SwarmHistory(config(max_merges=3))
+    history.observe(doc(0.0, [], syncer=[syncer([0])]), 0.0)
+    for i in range(1, 100):
+        peers = [peer(f"P{j}", loss=1.0 + i) for j in range(5)]
+        history.observe(doc(float(i), peers, syncer=[syncer([i])]), float(i))
+    full = history.history_json()
+    served = history.history_json(max_points=10, max_peer_series=2, max_merges=2)
+    assert len(full["t"]) == 100 and len(served["t"]) == 10 and served["t"][-1] == full["t"][-1]
+    assert len(served["peer_loss"]) == 2 and all(len(s["t"]) == 10 for s in served["peer_loss"].values())
+    assert [m["version"] for m in served["merges"]] == [98, 99]
+    assert served["totals"]["merges"] == full["totals"]["merges"] == 99  # counted beyond the ring of 3

@@ -395,3 +395,30 @@ def test_the_real_time_floor_skips_a_due_send_and_counters_keep_growing() -> Non
     for step in range(9, 13):
         sync.after_inner_step(step, tokens=2)
     assert all(c.steps == first[c.fragment] + 8 for c in sync._outbox.values())
+
+
+def test_a_decoupled_learner_aligns_its_schedule_to_the_run_clock() -> None:
+    async def scenario() -> None:
+        sync, model, syncer = learner_sync()
+        for step in range(1, 4):
+            sync.after_inner_step(step, tokens=4)
+        view = VersionsView(versions=tuple(syncer.current), term=1, syncer="s", clock=10)
+        await sync._absorb(view)
+        assert sync._step + sync._sched_offset == 10  # 7 steps off: aligned at once
+        one_off = VersionsView(versions=tuple(syncer.current), term=1, syncer="s", clock=11)
+        await sync._absorb(one_off)
+        await sync._absorb(one_off)
+        assert sync._step + sync._sched_offset == 10  # a one-step offset may be jitter
+        await sync._absorb(one_off)
+        assert sync._step + sync._sched_offset == 11  # ... until it persists
+
+    asyncio.run(scenario())
+
+
+def test_a_synchronous_joiner_starts_at_the_earliest_open_round() -> None:
+    sync, _, _ = learner_sync(barrier=True)
+    h = sync.schedule.sync_every_steps
+    sync._versions = [2, 1, 2, 2, 2][: len(sync.fragment_ids)]
+    first = [sync.schedule.next_send(i, 0) for i in range(len(sync.fragment_ids))]
+    expected = min(f + v * h for f, v in zip(first, sync._versions, strict=True)) - 1
+    assert sync.align_to_rounds() == expected

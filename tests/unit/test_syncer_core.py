@@ -252,3 +252,19 @@ def test_syncer_config_defaults_follow_the_heartbeat_and_reject_unknown_keys() -
         SyncerConfig.from_options({"lease": 3}, heartbeat_period_s=1.0)
     with pytest.raises(ConfigError):
         SyncerConfig.from_options({"lease_s": 1.0, "renew_every_s": 1.0}, heartbeat_period_s=1.0)
+
+
+def test_a_second_contribution_on_the_same_base_counts_only_what_it_adds() -> None:
+    c = core(now=0.0)
+    push(c, "a", base=0, steps=4, now=5.0, nonce=b"1" * 16)
+    first = c.merge_now(0, 1, 5.0)
+    assert first is not None and first.tokens == 4 * 64
+    # the learner missed version 1 (say, the syncer died) and sends again on base 0 with its grown counters
+    push(c, "a", base=0, steps=10, now=8.0, nonce=b"2" * 16)
+    assert c.rounds[0].entries["a"].contribution.steps == 6
+    snapshot = c.snapshot("ab" * 20, term=1)
+    assert ("a", 0, 0, 4, 4 * 64) in snapshot.merged
+    fresh = core()
+    fresh.restore(snapshot, 9.0)
+    push(fresh, "a", base=0, steps=10, now=12.0, nonce=b"3" * 16)
+    assert fresh.rounds[0].entries["a"].contribution.steps == 6  # the ledger survives a failover

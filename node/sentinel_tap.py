@@ -1,0 +1,486 @@
+"""SENTINEL on the running pipeline: the verifier's boundary tap, ban publishing, ban enforcement, unsafe attacks.
+
+* `SentinelTap` is the `BoundaryTap` a verifier drives every received boundary tensor through: equivocation
+  bookkeeping (from the signed header), the per-(stage, direction) monitors with the stage's input or output
+  gradient as context, the per-own-microbatch violation ledger (cap, storms, re-warm), and the action: a flagged
+  activation drops the microbatch (or is replaced by the EMA), a flagged gradient is replaced by the EMA and
+  later boundaries of that microbatch are not judged (the cascade). A ban decision becomes a `BanNotice` with
+  `BanEvidence` (the offender's signed header, scores, fences) queued for the DHT and a JSONL event.
+* `BanWatcher` runs in every role: it polls the DHT ban records of live peers, aggregates them
+  (`verification.bans.decide_bans`: `bans_required` distinct authorized verifiers, or one equivocation proof)
+  into a `BanList`, publishes this node's queued notices, and reports verifiers that accuse far more than
+  their peers. Verifiers route around banned replicas, stages refuse their calls, syncers their contributions.
+* `attack_from_env`: a stage replica applies `verification.attacks` to its outputs only when started with
+  `HIVENODE_UNSAFE_ATTACK=<spec>` (tests and benchmarks), announced by a WARNING banner.
+
+Spot-check recomputation (`verification.spotcheck`) is not wired here yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from protocol.envelope import Direction, Header
+from protocol.records import BanNotice
+from verification.attacks import Attack, parse_attack
+from verification.bans import (
+    BanDecision,
+    BanEvidence,
+    BanList,
+    BanVote,
+    SignedBoundaryHeader,
+    decide_bans,
+    suspicious_verifiers,
+)
+from verification.equivocation import EquivocationDetector, SignedHeader, Slot
+from verification.ledger import LedgerConfig, LedgerDecision, ViolationLedger
+from verification.sentinel import SentinelConfig, SentinelMonitor, Verdict
+
+logger = logging.getLogger(__name__)
+
+UNSAFE_ATTACK_ENV = "HIVENODE_UNSAFE_ATTACK"
+EventSink = Callable[..., None]  # emit(event_name, **fields)
+
+
+# ---------------------------------------------------------------------------------------------------- the tap
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SentinelTapConfig:
+    enabled: bool = True  # False: pass everything through (the negative control)
+    drop_flagged_activations: bool = True  # False: replace a flagged activation by the EMA instead
+    ban_ttl_s: float = 3600.0  # lifetime of a published ban notice (re-published while it holds)
+    evidence_per_replica: int = 4  # flagged tensors' signed headers kept per replica for the evidence
+    tainted_microbatches: int = 4096  # microbatch ids remembered as "already handled upstream"
+    sentinel: SentinelConfig = field(default_factory=SentinelConfig)
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.ban_ttl_s) and self.ban_ttl_s > 0):
+            raise ValueError("ban_ttl_s must be positive")
+        if self.evidence_per_replica < 1 or self.tainted_microbatches < 1:
+            raise ValueError("evidence_per_replica and tainted_microbatches must be >= 1")
+
+
+@dataclass(slots=True)
+class TapStats:
+    checked: int = 0
+    flagged: int = 0
+    dropped: int = 0
+    replaced: int = 0
+    skipped_cascade: int = 0
+    bans: int = 0
+    rewarms: int = 0
+    quarantines: int = 0
+    equivocations: int = 0
+    check_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _Flag:
+    microbatch: int
+    verdict: Verdict
+    signed: SignedBoundaryHeader | None
+
+
+class SentinelTap:
+    """The verifier's SENTINEL seam (`node.verifier.BoundaryTap` protocol); see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        verifier: str,
+        run_id: str,
+        config: SentinelTapConfig | None = None,
+        stage_replicas: Callable[[int], Collection[str]] = lambda _stage: (),
+        emit: EventSink | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.verifier = verifier
+        self.run_id = run_id
+        self.config = config or SentinelTapConfig()
+        self.stage_replicas = stage_replicas
+        self.emit = emit or (lambda event, **fields: None)
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.monitor = SentinelMonitor(self.config.sentinel)
+        self.ledger = ViolationLedger(self.config.ledger)
+        self.equivocation = EquivocationDetector()
+        self.stats = TapStats()
+        self.seen: dict[tuple[int, str], int] = {}
+        self.banned_locally: dict[str, str] = {}  # offender -> reason; effective for this verifier at once
+        self.pending: deque[BanNotice] = deque()  # notices to publish (BanWatcher drains it)
+        self.ban_log: list[dict[str, Any]] = []  # (for tests and benchmarks) every ban this tap decided
+        self._flags: dict[str, deque[_Flag]] = {}
+        self._tainted: deque[int] = deque()
+        self._tainted_set: set[int] = set()
+
+    # ---- the seam
+
+    def check(
+        self,
+        stage: int,
+        direction: Direction,
+        replica: str,
+        microbatch_id: int,
+        tensor: torch.Tensor,
+        header: Header,
+        *,
+        context: torch.Tensor | None = None,
+        signed: SignedBoundaryHeader | None = None,
+    ) -> torch.Tensor | Any:
+        from node.verifier import Drop  # the seam's types live with the driver
+
+        key = (stage, direction.value)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        if not self.config.enabled:
+            return tensor
+        if microbatch_id in self._tainted_set:
+            self.stats.skipped_cascade += 1  # contaminated upstream: do not blame this replica
+            return tensor
+        started = time.perf_counter()
+        now = self.clock()
+        try:
+            if signed is not None and self._equivocated(
+                stage, direction.value, replica, microbatch_id, header, signed, now
+            ):
+                return Drop(f"equivocation by {replica[-8:]}")
+            dir_name = "forward" if direction is Direction.FORWARD else "backward"
+            paired = context if context is not None and tuple(context.shape) == tuple(tensor.shape) else None
+            verdict = self.monitor.check(stage, dir_name, replica, microbatch_id, tensor, now, context=paired)
+            self.stats.checked += 1
+            replicas = self._replicas(stage, replica)
+            decision = self.ledger.record(
+                replica, stage, verdict.flagged, now, microbatch_id=microbatch_id, replicas=replicas
+            )
+            if verdict.flagged:
+                self.stats.flagged += 1
+                self._remember_flag(replica, microbatch_id, verdict, signed)
+            self._act(decision)
+            if not verdict.flagged:
+                return tensor
+            self._taint(microbatch_id)
+            if dir_name == "forward" and self.config.drop_flagged_activations:
+                self.stats.dropped += 1
+                return Drop(f"SENTINEL flagged {replica[-8:]} at stage {stage} forward: {verdict.reason}")
+            self.stats.replaced += 1
+            return self.monitor.boundary(stage, dir_name).replacement_for(tensor)
+        finally:
+            self.stats.check_s += time.perf_counter() - started
+
+    # ---- queries
+
+    def banned(self) -> frozenset[str]:
+        return frozenset(self.banned_locally)
+
+    def status(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "enabled": self.config.enabled,
+            "checked": s.checked,
+            "flagged": s.flagged,
+            "dropped": s.dropped,
+            "replaced": s.replaced,
+            "skipped_cascade": s.skipped_cascade,
+            "bans": s.bans,
+            "rewarms": s.rewarms,
+            "quarantines": s.quarantines,
+            "equivocations": s.equivocations,
+            "check_ms_mean": round(1000 * s.check_s / max(s.checked, 1), 3),
+            "banned": sorted(self.banned_locally),
+        }
+
+    # ---- pieces
+
+    def _replicas(self, stage: int, replica: str) -> list[str]:
+        known = [p for p in self.stage_replicas(stage) if p not in self.banned_locally]
+        return known if replica in known else [*known, replica]
+
+    def _taint(self, microbatch_id: int) -> None:
+        if microbatch_id in self._tainted_set:
+            return
+        self._tainted.append(microbatch_id)
+        self._tainted_set.add(microbatch_id)
+        while len(self._tainted) > self.config.tainted_microbatches:
+            self._tainted_set.discard(self._tainted.popleft())
+
+    def _remember_flag(
+        self, replica: str, microbatch_id: int, verdict: Verdict, signed: SignedBoundaryHeader | None
+    ) -> None:
+        kept = self._flags.setdefault(replica, deque(maxlen=self.config.evidence_per_replica))
+        kept.append(_Flag(microbatch_id, verdict, signed))
+
+    def _equivocated(
+        self,
+        stage: int,
+        direction: str,
+        replica: str,
+        microbatch_id: int,
+        header: Header,
+        signed: SignedBoundaryHeader,
+        now: float,
+    ) -> bool:
+        slot = Slot(self.run_id, microbatch_id, stage, direction)
+        proof = self.equivocation.observe(
+            replica, slot, SignedHeader(signed.header, signed.signature, header.digest), now
+        )
+        if proof is None:
+            return False
+        self.stats.equivocations += 1
+        headers = (
+            SignedBoundaryHeader(proof.first.header, proof.first.signature),
+            SignedBoundaryHeader(proof.second.header, proof.second.signature),
+        )
+        decision = self.ledger.record_evidence(
+            replica, stage, now, reason=proof.reason, bypass_cap=True, replicas=self._replicas(stage, replica)
+        )
+        self._act(decision, kind="equivocation", headers=headers)
+        return True
+
+    def _act(
+        self,
+        decision: LedgerDecision,
+        *,
+        kind: str = "statistical",
+        headers: tuple[SignedBoundaryHeader, ...] | None = None,
+    ) -> None:
+        for d in decision.all():
+            if d.action == "ban":
+                self._ban(d, kind=kind, headers=headers)
+            elif d.action == "rewarm":
+                self.stats.rewarms += 1
+                self.monitor.rewarm(d.stage)
+                self.emit("sentinel_rewarm", stage=d.stage, reason=d.reason)
+            elif d.action == "quarantine":
+                self.stats.quarantines += 1
+                self.emit("sentinel_quarantine", replica=d.signer, stage=d.stage, reason=d.reason)
+            elif d.action == "release":
+                self.emit("sentinel_release", replica=d.signer, stage=d.stage, reason=d.reason)
+
+    def _ban(self, d: LedgerDecision, *, kind: str, headers: tuple[SignedBoundaryHeader, ...] | None) -> None:
+        if d.signer in self.banned_locally:
+            return
+        flags = list(self._flags.pop(d.signer, ()))
+        last = flags[-1].verdict if flags else None
+        if headers is None:
+            headers = tuple(f.signed for f in flags[-2:] if f.signed is not None)
+        evidence = BanEvidence(
+            offender=d.signer,
+            verifier=self.verifier,
+            kind=kind,  # type: ignore[arg-type]
+            reason=d.reason,
+            stage=d.stage,
+            headers=headers,
+            scores=dict(last.scores) if last else {},
+            fences=dict(last.fences) if last else {},
+            microbatches=tuple(f.microbatch for f in flags),
+        )
+        notice = BanNotice(
+            offender=d.signer,
+            reason=d.reason[:200],
+            evidence=evidence.to_bytes(),
+            stage=d.stage,
+            issued_at=self.wall_clock(),
+        )
+        self.banned_locally[d.signer] = d.reason
+        self.monitor.forget_replica(d.signer)
+        self.pending.append(notice)
+        self.stats.bans += 1
+        entry = {
+            "offender": d.signer,
+            "stage": d.stage,
+            "kind": kind,
+            "reason": d.reason,
+            "flagged_microbatches": [f.microbatch for f in flags],
+            "own_microbatches": self.ledger.microbatches_seen(d.signer),
+        }
+        self.ban_log.append(entry)
+        self.emit("sentinel_ban", **entry)
+
+
+# ---------------------------------------------------------------------------------------------------- enforcement
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BanWatchConfig:
+    poll_every_s: float = 5.0  # DHT ban reads this often
+    ban_ttl_s: float = 3600.0  # expiration of the notices this node publishes
+    timeout_s: float = 10.0  # one DHT round
+
+    def __post_init__(self) -> None:
+        for name in ("poll_every_s", "ban_ttl_s", "timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be positive, got {value}")
+
+
+class BanWatcher:
+    """Every role's view of swarm-wide bans (see the module docstring); `is_banned` is the hook roles call."""
+
+    def __init__(
+        self,
+        records: Any,  # protocol.records.SwarmRecords
+        *,
+        authorized_verifiers: Collection[str],
+        bans_required: int,
+        run_id: str,
+        config: BanWatchConfig | None = None,
+        emit: EventSink | None = None,
+        outbox: deque[BanNotice] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.records = records
+        self.authorized = frozenset(authorized_verifiers)
+        self.required = bans_required
+        self.run_id = run_id
+        self.config = config or BanWatchConfig()
+        self.emit = emit or (lambda event, **fields: None)
+        self.outbox = outbox if outbox is not None else deque()
+        self.clock = clock
+        self.bans = BanList()
+        self.published: dict[str, BanNotice] = {}
+        self._suspicious: set[str] = set()
+
+    def is_banned(self, peer_id: str) -> bool:
+        return self.bans.is_banned(peer_id, self.clock())
+
+    def active(self) -> frozenset[str]:
+        return self.bans.active(self.clock())
+
+    async def publish_pending(self) -> None:
+        """Publish queued notices, and re-publish ours before they expire (a ban holds while it is renewed)."""
+        while self.outbox:
+            notice = self.outbox.popleft()
+            self.published[notice.offender] = notice
+        expiration = self.clock() + self.config.ban_ttl_s
+        for notice in list(self.published.values()):
+            try:
+                ok = await asyncio.wait_for(
+                    self.records.publish_ban(notice, expiration=expiration), self.config.timeout_s
+                )
+            except (asyncio.TimeoutError, OSError) as e:
+                ok = False
+                logger.warning("publishing the ban of %s failed: %r", notice.offender[-8:], e)
+            if ok:
+                logger.info("published ban notice against %s", notice.offender[-8:])
+
+    async def poll(self, peers: Iterable[str]) -> list[BanDecision]:
+        """Read ban records of `peers`, fold the bans in effect into the list; returns the new ones."""
+        candidates = set(peers) | set(self.published)
+        try:
+            found: Mapping[str, list[Any]] = await asyncio.wait_for(
+                self.records.list_bans(candidates), self.config.timeout_s
+            )
+        except asyncio.TimeoutError:
+            logger.warning("reading ban records timed out; keeping the last view")
+            return []
+        votes = [
+            BanVote(
+                verifier=r.verifier,
+                offender=offender,
+                reason=r.notice.reason,
+                evidence=r.notice.evidence,
+                expires_at=r.expires_at,
+                stage=r.notice.stage,
+            )
+            for offender, rows in found.items()
+            for r in rows
+        ]
+        now = self.clock()
+        decisions = decide_bans(
+            votes, authorized=self.authorized, required=self.required, run_id=self.run_id, now=now
+        )
+        fresh = self.bans.update(decisions, now)
+        for d in fresh:
+            logger.warning("peer %s is banned swarm-wide: %s", d.offender[-8:], d.reason)
+            self.emit(
+                "ban_enforced",
+                offender=d.offender,
+                verifiers=sorted(d.verifiers),
+                reason=d.reason,
+                proof=d.proof,
+            )
+        for verifier, count in suspicious_verifiers(votes, required=self.required).items():
+            if verifier not in self._suspicious:
+                self._suspicious.add(verifier)
+                self.emit("verifier_suspicious", verifier=verifier, lone_notices=count)
+        return fresh
+
+    async def run(self, stop: asyncio.Event, peers: Callable[[], Iterable[str]] | None = None) -> None:
+        """Publish and poll until `stop`; `peers` gives the ids to check (default: the run's live peers)."""
+        while not stop.is_set():
+            try:
+                await self.publish_pending()
+                ids = list(peers()) if peers is not None else await self._live_peers()
+                await self.poll(ids)
+            except Exception as e:  # a failed round is retried next period; the supervisor logs crashes
+                if isinstance(e, (AssertionError, TypeError, NameError, AttributeError)):
+                    raise
+                logger.warning("ban watch round failed: %r", e)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.poll_every_s)
+
+    async def _live_peers(self) -> list[str]:
+        try:
+            return [p.peer_id for p in await self.records.list_peers(include_leaving=True)]
+        except asyncio.TimeoutError:
+            return []
+
+
+def ban_watcher_for(ctx: Any, *, outbox: deque[BanNotice] | None = None) -> BanWatcher:
+    """A BanWatcher wired to a node's context (records, manifest, events)."""
+    manifest = ctx.manifest
+    return BanWatcher(
+        ctx.records,
+        authorized_verifiers=manifest.authorized_verifiers,
+        bans_required=int(getattr(manifest, "bans_required", 1)),
+        run_id=ctx.run_id,
+        emit=ctx.events.emit,
+        outbox=outbox,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- unsafe
+
+
+def attack_from_env(environ: Mapping[str, str] | None = None) -> Attack | None:
+    """The attack a stage applies to its outputs, only when `HIVENODE_UNSAFE_ATTACK` names one."""
+    spec = (os.environ if environ is None else environ).get(UNSAFE_ATTACK_ENV, "").strip()
+    if not spec:
+        return None
+    config = parse_attack(spec)
+    banner = "!" * 78
+    logger.warning(
+        "%s\nUNSAFE: this replica ATTACKS the run (%s=%s): it corrupts its %s outputs. Tests and benchmarks "
+        "only.\n%s",
+        banner,
+        UNSAFE_ATTACK_ENV,
+        spec,
+        config.direction,
+        banner,
+    )
+    return Attack(config)
+
+
+__all__ = [
+    "UNSAFE_ATTACK_ENV",
+    "BanWatchConfig",
+    "BanWatcher",
+    "SentinelTap",
+    "SentinelTapConfig",
+    "TapStats",
+    "attack_from_env",
+    "ban_watcher_for",
+]

@@ -1,0 +1,246 @@
+"""Decoupled DiLoCo over emulated WAN links (reliability.md §6, R7 and R6a), real processes on loopback.
+
+A bootstrap, a syncer and learners, each listening on its own port and announcing a `WanProxy` in front of it
+(tests/harness/wan_proxy.py), so every connection to a node crosses that node's emulated link. One swarm goes
+through three phases:
+
+1. clean: the proxies pass bytes untouched; learner throughput (inner steps per second) and merges are measured;
+2. WAN: every link gets 300 +- 100 ms one-way delay (netem-style: each direction), i.e. ~600 ms round trips;
+   learners must keep >= 50 % of their clean throughput (they never wait on the network) and merges go on;
+3. partition (the slow version only): one learner's link is cut for a while; the syncer merges on without it (no
+   contribution from the cut-off side is merged meanwhile), and after the heal the learner re-dials, catches up
+   to the current global version and is merged again.
+
+`test_wan_short` (CI) runs phases 1 and 2 with short windows; `test_wan_with_partition` (marked slow) runs all three
+with longer windows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protocol.identity import NodeIdentity
+from protocol.manifest import parse_run_toml
+from tests.harness.wan_proxy import LinkProfile, ProxyThread
+from tests.integration.procs import Bootstrap, Node, Procs, free_port, get_status, procs, wait_until
+
+logger = logging.getLogger(__name__)
+pytestmark = [pytest.mark.integration]
+
+RUN_TOML = """
+name = "wan-test"
+seed = 5
+num_stages = 1
+heartbeat_period_s = 1.0
+authorized_syncers = ["{syncer}"]
+[model]
+vocab_size = 256
+context_len = 32
+num_layers = 2
+width = 32
+num_heads = 2
+[inner]
+lr = 0.003
+batch_size = 4
+weight_decay = 0.01
+[diloco]
+num_fragments = 2
+sync_every_steps = 8
+overlap_steps = 1
+min_sync_interval_s = 0.0
+mode = "decoupled"
+"""
+NODE_TOML = """
+[network]
+peer_check_period_s = 1.0
+redial_min_s = 0.5
+redial_max_s = 4.0
+request_timeout_s = 10.0
+[learner]
+min_step_s = 0.1
+eval_every_steps = 0
+torch_threads = 1
+join_timeout_s = 30.0
+[syncer]
+recovery_s = 1.0
+eval_every_merges = 0
+checkpoint_every_merges = 1000
+"""
+WAN = LinkProfile(delay_s=0.3, jitter_s=0.1, seed=7)
+MIN_WAN_RATIO = 0.5
+
+
+def _events(root: Path, state: str, kind: str) -> list[dict[str, Any]]:
+    path = root / state / "events.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [e for e in lines if e["event"] == kind]
+
+
+def _status(node: Node) -> dict[str, Any]:
+    return get_status(node.status_url) or {}
+
+
+@dataclass
+class WanSwarm:
+    root: Path
+    group: Procs
+    proxies: dict[str, ProxyThread]
+    bootstrap: Bootstrap
+    syncer: Node
+    learners: list[Node]
+
+    def set_profile(self, profile: LinkProfile) -> None:
+        for proxy in self.proxies.values():
+            proxy.set_profile(profile)
+
+    def steps(self) -> list[int]:
+        return [int(_status(n).get("inner_step") or 0) for n in self.learners]
+
+    def merges(self, since: float) -> list[dict[str, Any]]:
+        return [m for m in _events(self.root, "syncer", "merge") if m["t"] > since]
+
+
+@pytest.fixture
+def wan_swarm(tmp_path: Path) -> Iterator[WanSwarm]:
+    names = ["bootstrap", "syncer", "learner0", "learner1"]
+    ports = {name: free_port() for name in names}
+    proxies = {
+        name: ProxyThread(target_host="127.0.0.1", target_port=port, profile=LinkProfile(seed=i))
+        for i, (name, port) in enumerate(ports.items())
+    }
+    with procs(tmp_path) as group:
+        try:
+            for proxy in proxies.values():
+                proxy.start()
+            listen = {n: ["--listen", f"/ip4/127.0.0.1/tcp/{ports[n]}"] for n in names}
+            announce = {n: ["--announce", f"/ip4/127.0.0.1/tcp/{proxies[n].port}"] for n in names}
+            syncer_key = tmp_path / "syncer.key"
+            syncer_id = NodeIdentity.load_or_create(syncer_key).peer_id
+            run = RUN_TOML.format(syncer=syncer_id)
+            parse_run_toml(run)
+            (tmp_path / "run.toml").write_text(run)
+            (tmp_path / "node.toml").write_text(NODE_TOML)
+            bootstrap = group.start_bootstrap(
+                "--run", str(tmp_path / "run.toml"), *listen["bootstrap"], *announce["bootstrap"]
+            )
+
+            def node(name: str, role: str, *extra: str) -> Node:
+                args = ["--join", bootstrap.maddr, "--role", role, "--config", str(tmp_path / "node.toml")]
+                args += ["--max-steps", "100000", *listen[name], *announce[name], *extra]
+                return group.start_node(*args, state=name, wait=False)
+
+            syncer = node("syncer", "syncer", "--identity", str(syncer_key))
+            learners = [node(f"learner{i}", "learner") for i in range(2)]
+            for started in (syncer, *learners):
+                group.wait_node(started)
+            yield WanSwarm(tmp_path, group, proxies, bootstrap, syncer, learners)
+        finally:
+            for proxy in proxies.values():
+                proxy.stop()
+
+
+def _measure(swarm: WanSwarm, window_s: float) -> tuple[float, int]:
+    """Learner inner steps per second (all learners together) and merges over `window_s`."""
+    started_t, started = time.time(), time.monotonic()
+    before = swarm.steps()
+    time.sleep(window_s)  # the measurement window itself: the swarm runs on its own meanwhile
+    after = swarm.steps()
+    elapsed = time.monotonic() - started
+    return sum(b - a for a, b in zip(before, after, strict=True)) / elapsed, len(swarm.merges(started_t))
+
+
+def _wait_training(swarm: WanSwarm) -> None:
+    wait_until(lambda: all(s > 8 for s in swarm.steps()), 90, what="every learner stepping", interval_s=0.5)
+    wait_until(lambda: len(swarm.merges(0.0)) >= 2, 90, what="the first merges", interval_s=0.5)
+
+
+def _clean_then_wan(swarm: WanSwarm, window_s: float) -> tuple[float, float, int, int]:
+    _wait_training(swarm)
+    clean_rate, clean_merges = _measure(swarm, window_s)
+    swarm.set_profile(WAN)
+    wan_rate, wan_merges = _measure(swarm, window_s)
+    delayed = sum(p.stats.bytes_to_target + p.stats.bytes_to_client for p in swarm.proxies.values())
+    assert delayed > 0, "no traffic crossed the emulated links"
+    logger.warning(
+        "WAN %.0f+-%.0f ms one way: learner steps/s clean %.2f -> WAN %.2f (ratio %.2f); merges %d -> %d in %.0f s",
+        WAN.delay_s * 1e3,
+        WAN.jitter_s * 1e3,
+        clean_rate,
+        wan_rate,
+        wan_rate / clean_rate,
+        clean_merges,
+        wan_merges,
+        window_s,
+    )
+    return clean_rate, wan_rate, clean_merges, wan_merges
+
+
+@pytest.mark.timeout(300)
+def test_wan_short(wan_swarm: WanSwarm) -> None:
+    clean_rate, wan_rate, _, wan_merges = _clean_then_wan(wan_swarm, window_s=12.0)
+    assert wan_rate >= MIN_WAN_RATIO * clean_rate
+    assert wan_merges >= 1, "no merge completed over the WAN links"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_wan_with_partition(wan_swarm: WanSwarm) -> None:
+    swarm = wan_swarm
+    clean_rate, wan_rate, _, wan_merges = _clean_then_wan(swarm, window_s=30.0)
+    assert wan_rate >= MIN_WAN_RATIO * clean_rate and wan_merges >= 1
+
+    # Cut the learners off from the syncer and the bootstrap (every connection to those two crosses their proxies):
+    # the learners' side keeps each other, the syncer's side has nobody to merge.
+    learner_ids = {_status(n)["peer_id"] for n in swarm.learners}
+    for name in ("syncer", "bootstrap"):
+        swarm.proxies[name].partition(True)
+    partitioned_t = time.time()
+    partition_rate, _ = _measure(swarm, 20.0)
+    during = swarm.merges(partitioned_t + 2.0)  # a merge already in flight at the cut may still land
+    cut = {name: swarm.proxies[name].stats.partition_drops for name in ("syncer", "bootstrap")}
+    for name in ("syncer", "bootstrap"):
+        swarm.proxies[name].partition(False)
+    healed_t = time.time()
+
+    def merged_everyone() -> bool:
+        return {p for m in swarm.merges(healed_t) for p in m["participants"]} >= learner_ids
+
+    wait_until(merged_everyone, 120, what="both learners merged again after the heal", interval_s=0.5)
+    recovered_s = time.time() - healed_t
+    fresh = wait_until(
+        lambda: (
+            all(
+                p["sent_at"] > healed_t
+                for p in swarm.bootstrap.swarm()["peers"]
+                if p["peer_id"] in learner_ids
+            )
+            and learner_ids <= {p["peer_id"] for p in swarm.bootstrap.swarm()["peers"]}
+        ),
+        60,
+        what="fresh learner heartbeats at the bootstrap",
+    )
+    logger.warning(
+        "partition of the syncer and bootstrap for %.0f s: learner steps/s %.2f (clean %.2f); %d merges during "
+        "it; every learner merged again %.1f s after the heal; proxy drops %s",
+        healed_t - partitioned_t,
+        partition_rate,
+        clean_rate,
+        len(during),
+        recovered_s,
+        cut,
+    )
+    assert fresh and all(count >= 1 for count in cut.values()), cut
+    assert partition_rate >= MIN_WAN_RATIO * clean_rate  # learners never wait on the network
+    assert not any(set(m["participants"]) & learner_ids for m in during), "a cut-off contribution was merged"
+    redialed = [e for n in ("learner0", "learner1") for e in _events(swarm.root, n, "peers_recovered")]
+    assert redialed, "no learner re-dialed the bootstrap"
