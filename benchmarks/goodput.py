@@ -45,6 +45,7 @@ logger = logging.getLogger("benchmarks.goodput")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_LEARNERS = 4
+STANDBY_WAIT_S = 60.0  # a syncer kill waits this long for a standby to be up (else it kills the only one)
 RUN_TOML = """
 name = "goodput-{arm}"
 seed = 11
@@ -210,12 +211,19 @@ class Swarm:
         return try_json(self.url(name))
 
     def active_syncer(self) -> str:
-        def find() -> str | None:
+        """The active syncer, once a standby is up to take over from it (waits at most STANDBY_WAIT_S; a
+        restarted syncer can take a minute on a loaded machine). The chaos report has the real kill time."""
+
+        def find(need_standby: bool) -> str | None:
             live = [(s, self.status(s)) for s in self.syncers if self.group.alive(s)]
             active = [(st.get("term", 0), s) for s, st in live if st and st.get("state") == "syncing"]
-            return max(active)[1] if active else None
+            standby = [s for s, st in live if st and st.get("state") == "standby"]
+            return max(active)[1] if active and (standby or not need_standby) else None
 
-        return wait_for(find, 20, "an active syncer")
+        try:
+            return wait_for(lambda: find(True), STANDBY_WAIT_S, "an active syncer with a standby")
+        except RuntimeError:
+            return wait_for(lambda: find(False), 20, "an active syncer")
 
     def events(self, name: str) -> list[dict[str, Any]]:
         path = self.root / name / "events.jsonl"

@@ -69,9 +69,8 @@ MAX_EVENTS_SERVED = 200  # newest events in /api/swarm
 MAX_POINTS_SERVED = 600  # points per time series in /api/swarm's history (thinned evenly)
 MAX_PEER_SERIES_SERVED = 24  # per-peer loss series (the most recently seen peers)
 MAX_MERGES_SERVED = 300  # newest merges
-SWARM_EVENTS_FILENAME = (
-    "swarm-events.jsonl"  # in the state dir: every event the bootstrap saw, one JSON per line
-)
+# in the state dir: every event the bootstrap saw, one JSON per line
+SWARM_EVENTS_FILENAME = "swarm-events.jsonl"
 MAX_SYNCER_STATUS_BYTES = 1 << 20  # the syncer's /api/status we read for merge details
 
 
@@ -99,9 +98,8 @@ class BootstrapConfig:
     request_timeout_s: float = 5.0  # bounds each DHT store/get
     swarm_cache_s: float = 0.5  # /api/swarm answers from a snapshot at most this old (bounds DHT load)
     serve_reach_checks: bool = True  # dial joining nodes back so they learn whether peers can reach them
-    syncer_status_timeout_s: float = (
-        2.0  # bounds the fetch of the active syncer's /api/status (merge details)
-    )
+    # bounds the fetch of the active syncer's /api/status (merge details)
+    syncer_status_timeout_s: float = 2.0
     shutdown_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:

@@ -232,6 +232,16 @@ class NodeMetrics:
         self.task_restarts = Counter(
             "hivenode_task_restarts", "Supervised task restarts", ["task"], registry=self.registry
         )
+        self.rpc_throttled = Counter(
+            "hivenode_rpc_throttled",
+            "Framed requests refused for load, before they were read",
+            ["route", "reason"],
+            registry=self.registry,
+        )
+
+    def count_throttle(self, _peer: str, route: str, admission: Any) -> None:
+        """`FramedServer(on_throttle=metrics.count_throttle)`: count refusals by route and limit."""
+        self.rpc_throttled.labels(route=route, reason=admission.reason).inc()
 
 
 @dataclass(kw_only=True, slots=True)

@@ -10,22 +10,25 @@ current DHT time, and keeps bounded ring buffers of
 - merges: one entry per fragment version the syncer publishes (quorum size, grace waited, weights when the syncer
   says them, else the version bump alone);
 - bans: one entry per accused peer, with the verifiers that signed and their evidence;
-- events: joined, left, went missing, straggling, recovered, banned, merged (and notes callers add, e.g. chaos).
+- events: joined (or rejoined), left (stopped heartbeating), straggling, recovered, banned, merge (and notes
+  callers add, e.g. the demo's chaos actions), numbered by `seq` for appending to a log.
 
 The bootstrap serves `history_json()`/`events_json()`/`swarm_map(...)` in `/api/swarm`; the demo's terminal view
 and its report read the same structures. Definitions:
 
-- *health* of a peer: `banned` (a ban in effect), `leaving` (announced), `missing` (no longer heartbeating: left,
+- *health* of a peer: `banned` (a ban in effect); `leaving` (announced); `missing` (no longer heartbeating: left,
   killed, stalled or cut off -- a clean leave withdraws the record and a crash lets it expire, so the records
-  cannot tell them apart; kept on the map for `remember_missing_s`), `straggling` (its
-  heartbeat is more than `stale_periods` periods old, or it trains at under `slow_fraction` of the median
-  throughput of its peers, when it has at least two), `idle` (joined but does no work, e.g. a role this version does not have), else `alive`.
+  cannot tell them apart; kept on the map for `remember_missing_s`); `straggling` (its heartbeat is more than
+  `stale_periods` periods old, or, among three or more peers doing the same work, it trains at under
+  `slow_fraction` of their median throughput); `idle` (joined but does no work, e.g. a role this version does
+  not have); else `alive`.
 - *throughput*: tokens/s processed, from the increments of every learner's token counter and of every stage-0
-  replica's (a pipeline microbatch crosses every stage; counting stage 0 counts it once). A counter that goes
-  down (a restarted process) counts from zero.
-- *goodput*: tokens/s the global model gets. When the syncer publishes the tokens of each merge, it is those;
-  otherwise it is the throughput of peers that are neither banned nor missing (their work can still reach the
-  syncer), and `goodput_source` says which.
+  replica's (a pipeline microbatch crosses every stage; counting stage 0 counts it once), averaged over
+  `rate_window_s`. A counter that goes down (a restarted process) counts from zero.
+- *goodput*: tokens/s the global model gets. When the syncer describes its merges with their tokens, it is those,
+  divided by the number of fragments (a contribution counts its tokens once per fragment, so a token is in the
+  model once every fragment has merged it); otherwise it is the throughput of peers that are neither banned nor
+  missing (their work can still reach the syncer). `goodput_source` says which.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ from typing import Any
 
 HEALTHS = ("alive", "straggling", "idle", "leaving", "missing", "banned")
 TRAINING_ROLES = ("learner", "stage")
-_ROLE_ORDER = ("bootstrap", "syncer", "verifier", "stage", "learner")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,7 +204,7 @@ class SwarmHistory:
         self._increments.append((now, self._pending[0], self._pending[1], self._pending[2]))
         self._pending = [0, 0, 0.0]
         if now - self._last_sample_at >= self.config.sample_period_s:
-            self._sample(peers, banned, now, heartbeat_period(document))
+            self._sample(peers, banned, now)
 
     def _observe_peers(
         self, peers: Sequence[Mapping[str, Any]], banned: set[str], now: float, period_s: float
@@ -375,9 +377,7 @@ class SwarmHistory:
             text += f" ({count} merges since the last look)"
         self.note(now, "merge", text, fragment=fragment, version=version)
 
-    def _sample(
-        self, peers: Sequence[Mapping[str, Any]], banned: set[str], now: float, period_s: float
-    ) -> None:
+    def _sample(self, peers: Sequence[Mapping[str, Any]], banned: set[str], now: float) -> None:
         dt = now - self._last_sample_at if math.isfinite(self._last_sample_at) else None
         self._last_sample_at = now
         by_role: dict[str, int] = {}

@@ -272,7 +272,8 @@ class SyncerCore:
         self.merges = 0
         self.tokens_merged = 0
         self.clock = 0  # highest schedule step a contributor reported
-        self._clock_at = now
+        # peer -> (schedule step it reported, when): the run's clock is the median of their extrapolations
+        self._clocks: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._published_at: dict[tuple[int, int], float] = {}
         self._restored_at = now
         # (peer, fragment, base version) -> (steps, tokens) already merged from that peer on that base, and when:
@@ -338,8 +339,11 @@ class SyncerCore:
             round_.entries[peer] = _Entry(contribution, key, now)
         if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
             self.policy.observe_step(step_time_s)
-        if sched_step >= self.clock:
-            self.clock, self._clock_at = sched_step, now
+        self.clock = max(self.clock, sched_step)
+        self._clocks.pop(peer, None)
+        self._clocks[peer] = (sched_step, now)
+        while len(self._clocks) > self._max_merged_keys:
+            self._clocks.popitem(last=False)
         return Admission(target_version=current + 1, capped=capped)
 
     def check_contribution(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
@@ -476,12 +480,19 @@ class SyncerCore:
         while len(self._merged) > self._max_merged_keys:
             self._merged.popitem(last=False)
 
-    def clock_estimate(self, now: float) -> int:
-        """The schedule step the fastest contributor is at now: its last report plus the steps since."""
-        xi = self.policy.xi_step
-        if not xi or xi <= 0:
-            return self.clock
-        return self.clock + int((now - self._clock_at) / xi)
+    def clock_estimate(self, now: float, *, max_age_s: float = 60.0) -> int:
+        """The schedule step the run's learners are at now: per peer, its latest report plus the steps since
+        (at the EMA step time), then the median over peers that reported within `max_age_s`. The median keeps
+        one stale or lying report from moving everyone's schedule. 0 when nobody reported yet."""
+        xi = self.policy.xi_step or 0.0
+        estimates = sorted(
+            step + (int((now - at) / xi) if xi > 0 else 0)
+            for step, at in self._clocks.values()
+            if now - at <= max_age_s
+        )
+        if not estimates:
+            return 0
+        return estimates[(len(estimates) - 1) // 2]
 
     def merged_ledger(self) -> tuple[tuple[str, int, int, int, int], ...]:
         """(peer, fragment, base, steps, tokens) already merged, for bases that can still be contributed on."""
@@ -640,8 +651,6 @@ class SyncerRole:
         from protocol.rpc import FramedServer, Route
 
         self.core = await asyncio.to_thread(self._build_core)
-        if self.config.eval_every_merges:
-            self._eval = await asyncio.to_thread(self._build_eval)
         self._p2p = await ctx.dht.replicate_p2p()
         control = max_frame_bytes(control_limits())
         routes = {
@@ -659,6 +668,8 @@ class SyncerRole:
         ctx.supervisor.spawn("syncer-members", partial(self._membership_loop, stop), policy=RestartPolicy())
         ctx.supervisor.spawn("syncer-merge", partial(self._merge_loop, stop), policy=RestartPolicy())
         ctx.supervisor.spawn("syncer-mirror", partial(self._mirror_loop, stop), policy=RestartPolicy())
+        if self.config.eval_every_merges:  # optional: load the held-out data after we serve, not before
+            ctx.supervisor.spawn("syncer-eval-data", self._load_eval, policy=RestartPolicy())
         from node.sentinel_tap import ban_watcher_for  # SENTINEL bans: refuse banned peers' contributions
 
         bans = ban_watcher_for(ctx)
@@ -711,6 +722,11 @@ class SyncerRole:
             num_batches=self.config.eval_batches,
         )
         return build_model(cfg, manifest.seed), batches
+
+    async def _load_eval(self) -> None:
+        self._eval = await asyncio.to_thread(self._build_eval)
+        if self.active:
+            await self._evaluate()  # the loss the run starts (or resumes) from
 
     async def _shutdown(self) -> None:
         with contextlib.suppress(Exception):
@@ -794,8 +810,9 @@ class SyncerRole:
     async def _take_over(self, term: int) -> None:
         assert self.core is not None
         async with self._merge_lock:
-            source = await self._restore_best()
-            self.term = term
+            source, seen_term = await self._restore_best()
+            # terms never go back, even when every lease record has expired: the saved state knows its term
+            term = self.term = max(term, seen_term + 1, self.term + 1)
             self.active = True
             self.primary = None
             self.recovering_until = time.monotonic() + self.config.recovery_s
@@ -813,7 +830,7 @@ class SyncerRole:
         self._published.set()
         self._published = asyncio.Event()
 
-    async def _restore_best(self) -> str:
+    async def _restore_best(self) -> tuple[str, int]:
         """Resume from the freshest of the checkpoint file and the mirror (by total version count)."""
         assert self.core is not None
         candidates: list[tuple[int, str, SyncerSnapshot]] = []
@@ -833,11 +850,12 @@ class SyncerRole:
         if self._mirror is not None:
             candidates.append((sum(self._mirror.versions), "mirror", self._mirror))
         current = sum(self.core.versions)
+        seen_term = max((c[2].term for c in candidates), default=0)
         best = max(candidates, key=lambda c: (c[0], c[1] == "checkpoint"), default=None)
         if best is None or best[0] < current:
-            return "memory" if current else "seed"
+            return ("memory" if current else "seed"), seen_term
         self.core.restore(best[2], time.monotonic())
-        return best[1]
+        return best[1], seen_term
 
     async def _step_down(self, winner: str | None, term: int) -> None:
         async with self._merge_lock:

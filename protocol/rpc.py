@@ -485,7 +485,7 @@ class FramedServer:
             await self._throttle(remote, name, admission, reader, writer)
             return
         try:
-            answer = await self._handle(name, route, remote, reader)
+            answer = await self._handle(route, remote, reader)
         except Throttled as e:
             await self._throttle(remote, name, e.admission, reader, writer)
             return
@@ -504,7 +504,7 @@ class FramedServer:
         except (ConnectionError, asyncio.TimeoutError) as e:
             logger.debug("%s: answer to %s not delivered: %r", name, remote[:16], e)
 
-    async def _handle(self, name: str, route: Route, remote: str, reader: asyncio.StreamReader) -> bytes:
+    async def _handle(self, route: Route, remote: str, reader: asyncio.StreamReader) -> bytes:
         """Read the request under the caps (its bytes reserved before they are allocated), then run the handler."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.message_timeout_s

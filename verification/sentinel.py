@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -149,6 +148,29 @@ def _paired(x: torch.Tensor, context: torch.Tensor, rms: float) -> tuple[float, 
     return align, math.log(rms + _EPS) - math.log(rms_c)
 
 
+def _column_quantile(data: np.ndarray, q: float) -> np.ndarray:
+    """Per-column quantile (linear interpolation) ignoring NaNs, the paired metrics' value where no
+    context was passed. np.nanmedian and np.quantile carry milliseconds of machinery (masked arrays,
+    index bookkeeping) for a few hundred rows, more than the rest of a check; a partition does not."""
+    finite = ~np.isnan(data)
+    complete = finite.all(axis=0)
+    if complete.all():
+        return _partition_quantile(data, q)
+    out = np.full(data.shape[1], np.nan)
+    if complete.any():
+        out[complete] = _partition_quantile(data[:, complete], q)
+    for j in np.flatnonzero(~complete & finite.any(axis=0)):  # rare: NaN in only some rows
+        out[j] = _partition_quantile(data[finite[:, j], j], q)
+    return out
+
+
+def _partition_quantile(data: np.ndarray, q: float) -> np.ndarray:
+    position = q * (data.shape[0] - 1)
+    low, high = math.floor(position), math.ceil(position)
+    part = np.partition(data, (low, high), axis=0)
+    return part[low] + (part[high] - part[low]) * (position - low)
+
+
 def _sliced_wasserstein(projected_a: np.ndarray, projected_b: np.ndarray) -> float:
     """Mean 1-D Wasserstein-1 distance between two sets of projected token rows ([tokens, projections]).
     The sort is numpy's: about 20x faster than torch's CPU sort for columns this short."""
@@ -203,16 +225,13 @@ class _ScoreWindow:
 
     def _compute(self, cfg: SentinelConfig) -> tuple[np.ndarray, np.ndarray]:
         data = self._data[: self._count]
-        with warnings.catch_warnings():
-            # Paired metrics are NaN at boundaries without a context: an all-NaN column is expected.
-            warnings.simplefilter("ignore", RuntimeWarning)
-            if cfg.fence_kind == "mad":
-                centre = np.nanmedian(data, axis=0)
-                sigma = np.nanmedian(np.abs(data - centre), axis=0) * _MAD_TO_SIGMA
-                return centre, np.maximum(sigma, cfg.min_fence_width)
-            q1, q3 = np.nanquantile(data, [0.25, 0.75], axis=0)
+        if cfg.fence_kind == "mad":
+            centre = _column_quantile(data, 0.5)
+            sigma = _column_quantile(np.abs(data - centre), 0.5) * _MAD_TO_SIGMA
+            return centre, np.maximum(sigma, cfg.min_fence_width)
+        q1, q3 = _column_quantile(data, 0.25), _column_quantile(data, 0.75)
         # Tukey: centre on the midhinge and express the IQR as a sigma so that one |v - centre| test
-        # reproduces the exact Q1 - k*IQR / Q3 + k*IQR bounds (see `half_width`).
+        # reproduces the exact Q1 - k*IQR / Q3 + k*IQR bounds (see `_half_width`).
         return (q1 + q3) / 2, np.maximum((q3 - q1) / _IQR_TO_SIGMA, cfg.min_fence_width)
 
     def state(self) -> dict[str, Any]:

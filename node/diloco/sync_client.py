@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
@@ -155,7 +156,7 @@ class OutgoingContribution:
     steps: int  # inner steps since that overwrite
     tokens: int  # tokens since that overwrite
     sent_step: int  # local inner step at which the snapshot was taken
-    sched_step: int  # the same step on the (run-aligned) schedule clock
+    sched_step: int  # our schedule step (run-aligned); on the wire: at the time of sending
     step_time_s: float  # the holder's recent mean inner-step time (the syncer's xi_step estimate)
 
 
@@ -534,8 +535,13 @@ class FragmentSync:
     async def _push_one(self, index: int, contribution: OutgoingContribution) -> bool:
         """True when the contribution is settled (acked or refused for good); False: retry later."""
         self._stats.sent += 1
+        with self._lock:
+            now_step = self._step + self._sched_offset
+        # the syncer derives the run's schedule clock from what senders report: say where we are now, not
+        # where we were when the snapshot was taken (a retried or re-sent one may be seconds old)
+        wire = dataclasses.replace(contribution, sched_step=now_step)
         try:
-            receipt = await self.transport.push(contribution)
+            receipt = await self.transport.push(wire)
         except ContributionRefused as e:
             with self._lock:
                 if self._outbox.get(index) is contribution:

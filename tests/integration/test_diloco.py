@@ -144,8 +144,9 @@ class TestSwarm:
         print(
             f"\nglobal held-out loss {initial:.3f} (seed) -> {latest:.3f} after {found[-1]['merges']} merges"
         )
-        assert found[0]["merges"] == 0 and initial > 5.0  # the seed model: about ln 256
-        assert latest < initial - 0.5
+        if found[0]["merges"] == 0:
+            assert initial > 5.0  # the seed model: about ln 256
+        assert latest < min(4.5, initial - 0.3)
         wait_until(
             lambda: (
                 {p for m in events(swarm.root, "syncer", "merge") for p in m["participants"]}

@@ -268,3 +268,24 @@ def test_a_second_contribution_on_the_same_base_counts_only_what_it_adds() -> No
     fresh.restore(snapshot, 9.0)
     push(fresh, "a", base=0, steps=10, now=12.0, nonce=b"3" * 16)
     assert fresh.rounds[0].entries["a"].contribution.steps == 6  # the ledger survives a failover
+
+
+def test_the_run_clock_is_the_median_of_extrapolated_reports() -> None:
+    c = core()
+    assert c.clock_estimate(0.0) == 0
+    for peer, sched, nonce in (("a", 100, b"a"), ("b", 101, b"b"), ("liar", 10**6, b"l")):
+        c.accept(
+            peer,
+            0,
+            learner_params(c, 0, 0.01),
+            base_version=0,
+            steps=4,
+            tokens=256,
+            sched_step=sched,
+            step_time_s=0.5,
+            nonce=nonce * 16,
+            now=10.0,
+        )
+    assert c.clock_estimate(10.0) == 101  # one outlier cannot move everyone's schedule
+    assert c.clock_estimate(12.0) == 105  # extrapolated at the step-time EMA (0.5 s)
+    assert c.clock_estimate(100.0) == 0  # reports older than a minute are forgotten
