@@ -423,17 +423,17 @@ def main(argv: list[str] | None = None) -> int:
             min_gap_s=8.0,
         )
     else:
+        # one syncer kill: on a loaded 2-core box a killed syncer can take a minute to come back as a standby
         chaos = ChaosConfig(
             seed=args.seed,
             duration_s=duration,
             learner_kills=1,
             stragglers=2,
-            syncer_kills=2,
+            syncer_kills=1,
             restart_delay_s=3.0,
             stop_s=5.0,
             margin_s=8.0,
             min_gap_s=10.0,
-            min_syncer_gap_s=30.0,
         )
     learners = [f"learner{i}" for i in range(NUM_LEARNERS)]
     plan = plan_faults(chaos, learners)

@@ -626,7 +626,11 @@ def print_table(table: dict[str, dict[str, object]]) -> None:
 
 def measure_cost(batches: tuple[int, ...] = (8, 16), repeats: int = 200) -> dict[str, dict[str, float]]:
     """CPU time of the two checks of a microbatch against the stage compute that produced the tensors
-    (a 2-block stage of the model above), interleaved so both see the same machine load."""
+    (a 2-block stage of the model above).
+
+    "interleaved": check right after the stage's own forward/backward in one process, whose caches the
+    stage compute has just flushed (conservative). "isolated": the same checks run back to back on
+    stored tensors, as a verifier process that does nothing but check would run them."""
     from verification.sentinel import BoundaryMonitor
 
     torch.manual_seed(0)
@@ -634,15 +638,12 @@ def measure_cost(batches: tuple[int, ...] = (8, 16), repeats: int = 200) -> dict
     out: dict[str, dict[str, float]] = {}
     for batch in batches:
         config = SentinelConfig(warmup_checks=10, min_window_checks=8)
-        fwd_mon = BoundaryMonitor(config, stage=1, direction="forward")
-        bwd_mon = BoundaryMonitor(config, stage=1, direction="backward")
+        monitors = {d: BoundaryMonitor(config, stage=1, direction=d) for d in ("forward", "backward")}
         pattern = torch.randn(128, 128)
         times: dict[str, list[float]] = {
-            "forward": [],
-            "backward": [],
-            "check_forward": [],
-            "check_backward": [],
+            k: [] for k in ("forward", "backward", "check_forward", "check_backward")
         }
+        stored: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for i in range(repeats + 20):
             x = (pattern + torch.randn(batch, 128, 128)).requires_grad_(True)
             grad_out = torch.randn(batch, 128, 128) * 1e-3
@@ -651,21 +652,37 @@ def measure_cost(batches: tuple[int, ...] = (8, 16), repeats: int = 200) -> dict
             t1 = time.process_time()
             y.backward(grad_out)
             t2 = time.process_time()
-            fwd_mon.check(y.detach(), f"r{i % 3}", i, float(i), context=x.detach())
-            t3 = time.process_time()
             assert x.grad is not None
-            bwd_mon.check(x.grad, f"r{i % 3}", i, float(i), context=grad_out)
+            monitors["forward"].check(y.detach(), f"r{i % 3}", i, float(i), context=x.detach())
+            t3 = time.process_time()
+            monitors["backward"].check(x.grad, f"r{i % 3}", i, float(i), context=grad_out)
             t4 = time.process_time()
             if i >= 20:  # after the monitors' warm-up, when every fence is live
                 for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                     times[key].append(1000 * value)
+                if len(stored) < 50:
+                    stored.append((y.detach(), x.detach(), x.grad, grad_out))
+        isolated: dict[str, list[float]] = {"isolated_check_forward": [], "isolated_check_backward": []}
+        for rep in range(4):
+            for j, (y, x, gx, gy) in enumerate(stored):
+                for direction, tensor, context, key in (
+                    ("forward", y, x, "isolated_check_forward"),
+                    ("backward", gx, gy, "isolated_check_backward"),
+                ):
+                    t0 = time.process_time()
+                    monitors[direction].check(
+                        tensor, f"r{j % 3}", 10_000 + rep * 100 + j, 0.0, context=context
+                    )
+                    isolated[key].append(1000 * (time.process_time() - t0))
+        times.update(isolated)
         # Median: this (shared, often oversubscribed) machine; 10th percentile: closer to an idle one.
         for label, pick in (("median", statistics.median), ("p10", lambda v: sorted(v)[len(v) // 10])):
             row = {key: pick(values) for key, values in times.items()}
-            row["share_of_stage_compute"] = (row["check_forward"] + row["check_backward"]) / (
-                row["forward"] + row["backward"]
-            )
-            row["forward_check_share_of_forward"] = row["check_forward"] / row["forward"]
+            stage = row["forward"] + row["backward"]
+            row["interleaved_share_of_stage_compute"] = (row["check_forward"] + row["check_backward"]) / stage
+            row["isolated_share_of_stage_compute"] = (
+                row["isolated_check_forward"] + row["isolated_check_backward"]
+            ) / stage
             out[f"batch_{batch}_{label}"] = row
     return out
 

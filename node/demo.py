@@ -177,8 +177,9 @@ def plan_nodes(config: DemoConfig) -> list[NodeSpec]:
     ]
     for stage in range(config.stages):
         for replica in range(config.replicas):
-            # the last replica of the last stage lies, when asked to: its neighbours stay honest
-            lies = config.attack is not None and stage == config.stages - 1 and replica == config.replicas - 1
+            # the last replica of stage 0 lies, when asked to: its activations cross a checked boundary on every
+            # microbatch, and the other replica of its stage stays honest to compare with and route to
+            lies = config.attack is not None and stage == 0 and replica == config.replicas - 1
             nodes.append(
                 NodeSpec(
                     name=f"stage{stage}r{replica + 1}",
@@ -431,11 +432,11 @@ class DemoSwarm:
 
     def prepare(self) -> None:
         """Keys (trusted ones first: the run authorizes them), run.toml and node.toml files."""
+        if self.config.attack is not None:
+            attack_prefix(self.config.attack)  # fail now, before anything is written or started
         for path in (self.logs, self.state):
             path.mkdir(parents=True, exist_ok=True)
         specs = plan_nodes(self.config)
-        if self.config.attack is not None:
-            attack_prefix(self.config.attack)  # fail now, not after the swarm started
         for spec in specs:
             if not role_available(spec.role):
                 logger.warning(

@@ -257,7 +257,10 @@ def render_text(report: Mapping[str, Any]) -> str:
         f"  merges             {merges['count']} (mean quorum {_fmt(merges['mean_quorum'])})",
         f"  faults             {faults['survived']}/{faults['injected']} survived {faults['by_action'] or ''}",
         f"  bans               {len(bans)}"
-        + "".join(f"\n    {b['offender'][-8:]} stage {b['stage']}: {'; '.join(b['reasons'])}" for b in bans),
+        + "".join(
+            f"\n    {b['offender'][-8:]} stage {b['stage']}: {'; '.join(r[:100] for r in b['reasons'])}"
+            for b in bans
+        ),
         f"  processes          {procs.get('started', '?')} started, peak {procs.get('peak_alive', '?')} alive,"
         f" {procs.get('left_behind', '?')} left behind"
         + (

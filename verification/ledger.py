@@ -11,8 +11,8 @@ The rule (docs/sentinel.md explains and measures it):
 - A leaky strike counter (one strike per flag, one forgiven per `forgive_clean_microbatches` clean in a
   row) catches intermittent attackers that never put `ban_flags` into one window.
 - A stage-wide flag storm (more than `storm_fraction` of the stage's replicas flagged within a few
-  microbatches each) is the verifier's problem, not the replicas': the flags in it are forgiven and the
-  answer is `rewarm`.
+  microbatches each, not counting replicas already quarantined) is the verifier's problem, not the
+  replicas': the flags in it are forgiven and the answer is `rewarm`.
 - A ban needs corroboration: peers of the same stage must have sent clean microbatches since the suspect's
   first counted flag. Until then, while bans are paused after a storm anywhere (`storm_cooldown_s`), or
   when the cap would be exceeded, the suspect is quarantined instead.
@@ -28,6 +28,7 @@ import math
 from collections import deque
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
@@ -241,7 +242,7 @@ class ViolationLedger:
             members = set(replicas)
         else:
             look_back = self.config.window_microbatches * max(1, len(stage_state.members))
-            members = {s for _, s, _ in list(stage_state.records)[-look_back:]}
+            members = {s for _, s, _ in islice(reversed(stage_state.records), look_back)}
         stage_state.members = frozenset(members | {signer} | stage_state.banned)
 
     def _account(self, st: _Signer, seq: int, flagged: bool, now: float) -> None:
@@ -279,10 +280,17 @@ class ViolationLedger:
 
     def _storm_window(self, stage_state: _Stage) -> list[tuple[int, str, bool]]:
         span = self.config.storm_records_per_replica * max(1, len(stage_state.members - stage_state.banned))
-        return list(stage_state.records)[-span:]
+        return list(islice(reversed(stage_state.records), span))[::-1]
 
     def _is_storm(self, stage_state: _Stage) -> bool:
-        flagged = {s for _, s, f in self._storm_window(stage_state) if f and s not in stage_state.banned}
+        # Quarantined replicas already stand accused on their own evidence: a storm is about the
+        # unsuspected ones. Counting them let an attacker plus one honest flag (2 of 3) call a storm
+        # that forgave the attacker over and over (measured: flagged on every microbatch, never banned).
+        flagged = {
+            s
+            for _, s, f in self._storm_window(stage_state)
+            if f and s not in stage_state.banned and not self.is_quarantined(s)
+        }
         active = len(stage_state.members - stage_state.banned)
         return (
             len(flagged) >= self.config.storm_min_replicas
@@ -358,7 +366,11 @@ class ViolationLedger:
         anchor = st.first_flag_seq()
         if anchor is None:
             anchor = st.window[-1][0] if st.window else stage_state.next_seq
-        clean_peers = sum(1 for seq, s, f in stage_state.records if seq > anchor and s != signer and not f)
+        clean_peers = 0
+        for seq, peer, flagged in reversed(stage_state.records):
+            if seq <= anchor or clean_peers >= self.config.corroboration_clean:
+                break
+            clean_peers += int(peer != signer and not flagged)
         return max(0, self.config.corroboration_clean - clean_peers)
 
     def _cap_allows_ban(self, stage_state: _Stage) -> bool:

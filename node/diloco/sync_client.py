@@ -227,8 +227,8 @@ class SyncClientConfig:
     barrier: bool = False  # synchronous baselines: wait at send step + tau for the round's version
     join_timeout_s: float = 30.0  # how long join_global looks for a syncer before starting from the seed
     step_time_ema: float = 0.2  # weight of a new step time in the reported xi_step
-    align_tolerance_steps: int = 3  # decoupled: re-align at once when the run's clock is this far off
-    align_confirmations: int = 3  # ... and after this many answers in a row show the same smaller offset
+    align_confirmations: int = 5  # decoupled: shift the schedule once this many answers in a row say we lead
+    # (or lag) the run's clock; by the smallest offset among them, since the clock estimate jitters
 
     def __post_init__(self) -> None:
         for name in ("poll_wait_s", "retry_min_s", "retry_max_s", "join_timeout_s"):
@@ -307,8 +307,7 @@ class FragmentSync:
         self._offered: set[tuple[str, int, int]] = set()  # (syncer, fragment, version) already offered
         self._step = 0
         self._sched_offset = 0
-        self._align_diff = 0
-        self._align_votes = 0
+        self._align_diffs: list[int] = []  # recent offsets to the run's clock, all of one sign
         self._last_step_at: float | None = None
         self._step_time_s = 0.0
         self._view: VersionsView | None = None
@@ -634,14 +633,17 @@ class FragmentSync:
         progress with every merge."""
         with self._lock:
             diff = clock - (self._step + self._sched_offset)
-            # a one-step offset is often estimation jitter: act on it only once it persists
-            self._align_votes = self._align_votes + 1 if diff != 0 and diff == self._align_diff else 1
-            self._align_diff = diff
-            persistent = diff != 0 and self._align_votes >= self.config.align_confirmations
-            if abs(diff) >= self.config.align_tolerance_steps or persistent:
-                self._sched_offset += diff
-                self._align_votes, self._align_diff = 0, 0
-                logger.info("schedule re-aligned by %+d steps to the run's clock %d", diff, clock)
+            gross = abs(diff) >= max(2, self.schedule.sync_every_steps // 2)  # a restart or a long stall
+            votes = self._align_diffs
+            if diff == 0 or (votes and (diff > 0) != (votes[-1] > 0)):
+                votes.clear()
+            if diff != 0:
+                votes.append(diff)
+            if gross or len(votes) >= self.config.align_confirmations:
+                shift = diff if gross else min(votes, key=abs)
+                self._sched_offset += shift
+                votes.clear()
+                logger.info("schedule re-aligned by %+d steps to the run's clock %d", shift, clock)
 
     def _resend_unanswered(self, view: VersionsView) -> None:
         """A new syncer does not have the rounds of the old one: queue again what it acknowledged but never

@@ -189,7 +189,7 @@ def test_dashboard_shows_the_attackers_ban(tmp_path: Path) -> None:
         pytest.skip("this version has no stage attack option (HIVENODE_UNSAFE_ATTACK)")
     args = ("--learners", "1", "--stages", "2", "--replicas", "2", "--attack", ATTACK_KIND)
     with running_demo(tmp_path, *args) as (_demo, url, out):
-        attacker = NodeIdentity.load(out / "state" / "stage1r2" / "identity.key").peer_id
+        attacker = NodeIdentity.load(out / "state" / "stage0r2" / "identity.key").peer_id
         doc = wait_until(
             lambda: _swarm_with(url, lambda d: d["bans"]), BAN_WAIT_S, what="a ban by the verifier"
         )

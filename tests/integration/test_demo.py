@@ -36,7 +36,7 @@ def test_the_demo_run_authorizes_its_trusted_keys_and_plans_one_liar(tmp_path: P
         "stage1r2",
         "verifier1",
     ]
-    assert [n.name for n in nodes if n.attack] == ["stage1r2"]
+    assert [n.name for n in nodes if n.attack] == ["stage0r2"]
     syncers = [NodeIdentity.generate().peer_id for _ in range(2)]
     verifier = NodeIdentity.generate().peer_id
     manifest = parse_run_toml(run_toml(config, syncers, [verifier]))

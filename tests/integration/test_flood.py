@@ -1,25 +1,28 @@
 """An RPC flood (reliability.md §6, D4) against a `FramedServer` route, over real hivemind P2P daemons on loopback.
 
-Three peers, each with its own p2pd: the VICTIM (a child process, so its memory can be measured alone) serves a
-route whose handler burns ~4 ms of CPU, as a real one (a signature check and a small forward) would; the HONEST
-peer (this process) calls it at a steady 40 requests a second, the rate a verifier drives one stage replica at;
-the FLOODER (another child) fires requests open-loop at 10,000 a second for a few seconds, as many in flight as its
-daemon lets it open.
+Three peers, each a child process with its own p2pd: the VICTIM serves a route whose handler burns ~4 ms of CPU, as
+a real one (a signature check and a small forward) would; the HONEST peer calls it at a steady 40 requests a second
+(at most 4 in flight), the rate a verifier drives one stage replica at; the FLOODER fires requests open-loop at
+10,000 a second for a few seconds, as many in flight as its daemon lets it open. The victim and the honest peer
+run at a higher priority than the rest of the box (where the OS allows it), since on the internet each would have
+its own machine; the victim's memory is measured alone, in its own process.
 
 With the limiter (the route's per-peer rate 50/s, burst 50) the flooder's excess is refused before a byte of its
 requests is read, so the victim's handler loop stays free and the honest peer keeps >= 80 % of its no-flood
 throughput; the flooder is counted, logged once per window, and struck for flooding. Negative control: the same
 flood against a victim whose limits nobody can reach; the flood's requests all run the handler and the honest
 peer's throughput collapses. Every injection is counted: the flooder reports what it sent and what came back, and
-the victim's counts of admitted and throttled requests must add up to it.
+the victim's counts of admitted and throttled requests must add up to it. A run whose no-flood baseline or flood
+rate shows the box could not carry the experiment is repeated, and the test skips (saying why) if none could.
 
-Run a child by hand: `python tests/integration/test_flood.py victim|flood ...` (see `_victim_main`, `_flood_main`).
+Run a child by hand: `python tests/integration/test_flood.py victim|honest|flood ...` (see the `_*_main`s).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,7 +32,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,7 @@ RSS_BUDGET_MIB = (
     64  # the victim's resident memory may grow at most this much during the flood (reliability M6)
 )
 CHILD_START_S = 40.0
+MEASURE_ATTEMPTS = 3
 
 
 def _limits(defended: bool) -> LimitsConfig:
@@ -108,8 +111,17 @@ async def _start_p2p(initial_peers: list[str] | None = None) -> Any:
     return await P2P.create(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
 
 
+def _prioritize(increment: int) -> None:
+    """Renice this process (its daemon inherits it). The victim and the honest peer each stand for a machine of
+    their own: ahead of other work on a shared box, so what is measured is the flood, not the box's load. Only
+    root may raise priority; elsewhere this is a no-op."""
+    with contextlib.suppress(PermissionError, OSError):
+        os.nice(increment)
+
+
 def _victim_main(defended: bool) -> None:
     """Serve ROUTE; print {"maddrs": [...]} once up, then one JSON stats line per line read on stdin."""
+    _prioritize(-5)
 
     async def main() -> None:
         p2p = await _start_p2p()
@@ -157,13 +169,26 @@ def _victim_main(defended: bool) -> None:
     asyncio.run(main())
 
 
-def _flood_main(target: str, rate_per_s: float, duration_s: float, concurrency: int) -> None:
-    """Fire requests at `rate_per_s`, open loop, for `duration_s`; print {"started": ...} then the counts.
+def _honest_main(target: str) -> None:
+    """The honest peer: print {"peer_id": ...} once connected, then run one `_honest_window` per "window <s>" line
+    read on stdin and print it as JSON."""
+    _prioritize(-5)
 
-    Niced (its daemon inherits it): on the internet the attacker burns its own CPU, not ours; on one shared 2-core
-    box it would otherwise win CPU from the victim by sheer scheduling, which is not what this test is about.
-    """
-    os.nice(10)
+    async def main() -> None:
+        p2p = await _start_p2p([target])
+        victim = target.rsplit("/p2p/", 1)[1]
+        print(json.dumps({"peer_id": p2p.peer_id.to_base58()}), flush=True)
+        loop = asyncio.get_running_loop()
+        while line := (await loop.run_in_executor(None, sys.stdin.readline)).strip():
+            window = await _honest_window(p2p, victim, float(line.split()[1]))
+            print(json.dumps(dataclasses.asdict(window)), flush=True)
+        await p2p.shutdown()
+
+    asyncio.run(main())
+
+
+def _flood_main(target: str, rate_per_s: float, duration_s: float, concurrency: int) -> None:
+    """Fire requests at `rate_per_s`, open loop, for `duration_s`; print {"started": ...} then the counts."""
 
     async def main() -> None:
         p2p = await _start_p2p([target])
@@ -324,6 +349,22 @@ class FloodResult:
     before: dict[str, Any]
     after: dict[str, Any]
     flooder_id: str
+    in_flood: bool  # the honest window ended before the flood did
+    defended: bool
+
+    @property
+    def measurable(self) -> str:
+        """Why this run cannot judge anything ("" if it can): the box could not carry the honest load without a
+        flood, or could not produce a flood, or the window outlasted it. Other work on a shared box does that."""
+        if self.baseline.rate < 0.9 * HONEST_RATE_PER_S:
+            return f"no-flood honest throughput {self.baseline.rate:.1f} of {HONEST_RATE_PER_S:g} req/s"
+        if self.flood["sent"] < MIN_FLOOD_RATE_PER_S * self.flood["sending_s"]:
+            return f"the flooder reached {self.flood['sent'] / self.flood['sending_s']:.0f} req/s"
+        if (
+            self.defended and not self.in_flood
+        ):  # (without limits, a swamped victim makes it outlast the flood)
+            return "the honest window outlasted the flood"
+        return ""
 
     @property
     def ratio(self) -> float:
@@ -334,42 +375,45 @@ class FloodResult:
         return (self.after["hwm_kib"] - self.before["rss_kib"]) / 1024
 
 
-def _run_flood(loop_thread: Any, defended: bool) -> FloodResult:
+def _run_flood(defended: bool) -> FloodResult:
     victim = _spawn("victim", "on" if defended else "off")
-    flooder: Child | None = None
-    honest: list[Any] = []
+    children = [victim]
     try:
         target = victim.reply()["maddrs"][0]
-        victim_id = target.rsplit("/p2p/", 1)[1]
-        honest.append(loop_thread.run(_start_p2p([target])))
-        p2p = honest[0]
-        loop_thread.run(_honest_window(p2p, victim_id, 0.5), timeout_s=20)  # warm the connection up
-        baseline = loop_thread.run(_honest_window(p2p, victim_id, WINDOW_S), timeout_s=30)
+        honest = _spawn("honest", target)
+        children.append(honest)
+        honest_id = honest.reply()["peer_id"]
+        honest.ask("window 0.5")  # warm the connection up
+        baseline = Window(**honest.ask(f"window {WINDOW_S}"))
         before = victim.ask("reset")
         flooder = _spawn("flood", target, str(FLOOD_RATE_PER_S), str(FLOOD_S), str(FLOOD_CONCURRENCY))
+        children.append(flooder)
         assert flooder.reply().get("started")
         flood_started = time.monotonic()
         # Let the flood reach full speed (its daemon dials and opens its first streams), then measure inside it.
         time.sleep(0.5)
-        flooded = loop_thread.run(_honest_window(p2p, victim_id, WINDOW_S), timeout_s=60)
-        measured_in_flood = time.monotonic() - flood_started <= FLOOD_S + 1.0
+        flooded = Window(**honest.ask(f"window {WINDOW_S}"))
+        in_flood = time.monotonic() - flood_started <= FLOOD_S + 1.0
         flood = flooder.reply(timeout_s=60)
         after = victim.ask("stats")
-        flooder_ids = [p for p in after["throttled"] if p not in (p2p.peer_id.to_base58(),)]
-        flooder_ids += [p for p in after["handled"] if p != p2p.peer_id.to_base58()]
-        assert measured_in_flood or not defended, "the honest window outlasted the flood: slow machine"
-        return FloodResult(baseline, flooded, flood, before, after, flooder_ids[0] if flooder_ids else "")
+        flooder_ids = [p for p in [*after["throttled"], *after["handled"]] if p != honest_id]
+        flooder_id = flooder_ids[0] if flooder_ids else ""
+        return FloodResult(baseline, flooded, flood, before, after, flooder_id, in_flood, defended)
     finally:
-        for p2p in honest:
-            loop_thread.run(p2p.shutdown(), timeout_s=20)
-        if flooder is not None:
-            flooder.stop()
-        victim.stop()
+        for child in reversed(children):
+            child.stop()
 
 
-@pytest.fixture(scope="module")
-def results(loop_thread: Any) -> Iterator[dict[bool, FloodResult]]:
-    yield {}
+def _measured_flood(defended: bool) -> FloodResult:
+    """`_run_flood` until a run can judge anything (up to MEASURE_ATTEMPTS); skip, saying why, if none could."""
+    reasons = []
+    for _ in range(MEASURE_ATTEMPTS):
+        result = _run_flood(defended)
+        _log(f"limiter {'on' if defended else 'off'}", result)
+        if not (reason := result.measurable):
+            return result
+        reasons.append(reason)
+    pytest.skip(f"this machine is too loaded to measure a flood: {'; '.join(reasons)}")
 
 
 def _log(name: str, r: FloodResult) -> None:
@@ -398,9 +442,8 @@ def _log(name: str, r: FloodResult) -> None:
     )
 
 
-def test_flood_is_throttled_and_honest_throughput_holds(loop_thread: Any) -> None:
-    r = _run_flood(loop_thread, defended=True)
-    _log("limiter on", r)
+def test_flood_is_throttled_and_honest_throughput_holds() -> None:
+    r = _measured_flood(defended=True)
     flooder = r.flooder_id
     assert flooder, "the victim never saw the flooder"
     # Counted injections: everything the flooder sent was either served or refused for load, nothing else.
@@ -430,9 +473,8 @@ def test_flood_is_throttled_and_honest_throughput_holds(loop_thread: Any) -> Non
     assert r.rss_growth_mib < RSS_BUDGET_MIB
 
 
-def test_negative_control_without_limits_the_flood_hurts(loop_thread: Any) -> None:
-    r = _run_flood(loop_thread, defended=False)
-    _log("limiter off", r)
+def test_negative_control_without_limits_the_flood_hurts() -> None:
+    r = _measured_flood(defended=False)
     assert r.flood["throttled"] == 0  # nothing refused for load: the control really runs without limits
     assert r.flood["sent"] >= MIN_FLOOD_RATE_PER_S * r.flood["sending_s"]
     assert r.ratio < MIN_RATIO or r.rss_growth_mib >= RSS_BUDGET_MIB, (
@@ -444,6 +486,8 @@ if __name__ == "__main__":
     role = sys.argv[1]
     if role == "victim":
         _victim_main(sys.argv[2] == "on")
+    elif role == "honest":
+        _honest_main(sys.argv[2])
     elif role == "flood":
         _flood_main(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
     else:

@@ -92,7 +92,7 @@ def test_a_storm_anywhere_pauses_statistical_bans_and_restarts_confirmation() ->
     cfg = LedgerConfig(confirm_s=20.0, storm_cooldown_s=60.0)
     ledger = ViolationLedger(cfg)
     t = 0
-    for r in range(4):  # a is flagged on every microbatch of stage 1 ...
+    for _ in range(4):  # a is flagged on every microbatch of stage 1 ...
         for s in REPLICAS:
             ledger.record(s, 1, s == "a", float(t), replicas=REPLICAS)
             t += 1

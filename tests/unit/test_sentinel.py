@@ -308,9 +308,10 @@ def test_check_cost_is_small_for_pipeline_sized_tensors() -> None:
         monitor.check(xs[i % 8] + 0.1 * xs[(i + 1) % 8], f"r{i % 3}", i, float(i), context=xs[i % 8])
     times = []
     for i in range(60):
-        t0 = time.perf_counter()
-        monitor.check(xs[i % 8] + 0.1 * xs[(i + 1) % 8], f"r{i % 3}", i, float(i), context=xs[i % 8])
-        times.append(time.perf_counter() - t0)
+        y = xs[i % 8] + 0.1 * xs[(i + 1) % 8]
+        t0 = time.process_time()  # CPU time: wall time on a shared machine measures the neighbours
+        monitor.check(y, f"r{i % 3}", i, float(i), context=xs[i % 8])
+        times.append(time.process_time() - t0)
     assert statistics.median(times) < 0.01
 
 

@@ -399,18 +399,26 @@ def test_the_real_time_floor_skips_a_due_send_and_counters_keep_growing() -> Non
 
 def test_a_decoupled_learner_aligns_its_schedule_to_the_run_clock() -> None:
     async def scenario() -> None:
-        sync, model, syncer = learner_sync()
+        sync, model, syncer = learner_sync(sync_every_steps=12)
+
+        def view(clock: int) -> VersionsView:
+            return VersionsView(versions=tuple(syncer.current), term=1, syncer="s", clock=clock)
+
+        def position() -> int:
+            return sync._step + sync._sched_offset
+
         for step in range(1, 4):
             sync.after_inner_step(step, tokens=4)
-        view = VersionsView(versions=tuple(syncer.current), term=1, syncer="s", clock=10)
-        await sync._absorb(view)
-        assert sync._step + sync._sched_offset == 10  # 7 steps off: aligned at once
-        one_off = VersionsView(versions=tuple(syncer.current), term=1, syncer="s", clock=11)
-        await sync._absorb(one_off)
-        await sync._absorb(one_off)
-        assert sync._step + sync._sched_offset == 10  # a one-step offset may be jitter
-        await sync._absorb(one_off)
-        assert sync._step + sync._sched_offset == 11  # ... until it persists
+        await sync._absorb(view(20))
+        assert position() == 20  # 17 steps off (>= H/2): a restart or a long stall, aligned at once
+        for clock in (22, 18, 23, 19):
+            await sync._absorb(view(clock))
+        assert position() == 20  # jitter around our position: no move
+        for clock in (23, 22, 24, 22):
+            await sync._absorb(view(clock))
+        assert position() == 20
+        await sync._absorb(view(23))
+        assert position() == 22  # five answers in a row ahead of us: shift by the smallest lead (2)
 
     asyncio.run(scenario())
 
