@@ -232,7 +232,7 @@ class SentinelTap:
         signed: SignedBoundaryHeader,
         now: float,
     ) -> bool:
-        slot = Slot(self.run_id, microbatch_id, stage, direction)
+        slot = Slot(self.run_id, microbatch_id, stage, direction, str(header.meta.get("input_digest", "")))
         proof = self.equivocation.observe(
             replica, slot, SignedHeader(signed.header, signed.signature, header.digest), now
         )

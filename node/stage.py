@@ -300,8 +300,10 @@ class _Context:
     leaves: dict[str, torch.Tensor]  # the weight snapshot this forward ran on
     sequences: int
     tokens: int
+    tokens_in: torch.Tensor | None = None  # the first stage's input tokens, to recognise a retry
 
 
+INPUT_DIGEST_META = "input_digest"  # hex digest of the request an output answers
 _NO_GRAD = object()  # cached result of an applied backward on the first stage (nothing to send back)
 
 
@@ -390,18 +392,30 @@ class StageCore:
         key = self._key(sender, microbatch, Phase.BACKWARD)
         self._refuse_applied(key, "forward")
         held = self._contexts.get((sender, microbatch))
-        if held is not None:  # a retry whose answer was lost: same output, nothing recomputed
+        if held is not None and self._same_input(held, x):  # a retry whose answer was lost: same output
             self.counters.answered_from_cache += 1
             return held.output.detach()
+        if (
+            held is not None
+        ):  # the verifier rerouted upstream: a new input for this microbatch replaces the old
+            del self._contexts[(sender, microbatch)]
         started = time.perf_counter()
         leaves = self._leaves()
         x_in = None if self.is_first else x.detach().requires_grad_(True)
         with torch.enable_grad():
             output = functional_call(self.module, leaves, (x if x_in is None else x_in,))
-        self._remember(sender, microbatch, _Context(self.clock(), x_in, output, leaves, *self._size(x)))
+        context = _Context(
+            self.clock(), x_in, output, leaves, *self._size(x), tokens_in=x if x_in is None else None
+        )
+        self._remember(sender, microbatch, context)
         self._measure(started, self._size(x)[1], share=1 / 3)
         self.counters.microbatches_served += 1
         return output.detach()
+
+    @staticmethod
+    def _same_input(held: _Context, x: torch.Tensor) -> bool:
+        ref = held.tokens_in if held.x is None else held.x
+        return ref is not None and ref.shape == x.shape and torch.equal(ref.detach(), x)
 
     def forward_eval(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Forward without context or ledger (held-out loss): activations, or the loss on the last stage."""
@@ -933,6 +947,8 @@ class StageService:
         context = Context(
             run_id=self.run_id, kind=kind, receiver=receiver, stage=self.stage, direction=direction
         )
+        # Binding the request's digest makes "one payload per (microbatch, input)" checkable: an honest replica
+        # that gets a new input for a microbatch (the verifier rerouted upstream) is never mistaken for a liar.
         frame = seal(
             self.identity,
             context,
@@ -940,7 +956,7 @@ class StageService:
             step=self.core.inner_step,
             now=self.wall_clock(),
             tensor=tensor,
-            meta=meta,
+            meta={**(meta or {}), INPUT_DIGEST_META: request.digest.hex()},
         )
         self.timings["seal_s"] += time.perf_counter() - started
         self.timings["requests"] += 1

@@ -19,7 +19,7 @@ and its report read the same structures. Definitions:
 - *health* of a peer: `banned` (a ban in effect); `leaving` (announced); `missing` (no longer heartbeating: left,
   killed, stalled or cut off -- a clean leave withdraws the record and a crash lets it expire, so the records
   cannot tell them apart; kept on the map for `remember_missing_s`); `straggling` (its heartbeat is more than
-  `stale_periods` periods old, or, among three or more peers doing the same work, it trains at under
+  `stale_periods` periods older than the freshest one seen, or, among three or more peers doing the same work, it trains at under
   `slow_fraction` of their median throughput); `idle` (joined but does no work, e.g. a role this version does
   not have); else `alive`.
 - *throughput*: tokens/s processed, from the increments of every learner's token counter and of every stage-0
@@ -116,14 +116,16 @@ def peer_health(
     group_median: float | None,
     period_s: float,
     config: ViewConfig,
+    freshest_age_s: float = 0.0,
 ) -> tuple[str, str]:
-    """(health, why) of one live peer record; see the module docstring."""
+    """(health, why) of one live peer record; see the module docstring. `freshest_age_s`, the age of the newest
+    heartbeat seen, is the observer's own lag (a slow DHT answer ages every record alike): ages count above it."""
     if peer.get("peer_id") in banned:
         return "banned", "a ban is in effect"
     if peer.get("leaving") or peer.get("state") == "leaving":
         return "leaving", "announced leaving"
     sent_at = _num(peer.get("sent_at"))
-    if sent_at is not None and now - sent_at > config.stale_periods * period_s:
+    if sent_at is not None and now - sent_at - freshest_age_s > config.stale_periods * period_s:
         return "straggling", f"last heartbeat {now - sent_at:.1f} s ago"
     throughput = _num(peer.get("throughput")) or 0.0
     if (
@@ -212,6 +214,8 @@ class SwarmHistory:
         live = {str(p["peer_id"]) for p in peers}
         # with two peers, which one is "slow" is a coin toss on noisy rates: compare within groups of three or more
         medians = {k: statistics.median(v) for k, v in _throughput_groups(peers).items() if len(v) >= 3}
+        ages = [now - t for p in peers if (t := _num(p.get("sent_at"))) is not None]
+        freshest_age_s = max(min(ages), 0.0) if ages else 0.0
         for peer in peers:
             peer_id = str(peer["peer_id"])
             track = self._peers.get(peer_id)
@@ -232,6 +236,7 @@ class SwarmHistory:
                 group_median=medians.get(key),
                 period_s=period_s,
                 config=self.config,
+                freshest_age_s=freshest_age_s,
             )
             if _worth_an_event(track.health, health):
                 kind = "recovered" if health == "alive" else health

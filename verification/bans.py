@@ -31,7 +31,7 @@ EVIDENCE_KINDS: tuple[str, ...] = ("statistical", "spotcheck", "equivocation")
 MAX_EVIDENCE_BYTES = 8 * 1024  # protocol.records.RecordLimits.max_evidence_bytes
 _EVIDENCE_VERSION = 1
 # Positions in protocol.envelope's canonical header array (see `_encode_header` there).
-_H_RUN, _H_SENDER, _H_STAGE, _H_DIRECTION, _H_MICROBATCH, _H_DIGEST = 1, 3, 5, 6, 7, 12
+_H_RUN, _H_SENDER, _H_STAGE, _H_DIRECTION, _H_MICROBATCH, _H_DIGEST, _H_META = 1, 3, 5, 6, 7, 12, 13
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +124,12 @@ class HeaderSlot:
     direction: str
     microbatch: int
     digest: bytes
+    input_digest: str = ""  # which request the payload answered (stages bind it in their output headers)
+
+
+def _input_digest(fields: list) -> str:
+    meta = fields[_H_META] if len(fields) > _H_META else None
+    return str(meta.get("input_digest", "")) if isinstance(meta, dict) else ""
 
 
 def signed_header_of(frame: bytes | bytearray | memoryview) -> SignedBoundaryHeader | None:
@@ -152,6 +158,7 @@ def verified_slot(signer: str, signed: SignedBoundaryHeader) -> HeaderSlot | Non
             direction=str(fields[_H_DIRECTION]),
             microbatch=int(fields[_H_MICROBATCH]),
             digest=bytes(fields[_H_DIGEST]),
+            input_digest=_input_digest(fields),
         )
     except Exception:  # a validly signed header we cannot read proves nothing
         return None
@@ -159,17 +166,18 @@ def verified_slot(signer: str, signed: SignedBoundaryHeader) -> HeaderSlot | Non
 
 
 def proves_equivocation(evidence: BanEvidence, run_id: str) -> bool:
-    """Two headers validly signed by the offender for one (run, microbatch, stage, direction) with different
-    payload digests. Checked from the offender's peer id alone: no trust in the verifier needed."""
+    """Two headers validly signed by the offender for one (run, microbatch, stage, direction, input) with
+    different payload digests. Checked from the offender's peer id alone: no trust in the verifier needed."""
     slots = [verified_slot(evidence.offender, h) for h in evidence.headers[:2]]
     if len(slots) != 2 or slots[0] is None or slots[1] is None:
         return False
     a, b = slots
-    same_slot = (a.run_id, a.stage, a.direction, a.microbatch) == (
+    same_slot = (a.run_id, a.stage, a.direction, a.microbatch, a.input_digest) == (
         b.run_id,
         b.stage,
         b.direction,
         b.microbatch,
+        b.input_digest,
     )
     return a.run_id == run_id and same_slot and a.digest != b.digest
 

@@ -38,6 +38,7 @@ class Slot:
     microbatch_id: int
     stage: int
     direction: str
+    input_digest: str = ""  # the request the payload answers: a new input for a microbatch is a new slot
 
 
 @dataclass(frozen=True, slots=True)

@@ -210,7 +210,7 @@ class _ScoreWindow:
         self._next = 0
         self._refresh = refresh
         self._stale = 0
-        self._cache: tuple[str, np.ndarray, np.ndarray] | None = None  # (fence kind, centre, sigma)
+        self._cache: tuple[str, _Fences] | None = None
 
     def __len__(self) -> int:
         return self._count
@@ -221,23 +221,11 @@ class _ScoreWindow:
         self._count = min(self._count + 1, self._data.shape[0])
         self._stale += 1
 
-    def fences(self, cfg: SentinelConfig) -> tuple[np.ndarray, np.ndarray]:
-        """(centre, sigma) per metric; a value v is out at multiplier k when |v - centre| > width(k)."""
+    def fences(self, cfg: SentinelConfig) -> _Fences:
         if self._cache is None or self._stale >= self._refresh or self._cache[0] != cfg.fence_kind:
-            self._cache = (cfg.fence_kind, *self._compute(cfg))
+            self._cache = (cfg.fence_kind, _compute_fences(self._data[: self._count], cfg))
             self._stale = 0
-        return self._cache[1], self._cache[2]
-
-    def _compute(self, cfg: SentinelConfig) -> tuple[np.ndarray, np.ndarray]:
-        data = self._data[: self._count]
-        if cfg.fence_kind == "mad":
-            centre = _column_quantile(data, 0.5)
-            sigma = _column_quantile(np.abs(data - centre), 0.5) * _MAD_TO_SIGMA
-            return centre, np.maximum(sigma, cfg.min_fence_width)
-        q1, q3 = _column_quantile(data, 0.25), _column_quantile(data, 0.75)
-        # Tukey: centre on the midhinge and express the IQR as a sigma so that one |v - centre| test
-        # reproduces the exact Q1 - k*IQR / Q3 + k*IQR bounds (see `_half_width`).
-        return (q1 + q3) / 2, np.maximum((q3 - q1) / _IQR_TO_SIGMA, cfg.min_fence_width)
+        return self._cache[1]
 
     def state(self) -> dict[str, Any]:
         return {"data": torch.from_numpy(self._data.copy()), "count": self._count, "next": self._next}
@@ -252,10 +240,41 @@ class _ScoreWindow:
         self._cache = None
 
 
-def _half_width(cfg: SentinelConfig, sigma: np.ndarray, k: float) -> np.ndarray:
-    if cfg.fence_kind == "mad":
-        return sigma * k
-    return sigma * _IQR_TO_SIGMA * (0.5 + k)
+@dataclass(frozen=True, slots=True)
+class _Fences:
+    """Per-metric robust location and one scale per side; `bounds(k)` gives the fences."""
+
+    kind: str
+    centre: np.ndarray
+    sigma_low: np.ndarray
+    sigma_high: np.ndarray
+    q1: np.ndarray
+    q3: np.ndarray
+
+    def bounds(self, k: float) -> tuple[np.ndarray, np.ndarray]:
+        if self.kind == "mad":
+            return self.centre - k * self.sigma_low, self.centre + k * self.sigma_high
+        iqr = self.q3 - self.q1
+        return self.q1 - k * iqr, self.q3 + k * iqr
+
+
+def _compute_fences(data: np.ndarray, cfg: SentinelConfig) -> _Fences:
+    """Robust fences per column. "mad": median +- k robust sigmas, one sigma per side (1.4826 x the
+    median deviation of the values on that side), because several honest metrics are skewed (the
+    gradient's gain has q01 -3 and q99 +6.6 in symmetric units) and one symmetric width either flags
+    the long side or goes blind on the short one. "tukey": Q1 - k IQR, Q3 + k IQR."""
+    centre = _column_quantile(data, 0.5)
+    q1, q3 = _column_quantile(data, 0.25), _column_quantile(data, 0.75)
+    floor = cfg.min_fence_width
+    if cfg.fence_kind == "tukey":
+        sigma = np.maximum((q3 - q1) / _IQR_TO_SIGMA, floor)
+        return _Fences("tukey", centre, sigma, sigma, q1, q3)
+    deviation = data - centre
+    above = np.where(deviation >= 0, deviation, np.nan)
+    below = np.where(deviation <= 0, -deviation, np.nan)
+    sigma_high = np.maximum(_column_quantile(above, 0.5) * _MAD_TO_SIGMA, floor)
+    sigma_low = np.maximum(_column_quantile(below, 0.5) * _MAD_TO_SIGMA, floor)
+    return _Fences("mad", centre, sigma_low, sigma_high, q1, q3)
 
 
 @dataclass(slots=True)
@@ -398,20 +417,20 @@ class BoundaryMonitor:
         named: dict[str, float],
         summary: _Summary,
     ) -> Verdict:
-        centre, sigma = window.fences(self.config)
-        half = _half_width(self.config, sigma, k)
+        fence = window.fences(self.config)
+        low, high = fence.bounds(k)
         deviations: dict[str, float] = {}
         fences: dict[str, tuple[float, float]] = {}
         offenders: list[str] = []
         for i in self._metric_index:
-            v, c, h = float(value[i]), float(centre[i]), float(half[i])
+            v, c = float(value[i]), float(fence.centre[i])
             if math.isnan(v) or math.isnan(c):
                 continue
             name = METRICS[i]
-            z = (v - c) / float(sigma[i])
+            z = (v - c) / float(fence.sigma_high[i] if v >= c else fence.sigma_low[i])
             deviations[name] = z
-            fences[name] = (c - h, c + h)
-            if abs(v - c) > h:
+            fences[name] = (float(low[i]), float(high[i]))
+            if not low[i] <= v <= high[i]:
                 offenders.append(f"{name} z={z:+.1f}")
         flagged = bool(offenders)
         basis = "vs stage peers" if mode == "peer" else "vs history"

@@ -31,7 +31,8 @@ EXIT_GRACE_S = 1.0  # a process already shutting down when the test returns is g
 PR_SET_CHILD_SUBREAPER = 36
 # Helpers that outlive their creator by design and exit on their own: torch's shared-memory manager stays while any
 # process holds shared tensors (and killing one this process uses would break torch sharing in later tests).
-IGNORED_PROCESS_NAMES = frozenset({"torch_shm_manager"})
+# /proc/<pid>/comm holds at most 15 characters, so names are compared cut to that length.
+IGNORED_PROCESS_NAMES = frozenset({"torch_shm_manager"[:15]})
 
 
 def _parent_map() -> dict[int, int]:

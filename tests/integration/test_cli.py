@@ -153,11 +153,11 @@ def test_an_authorized_key_on_auto_becomes_the_syncer(owner_swarm, tmp_path: Pat
     )
     status = syncer.status()
     assert (status["peer_id"], status["role"]) == (syncer_id, "syncer")
-    assert status["note"] == "role syncer: not built yet in this version"
+    assert "not built" not in str(status.get("note", ""))  # the syncer role exists: it does its work
     listed = wait_until(
         lambda: [p for p in bootstrap.swarm()["peers"] if p["peer_id"] == syncer_id], 15, what="syncer listed"
     )
-    assert listed[0]["role"] == "syncer" and listed[0]["state"] == "idle"
+    assert listed[0]["role"] == "syncer"
     syncer.signal(signal.SIGTERM)
     assert syncer.wait_exit(10) == 0
 

@@ -48,6 +48,8 @@ def test_the_cli_flag_set_is_frozen() -> None:
         "--max-steps",
         "--config",
         "--log-level",
+        "--listen",  # reachability for public nodes (issue 7)
+        "--announce",
     }
 
 

@@ -32,6 +32,16 @@ def test_a_retry_of_the_same_payload_is_not_equivocation() -> None:
     assert det.observe("peer", SLOT, signed(b"\x01" * 32, tag=b"retry"), now=2.0) is None
 
 
+def test_a_new_input_for_the_same_microbatch_is_a_new_slot() -> None:
+    # The verifier rerouted upstream: the replica answers a different request, so a different payload is honest.
+    det = EquivocationDetector()
+    first = Slot(run_id="run", microbatch_id=7, stage=1, direction="forward", input_digest="aa")
+    rerouted = Slot(run_id="run", microbatch_id=7, stage=1, direction="forward", input_digest="bb")
+    assert det.observe("peer", first, signed(b"\x01" * 32), now=1.0) is None
+    assert det.observe("peer", rerouted, signed(b"\x02" * 32), now=2.0) is None
+    assert det.observe("peer", first, signed(b"\x03" * 32), now=3.0) is not None  # same input, new payload
+
+
 @pytest.mark.parametrize(
     "other_signer, other_slot",
     [

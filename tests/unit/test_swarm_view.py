@@ -338,3 +338,12 @@ def test_the_served_history_is_thinned_and_bounded() -> None:
     assert len(served["peer_loss"]) == 2 and all(len(s["t"]) == 10 for s in served["peer_loss"].values())
     assert [m["version"] for m in served["merges"]] == [98, 99]
     assert served["totals"]["merges"] == full["totals"]["merges"] == 99  # counted beyond the ring of 3
+
+
+def test_when_every_heartbeat_is_late_the_observer_is_the_one_lagging() -> None:
+    history = SwarmHistory(config())
+    # a slow DHT answer: every record is 3 periods old, one is 6
+    peers = [peer("A", sent_at=7.0), peer("B", sent_at=7.0), peer("C", sent_at=4.0)]
+    history.observe(doc(10.0, peers), 10.0)
+    health = {c["short"]: c["health"] for c in history.swarm_map(doc(10.0, []))["learners"]}
+    assert health == {"A": "alive", "B": "alive", "C": "straggling"}
