@@ -358,7 +358,7 @@ def goodput_over_time(
         i = bisect.bisect_right([c[0] for c in curve], t) - 1
         return curve[i][1] if i >= 0 else 0
 
-    end = min(arm[-1][0] if arm else 0.0, reference[-1][0] if reference else 0.0)
+    end = reference[-1][0] if reference else 0.0  # an arm that stopped merging stays flat to the end
     out = []
     t = step_s
     while t <= end:
@@ -376,13 +376,22 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
 
     fig, (ax_loss, ax_good) = plt.subplots(1, 2, figsize=(12, 4.5))
     reference = results["failure_free"]["merged_curve"]
+    colors = {
+        "failure_free": "tab:grey",
+        "decoupled": "tab:blue",
+        "elastic_sync": "tab:orange",
+        "sync": "tab:red",
+    }
     for name, result in results.items():
+        color = colors.get(name)
         curve = result["loss_curve"]
         if curve:
-            ax_loss.plot([c[0] / 1e3 for c in curve], [c[1] for c in curve], marker=".", label=name)
+            ax_loss.plot(
+                [c[0] / 1e3 for c in curve], [c[1] for c in curve], marker=".", label=name, color=color
+            )
         if name != "failure_free":
             series = goodput_over_time(result["merged_curve"], reference)
-            ax_good.plot([s[0] for s in series], [s[1] for s in series], label=name)
+            ax_good.plot([s[0] for s in series], [s[1] for s in series], label=name, color=color)
     for fault in results.get("decoupled", {}).get("faults", []):
         ax_good.axvline(fault["injected_at_s"], color="grey", alpha=0.3, linewidth=1)
     ax_loss.set_xlabel("tokens merged into the global model (thousands)")

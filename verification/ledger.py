@@ -11,7 +11,7 @@ The rule (docs/sentinel.md explains and measures it):
 - A leaky strike counter (one strike per flag, one forgiven per `forgive_clean_microbatches` clean in a
   row) catches intermittent attackers that never put `ban_flags` into one window.
 - A stage-wide flag storm (more than `storm_fraction` of the stage's replicas flagged within a few
-  microbatches each, not counting replicas already quarantined) is the verifier's problem, not the
+  microbatches each, at least two of them not already quarantined) is the verifier's problem, not the
   replicas': the flags in it are forgiven and the answer is `rewarm`.
 - A ban needs corroboration: peers of the same stage must have sent clean microbatches since the suspect's
   first counted flag. Until then, while bans are paused after a storm anywhere (`storm_cooldown_s`), or
@@ -283,14 +283,7 @@ class ViolationLedger:
         return list(islice(reversed(stage_state.records), span))[::-1]
 
     def _is_storm(self, stage_state: _Stage) -> bool:
-        # Quarantined replicas already stand accused on their own evidence: a storm is about the
-        # unsuspected ones. Counting them let an attacker plus one honest flag (2 of 3) call a storm
-        # that forgave the attacker over and over (measured: flagged on every microbatch, never banned).
-        flagged = {
-            s
-            for _, s, f in self._storm_window(stage_state)
-            if f and s not in stage_state.banned and not self.is_quarantined(s)
-        }
+        flagged = {s for _, s, f in self._storm_window(stage_state) if f and s not in stage_state.banned}
         active = len(stage_state.members - stage_state.banned)
         return (
             len(flagged) >= self.config.storm_min_replicas

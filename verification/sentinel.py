@@ -20,8 +20,8 @@ How a tensor is judged (docs/sentinel.md has the measurements behind every numbe
      residual stages these remove the data variation that hides replay, matched-scale random,
      sign-flip and free-riding attacks, in both directions.
 3. Cross-replica centre: every replica's last few scores are kept; with at least two replicas seen
-   recently, a score is judged as a residual against the median over replicas (those not flagged at
-   their latest check, while at least two are not) of their recent medians. A shift shared by the replicas (a merged version, a learning-rate change) moves the centre
+   recently, a score is judged as a residual against the lower median over replicas of their recent
+   medians. A shift shared by the replicas (a merged version, a learning-rate change) moves the centre
    with it, so it stops being flagged after a few checks and the EMA keeps learning: no lock-out.
 4. Fences: robust two-sided fences, median +- k * 1.4826 * MAD (or Tukey's Q1 - k IQR, Q3 + k IQR on
    request), over a window of the residuals (raw scores while fewer than two replicas are known) of
@@ -485,20 +485,16 @@ class BoundaryMonitor:
         return (torch.from_numpy(rows) @ self._projections).numpy()
 
     def _peer_centre(self) -> np.ndarray | None:
-        """Median over the current replicas of their recent-median scores; None with too few replicas.
+        """Lower median over current replicas of their recent-median scores; None with too few replicas.
 
-        Replicas whose latest check was flagged are left out while enough others remain: with three
-        replicas a blatant attacker would otherwise turn the median into the lower of the two honest
-        ones, and its honest peers would collect flags (measured: 3 % instead of 0.8 %) that feed
-        storms which forgive the attacker. When most replicas are flagged (a shift they share), all
-        of them count, and the centre moves with the shift."""
+        The lower median keeps the centre on the calmer replica when there are only two. (Leaving
+        replicas flagged at their latest check out of the centre was tried: during an lr spike the
+        set of "calm" replicas churned and the centre lagged, doubling honest flags.)"""
         horizon = self._checks - self.config.peer_horizon_checks
-        current = [r for r in self._replicas.values() if r.last_check >= horizon]
-        calm = [r for r in current if not r.flagged]
-        pool = calm if len(calm) >= self.config.min_peer_replicas else current
-        if len(pool) < self.config.min_peer_replicas:
+        medians = [r.median for r in self._replicas.values() if r.last_check >= horizon]
+        if len(medians) < self.config.min_peer_replicas:
             return None
-        return _small_median([r.median for r in pool])
+        return np.sort(np.stack(medians), axis=0)[(len(medians) - 1) // 2]
 
     # ----------------------------------------------------------------- updates
 

@@ -220,6 +220,10 @@ class Procs:
 
     def start_node(self, *args: str, state: str | None = None, wait: bool = True) -> Node:
         state_dir = self.root / (state or f"node{self._count + 1}")
+        if "--config" not in args:  # learners in membership tests train, but slowly: keep the 2 cores for the test
+            light = self.root / "light-node.toml"
+            light.write_text("[learner]\nmin_step_s = 0.5\n")
+            args = (*args, "--config", str(light))
         argv = [PYTHON, "-m", "node", "--state-dir", str(state_dir), *args]
         proc: Node = self._spawn(Node, "node", argv)
         if wait:

@@ -95,8 +95,7 @@ def test_node_status_and_metrics_endpoints(swarm) -> None:
     for key in ("peer_id", "role", "run_id", "stage", "state", "inner_step", "tokens", "loss"):
         assert key in status
     assert status["run_id"] == bootstrap.swarm()["run_id"]
-    assert status["note"] == "role learner: not built yet in this version"
-    assert status["inner_step"] is None and status["tokens"] is None  # nothing pretends to train
+    assert status["role"] == "learner" and "not built" not in str(status.get("note", ""))
     metrics = get_text(nodes[0].status_url.replace("/api/status", "/metrics"))
     assert "hivenode_heartbeats_total" in metrics
     assert "hivenode_swarm_peers" in get_text(bootstrap.http_url + "/metrics")
