@@ -11,8 +11,9 @@ The rule (docs/sentinel.md explains and measures it):
 - A leaky strike counter (one strike per flag, one forgiven per `forgive_clean_microbatches` clean in a
   row) catches intermittent attackers that never put `ban_flags` into one window.
 - A stage-wide flag storm (more than `storm_fraction` of the stage's replicas flagged within a few
-  microbatches each, at least two of them not already quarantined) is the verifier's problem, not the
-  replicas': the flags in it are forgiven and the answer is `rewarm`.
+  microbatches each, with no single replica holding most of the flags) is the verifier's problem, not
+  the replicas': the flags in it are forgiven and the answer is `rewarm`.
+- Flags recorded while bans are paused after a storm quarantine but never count towards a ban.
 - A ban needs corroboration: peers of the same stage must have sent clean microbatches since the suspect's
   first counted flag. Until then, while bans are paused after a storm anywhere (`storm_cooldown_s`), or
   when the cap would be exceeded, the suspect is quarantined instead.
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 Action = Literal["none", "quarantine", "ban", "rewarm", "release"]
 
+# States of one microbatch in a signer's window.
+CLEAN, FLAG, PAUSED_FLAG = 0, 1, 2
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LedgerConfig:
@@ -48,6 +52,7 @@ class LedgerConfig:
     storm_records_per_replica: int = 4  # storm look-back: this many stage records per replica
     storm_fraction: float = 0.5  # storm when MORE than this share of the stage's replicas were flagged
     storm_min_replicas: int = 2  # and at least this many
+    storm_dominance: float = 2.0  # and no replica has more than this times the flags of the runner-up
     # After any storm, statistical bans pause this long (in the caller's clock units): honest
     # turbulence (an lr change, a big merge) reaches the stages one replica at a time, and the first
     # replica to go odd looks exactly like a lone offender until its peers follow.
@@ -68,8 +73,10 @@ class LedgerConfig:
             raise ValueError("need 1 <= quarantine_flags <= ban_flags <= window_microbatches")
         if self.forgive_clean_microbatches < 1 or self.max_strikes < 1:
             raise ValueError("forgive_clean_microbatches and max_strikes must be >= 1")
-        if self.storm_records_per_replica < 1 or self.storm_min_replicas < 2:
-            raise ValueError("need storm_records_per_replica >= 1 and storm_min_replicas >= 2")
+        if self.storm_records_per_replica < 1 or self.storm_min_replicas < 2 or self.storm_dominance < 1:
+            raise ValueError(
+                "need storm_records_per_replica >= 1, storm_min_replicas >= 2, storm_dominance >= 1"
+            )
         if not 0.0 < self.storm_fraction < 1.0:
             raise ValueError("storm_fraction must be in (0, 1)")
         if self.storm_cooldown_s < 0 or self.confirm_s < 0:
@@ -101,7 +108,7 @@ class LedgerDecision:
 @dataclass(slots=True)
 class _Signer:
     stage: int
-    window: deque[tuple[int, bool]]  # (stage sequence number, flagged) of its own last microbatches
+    window: deque[tuple[int, int]]  # (stage sequence number, CLEAN / FLAG / PAUSED_FLAG), own microbatches
     strikes: int = 0
     clean_run: int = 0
     quarantined: bool = False
@@ -112,7 +119,12 @@ class _Signer:
     candidate_since: float | None = None  # when its statistical evidence first reached ban level
 
     def flags(self) -> int:
-        return sum(1 for _, flagged in self.window if flagged)
+        """Flags in the window, including those recorded while bans were paused (they quarantine)."""
+        return sum(1 for _, state in self.window if state != CLEAN)
+
+    def ban_flags(self) -> int:
+        """Flags that may ban: recorded outside a pause after a storm (turbulence is not evidence)."""
+        return sum(1 for _, state in self.window if state == FLAG)
 
     def first_flag_seq(self) -> int | None:
         return next((seq for seq, flagged in self.window if flagged), None)
@@ -245,8 +257,13 @@ class ViolationLedger:
             members = {s for _, s, _ in islice(reversed(stage_state.records), look_back)}
         stage_state.members = frozenset(members | {signer} | stage_state.banned)
 
+    def _flag_state(self, flagged: bool, now: float) -> int:
+        if not flagged:
+            return CLEAN
+        return PAUSED_FLAG if now < self._paused_until else FLAG
+
     def _account(self, st: _Signer, seq: int, flagged: bool, now: float) -> None:
-        st.window.append((seq, flagged))
+        st.window.append((seq, self._flag_state(flagged, now)))
         st.microbatches += 1
         st.last_forgave = False
         if flagged:
@@ -261,10 +278,10 @@ class ViolationLedger:
 
     def _amend_last(self, st: _Signer, stage_state: _Stage, flagged: bool, now: float) -> bool:
         """Fold a second check of the signer's latest microbatch into it; True if it newly flags it."""
-        seq, was_flagged = st.window[-1]
-        if was_flagged or not flagged:
+        seq, state = st.window[-1]
+        if state != CLEAN or not flagged:
             return False
-        st.window[-1] = (seq, True)
+        st.window[-1] = (seq, self._flag_state(True, now))
         for i in range(len(stage_state.records) - 1, -1, -1):
             if stage_state.records[i][0] == seq:
                 stage_state.records[i] = (seq, stage_state.records[i][1], True)
@@ -283,12 +300,18 @@ class ViolationLedger:
         return list(islice(reversed(stage_state.records), span))[::-1]
 
     def _is_storm(self, stage_state: _Stage) -> bool:
-        flagged = {s for _, s, f in self._storm_window(stage_state) if f and s not in stage_state.banned}
+        counts: dict[str, int] = {}
+        for _, s, f in self._storm_window(stage_state):
+            if f and s not in stage_state.banned:
+                counts[s] = counts.get(s, 0) + 1
         active = len(stage_state.members - stage_state.banned)
-        return (
-            len(flagged) >= self.config.storm_min_replicas
-            and len(flagged) > self.config.storm_fraction * active
-        )
+        if len(counts) < self.config.storm_min_replicas or len(counts) <= self.config.storm_fraction * active:
+            return False
+        # A storm is many replicas a little odd, not one replica very odd: when one replica holds most
+        # of the flags, it is an individual plus a coincidence (measured: an attacker flagged on every
+        # microbatch plus one honest flag called storm after storm and was never banned).
+        top, second = sorted(counts.values(), reverse=True)[:2]
+        return top <= self.config.storm_dominance * second
 
     def _storm(self, stage_state: _Stage, signer: str, stage: int, now: float) -> LedgerDecision:
         window = self._storm_window(stage_state)
@@ -301,10 +324,11 @@ class ViolationLedger:
             st = self._signers.get(peer)
             if st is None or st.banned:
                 continue
-            for i, (seq, was_flagged) in enumerate(st.window):
-                if was_flagged and seq >= first_seq:
-                    st.window[i] = (seq, False)
-                    st.strikes = max(0, st.strikes - 1)
+            for i, (seq, state) in enumerate(st.window):
+                if state != CLEAN and seq >= first_seq:
+                    st.window[i] = (seq, CLEAN)
+                    if state == FLAG:  # paused flags never added a strike
+                        st.strikes = max(0, st.strikes - 1)
                     forgiven += 1
         related = tuple(
             self._release(self._signers[p], p, stage, "stage-wide flag storm: flags forgiven")
@@ -326,9 +350,13 @@ class ViolationLedger:
     def _evaluate(self, signer: str, st: _Signer, stage_state: _Stage, now: float) -> LedgerDecision:
         cfg = self.config
         flags = st.flags()
+        ban_flags = st.ban_flags()
         stage = st.stage
-        if flags >= cfg.ban_flags or st.strikes >= cfg.max_strikes:
-            evidence = f"{flags} flags in its last {len(st.window)} microbatches, {st.strikes} strikes"
+        if ban_flags >= cfg.ban_flags or st.strikes >= cfg.max_strikes:
+            evidence = (
+                f"{ban_flags} flags ({flags} with those during storm pauses) in its last "
+                f"{len(st.window)} microbatches, {st.strikes} strikes"
+            )
             if st.candidate_since is None or self._last_storm >= st.candidate_since:
                 # (re)start the confirmation clock; after a storm it starts when the pause ends
                 st.candidate_since = max(now, self._paused_until)
@@ -432,8 +460,8 @@ class ViolationLedger:
         self._last_storm = float(state.get("last_storm", -math.inf))
         self._signers = {}
         for name, s in state["signers"].items():
-            window: deque[tuple[int, bool]] = deque(
-                ((int(seq), bool(f)) for seq, f in s["window"]), maxlen=self.config.window_microbatches
+            window: deque[tuple[int, int]] = deque(
+                ((int(seq), int(f)) for seq, f in s["window"]), maxlen=self.config.window_microbatches
             )
             self._signers[name] = _Signer(
                 stage=int(s["stage"]),

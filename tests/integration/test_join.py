@@ -81,7 +81,7 @@ def test_three_nodes_join_and_the_bootstrap_lists_them_with_roles(swarm) -> None
     assert since_launch_s < 30.0
     for peer_id in ids:
         entry = listed[peer_id]
-        assert (entry["role"], entry["state"], entry["stage"]) == ("learner", "idle", None)
+        assert (entry["role"], entry["stage"]) == ("learner", None)  # the learner role trains on its own
         assert entry["http"] and entry["maddrs"] and entry["version"]
     assert listed[bootstrap.swarm()["peers"][0]["peer_id"]]  # the bootstrap lists itself too
     document = bootstrap.swarm()

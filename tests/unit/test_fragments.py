@@ -112,8 +112,11 @@ def test_lpt_bound_holds_for_any_sizes(sizes: list[int], num_fragments: int) -> 
         return
     named = {f"t{i}": s for i, s in enumerate(sizes)}
     plan = plan_fragments(named, num_fragments, ())
-    # LPT: makespan <= 4/3 OPT, and OPT >= max(ideal, largest tensor).
-    lower_bound = max(sum(sizes) / num_fragments, max(sizes))
+    # LPT: makespan <= 4/3 OPT. OPT >= the ideal share and the largest tensor, and with more tensors than
+    # fragments two of the P+1 largest must share a fragment (pigeonhole), so OPT >= s_P + s_{P+1}.
+    ordered = sorted(sizes, reverse=True)
+    pair = ordered[num_fragments - 1] + ordered[num_fragments] if len(sizes) > num_fragments else 0
+    lower_bound = max(sum(sizes) / num_fragments, ordered[0], pair)
     assert max(f.num_params for f in plan.fragments) <= 4 / 3 * lower_bound + 1e-9
 
 

@@ -131,6 +131,33 @@ def test_stage_wide_storm_means_rewarm_and_forgiveness_not_ban() -> None:
     assert ledger.flags_in_window("a") <= 1  # storm flags were forgiven
 
 
+def test_one_dominant_replica_plus_a_coincidence_is_not_a_storm() -> None:
+    # a is flagged on every microbatch; b's single honest false flag must not call a storm that would
+    # forgive a (measured in the harness: storm after storm, the attacker never banned).
+    ledger = ViolationLedger(PROMPT)
+    got = actions(
+        feed(ledger, round_robin(6, {"a": [True] * 6, "b": [False, False, True, False, False, False]}))
+    )
+    assert not any(action == "rewarm" for _, action in got)
+    assert ("a", "ban") in got
+
+
+def test_flags_during_a_storm_pause_quarantine_but_never_ban() -> None:
+    ledger = ViolationLedger(LedgerConfig(storm_cooldown_s=50.0, confirm_s=0.0))
+    ledger.record("x", 2, True, 0.0, replicas=["x", "y", "z"])
+    assert ledger.record("y", 2, True, 1.0, replicas=["x", "y", "z"]).action == "rewarm"
+    t = 2
+    for _ in range(12):  # a is flagged on every microbatch during the pause
+        for s in REPLICAS:
+            ledger.record(s, 1, s == "a", float(t), replicas=REPLICAS)
+            t += 1
+    assert ledger.is_quarantined("a") and not ledger.is_banned("a")
+    # once the pause is over, three fresh flags are needed
+    got = actions(feed(ledger, round_robin(4, {"a": [True] * 4}), start=100))
+    assert got == [("a", "ban")]
+    assert ledger.is_banned("a")
+
+
 def test_ban_waits_for_peer_corroboration() -> None:
     ledger = ViolationLedger(PROMPT)
     # a's three flags arrive back to back before any peer was checked: quarantine, not ban.
@@ -227,6 +254,7 @@ def test_state_dict_round_trip_keeps_evidence_and_bans() -> None:
         {"quarantine_flags": 4, "ban_flags": 3},
         {"storm_fraction": 1.0},
         {"storm_min_replicas": 1},
+        {"storm_dominance": 0.5},
         {"max_banned_fraction_per_stage": 1.0},
         {"min_active_replicas_per_stage": 0},
         {"confirm_s": -1.0},

@@ -7,12 +7,20 @@ import statistics
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
 from verification.attacks import Attack, AttackConfig
 from verification.ledger import ViolationLedger
-from verification.sentinel import METRICS, BoundaryMonitor, SentinelConfig, SentinelMonitor, Verdict
+from verification.sentinel import (
+    METRICS,
+    BoundaryMonitor,
+    SentinelConfig,
+    SentinelMonitor,
+    Verdict,
+    _compute_fences,
+)
 
 BATCH, TOKENS, WIDTH = 8, 16, 32
 
@@ -273,6 +281,21 @@ def test_replacement_is_the_baseline_broadcast() -> None:
     assert replacement.shape == y.shape
     assert torch.allclose(replacement[0], monitor.baseline()) and torch.equal(replacement[0], replacement[-1])
     assert torch.count_nonzero(BoundaryMonitor(FAST, stage=0, direction="backward").replacement_for(y)) == 0
+
+
+def test_fences_have_one_width_per_side_for_skewed_metrics() -> None:
+    # A right-skewed honest metric (like the gradient's gain) gets a wider upper fence and keeps a
+    # tight lower one; a symmetric metric gets equal sides.
+    gen = torch.Generator().manual_seed(0)
+    skewed = torch.distributions.Gamma(2.0, 1.0).sample((4000,)).numpy() * 0.1
+    symmetric = torch.randn(4000, generator=gen).numpy() * 0.1
+    data = np.stack([skewed, symmetric], axis=1)
+    fences = _compute_fences(data, SentinelConfig(metrics=("l1",)))
+    assert fences.sigma_high[0] > 1.2 * fences.sigma_low[0]  # gamma(2): about 1.3
+    assert fences.sigma_high[1] == pytest.approx(fences.sigma_low[1], rel=0.1)
+    assert fences.sigma_high[1] == pytest.approx(0.1, rel=0.1)
+    low, high = fences.bounds(6.0)
+    assert (data[:, 0] >= low[0]).all() and (data[:, 0] <= high[0]).mean() > 0.999
 
 
 def test_tukey_fences_work_too() -> None:
