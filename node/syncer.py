@@ -35,7 +35,7 @@ import json
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -80,6 +80,7 @@ if TYPE_CHECKING:
     from protocol.records import SyncerRecord
 
 logger = logging.getLogger(__name__)
+RECENT_MERGES = 64  # merges kept for /api/status (the JSONL tape keeps them all)
 
 MODES = ("decoupled", "sync", "elastic_sync")
 HOLDER_ROLES = ("learner", "stage")
@@ -643,6 +644,8 @@ class SyncerRole:
         self._p2p: Any = None
         self._eval: Any = None
         self._merges_since_checkpoint = 0
+        # the last merges with their quorum, grace and weights, for /api/status and so the dashboard of any swarm
+        self.recent_merges: deque[dict[str, Any]] = deque(maxlen=RECENT_MERGES)
 
     # ---- lifecycle ----
 
@@ -948,16 +951,17 @@ class SyncerRole:
                 return
             record = core.commit_merge(prepared, time.monotonic())
         self._merges_since_checkpoint += 1
-        self.ctx.events.emit(
-            "merge",
+        event = {
             **record.to_event(),
-            term=self.term,
-            mode=self.mode,
-            tokens_total=core.tokens_merged,
-            merges=core.merges,
-            grace_s=round(core.policy.grace_s(), 4),
-            xi_step_s=round(core.policy.xi_step or 0.0, 4),
-        )
+            "term": self.term,
+            "mode": self.mode,
+            "tokens_total": core.tokens_merged,
+            "merges": core.merges,
+            "grace_s": round(core.policy.grace_s(), 4),
+            "xi_step_s": round(core.policy.xi_step or 0.0, 4),
+        }
+        self.recent_merges.append({"t": time.time(), **event})
+        self.ctx.events.emit("merge", **event)
         self._notify()
         if (
             self.config.checkpoint_every_merges
@@ -1292,6 +1296,7 @@ class SyncerRole:
             "checkpoint": str(self.checkpoint_file),
             "last_checkpoint_at": self.last_checkpoint_at,
             "mirror_versions": list(self._mirror.versions) if self._mirror is not None else None,
+            "recent_merges": list(self.recent_merges),
         }
 
 
