@@ -437,7 +437,7 @@ class Lane:
         self.monitor.forget_replica(signer)
         if signer == ATTACKER and self.attack is not None and self.attacked_steps > 0:
             self.stats.ban_after = self.attacked_steps
-            self.stats.ban_via = "spot check" if reason.startswith("evidence") else "monitor"
+            self.stats.ban_via = "spot check" if "spot-check" in reason else "monitor"
         else:
             self.stats.false_bans.append(f"{signer}: {reason}")
 
@@ -809,21 +809,26 @@ def _plot(name: str, table: dict[str, dict[str, object]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [(k, v) for k, v in table.items() if k != "clean"]
-    labels = [k for k, _ in rows]
-    medians = []
-    for _, v in rows:
-        got = [b for b in v["ban_after_own_microbatches"] if b is not None]  # type: ignore[union-attr]
-        medians.append(statistics.median(got) if got else math.nan)
+    bans = [[b for b in v["ban_after_own_microbatches"] if b is not None] for _, v in rows]  # type: ignore[union-attr]
+    seeds = [len(v["ban_after_own_microbatches"]) for _, v in rows]  # type: ignore[arg-type]
+    medians = [statistics.median(b) if b else math.nan for b in bans]
+    longest = max([m for m in medians if not math.isnan(m)], default=10.0)
     fig, ax = plt.subplots(figsize=(9, 0.28 * len(rows) + 1.5))
     y = list(range(len(rows)))
-    ax.barh(
-        y,
-        [0 if math.isnan(m) else m for m in medians],
-        color=["tab:red" if math.isnan(m) else "tab:blue" for m in medians],
+    widths = [longest * 1.05 if math.isnan(m) else m for m in medians]
+    colors = ["#f4a6a6" if math.isnan(m) else ("tab:orange" if len(b) < n else "tab:blue")
+              for m, b, n in zip(medians, bans, seeds, strict=True)]  # fmt: skip
+    ax.barh(y, widths, color=colors)
+    for yi, m, b, n in zip(y, medians, bans, seeds, strict=True):
+        label = "never" if math.isnan(m) else (f"{m:g}" if len(b) == n else f"{m:g} ({len(b)}/{n} seeds)")
+        ax.text(widths[yi] + longest * 0.01, yi, label, va="center", fontsize=7)
+    ax.set_yticks(y, [k for k, _ in rows], fontsize=7)
+    ax.set_xlim(0, longest * 1.3)
+    ax.set_xlabel("attacker's own microbatches from attack start to ban (median over seeds)")
+    false_bans = sum(int(v["false_bans"]) for v in table.values())  # type: ignore[call-overload]
+    ax.set_title(
+        f"{name}: false bans in all lanes = {false_bans} (clean lane: {table['clean']['false_bans']})"
     )
-    ax.set_yticks(y, labels, fontsize=7)
-    ax.set_xlabel("attacker's own microbatches from attack start to ban (median over seeds; red = never)")
-    ax.set_title(f"{name}: clean false bans = {table['clean']['false_bans']}")
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -126,7 +126,7 @@ def _mimic(attack: Attack, x: torch.Tensor, direction: str, step: int, s: float)
     if st.mean_ema is None or st.mean_ema.numel() * x.shape[0] != x.numel():
         return x  # never saw honest work of this shape: nothing to imitate
     expected = st.mean_ema.unsqueeze(0).expand(x.shape[0], *st.mean_ema.shape).reshape(x.shape)
-    return expected + attack.noise_like(x) * (s * st.spread_ema)
+    return (expected + attack.noise_like(x).float() * (s * st.spread_ema)).to(x.dtype)
 
 
 def _onoff(attack: Attack, x: torch.Tensor, direction: str, step: int, s: float) -> torch.Tensor:

@@ -17,9 +17,9 @@ The rule (docs/sentinel.md explains and measures it):
 - A ban needs corroboration: peers of the same stage must have sent clean microbatches since the suspect's
   first counted flag. Until then, while bans are paused after a storm anywhere (`storm_cooldown_s`), or
   when the cap would be exceeded, the suspect is quarantined instead.
+- Spot-check convictions (two replicas against one) quarantine; two within the window ban.
 - Never ban more than `max_banned_fraction_per_stage` of a stage's replicas, nor leave fewer than
-  `min_active_replicas_per_stage`, on statistical evidence. Cryptographic evidence (equivocation) may
-  bypass the cap.
+  `min_active_replicas_per_stage`, except on cryptographic proof (equivocation).
 """
 
 from __future__ import annotations
@@ -52,15 +52,17 @@ class LedgerConfig:
     storm_records_per_replica: int = 4  # storm look-back: this many stage records per replica
     storm_fraction: float = 0.5  # storm when MORE than this share of the stage's replicas were flagged
     storm_min_replicas: int = 2  # and at least this many
-    storm_dominance: float = 2.0  # and no replica has more than this times the flags of the runner-up
-    # After any storm, statistical bans pause this long (in the caller's clock units): honest
-    # turbulence (an lr change, a big merge) reaches the stages one replica at a time, and the first
-    # replica to go odd looks exactly like a lone offender until its peers follow.
+    storm_dominance: float = 2.0  # and no replica has over this x the runner-up's flags (own windows)
+    # After any storm, statistical bans in every stage pause this long (in the caller's clock units):
+    # honest turbulence (an lr change, a big merge) reaches the stages one replica at a time, and the
+    # first replica to go odd looks exactly like a lone offender until its peers follow. (Pausing only
+    # the storming stage was measured too: honest bans came back in the lr spike.)
     storm_cooldown_s: float = 60.0
     # Statistical evidence must stand this long (from the moment the signer first qualified, with no
     # storm anywhere meanwhile) before it bans; the suspect is quarantined (spot-checked at the
     # quarantine rate) in between, so spot-check evidence usually convicts a real attacker sooner.
     confirm_s: float = 20.0
+    convictions_to_ban: int = 2  # spot-check convictions within the window that ban (see record_evidence)
     corroboration_clean: int = 2  # clean peer microbatches since the suspect's first counted flag
     release_clean_microbatches: int = 20  # clean in a row that lift a quarantine
     max_banned_fraction_per_stage: float = 0.5  # statistical bans never exceed this share of a stage
@@ -79,6 +81,8 @@ class LedgerConfig:
             )
         if not 0.0 < self.storm_fraction < 1.0:
             raise ValueError("storm_fraction must be in (0, 1)")
+        if self.convictions_to_ban < 1:
+            raise ValueError("convictions_to_ban must be >= 1")
         if self.storm_cooldown_s < 0 or self.confirm_s < 0:
             raise ValueError("storm_cooldown_s and confirm_s must be >= 0")
         if self.corroboration_clean < 0 or self.release_clean_microbatches < 1:
@@ -117,6 +121,8 @@ class _Signer:
     last_microbatch: int | None = None
     last_forgave: bool = False  # whether the latest record earned a forgiveness (undone if amended)
     candidate_since: float | None = None  # when its statistical evidence first reached ban level
+    candidate_storms: int = 0  # the ledger's storm count when that clock started
+    convictions: deque[int] = field(default_factory=lambda: deque(maxlen=16))  # own-microbatch count at each
 
     def flags(self) -> int:
         """Flags in the window, including those recorded while bans were paused (they quarantine)."""
@@ -146,7 +152,7 @@ class ViolationLedger:
         self._signers: dict[str, _Signer] = {}
         self._stages: dict[int, _Stage] = {}
         self._paused_until = -math.inf  # statistical bans pause until then (after a storm)
-        self._last_storm = -math.inf
+        self._storms = 0  # storms so far: a suspect's confirmation restarts after any new one
 
     # ----------------------------------------------------------------- queries
 
@@ -221,19 +227,38 @@ class ViolationLedger:
         now: float,
         *,
         reason: str,
+        proof: bool = False,
         bypass_cap: bool = False,
         replicas: Collection[str] | None = None,
     ) -> LedgerDecision:
-        """Ban-grade evidence (a spot check the third opinion confirmed; an equivocation proof).
-        Bans unless the cap forbids it; only cryptographic proof should pass `bypass_cap`."""
+        """Evidence beyond statistics against `signer`.
+
+        `proof=True` (an equivocation proof: cryptographic, anyone can re-check it) bans at once, even
+        past the stage cap. Otherwise it is a spot-check conviction (two replicas against one): it
+        quarantines, which makes the verifier recompute every microbatch of the signer, and bans at the
+        `convictions_to_ban`-th conviction within the signer's last `window_microbatches` (cap applies).
+        One conviction is not enough: right after a staggered merge two replicas can be nearly identical
+        while an honest third that has not adopted it yet is the odd one out by its whole local drift
+        (measured: 0.65 relative difference on gradients against 0.10 between the other two).
+        `bypass_cap=True` is the earlier name of `proof=True` and means the same."""
         stage_state = self._stage(stage)
         self._update_members(stage_state, signer, replicas)
         st = self._signer(signer, stage)
         if st.banned:
             return LedgerDecision("none", "already banned", signer, stage)
-        if bypass_cap or self._cap_allows_ban(stage_state):
-            return self._ban(st, stage_state, signer, stage, f"evidence: {reason}", now)
-        return self._quarantine(st, signer, stage, f"evidence ({reason}) but the stage ban cap is reached")
+        if proof or bypass_cap:
+            return self._ban(st, stage_state, signer, stage, f"proof: {reason}", now)
+        st.convictions.append(st.microbatches)
+        recent = sum(1 for at in st.convictions if st.microbatches - at < self.config.window_microbatches)
+        if recent < self.config.convictions_to_ban:
+            return self._quarantine(st, signer, stage, f"spot-check conviction {recent}: {reason}")
+        if not self._cap_allows_ban(stage_state):
+            return self._quarantine(
+                st, signer, stage, f"{recent} spot-check convictions but the stage ban cap is reached"
+            )
+        return self._ban(
+            st, stage_state, signer, stage, f"{recent} spot-check convictions, latest: {reason}", now
+        )
 
     # ----------------------------------------------------------------- internals
 
@@ -308,17 +333,19 @@ class ViolationLedger:
         if len(counts) < self.config.storm_min_replicas or len(counts) <= self.config.storm_fraction * active:
             return False
         # A storm is many replicas a little odd, not one replica very odd: when one replica holds most
-        # of the flags, it is an individual plus a coincidence (measured: an attacker flagged on every
-        # microbatch plus one honest flag called storm after storm and was never banned).
-        top, second = sorted(counts.values(), reverse=True)[:2]
-        return top <= self.config.storm_dominance * second
+        # of the flags over its own window, it is an individual plus a coincidence (measured: an
+        # attacker flagged on every microbatch plus one honest flag called storm after storm and was
+        # never banned). Own windows, not the short storm window: there each replica has only a few
+        # records, and "2 flags against 1" let a moderate attacker (30 % flagged) hide just the same.
+        own = sorted((self._signers[s].flags() for s in counts), reverse=True)
+        return own[0] <= self.config.storm_dominance * own[1]
 
     def _storm(self, stage_state: _Stage, signer: str, stage: int, now: float) -> LedgerDecision:
         window = self._storm_window(stage_state)
         first_seq = window[0][0]
         flagged = sorted({s for _, s, f in window if f and s not in stage_state.banned})
         self._paused_until = max(self._paused_until, now + self.config.storm_cooldown_s)
-        self._last_storm = now
+        self._storms += 1
         forgiven = 0
         for peer in stage_state.members:
             st = self._signers.get(peer)
@@ -357,9 +384,11 @@ class ViolationLedger:
                 f"{ban_flags} flags ({flags} with those during storm pauses) in its last "
                 f"{len(st.window)} microbatches, {st.strikes} strikes"
             )
-            if st.candidate_since is None or self._last_storm >= st.candidate_since:
-                # (re)start the confirmation clock; after a storm it starts when the pause ends
+            if st.candidate_since is None or st.candidate_storms != self._storms:
+                # (re)start the confirmation clock, also after a storm during a pause (when the clock
+                # was already set to the pause's end); after a storm it starts when the pause ends
                 st.candidate_since = max(now, self._paused_until)
+                st.candidate_storms = self._storms
             confirm_at = st.candidate_since + cfg.confirm_s
             if now < confirm_at:
                 return self._quarantine(st, signer, stage, f"{evidence}; confirming until t={confirm_at:.1f}")
@@ -436,6 +465,8 @@ class ViolationLedger:
                 "microbatches": st.microbatches,
                 "last_microbatch": st.last_microbatch,
                 "candidate_since": st.candidate_since,
+                "candidate_storms": st.candidate_storms,
+                "convictions": list(st.convictions),
             }
             for name, st in self._signers.items()
         }
@@ -452,12 +483,12 @@ class ViolationLedger:
             "signers": signers,
             "stages": stages,
             "paused_until": self._paused_until,
-            "last_storm": self._last_storm,
+            "storms": self._storms,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._paused_until = float(state.get("paused_until", -math.inf))
-        self._last_storm = float(state.get("last_storm", -math.inf))
+        self._storms = int(state.get("storms", 0))
         self._signers = {}
         for name, s in state["signers"].items():
             window: deque[tuple[int, int]] = deque(
@@ -473,6 +504,8 @@ class ViolationLedger:
                 microbatches=int(s["microbatches"]),
                 last_microbatch=None if s.get("last_microbatch") is None else int(s["last_microbatch"]),
                 candidate_since=None if s.get("candidate_since") is None else float(s["candidate_since"]),
+                candidate_storms=int(s.get("candidate_storms", 0)),
+                convictions=deque((int(c) for c in s.get("convictions", [])), maxlen=16),
             )
         self._stages = {}
         for stage, s in state["stages"].items():

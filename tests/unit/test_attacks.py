@@ -30,6 +30,15 @@ def test_every_kind_has_a_default_strength_and_keeps_shape_and_dtype() -> None:
         assert torch.isfinite(out).all(), kind
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_tensors_keep_their_dtype(dtype: torch.dtype) -> None:
+    for kind in ATTACKS:
+        attack = Attack(AttackConfig(kind=kind, start_after=2, delay_steps=1))
+        for step in range(4):
+            out = attack.apply(honest(step).to(dtype), direction="forward", microbatch_id=step, step=step)
+            assert out.dtype == dtype and out.shape == honest(step).shape, kind
+
+
 def test_input_is_never_modified_in_place() -> None:
     x = honest(0)
     before = x.clone()

@@ -111,6 +111,24 @@ def test_a_storm_anywhere_pauses_statistical_bans_and_restarts_confirmation() ->
     assert ledger.banned(1) == {"a"}
 
 
+def test_a_storm_during_a_pause_restarts_the_confirmation_again() -> None:
+    # a collects 3 flags before any storm; storms elsewhere at t=10 and t=40 pause bans until 70, then
+    # 100. The confirmation must restart from the later pause's end, not stay at the first's.
+    ledger = ViolationLedger(LedgerConfig(confirm_s=20.0, storm_cooldown_s=60.0, window_microbatches=60))
+    t = 0
+    banned_at = None
+    while t < 200 and banned_at is None:
+        for s in REPLICAS:
+            for d in ledger.record(s, 1, s == "a" and t < 9, float(t), replicas=REPLICAS).all():
+                if d.action == "ban":
+                    banned_at = t
+            t += 1
+        if t in (9, 39):  # a storm in stage 2 right after
+            ledger.record("x", 2, True, float(t + 1), replicas=["x", "y", "z"])
+            ledger.record("y", 2, True, float(t + 1), replicas=["x", "y", "z"])
+    assert banned_at is not None and banned_at >= 40 + 60 + 20
+
+
 def test_flags_during_a_storm_pause_add_no_strikes() -> None:
     ledger = ViolationLedger(LedgerConfig(storm_cooldown_s=1000.0))
     ledger.record("x", 2, True, 0.0, replicas=["x", "y", "z"])
@@ -202,13 +220,31 @@ def test_two_replica_stage_gets_no_statistical_ban() -> None:
     assert not ledger.is_banned("a") and ledger.is_quarantined("a")
 
 
-def test_evidence_bans_at_once_but_respects_the_cap_unless_cryptographic() -> None:
+def test_spot_check_convictions_quarantine_then_ban_and_proofs_ban_at_once() -> None:
     ledger = ViolationLedger()
-    assert ledger.record_evidence("a", 1, 0.0, reason="spot check", replicas=REPLICAS).action == "ban"
-    capped = ledger.record_evidence("b", 1, 1.0, reason="spot check", replicas=REPLICAS)
-    assert capped.action == "quarantine" and "cap" in capped.reason
-    proof = ledger.record_evidence("b", 1, 2.0, reason="equivocation", bypass_cap=True, replicas=REPLICAS)
+    first = ledger.record_evidence("a", 1, 0.0, reason="spot check", replicas=REPLICAS)
+    assert first.action == "quarantine" and "conviction 1" in first.reason
+    ledger.record("a", 1, False, 1.0, replicas=REPLICAS)
+    second = ledger.record_evidence("a", 1, 2.0, reason="spot check", replicas=REPLICAS)
+    assert second.action == "ban" and "2 spot-check convictions" in second.reason
+    # the stage cap applies to convictions ...
+    for t in (3.0, 4.0):
+        capped = ledger.record_evidence("b", 1, t, reason="spot check", replicas=REPLICAS)
+    assert capped.action == "none" and "cap" in capped.reason and ledger.is_quarantined("b")
+    # ... not to cryptographic proof
+    proof = ledger.record_evidence("b", 1, 5.0, reason="equivocation", proof=True, replicas=REPLICAS)
     assert proof.action == "ban"
+    # the earlier keyword for proofs (node/sentinel_tap.py uses it) still works
+    assert ledger.record_evidence("c", 2, 6.0, reason="equivocation", bypass_cap=True).action == "ban"
+
+
+def test_a_lone_old_conviction_expires_with_the_window() -> None:
+    ledger = ViolationLedger()
+    ledger.record_evidence("a", 1, 0.0, reason="stale replica", replicas=REPLICAS)
+    for t in range(1, 26):
+        ledger.record("a", 1, False, float(t), replicas=REPLICAS)
+    ledger.record_evidence("a", 1, 30.0, reason="stale replica", replicas=REPLICAS)
+    assert not ledger.is_banned("a")
 
 
 def test_forward_and_backward_checks_of_one_microbatch_count_once() -> None:
@@ -227,7 +263,7 @@ def test_forward_and_backward_checks_of_one_microbatch_count_once() -> None:
 
 def test_banned_signer_records_are_ignored() -> None:
     ledger = ViolationLedger()
-    ledger.record_evidence("a", 1, 0.0, reason="test", replicas=REPLICAS)
+    ledger.record_evidence("a", 1, 0.0, reason="test", proof=True, replicas=REPLICAS)
     decision = ledger.record("a", 1, True, 1.0, replicas=REPLICAS)
     assert decision.action == "none" and "banned" in decision.reason
 
@@ -235,7 +271,8 @@ def test_banned_signer_records_are_ignored() -> None:
 def test_state_dict_round_trip_keeps_evidence_and_bans() -> None:
     ledger = ViolationLedger()
     feed(ledger, round_robin(2, {"a": [True, True], "b": [True, False]})[:5])
-    ledger.record_evidence("c", 2, 5.0, reason="x", replicas=["c", "d", "e"])
+    ledger.record_evidence("c", 2, 5.0, reason="x", proof=True, replicas=["c", "d", "e"])
+    ledger.record_evidence("d", 2, 6.0, reason="y", replicas=["c", "d", "e"])
     restored = ViolationLedger()
     restored.load_state_dict(ledger.state_dict())
     assert restored.state_dict() == ledger.state_dict()
@@ -255,6 +292,7 @@ def test_state_dict_round_trip_keeps_evidence_and_bans() -> None:
         {"storm_fraction": 1.0},
         {"storm_min_replicas": 1},
         {"storm_dominance": 0.5},
+        {"convictions_to_ban": 0},
         {"max_banned_fraction_per_stage": 1.0},
         {"min_active_replicas_per_stage": 0},
         {"confirm_s": -1.0},
