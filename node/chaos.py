@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from node.proctree import descendants
+
 logger = logging.getLogger(__name__)
 
 FaultKind = Literal["kill", "stop", "kill_syncer"]
@@ -377,7 +379,7 @@ class ProcessGroup:
     def _remember_children(self) -> None:
         for managed in self._procs.values():
             if managed.popen is not None:
-                self._known_pids.update(_descendants(managed.popen.pid))
+                self._known_pids.update(descendants(managed.popen.pid))
 
     def terminate_all(self, grace_s: float = 5.0) -> None:
         """SIGTERM every running process (SIGCONT first, in case it is stopped), SIGKILL what is left after
@@ -403,20 +405,6 @@ class ProcessGroup:
                     os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(pid, os.WNOHANG)
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        try:
-            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
-        except OSError:
-            continue
-        for child in children:
-            out.append(int(child))
-            todo.append(int(child))
-    return out
 
 
 def _is_ours(pid: int) -> bool:

@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import ctypes
 import json
 import logging
 import math
@@ -49,6 +48,7 @@ from typing import Any
 
 import aiohttp
 
+from node.proctree import ProcInfo, cmdline, descendants, proc_table, reap, set_subreaper, terminate
 from node.report import ReportInputs, build_report, render_text, write_plots, write_report
 from node.swarm_view import SwarmHistory, ViewConfig, short, summary_line
 from protocol.errors import ConfigError, HivenodeError
@@ -60,7 +60,6 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = {"vocab_size": 256, "context_len": 64, "num_layers": 2, "width": 64, "num_heads": 4}
 EVAL_BATCHES, EVAL_BATCH_SIZE = 4, 8  # held-out batches the syncer and the demo evaluate the global model on
-PR_SET_CHILD_SUBREAPER = 36
 MIN_CHAOS_DURATION_S = 40.0
 REVIVE_AFTER_S = 6.0
 ATTACK_START_AFTER = 80  # honest steps of the attacker before it attacks (the monitors warm up first)  # a node down this long that chaos does not account for is started again
@@ -257,45 +256,6 @@ def role_available(role: str) -> bool:
 # ---- processes ----
 
 
-def _set_subreaper() -> bool:
-    """Orphans of our children (a DHT process or p2pd whose node was killed) are re-parented to us, so we can find
-    and reap them; Linux only."""
-    if not sys.platform.startswith("linux"):
-        return False
-    with contextlib.suppress(OSError, AttributeError):
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    return False
-
-
-def _proc_table() -> dict[int, tuple[int, str, int]]:
-    """pid -> (ppid, state, cpu ticks) for every process, from /proc."""
-    table = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        table[int(entry.name)] = (int(fields[1]), fields[0], int(fields[11]) + int(fields[12]))
-    return table
-
-
-def descendants(root: int, table: dict[int, tuple[int, str, int]] | None = None) -> list[int]:
-    """Live (non-zombie) descendants of `root`."""
-    table = table if table is not None else _proc_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, state, _) in table.items():
-        if state != "Z":
-            children.setdefault(ppid, []).append(pid)
-    out, frontier = [], [root]
-    while frontier:
-        frontier = [c for p in frontier for c in children.get(p, [])]
-        out += frontier
-    return out
-
-
 class ProcessWatch:
     """Counts the processes the demo started (directly or not), their CPU time, and reaps orphaned zombies."""
 
@@ -307,39 +267,23 @@ class ProcessWatch:
         self._hz = os.sysconf("SC_CLK_TCK")
 
     def sample(self) -> int:
-        table = _proc_table()
+        table = proc_table()
         alive = descendants(os.getpid(), table)
         self.seen.update(alive)
         self.peak_alive = max(self.peak_alive, len(alive))
         for pid in alive:
-            self._ticks[pid] = max(self._ticks.get(pid, 0), table[pid][2])
+            self._ticks[pid] = max(self._ticks.get(pid, 0), table[pid].cpu_ticks)
         self.reap(table)
         return len(alive)
 
-    def reap(self, table: dict[int, tuple[int, str, int]] | None = None) -> None:
-        table = table if table is not None else _proc_table()
+    def reap(self, table: dict[int, ProcInfo] | None = None) -> None:
+        table = table if table is not None else proc_table()
         me, own = os.getpid(), self.own_children()
-        for pid, (ppid, state, _) in table.items():
-            if ppid == me and state == "Z" and pid not in own:
-                with contextlib.suppress(ChildProcessError, OSError):
-                    os.waitpid(pid, os.WNOHANG)
+        reap(pid for pid, info in table.items() if info.ppid == me and info.state == "Z" and pid not in own)
 
     @property
     def cpu_s(self) -> float:
         return sum(self._ticks.values()) / self._hz
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return (
-            Path(f"/proc/{pid}/cmdline")
-            .read_bytes()
-            .replace(b"\0", b" ")
-            .decode(errors="replace")
-            .strip()[:160]
-        )
-    except OSError:
-        return "?"
 
 
 def kill_leftovers(grace_s: float = 3.0, timeout_s: float = 5.0) -> list[str]:
@@ -349,21 +293,9 @@ def kill_leftovers(grace_s: float = 3.0, timeout_s: float = 5.0) -> list[str]:
     while descendants(os.getpid()) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = descendants(os.getpid())
-    described = [f"{pid} {_cmdline(pid)}" for pid in left]
-    for pid in left:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while (alive := descendants(os.getpid())) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in alive:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    time.sleep(0.2)
-    for pid in left:
-        with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(pid, os.WNOHANG)
+    described = [f"{pid} {cmdline(pid)}" for pid in left]
+    terminate(left, timeout_s)
+    reap(left)
     return described
 
 
@@ -1011,7 +943,7 @@ async def run_demo(config: DemoConfig) -> dict[str, Any] | None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    _set_subreaper()
+    set_subreaper()
     swarm = DemoSwarm(config)
     swarm.prepare()
     print(f"hivenode demo: {describe(config)}; files in {config.out_dir}", flush=True)

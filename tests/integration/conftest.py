@@ -11,121 +11,31 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
-import signal
-import sys
 import threading
-import time
 import warnings
 from collections.abc import Coroutine, Iterator
-from contextlib import suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
+from node.proctree import cmdline, comm, descendants, reap, set_subreaper, terminate, wait_gone
+
 T = TypeVar("T")
 TERM_GRACE_S = 3.0
 EXIT_GRACE_S = 1.0  # a process already shutting down when the test returns is given this long to finish alone
-PR_SET_CHILD_SUBREAPER = 36
 # Helpers that outlive their creator by design and exit on their own: torch's shared-memory manager stays while any
 # process holds shared tensors (and killing one this process uses would break torch sharing in later tests).
 # /proc/<pid>/comm holds at most 15 characters, so names are compared cut to that length.
 IGNORED_PROCESS_NAMES = frozenset({"torch_shm_manager"[:15]})
 
 
-def _parent_map() -> dict[int, int]:
-    """pid -> ppid for every live (non-zombie) process, from /proc."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z":
-            parents[int(entry.name)] = int(fields[1])
-    return parents
-
-
-def descendants(pid: int) -> list[int]:
-    """Live descendants of `pid`, parents before children."""
-    children: dict[int, list[int]] = {}
-    for child, parent in _parent_map().items():
-        children.setdefault(parent, []).append(child)
-    order, frontier = [], [pid]
-    while frontier:
-        nxt = [c for p in frontier for c in children.get(p, [])]
-        order.extend(nxt)
-        frontier = nxt
-    return order
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return (
-            Path(f"/proc/{pid}/cmdline")
-            .read_bytes()
-            .replace(b"\0", b" ")
-            .decode(errors="replace")
-            .strip()[:120]
-        )
-    except OSError:
-        return "?"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
-def _still_alive_after(pids: list[int], grace_s: float) -> list[int]:
-    deadline = time.monotonic() + grace_s
-    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
-
-
-def kill_processes(pids: list[int], grace_s: float = TERM_GRACE_S) -> None:
-    """SIGTERM the pids (children first), wait up to `grace_s`, then SIGKILL what is left.
-
-    Zombies count as gone; they are left for their owner (asyncio's child watcher, a Popen) to reap.
-    """
-    for pid in reversed(pids):
-        with suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    for pid in _still_alive_after(pids, grace_s):
-        with suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _reap_if_zombie_child(pid: int) -> None:
-    with suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
-
-
 @pytest.fixture(scope="session")
 def _subreaper() -> bool:
     """Make this process the reaper of orphaned descendants (Linux prctl), so a grandchild whose parent died (a p2pd
     of a killed node) is re-parented here and still found by the scan, instead of escaping to init."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    return set_subreaper()
 
 
 @pytest.fixture(autouse=True)
@@ -140,17 +50,16 @@ def reap_children(_subreaper: bool) -> Iterator[None]:
         leaked = [
             p
             for p in descendants(os.getpid())
-            if p not in before and p not in killed and _comm(p) not in IGNORED_PROCESS_NAMES
+            if p not in before and p not in killed and comm(p) not in IGNORED_PROCESS_NAMES
         ]
-        leaked = _still_alive_after(leaked, EXIT_GRACE_S)
+        leaked = wait_gone(leaked, EXIT_GRACE_S)
         if not leaked:
             break
-        names = "; ".join(f"{p}: {_cmdline(p)}" for p in leaked)
-        kill_processes(leaked)
+        names = "; ".join(f"{p}: {cmdline(p, 120)}" for p in leaked)
+        terminate(leaked, TERM_GRACE_S)
         killed.extend(leaked)
         warnings.warn(f"test left {len(leaked)} process(es) running, killed: {names}", stacklevel=1)
-    for pid in killed:  # a leaked process is nobody's to wait for any more
-        _reap_if_zombie_child(pid)
+    reap(killed)  # a leaked process is nobody's to wait for any more
 
 
 class LoopThread:

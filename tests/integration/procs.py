@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from node.proctree import descendants
+
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -63,23 +65,6 @@ def get_json(url: str, timeout_s: float = 3.0) -> Any:
 def get_text(url: str, timeout_s: float = 3.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
         return response.read().decode()
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        for child in _children(todo.pop()):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 @dataclass
@@ -220,7 +205,9 @@ class Procs:
 
     def start_node(self, *args: str, state: str | None = None, wait: bool = True) -> Node:
         state_dir = self.root / (state or f"node{self._count + 1}")
-        if "--config" not in args:  # learners in membership tests train, but slowly: keep the 2 cores for the test
+        if (
+            "--config" not in args
+        ):  # learners in membership tests train, but slowly: keep the 2 cores for the test
             light = self.root / "light-node.toml"
             light.write_text("[learner]\nmin_step_s = 0.5\n")
             args = (*args, "--config", str(light))
