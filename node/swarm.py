@@ -42,7 +42,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from node.config import NetworkConfig, NodeConfig
 from node.runtime import VERSION, NodeContext, NodeMetrics, wait_or_stop
-from protocol.errors import ConfigError, HivenodeError, JoinError, MalformedFrame
+from protocol.errors import ConfigError, HivenodeError, JoinError, MalformedFrame, ManifestRejected
 from protocol.identity import NodeIdentity
 from protocol.keys import KeyKind, is_peer_id
 from protocol.limits import LimitsConfig, QuotaConfig, QuotaStats, RateLimit, StoreQuota
@@ -57,6 +57,7 @@ from protocol.records import (
     SwarmRecords,
     fetch_discovery,
     fetch_manifest,
+    manifest_rejections,
 )
 from protocol.rpc import Route, call_framed
 
@@ -806,14 +807,29 @@ async def discover_run(
         chosen = pick_run(candidates, run_id=config.run_id, pins=pins)
         if chosen is not None:
             return chosen
+        await _refuse_tampered_manifests(dht, timeout_s)
         if time.monotonic() + pause_s > deadline:
-            wanted = f"the manifest of run {config.run_id}" if config.run_id else "a run manifest"
+            wanted = f"manifest of run {config.run_id}" if config.run_id else "run manifest"
             raise JoinError(
                 f"reached the DHT but found no {wanted} within {config.network.join_timeout_s:g} s; "
                 "is the entry point a hivenode bootstrap, or connected to one?"
             )
         await asyncio.sleep(pause_s)
         pause_s = min(2 * pause_s, _DISCOVERY_RETRY_S[1])
+
+
+async def _refuse_tampered_manifests(dht: hivemind.DHT, timeout_s: float) -> None:
+    """No valid manifest found, but our DHT's validator refused manifest records: say so now (ManifestRejected),
+    rather than "found no run manifest" after the join timeout. A valid one, when there is, is always taken first."""
+    try:
+        rejected = await manifest_rejections(dht, timeout_s=timeout_s)
+    except asyncio.TimeoutError:
+        return
+    if rejected:
+        raise ManifestRejected(
+            f"the DHT holds no valid run manifest but refused {len(set(rejected))} manifest record(s), latest: "
+            f"{rejected[-1]}; refusing to join"
+        )
 
 
 async def join(config: NodeConfig, identity: NodeIdentity) -> Joined:

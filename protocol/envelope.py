@@ -11,6 +11,12 @@ covers `SIGNATURE_DOMAIN + header`, so a signature made for anything else (a DHT
 as an envelope. BLAKE3 rather than SHA-256 or BLAKE2b: on one core here it hashes about 6 GB/s against 0.7-1.6
 (SHA-256) and 0.6 GB/s (BLAKE2b), and it is already installed with hivemind (py-multihash depends on it).
 
+Where the digest is computed: `seal` copies the payload into the frame piece by piece and hashes each piece right
+after copying it; on receipt, the framed stream (`protocol.rpc`) hashes the payload chunk by chunk as it arrives
+(`FrameDigester`, carried by the `ReceivedFrame` it fills), so neither end makes a separate pass over the payload.
+The streamed digest is only used, never trusted beyond the bytes it saw: `open_envelope` compares it with the signed
+one at the same point of its order as a digest of its own, and digests any other frame itself.
+
 `open_envelope` checks, in exactly this order, and raises a typed `ProtocolError` at the first failure:
 size cap -> header decodes -> signer equals the Noise-authenticated remote peer -> signature -> context (run, kind,
 stage, direction, receiver) -> replay window, seen-set and clock skew -> byte count equals dtype x shape -> digest ->
@@ -19,6 +25,7 @@ only then are tensors built (one private copy each, with the finite-value policy
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import secrets
@@ -58,6 +65,7 @@ MAX_META_STR_CHARS = 4096
 MAX_META_LIST_LEN = 1024
 MAX_U63 = (1 << 63) - 1
 PARALLEL_DIGEST_BYTES = 1 << 20  # measured: threads lose at 256 KiB (44 vs 35 us), win from 1 MiB
+SEAL_PIECE_BYTES = 1 << 20  # seal copies and hashes the payload in pieces that stay in a core's 2 MiB L2
 NO_STAGE = -1  # frames that do not belong to a pipeline stage
 MAX_STAGE = (1 << 16) - 1
 
@@ -181,11 +189,16 @@ def seal(
     tensors: Mapping[str, torch.Tensor] | None = None,
     meta: Mapping[str, MetaValue] | None = None,
     nonce: bytes | None = None,
-) -> bytes:
+) -> bytearray:
     """Sign one frame from `identity` to `context.receiver`.
 
     Pass one `tensor`, or several named `tensors` (a fragment), or neither (a metadata-only frame). `now` is the
     sender's wall clock in seconds (it becomes the timestamp the receiver checks for skew).
+
+    The payload is copied into the frame once, and each piece is hashed right after it is copied, while it is still
+    in cache: a separate digest pass over the tensor would read it from memory a second time (measured at 16 MiB,
+    load 3.6: hash then copy 8.1 ms, copy and hash piecewise 5.0 ms, the copy alone 3.8 ms). The header is signed once,
+    after the last piece.
 
     Raises:
         ValueError: bad arguments or metadata.
@@ -212,20 +225,116 @@ def seal(
         timestamp=float(now),
         nonce=secrets.token_bytes(NONCE_SIZE) if nonce is None else nonce,
         tensors=tuple(specs),
-        digest=payload_digest(views),
+        digest=bytes(DIGEST_SIZE),  # a placeholder of the digest's size: the header's length does not change
         meta=dict(meta or {}),
     )
     _validate_header(header)
-    return encode_frame(identity, header, views)
+    return _seal_frame(identity, header, views)
+
+
+def _seal_frame(identity: NodeIdentity, header: Header, views: list[memoryview]) -> bytearray:
+    header_len = len(_encode_header(header))
+    if header_len > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {header_len} bytes > {MAX_HEADER_BYTES}")
+    payload_start = _OVERHEAD_BYTES + header_len
+    frame = bytearray(payload_start + sum(len(v) for v in views))
+    hasher = _new_hasher(len(frame) - payload_start)
+    with memoryview(frame) as out:
+        offset = payload_start
+        for view in views:
+            for start in range(0, len(view), SEAL_PIECE_BYTES):
+                piece = view[start : start + SEAL_PIECE_BYTES]
+                end = offset + len(piece)
+                out[offset:end] = piece
+                hasher.update(out[offset:end])
+                offset = end
+        header_bytes = _encode_header(dataclasses.replace(header, digest=hasher.digest(DIGEST_SIZE)))
+        if len(header_bytes) != header_len:  # msgpack sizes a 32-byte bin the same whatever its value
+            raise AssertionError("header length changed with its digest")
+        _LENGTH.pack_into(out, 0, header_len)
+        out[_LENGTH.size : _LENGTH.size + header_len] = header_bytes
+        out[_LENGTH.size + header_len : payload_start] = identity.sign(SIGNATURE_DOMAIN + header_bytes)
+    return frame
 
 
 def payload_digest(parts: list[memoryview] | list[bytes]) -> bytes:
-    """BLAKE3-256 over the concatenated parts; multithreaded from 1 MiB (up to 2x faster on 2 cores)."""
-    threads = blake3.blake3.AUTO if sum(len(p) for p in parts) >= PARALLEL_DIGEST_BYTES else 1
-    hasher = blake3.blake3(max_threads=threads)
+    """BLAKE3-256 over the concatenated parts in one pass; multithreaded from 1 MiB (up to 2x faster on 2 idle
+    cores). Frames that arrived on a framed stream (`ReceivedFrame`) were already digested on the way."""
+    hasher = _new_hasher(sum(len(p) for p in parts), parallel=True)  # one cold pass: blake3's pool helps
     for part in parts:
         hasher.update(part)
     return hasher.digest(DIGEST_SIZE)
+
+
+class FrameDigester:
+    """The payload digest of one frame, computed while the frame's bytes arrive (fed by `rpc.Reassembler`).
+
+    A frame's payload starts after `[u32 header length][header][signature]`, so the digester reads the header
+    length from the first four bytes and from then on hashes every newly arrived byte past that offset. The hash
+    runs between chunk reads, while the daemon already moves the next chunk, on bytes still in cache where the
+    stream layer put them (no copy, no pass after the last chunk); `open_envelope` compares it at the same point of
+    its check order as a digest of its own. A header length over the cap, or one
+    that runs past the frame, disables it; `open_envelope` then rejects the frame for that reason.
+    """
+
+    __slots__ = ("frame_bytes", "payload_start", "_hasher", "_hashed")
+
+    def __init__(self, frame_bytes: int) -> None:
+        self.frame_bytes = frame_bytes
+        self.payload_start: int | None = None  # known once four bytes have arrived
+        self._hasher: blake3.blake3 | None = None
+        self._hashed = 0  # frame offset up to which the payload is hashed
+
+    def advance(self, frame: memoryview, filled: int) -> None:
+        """`frame[:filled]` has arrived (and will not change): hash the payload bytes among it not hashed yet."""
+        if self.payload_start is None:
+            if filled < _LENGTH.size:
+                return
+            (header_len,) = _LENGTH.unpack_from(frame)
+            start = _OVERHEAD_BYTES + header_len
+            self.payload_start = start
+            if header_len > MAX_HEADER_BYTES or start > self.frame_bytes:
+                return  # not a frame open_envelope accepts; it says why
+            self._hasher = _new_hasher(self.frame_bytes - start)
+            self._hashed = start
+        if self._hasher is not None and filled > self._hashed:
+            self._hasher.update(frame[self._hashed : filled])
+            self._hashed = filled
+
+    def digest(self, payload_start: int, frame_bytes: int) -> bytes | None:
+        """The payload digest, if the whole frame was hashed with exactly this layout; else None."""
+        complete = self._hasher is not None and self._hashed == self.frame_bytes == frame_bytes
+        if not complete or payload_start != self.payload_start:
+            return None
+        assert self._hasher is not None
+        return self._hasher.digest(DIGEST_SIZE)
+
+
+class ReceivedFrame(bytearray):
+    """A frame's bytes as the stream layer received them, with the payload digest it computed on the way.
+
+    The digest vouches for the bytes as they arrived. Code that edits a received frame in place before opening it
+    must edit a copy (`bytearray(frame)` is a plain bytearray, digested again by `open_envelope`); item assignment
+    and deletion drop the digest as a guard.
+    """
+
+    digester: FrameDigester | None = None
+
+    def __setitem__(self, index, value) -> None:  # type: ignore[no-untyped-def]
+        self.digester = None
+        super().__setitem__(index, value)
+
+    def __delitem__(self, index) -> None:  # type: ignore[no-untyped-def]
+        self.digester = None
+        super().__delitem__(index)
+
+
+def _new_hasher(num_bytes: int, *, parallel: bool = False) -> blake3.blake3:
+    """One thread unless `parallel`: the streamed and sealed digests hash pieces that are hot in cache, where one
+    thread keeps up (measured at 16 MiB: 5.1 ms copy + hash on one thread, 5.0 ms with blake3's pool), and a
+    pool's threads on 2 shared cores make the cost depend on who else holds them."""
+    threads = blake3.blake3.AUTO if parallel and num_bytes >= PARALLEL_DIGEST_BYTES else 1
+    return blake3.blake3(max_threads=threads)
 
 
 def encode_frame(
@@ -312,7 +421,7 @@ def open_envelope(
     frame_id = header.frame_id()
     replay.check(frame_id, now=now, current_step=current_step)
     sizes = _check_sizes(header, len(payload), limits)
-    if payload_digest([payload]) != header.digest:
+    if _digest_of(frame, payload) != header.digest:
         raise DigestMismatch("payload bytes do not match the signed digest")
     tensors, offset = {}, 0
     for spec, size in zip(header.tensors, sizes, strict=True):
@@ -347,6 +456,16 @@ def open_frame(
     if list(opened.tensors) != [""]:
         raise WrongContext(f"expected one unnamed tensor, got {sorted(opened.tensors)[:4]}")
     return opened.header, opened.tensors[""]
+
+
+def _digest_of(frame: bytes | bytearray | memoryview, payload: memoryview) -> bytes:
+    """The digest the stream layer computed while `frame` arrived, else one pass over `payload` now."""
+    digester = frame.digester if isinstance(frame, ReceivedFrame) else None
+    if digester is not None:
+        streamed = digester.digest(len(frame) - len(payload), len(frame))
+        if streamed is not None:
+            return streamed
+    return payload_digest([payload])
 
 
 def _split(view: memoryview) -> tuple[bytes, memoryview, memoryview]:

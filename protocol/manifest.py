@@ -98,7 +98,8 @@ class DilocoSpec:
     def __post_init__(self) -> None:
         _require(self.mode in DILOCO_MODES, f"diloco.mode must be one of {DILOCO_MODES}, got {self.mode!r}")
         _require(
-            _is_int(self.sync_learners) and self.sync_learners >= 1, "diloco.sync_learners must be an int >= 1"
+            _is_int(self.sync_learners) and self.sync_learners >= 1,
+            "diloco.sync_learners must be an int >= 1",
         )
         for name in ("min_quorum", "sync_every_steps", "num_fragments"):
             _require(

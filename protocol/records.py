@@ -22,7 +22,7 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +46,7 @@ PEER_STATES = ("joining", "idle", "training", "serving", "verifying", "syncing",
 SYNCER_STATES = ("active", "standby")
 MAX_MADDRS = 8
 MAX_FRAGMENTS = 1024
+MAX_MANIFEST_REJECTIONS = 8
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -365,6 +366,20 @@ def _check_written_at(kind: KeyKind, body: Mapping[str, Any], now: float, limits
         )
 
 
+def _manifest_record_kind(key_id: bytes, envelope: object) -> str | None:
+    """The kind of place ("discovery" or "manifest") where a record under `key_id` keeps a run manifest, if any."""
+    if key_id == keys.key_id(keys.discovery_key()):
+        return "discovery"
+    raw_key = envelope.get("k") if isinstance(envelope, dict) else None
+    if not isinstance(raw_key, str):
+        return None
+    try:
+        manifest_key = keys.parse_key(raw_key).kind is KeyKind.MANIFEST
+    except ValueError:
+        return None
+    return "manifest" if manifest_key and keys.key_id(raw_key) == key_id else None
+
+
 class HivenodeRecordValidator(RecordValidatorBase):
     """hivemind validator for every hivenode record. Instances merge, so runs can be added after the DHT started
     (`dht.add_validators([HivenodeRecordValidator([rules])])`). Records that are not hivenode envelopes are
@@ -381,8 +396,12 @@ class HivenodeRecordValidator(RecordValidatorBase):
         self._limits = limits or RecordLimits()
         self._allow_foreign = allow_foreign
         self.rejections: Counter[str] = Counter()
+        # Why recent manifest and discovery records were refused: a joining node that finds no valid manifest
+        # names the tampering from these instead of waiting out its join timeout (`manifest_rejections`).
+        self.manifest_rejections: deque[str] = deque(maxlen=MAX_MANIFEST_REJECTIONS)
 
     def validate(self, record: DHTRecord) -> bool:
+        envelope = None
         try:
             envelope = decode_envelope(record.value, self._limits)
             check_envelope(
@@ -399,6 +418,9 @@ class HivenodeRecordValidator(RecordValidatorBase):
                 return True
             self.rejections[e.reason] += 1
             logger.debug("rejected a DHT record: %s", e)
+            where = _manifest_record_kind(record.key, envelope)
+            if where is not None:
+                self.manifest_rejections.append(f"{where} record: {str(e)[:300]}")
             return False
         except Exception:  # a bug in a check must not let the record through, nor kill the DHT handler
             self.rejections["error"] += 1
@@ -602,6 +624,22 @@ async def fetch_manifest(
     found = await _bounded(dht.get(raw_key, latest=True, return_future=True), timeout_s)
     verified = _verified(raw_key, found, now=now, runs={}, limits=limits or RecordLimits())
     return SignedManifest.from_wire(verified[0].body["signed"]) if verified else None
+
+
+async def manifest_rejections(dht: Any, *, timeout_s: float) -> list[str]:
+    """Why the validator of `dht` (in hivemind's DHT process) refused manifest and discovery records it was shown,
+    oldest first. hivemind drops a refused record before `get` returns, so this is how a node that finds no valid
+    manifest learns that it found a tampered one."""
+    return list(await _bounded(dht.run_coroutine(_manifest_rejections_in_dht, return_future=True), timeout_s))
+
+
+async def _manifest_rejections_in_dht(dht: Any, node: Any) -> list[str]:
+    validator = node.protocol.record_validator  # runs inside the DHT process: a CompositeValidator or ours
+    found: list[str] = []
+    for candidate in getattr(validator, "_validators", [validator]):
+        if isinstance(candidate, HivenodeRecordValidator):
+            found += candidate.manifest_rejections
+    return found
 
 
 class SwarmRecords:

@@ -10,8 +10,10 @@ that declares 1 GiB can make the receiver buffer hundreds of MiB. So every RPC o
 The receiver checks the preamble against the cap of that handler (which comes from our config, never from the peer)
 before it reads or allocates anything else, then reads each chunk under a timeout, counting chunks and bytes and
 refusing any chunk that would pass the declared total. The body buffer is allocated only once the declared size is
-known to be under the cap. A request is one message with status REQUEST; the answer is one message with status OK
-(the handler's bytes) or ERROR (a short reason tag).
+known to be under the cap. Bodies are signed envelopes, so the reader also hashes each chunk's payload bytes as
+they land in that buffer (`envelope.FrameDigester`): `open_envelope` then finds the digest already made, and hashing
+overlaps the transfer instead of being a pass of its own. A request is one message with status REQUEST; the
+answer is one message with status OK (the handler's bytes) or ERROR (a short reason tag).
 
 `remote_peer`, as handed to handlers, is the Noise-authenticated caller (`StreamInfo.peer_id` from the daemon).
 Every `ProtocolError` the stream layer or a handler raises is answered with its reason, logged, and counted against
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
+from protocol.envelope import FrameDigester, ReceivedFrame
 from protocol.errors import (
     FrameTooLarge,
     MalformedFrame,
@@ -131,6 +134,7 @@ class Route:
     handler: Handler  # async (frame, remote_peer) -> answer bytes or None (an empty answer)
     max_request_bytes: int
     rate: RateLimit | None = None  # per-peer request rate of this route; None: `DEFAULT_ROUTE_RATE`
+    digest_payload: bool = True  # hash the frame payload as it arrives (off: bodies that are not frames)
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 0:
@@ -194,14 +198,19 @@ def parse_preamble(
 
 
 class Reassembler:
-    """Collects the chunks of one message, refusing any chunk that breaks what the preamble declared."""
+    """Collects the chunks of one message, refusing any chunk that breaks what the preamble declared.
 
-    def __init__(self, preamble: Preamble, *, max_chunk_bytes: int) -> None:
+    With `digest`, the body is taken for a signed frame and its payload is hashed chunk by chunk as it arrives
+    (`FrameDigester`), so `open_envelope` needs no separate pass over it.
+    """
+
+    def __init__(self, preamble: Preamble, *, max_chunk_bytes: int, digest: bool = False) -> None:
         self.preamble = preamble
         self.max_chunk_bytes = max_chunk_bytes
         self.received_bytes = 0
         self.received_chunks = 0
-        self._buffer = bytearray(preamble.total_bytes)  # already checked against our cap
+        self._buffer = ReceivedFrame(preamble.total_bytes)  # already checked against our cap
+        self._buffer.digester = FrameDigester(preamble.total_bytes) if digest else None
 
     @property
     def done(self) -> bool:
@@ -223,11 +232,14 @@ class Reassembler:
 
     def add(self, data: bytes) -> None:
         start = self.received_bytes
-        self._buffer[start : start + len(data)] = data
-        self.received_bytes += len(data)
-        self.received_chunks += 1
+        with memoryview(self._buffer) as view:  # not bytearray item assignment, which drops the digest
+            view[start : start + len(data)] = data
+            self.received_bytes += len(data)
+            self.received_chunks += 1
+            if self._buffer.digester is not None:
+                self._buffer.digester.advance(view, self.received_bytes)
 
-    def finish(self) -> bytearray:
+    def finish(self) -> ReceivedFrame:
         if not self.done or self.received_bytes != self.preamble.total_bytes:
             raise SizeMismatch(f"{self.received_bytes} of {self.preamble.total_bytes} declared bytes arrived")
         return self._buffer
@@ -246,19 +258,27 @@ async def _read_exactly(reader: asyncio.StreamReader, n: int, timeout_s: float) 
 
 
 async def read_message(
-    reader: asyncio.StreamReader, *, max_bytes: int, config: StreamConfig, statuses: frozenset[Status]
-) -> tuple[Status, bytearray]:
+    reader: asyncio.StreamReader,
+    *,
+    max_bytes: int,
+    config: StreamConfig,
+    statuses: frozenset[Status],
+    digest: bool = False,
+) -> tuple[Status, ReceivedFrame]:
     """Read one framed message, holding every cap; see `parse_preamble` and `Reassembler` for the errors."""
     raw = await _read_exactly(reader, _PREAMBLE.size, config.chunk_timeout_s)
     preamble = parse_preamble(
         raw, max_bytes=max_bytes, max_chunk_bytes=config.max_chunk_bytes, statuses=statuses
     )
-    return preamble.status, await _read_chunks(reader, preamble, config)
+    digest = digest and preamble.status != Status.ERROR
+    return preamble.status, await _read_chunks(reader, preamble, config, digest=digest)
 
 
-async def _read_chunks(reader: asyncio.StreamReader, preamble: Preamble, config: StreamConfig) -> bytearray:
+async def _read_chunks(
+    reader: asyncio.StreamReader, preamble: Preamble, config: StreamConfig, *, digest: bool
+) -> ReceivedFrame:
     """The body a checked preamble announced (allocated here, once, at the declared size)."""
-    parts = Reassembler(preamble, max_chunk_bytes=config.max_chunk_bytes)
+    parts = Reassembler(preamble, max_chunk_bytes=config.max_chunk_bytes, digest=digest)
     while not parts.done:
         length = parts.next_chunk_length(
             await _read_exactly(reader, _CHUNK_HEADER.size, config.chunk_timeout_s)
@@ -518,7 +538,8 @@ class FramedServer:
         with self.limiter.reserved_bytes(remote, preamble.total_bytes, self.clock()):
             try:
                 frame = await asyncio.wait_for(
-                    _read_chunks(reader, preamble, self.config), max(0.0, deadline - loop.time())
+                    _read_chunks(reader, preamble, self.config, digest=route.digest_payload),
+                    max(0.0, deadline - loop.time()),
                 )
             except asyncio.TimeoutError:
                 raise StreamTimeout(
@@ -628,7 +649,11 @@ async def _call_framed(
     sending = asyncio.ensure_future(_send_request(writer, frame, config))
     try:
         status, body = await read_message(
-            reader, max_bytes=max_response_bytes, config=config, statuses=frozenset({Status.OK, Status.ERROR})
+            reader,
+            max_bytes=max_response_bytes,
+            config=config,
+            statuses=frozenset({Status.OK, Status.ERROR}),
+            digest=True,  # answers are mostly signed frames; hashing a small other answer costs nothing
         )
     finally:
         sending.cancel()

@@ -27,7 +27,7 @@ import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from protocol import codec
+from protocol import codec, envelope
 from protocol.codec import TensorLimits
 from protocol.envelope import (
     SIGNATURE_DOMAIN,
@@ -215,11 +215,17 @@ def forged(wire: Wire, spec: TensorSpec, payload: bytes, **meta: Any) -> bytes:
 
 
 @pytest.mark.parametrize("num_bytes", [4 << 10, 48 << 20])
-def test_small_and_large_frames_roundtrip(loop_thread: Any, wire: Wire, num_bytes: int) -> None:
+def test_small_and_large_frames_roundtrip(
+    loop_thread: Any, wire: Wire, num_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passes: list[int] = []
+    real = envelope.payload_digest
+    monkeypatch.setattr(envelope, "payload_digest", lambda parts: passes.append(len(parts)) or real(parts))
     tensor = torch.randn(num_bytes // 4)
     answer = call(loop_thread, wire, "act.s0", activation(wire, tensor, microbatch=num_bytes))
     assert bytes(answer) == tensor_digest(tensor)
     assert wire.accepted[-1].sender == wire.alice_id.peer_id  # the Noise-authenticated caller
+    assert passes == []  # the server digested the payload as it arrived, not in a pass of its own
 
 
 def test_tampered_byte_anywhere_refused_before_build_and_struck(loop_thread: Any, wire: Wire) -> None:

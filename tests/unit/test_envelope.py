@@ -21,6 +21,7 @@ from protocol.envelope import (
     Direction,
     Header,
     Kind,
+    ReceivedFrame,
     TensorSpec,
     encode_frame,
     max_frame_bytes,
@@ -45,6 +46,7 @@ from protocol.errors import (
 )
 from protocol.identity import NodeIdentity
 from protocol.replay import ReplayConfig, ReplayGuard
+from protocol.rpc import Preamble, Reassembler, Status
 
 NOW = 1_700_000_000.0
 ALICE, BOB, MALLORY = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
@@ -419,3 +421,76 @@ def test_protocol_package_never_unpickles() -> None:
         text = path.read_text()
         assert not re.search(r"^\s*(import|from)\s+(c?pickle|dill|cloudpickle)\b", text, re.M), path
         assert "torch.load(" not in text, path
+
+
+# ------------------------------------------------------------------------------------------------ streamed digest
+
+
+def arrive(frame: bytes | bytearray, chunk: int) -> ReceivedFrame:
+    """`frame` as the framed stream hands it to a handler: reassembled from `chunk`-byte chunks and digested on the
+    way (the sender picks the chunking, down to one byte, so the header length itself may arrive in pieces)."""
+    num_chunks = -(-len(frame) // chunk)
+    parts = Reassembler(Preamble(Status.REQUEST, len(frame), num_chunks), max_chunk_bytes=chunk, digest=True)
+    for start in range(0, len(frame), chunk):
+        piece = frame[start : start + chunk]
+        parts.add(bytes(piece[: parts.next_chunk_length(struct.pack(">I", len(piece)))]))
+    return parts.finish()
+
+
+@pytest.fixture
+def passes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Sizes of every separate digest pass `open_envelope` makes (a streamed frame should need none)."""
+    sizes: list[int] = []
+    real = envelope.payload_digest
+
+    def spy(parts: list[Any]) -> bytes:
+        sizes.append(sum(len(p) for p in parts))
+        return real(parts)
+
+    monkeypatch.setattr(envelope, "payload_digest", spy)
+    return sizes
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 5, 77, 4096, 1 << 20])
+def test_a_streamed_frame_is_digested_on_arrival_not_again(chunk: int, passes: list[int]) -> None:
+    tensor = torch.randn(40, 50)
+    frame = arrive(sealed(tensor), chunk)
+    header, back = receive(frame, limits=TensorLimits(max_bytes=1 << 20))
+    assert torch.equal(back, tensor) and passes == []
+    receive(bytes(frame), limits=TensorLimits(max_bytes=1 << 20))  # control: the same bytes, not streamed
+    assert passes == [tensor.numel() * 4]
+
+
+def test_a_streamed_frame_meets_every_check_in_order(built: list[str], passes: list[int]) -> None:
+    payload_flip = arrive(_break_payload(sealed(nonce=b"p" * 16)), 64)
+    with pytest.raises(DigestMismatch):
+        receive(payload_flip)
+    header_flip = bytearray(sealed(nonce=b"h" * 16))
+    header_flip[8] ^= 0x01  # inside the header: the signature fails first, whatever the streamed digest says
+    with pytest.raises((BadSignature, MalformedFrame)):
+        receive(arrive(header_flip, 64))
+    with pytest.raises(BadSignature):
+        receive(arrive(_break_signature(sealed(nonce=b"s" * 16)), 64))
+    with pytest.raises(FrameTooLarge):  # a header length over the cap: the digester stands aside
+        receive(arrive(struct.pack(">I", envelope.MAX_HEADER_BYTES + 1) + b"\0" * 100, 7))
+    with pytest.raises(MalformedFrame):  # one that runs past the frame
+        receive(arrive(struct.pack(">I", 1000) + b"\0" * 100, 7))
+    edited = arrive(sealed(nonce=b"e" * 16), 64)
+    edited[-1] ^= 0x01  # edited in place after it arrived: its streamed digest is dropped, the edit is caught
+    with pytest.raises(DigestMismatch):
+        receive(edited)
+    assert built == [] and passes == [24]  # nothing built; only the edited frame was digested again
+
+
+def test_seal_copies_and_hashes_in_pieces_across_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(envelope, "SEAL_PIECE_BYTES", 5)  # pieces that straddle every tensor boundary
+    frag = {"a": torch.randn(3), "b": torch.arange(7), "c": torch.ones(2, 2, dtype=torch.bfloat16)}
+    ctx = dataclasses.replace(CTX, kind=Kind.FRAGMENT)
+    frame = seal(ALICE, ctx, microbatch=0, step=1, now=NOW, tensors=frag)
+    payload = b"".join(bytes(codec.tensor_bytes(t)) for t in frag.values())
+    assert frame.endswith(payload)
+    opened = open_envelope(
+        frame, remote_peer=ALICE.peer_id, expect=ctx, limits=LIMITS, replay=ReplayGuard(), now=NOW
+    )
+    assert opened.header.digest == payload_digest([payload])
+    assert all(torch.equal(opened.tensors[k], v) for k, v in frag.items())
