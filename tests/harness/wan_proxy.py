@@ -13,7 +13,11 @@ emulated internet link:
 - stalls and connection resets on a seeded schedule (each connection draws its own `random.Random`);
 - partitions: `partition(True, mode="refuse")` resets every connection and refuses new ones;
   `mode="blackhole"` lets connections open but delivers nothing until healed (held bytes then flow, as TCP
-  retransmission would deliver them after a short outage).
+  retransmission would deliver them after a short outage). `from_pids` limits a partition to connections
+  dialed by those processes (the proxy finds the owner of the client socket in /proc; Linux only), so a proxy
+  per node that cuts the other side's processes splits a swarm into two sides. (p2pd dials from its listening
+  port, but not always: a dial that would collide with an open connection falls back to an ephemeral port, so
+  the source port alone does not name the dialer.)
 
 Everything it does is counted in `stats`. It only ever binds and connects 127.0.0.1 or ::1.
 `ProxyThread` runs a proxy on its own event loop in a background thread, for synchronous tests.
@@ -25,11 +29,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import random
 import socket
 import struct
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -127,6 +132,35 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
+def _peer_port(writer: asyncio.StreamWriter) -> int | None:
+    peer = writer.get_extra_info("peername")
+    return peer[1] if isinstance(peer, tuple) and len(peer) >= 2 else None
+
+
+def _socket_inode(client_port: int, server_port: int) -> int | None:
+    """The inode of the client end of a loopback TCP connection (from /proc/net/tcp{,6})."""
+    ends = {(f"0100007F:{client_port:04X}", f"0100007F:{server_port:04X}")}
+    ends.add((f"{'0' * 24}01000000:{client_port:04X}", f"{'0' * 24}01000000:{server_port:04X}"))
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            for row in rows:
+                fields = row.split()
+                if len(fields) > 9 and (fields[1], fields[2]) in ends:
+                    return int(fields[9])
+    return None
+
+
+def _owned_by(inode: int, pids: Collection[int]) -> bool:
+    target = f"socket:[{inode}]"
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                        return True
+    return False
+
+
 def _spread(rng: random.Random, mean_s: float) -> float:
     return mean_s * rng.uniform(0.5, 1.5)
 
@@ -217,6 +251,7 @@ class _Connection:
     ) -> None:
         self.proxy, self.index = proxy, index
         self.client_writer, self.target_writer = client[1], target[1]
+        self.cut = proxy.cuts(_peer_port(client[1]))  # a partition, if on, applies to this connection
         seed = proxy.profile.seed
         self._directions = (
             _Direction(self, "to_target", client[0], target[1], random.Random(f"{seed}:{index}:to_target")),
@@ -268,7 +303,7 @@ class _Connection:
         loop = asyncio.get_running_loop()
         counted = False
         while not self.closed:
-            if self.proxy.blackholed:
+            if self.proxy.blackholed and self.cut:
                 if not counted:
                     self.proxy.counters.partition_held_chunks += 1
                     counted = True
@@ -306,6 +341,7 @@ class WanProxy:
         self.counters = _Counters()
         self.blackholed = False
         self._refusing = False
+        self._cut_pids: frozenset[int] | None = None  # None: a partition cuts every connection
         self.healed = asyncio.Event()
         self.healed.set()
         self._server: asyncio.Server | None = None
@@ -359,14 +395,21 @@ class WanProxy:
         """Applies to chunks read from now on; schedules of open connections keep their seed-drawn times."""
         self.profile = profile
 
-    def partition(self, on: bool, *, mode: PartitionMode = "refuse") -> None:
-        """Switch the partition on or off. Call on the proxy's event loop."""
+    def partition(
+        self, on: bool, *, mode: PartitionMode = "refuse", from_pids: Collection[int] | None = None
+    ) -> None:
+        """Switch the partition on or off; with `from_pids`, it only cuts connections those processes dialed.
+        Call on the proxy's event loop."""
         if mode not in ("refuse", "blackhole"):
             raise ValueError(f"unknown partition mode {mode!r}")
         if not on:
             self._refusing = self.blackholed = False
+            self._cut_pids = None
             self.healed.set()
             return
+        self._cut_pids = None if from_pids is None else frozenset(from_pids)
+        for conn in self._connections:
+            conn.cut = self.cuts(_peer_port(conn.client_writer))
         self._refusing = mode == "refuse"
         self.blackholed = mode == "blackhole"
         if self.blackholed:
@@ -374,9 +417,18 @@ class WanProxy:
             return
         self.healed.set()
         for conn in list(self._connections):
-            if not conn.closed:
+            if not conn.closed and conn.cut:
                 self.counters.partition_cut += 1
                 conn.abort()
+
+    def cuts(self, client_port: int | None) -> bool:
+        """Whether the partition, if on, applies to a connection from `client_port` (a port of ours, on loopback)."""
+        if self._cut_pids is None:
+            return True
+        if client_port is None or self._server is None:
+            return False
+        inode = _socket_inode(client_port, self.port)
+        return inode is not None and _owned_by(inode, self._cut_pids)
 
     def count_bytes(self, direction: Literal["to_target", "to_client"], num_bytes: int) -> None:
         if direction == "to_target":
@@ -396,14 +448,15 @@ class WanProxy:
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         self.counters.connections_accepted += 1
         index, self._next_index = self._next_index, self._next_index + 1
-        if self._refusing:
+        client_port = _peer_port(client_writer)
+        if self._refusing and self.cuts(client_port):
             self.counters.partition_refused += 1
             _reset(client_writer)
             return
-        if self.blackholed:
+        if self.blackholed and self.cuts(client_port):
             self.counters.partition_held_connections += 1
             await self.healed.wait()
-            if self._refusing:  # healed into a refusing partition
+            if self._refusing and self.cuts(client_port):  # healed into a refusing partition
                 self.counters.partition_refused += 1
                 _reset(client_writer)
                 return
@@ -419,8 +472,9 @@ class WanProxy:
             _reset(client_writer)
             return
         conn = _Connection(self, index, (client_reader, client_writer), target)
-        if self._refusing or self._stopping:  # a partition or stop() began while we were connecting
-            self.counters.partition_refused += self._refusing
+        refused = self._refusing and self.cuts(client_port)
+        if refused or self._stopping:  # a partition or stop() began while we were connecting
+            self.counters.partition_refused += refused
             conn.abort()
             return
         self._connections.add(conn)
@@ -526,8 +580,10 @@ class ProxyThread:
             return self.proxy.stats
         return self._call(lambda: self.proxy.stats)
 
-    def partition(self, on: bool, *, mode: PartitionMode = "refuse") -> None:
-        self._call(self.proxy.partition, on, mode=mode)
+    def partition(
+        self, on: bool, *, mode: PartitionMode = "refuse", from_pids: Collection[int] | None = None
+    ) -> None:
+        self._call(self.proxy.partition, on, mode=mode, from_pids=from_pids)
 
     def set_profile(self, profile: LinkProfile) -> None:
         self._call(self.proxy.set_profile, profile)

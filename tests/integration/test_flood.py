@@ -2,19 +2,34 @@
 
 Three peers, each a child process with its own p2pd: the VICTIM serves a route whose handler burns ~4 ms of CPU, as
 a real one (a signature check and a small forward) would; the HONEST peer calls it at a steady 40 requests a second
-(at most 4 in flight), the rate a verifier drives one stage replica at; the FLOODER fires requests open-loop at
-10,000 a second for a few seconds, as many in flight as its daemon lets it open. The victim and the honest peer
-run at a higher priority than the rest of the box (where the OS allows it), since on the internet each would have
-its own machine; the victim's memory is measured alone, in its own process.
+(at most 4 in flight), the rate a verifier drives one stage replica at; the FLOODER is ONE identity (one p2pd)
+that asks for 10,000 requests a second, open loop, with one of two engines:
+
+- "answered" (the CI tests): hivemind's client, `call_framed`, up to 512 calls in flight, each waiting for its
+  answer. The interpreter caps it at a few hundred to ~1,000 streams a second;
+- "hangup" (benchmarks/flood.py): `FLOOD_PROCS` processes of a small C loop (`FLOOD_C`, built with the system's
+  C compiler) send the daemon's StreamOpen request over its control socket, then the framed request, and hang up
+  without reading the answer. It reaches the rate the attacker's core allows (thousands a second).
+
+The box has two cores and the flood must not win by starving the victim of CPU on a shared machine: the flooder
+and its daemon are pinned to one core ("the attacker's machine": it never gets more), and the victim and the
+honest peer run at a higher priority than the rest of the box where the OS allows it (each stands for a machine
+of its own). They are not pinned: pinned to the other core, they measured 10-15 of their 40 req/s without any
+flood on a box at load 18-22 (other work on that core). The victim's memory is measured alone, in its own process.
 
 With the limiter (the route's per-peer rate 50/s, burst 50) the flooder's excess is refused before a byte of its
 requests is read, so the victim's handler loop stays free and the honest peer keeps >= 80 % of its no-flood
 throughput; the flooder is counted, logged once per window, and struck for flooding. Negative control: the same
 flood against a victim whose limits nobody can reach; the flood's requests all run the handler and the honest
-peer's throughput collapses. Every injection is counted: the flooder reports what it sent and what came back, and
-the victim's counts of admitted and throttled requests must add up to it. A run whose no-flood baseline or flood
+peer's throughput collapses. Every injection is counted: the flooder reports the streams its daemon opened, the
+victim what reached our layer (admitted or throttled); the rest never did (`dropped_below_us`: reset in the
+daemons, or still queued there when counted). A run whose no-flood baseline or flood
 rate shows the box could not carry the experiment is repeated, and the test skips (saying why) if none could.
 
+The limiter holds the goal against the "answered" flood only: the "hangup" flood left the honest peer 0.36-0.78
+of its throughput with the limiter on in the benchmark's runs (docs/security.md, "Not covered").
+
+`test_flood_*` (CI) flood for 4 s; `benchmarks/flood.py` runs the full 10,000/s flood and the control, and a sweep.
 Run a child by hand: `python tests/integration/test_flood.py victim|honest|flood ...` (see the `_*_main`s).
 """
 
@@ -29,8 +44,10 @@ import logging
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +57,18 @@ import pytest
 
 from protocol.errors import RemoteRefused
 from protocol.limits import LimitsConfig, RateLimit
-from protocol.rpc import FLOOD_STRIKE, FramedServer, PeerThrottled, Route, StreamConfig, call_framed
+from protocol.rpc import (
+    _CHUNK_HEADER,
+    FLOOD_STRIKE,
+    FramedServer,
+    PeerThrottled,
+    Route,
+    Status,
+    StreamConfig,
+    call_framed,
+    encode_preamble,
+    protocol_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +79,13 @@ WORK_BYTES = 2 << 20  # hashed once per admitted request: ~3-5 ms on one core he
 HONEST_RATE_PER_S = 40.0
 HONEST_IN_FLIGHT = 4
 ROUTE_RATE = RateLimit(rate_per_s=50.0, burst=50.0)  # per peer; the honest peer stays below it
-FLOOD_RATE_PER_S = (
-    10_000.0  # offered; what the flooder's own daemon reaches on a shared 2-core box is reported
-)
+FLOOD_RATE_PER_S = 10_000.0  # asked for; what the attacker's core reaches is measured and reported
 MIN_FLOOD_RATE_PER_S = 4 * ROUTE_RATE.rate_per_s  # a flood must at least be one: well above the route's rate
 FLOOD_S = 4.0
-FLOOD_CONCURRENCY = 512  # requests the flooder keeps in flight at most (its daemon's streams)
+FLOOD_PROCS = 32  # flooder processes sharing the one daemon (each waits for its StreamOpen answer)
+PY_FLOOD_IN_FLIGHT = 512  # the answered flood's calls in flight (what its daemon keeps open)
+ATTACKER_CPU = 0  # the flooder's one core ("its machine"); no pinning on a single core
+DEFENDER_NICE = -5  # the victim's and honest peer's "machines" ahead of the rest of a shared box (root only)
 WINDOW_S = 2.5  # honest throughput is measured over this long, inside the flood
 REQUEST = b"x" * 64
 MIN_RATIO = 0.8
@@ -119,9 +148,16 @@ def _prioritize(increment: int) -> None:
         os.nice(increment)
 
 
+def _pin(cpu: int) -> None:
+    """Keep this process (and the daemon it starts next) on one core, standing for a machine of its own."""
+    with contextlib.suppress(AttributeError, OSError):
+        if len(os.sched_getaffinity(0)) >= 2 and cpu < (os.cpu_count() or 1):
+            os.sched_setaffinity(0, {cpu})
+
+
 def _victim_main(defended: bool) -> None:
     """Serve ROUTE; print {"maddrs": [...]} once up, then one JSON stats line per line read on stdin."""
-    _prioritize(-5)
+    _prioritize(DEFENDER_NICE)
 
     async def main() -> None:
         p2p = await _start_p2p()
@@ -172,7 +208,7 @@ def _victim_main(defended: bool) -> None:
 def _honest_main(target: str) -> None:
     """The honest peer: print {"peer_id": ...} once connected, then run one `_honest_window` per "window <s>" line
     read on stdin and print it as JSON."""
-    _prioritize(-5)
+    _prioritize(DEFENDER_NICE)
 
     async def main() -> None:
         p2p = await _start_p2p([target])
@@ -187,44 +223,196 @@ def _honest_main(target: str) -> None:
     asyncio.run(main())
 
 
-def _flood_main(target: str, rate_per_s: float, duration_s: float, concurrency: int) -> None:
-    """Fire requests at `rate_per_s`, open loop, for `duration_s`; print {"started": ...} then the counts."""
+FLOOD_C = r"""
+/* Open framed-RPC streams through one p2pd (one identity) at a given rate, and hang up without waiting for the
+   answers. argv: control socket, hex of the varint-delimited StreamOpen request, hex of the framed request, rate
+   per second, duration in seconds, processes. Prints {"sent": streams opened and written, "failed": ...}. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+
+static size_t unhex(const char *hex, unsigned char *out, size_t cap) {
+    size_t n = strlen(hex) / 2;
+    for (size_t i = 0; i < n && i < cap; i++) sscanf(hex + 2 * i, "%2hhx", &out[i]);
+    return n < cap ? n : cap;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static int read_full(int fd, unsigned char *buf, size_t n) {
+    for (size_t got = 0; got < n;) {
+        ssize_t r = read(fd, buf + got, n - got);
+        if (r <= 0) return -1;
+        got += (size_t)r;
+    }
+    return 0;
+}
+
+static int one(const struct sockaddr_un *addr, const unsigned char *open_req, size_t open_len,
+               const unsigned char *frame, size_t frame_len) {
+    unsigned char buf[4096], b;
+    size_t len = 0;
+    int shift = 0, ok = -1, fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0) return -1;
+    if (connect(fd, (const struct sockaddr *)addr, sizeof(*addr)) != 0) goto done;
+    if (write(fd, open_req, open_len) != (ssize_t)open_len) goto done;
+    do { /* the daemon's answer: a varint length, then a Response whose type must be OK (field 1 = 0) */
+        if (read_full(fd, &b, 1) < 0) goto done;
+        len |= (size_t)(b & 0x7f) << shift;
+        shift += 7;
+    } while ((b & 0x80) && shift < 28);
+    if (len < 2 || len > sizeof(buf) || read_full(fd, buf, len) < 0 || buf[0] != 0x08 || buf[1] != 0x00) goto done;
+    if (write(fd, frame, frame_len) == (ssize_t)frame_len) ok = 0;
+done:
+    close(fd);
+    return ok;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 7) return 2;
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    strncpy(addr.sun_path, argv[1], sizeof(addr.sun_path) - 1);
+    unsigned char open_req[1024], frame[4096];
+    size_t open_len = unhex(argv[2], open_req, sizeof(open_req)), frame_len = unhex(argv[3], frame, sizeof(frame));
+    double rate = atof(argv[4]), duration = atof(argv[5]), start = now_s();
+    int procs = atoi(argv[6]);
+    long *counts = mmap(NULL, sizeof(long) * 2 * procs, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    for (int p = 0; p < procs; p++) {
+        if (fork() != 0) continue;
+        long sent = 0, failed = 0;
+        double elapsed;
+        while ((elapsed = now_s() - start) < duration) {
+            if (sent + failed >= (long)(elapsed * rate / procs)) {
+                struct timespec pause = {0, 100000};
+                nanosleep(&pause, NULL);
+            } else if (one(&addr, open_req, open_len, frame, frame_len) == 0) {
+                sent++;
+            } else {
+                failed++;
+            }
+        }
+        counts[2 * p] = sent;
+        counts[2 * p + 1] = failed;
+        _exit(0);
+    }
+    while (wait(NULL) > 0) {}
+    long sent = 0, failed = 0;
+    for (int p = 0; p < procs; p++) sent += counts[2 * p], failed += counts[2 * p + 1];
+    printf("{\"sent\": %ld, \"failed\": %ld, \"sending_s\": %.3f}\n", sent, failed, now_s() - start);
+    return 0;
+}
+"""
+
+
+def _build_flooder() -> Path | None:
+    """FLOOD_C compiled into a temp dir (once per source), or None without a C compiler."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    digest = hashlib.sha256(FLOOD_C.encode()).hexdigest()[:16]
+    binary = Path(tempfile.gettempdir()) / f"hivenode-flood-{digest}"
+    if not binary.exists():
+        source = binary.with_suffix(".c")
+        source.write_text(FLOOD_C)
+        built = subprocess.run([compiler, "-O2", "-o", f"{binary}.tmp", str(source)], capture_output=True)
+        if built.returncode != 0:
+            logger.warning("cannot build the C flooder: %s", built.stderr.decode(errors="replace")[-500:])
+            return None
+        os.replace(f"{binary}.tmp", binary)
+    return binary
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        n, low = n >> 7, n & 0x7F
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _flood_bytes(victim: str) -> tuple[bytes, bytes]:
+    """The daemon's StreamOpen request for ROUTE on `victim` (varint-delimited) and the framed request."""
+    from hivemind.p2p import PeerID
+    from hivemind.proto import p2pd_pb2
+
+    open_stream = p2pd_pb2.StreamOpenRequest(
+        peer=PeerID.from_base58(victim).to_bytes(), proto=[protocol_name(ROUTE)]
+    )
+    body = p2pd_pb2.Request(type=p2pd_pb2.Request.STREAM_OPEN, streamOpen=open_stream).SerializeToString()
+    frame = (
+        encode_preamble(Status.REQUEST, len(REQUEST), 1 << 20) + _CHUNK_HEADER.pack(len(REQUEST)) + REQUEST
+    )
+    return _varint(len(body)) + body, frame
+
+
+async def _answered_flood(p2p: Any, victim: str, rate_per_s: float, duration_s: float) -> dict[str, Any]:
+    """The flood through hivemind's client, waiting for each answer (`call_framed`): every request makes the victim
+    answer, but the interpreter caps it at a few hundred to ~1,000 streams a second. "sent": calls started."""
+    counts = {"sent": 0, "ok": 0, "throttled": 0, "refused": 0, "failed": 0, "skipped": 0}
+    in_flight: set[asyncio.Task[None]] = set()
+
+    async def one() -> None:
+        try:
+            await call_framed(p2p, victim, ROUTE, REQUEST, max_response_bytes=64, timeout_s=10)
+            counts["ok"] += 1
+        except PeerThrottled:
+            counts["throttled"] += 1
+        except RemoteRefused:
+            counts["refused"] += 1
+        except Exception:  # a stream the daemon could not open, a reset: the flood goes on
+            counts["failed"] += 1
+
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while (elapsed := loop.time() - start) < duration_s:
+        due = int(elapsed * rate_per_s) - counts["sent"] - counts["skipped"]
+        for _ in range(max(0, due)):
+            if len(in_flight) >= PY_FLOOD_IN_FLIGHT:
+                counts["skipped"] += 1  # more than we keep open: not sent at all
+                continue
+            task = asyncio.create_task(one())
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+            counts["sent"] += 1
+        await asyncio.sleep(0.001)
+    sending_s = loop.time() - start
+    if in_flight:
+        await asyncio.wait(in_flight, timeout=15)
+    return {**counts, "sending_s": sending_s}
+
+
+def _flood_main(target: str, rate_per_s: float, duration_s: float, engine: str) -> None:
+    """One identity floods ROUTE open loop at `rate_per_s` for `duration_s` with `engine` ("answered": Python,
+    waiting for answers; "hangup": the C loop, which hangs up once the request is written, falling back to
+    "answered" without a C compiler); print {"started": ...}, then the counts."""
+    _pin(ATTACKER_CPU)
 
     async def main() -> None:
         p2p = await _start_p2p([target])
         victim = target.rsplit("/p2p/", 1)[1]
-        counts = {"sent": 0, "ok": 0, "throttled": 0, "refused": 0, "failed": 0, "skipped": 0}
-        in_flight: set[asyncio.Task[None]] = set()
-
-        async def one() -> None:
-            try:
-                await call_framed(p2p, victim, ROUTE, REQUEST, max_response_bytes=64, timeout_s=10)
-                counts["ok"] += 1
-            except PeerThrottled:
-                counts["throttled"] += 1
-            except RemoteRefused:
-                counts["refused"] += 1
-            except Exception:  # a stream the daemon could not open, a reset: the flood goes on
-                counts["failed"] += 1
-
-        loop = asyncio.get_running_loop()
+        open_req, frame = _flood_bytes(victim)
+        socket_path = p2p.daemon_listen_maddr["unix"]
+        binary = await asyncio.to_thread(_build_flooder) if engine == "hangup" else None
         print(json.dumps({"started": True}), flush=True)
-        start = loop.time()
-        while (elapsed := loop.time() - start) < duration_s:
-            due = int(elapsed * rate_per_s) - counts["sent"] - counts["skipped"]
-            for _ in range(max(0, due)):
-                if len(in_flight) >= concurrency:
-                    counts["skipped"] += 1  # more than the daemon lets us keep open: not sent at all
-                    continue
-                task = asyncio.create_task(one())
-                in_flight.add(task)
-                task.add_done_callback(in_flight.discard)
-                counts["sent"] += 1
-            await asyncio.sleep(0.001)
-        sending_s = loop.time() - start
-        if in_flight:
-            await asyncio.wait(in_flight, timeout=15)
-        print(json.dumps({**counts, "sending_s": sending_s}), flush=True)
+        if binary is not None:
+            argv = [str(binary), socket_path, open_req.hex(), frame.hex(), str(rate_per_s), str(duration_s)]
+            proc = await asyncio.create_subprocess_exec(*argv, str(FLOOD_PROCS), stdout=subprocess.PIPE)
+            out, _ = await asyncio.wait_for(proc.communicate(), duration_s + 30)
+            counts = {**json.loads(out), "engine": "hangup"}
+        else:
+            counts = {**await _answered_flood(p2p, victim, rate_per_s, duration_s), "engine": "answered"}
+        print(json.dumps(counts), flush=True)
         await p2p.shutdown()
 
     asyncio.run(main())
@@ -345,12 +533,29 @@ async def _honest_window(p2p: Any, victim: str, seconds: float) -> Window:
 class FloodResult:
     baseline: Window
     flooded: Window
-    flood: dict[str, Any]
+    flood: dict[
+        str, Any
+    ]  # the flooder's counts: sent (streams opened and written), failed, sending_s, engine
     before: dict[str, Any]
     after: dict[str, Any]
     flooder_id: str
     in_flood: bool  # the honest window ended before the flood did
     defended: bool
+    rate_asked: float
+
+    @property
+    def offered_rps(self) -> float:
+        """Streams the flooder's daemon opened for it, per second it sent."""
+        return self.flood["sent"] / self.flood["sending_s"]
+
+    @property
+    def reached_us(self) -> int:
+        """Flood requests our layer saw: run by the handler or throttled."""
+        return self.after["handled"].get(self.flooder_id, 0) + sum(self.throttled.values())
+
+    @property
+    def throttled(self) -> dict[str, int]:
+        return self.after["throttled"].get(self.flooder_id, {})
 
     @property
     def measurable(self) -> str:
@@ -358,11 +563,10 @@ class FloodResult:
         flood, or could not produce a flood, or the window outlasted it. Other work on a shared box does that."""
         if self.baseline.rate < 0.9 * HONEST_RATE_PER_S:
             return f"no-flood honest throughput {self.baseline.rate:.1f} of {HONEST_RATE_PER_S:g} req/s"
-        if self.flood["sent"] < MIN_FLOOD_RATE_PER_S * self.flood["sending_s"]:
-            return f"the flooder reached {self.flood['sent'] / self.flood['sending_s']:.0f} req/s"
-        if (
-            self.defended and not self.in_flood
-        ):  # (without limits, a swamped victim makes it outlast the flood)
+        if self.offered_rps < MIN_FLOOD_RATE_PER_S:
+            return f"the flooder reached {self.offered_rps:.0f} req/s"
+        # (without limits, a swamped victim makes the window outlast the flood)
+        if self.defended and not self.in_flood:
             return "the honest window outlasted the flood"
         return ""
 
@@ -374,8 +578,37 @@ class FloodResult:
     def rss_growth_mib(self) -> float:
         return (self.after["hwm_kib"] - self.before["rss_kib"]) / 1024
 
+    def summary(self) -> dict[str, Any]:
+        """The figures a benchmark records."""
+        return {
+            "limiter": self.defended,
+            "rate_asked": self.rate_asked,
+            "offered_rps": round(self.offered_rps, 1),
+            "flood_engine": self.flood.get("engine"),
+            "flood_sent": self.flood["sent"],
+            "flood_failed": self.flood["failed"],
+            "flood_s": round(self.flood["sending_s"], 3),
+            "reached_us": self.reached_us,
+            "dropped_below_us": self.flood["sent"] - self.reached_us,
+            "handled": self.after["handled"].get(self.flooder_id, 0),
+            "throttled": self.throttled,
+            "floods_logged": self.after["floods_logged"].get(self.flooder_id, 0),
+            "honest_rps_baseline": round(self.baseline.rate, 2),
+            "honest_rps_flood": round(self.flooded.rate, 2),
+            "honest_ratio": round(self.ratio, 3),
+            "honest_failed_in_flood": self.flooded.failed,
+            "honest_p99_ms": [round(self.baseline.p99_s * 1e3, 1), round(self.flooded.p99_s * 1e3, 1)],
+            "victim_rss_growth_mib": round(self.rss_growth_mib, 2),
+            "victim_cpu_s": round(self.after["cpu_s"] - self.before["cpu_s"], 2),
+            "victim_daemon_cpu_s": round(self.after["daemon_cpu_s"] - self.before["daemon_cpu_s"], 2),
+        }
 
-def _run_flood(defended: bool) -> FloodResult:
+
+def run_flood(
+    defended: bool, rate_per_s: float = FLOOD_RATE_PER_S, flood_s: float = FLOOD_S, engine: str = "answered"
+) -> FloodResult:
+    """One run: the honest peer's no-flood window, then a flood of `rate_per_s` for `flood_s` (see `_flood_main`
+    for `engine`) with a window inside."""
     victim = _spawn("victim", "on" if defended else "off")
     children = [victim]
     try:
@@ -386,97 +619,74 @@ def _run_flood(defended: bool) -> FloodResult:
         honest.ask("window 0.5")  # warm the connection up
         baseline = Window(**honest.ask(f"window {WINDOW_S}"))
         before = victim.ask("reset")
-        flooder = _spawn("flood", target, str(FLOOD_RATE_PER_S), str(FLOOD_S), str(FLOOD_CONCURRENCY))
+        flooder = _spawn("flood", target, str(rate_per_s), str(flood_s), engine)
         children.append(flooder)
         assert flooder.reply().get("started")
         flood_started = time.monotonic()
-        # Let the flood reach full speed (its daemon dials and opens its first streams), then measure inside it.
+        # Let the flood reach full speed (its daemon's first streams), then measure inside it.
         time.sleep(0.5)
         flooded = Window(**honest.ask(f"window {WINDOW_S}"))
-        in_flood = time.monotonic() - flood_started <= FLOOD_S + 1.0
+        in_flood = time.monotonic() - flood_started <= flood_s + 0.5
         flood = flooder.reply(timeout_s=60)
+        time.sleep(1.0)  # what the victim's daemon still holds reaches it (or is dropped) before we count
         after = victim.ask("stats")
         flooder_ids = [p for p in [*after["throttled"], *after["handled"]] if p != honest_id]
         flooder_id = flooder_ids[0] if flooder_ids else ""
-        return FloodResult(baseline, flooded, flood, before, after, flooder_id, in_flood, defended)
+        return FloodResult(
+            baseline, flooded, flood, before, after, flooder_id, in_flood, defended, rate_per_s
+        )
     finally:
         for child in reversed(children):
             child.stop()
 
 
 def _measured_flood(defended: bool) -> FloodResult:
-    """`_run_flood` until a run can judge anything (up to MEASURE_ATTEMPTS); skip, saying why, if none could."""
+    """`run_flood` until a run can judge anything (up to MEASURE_ATTEMPTS); skip, saying why, if none could."""
     reasons = []
     for _ in range(MEASURE_ATTEMPTS):
-        result = _run_flood(defended)
-        _log(f"limiter {'on' if defended else 'off'}", result)
+        result = run_flood(defended)
+        logger.warning("limiter %s: %s", "on" if defended else "off", result.summary())
         if not (reason := result.measurable):
             return result
         reasons.append(reason)
     pytest.skip(f"this machine is too loaded to measure a flood: {'; '.join(reasons)}")
 
 
-def _log(name: str, r: FloodResult) -> None:
-    logger.warning(
-        "%s: honest %.1f -> %.1f req/s (ratio %.2f, p99 %.0f -> %.0f ms); flood sent %d in %.1f s (%.0f/s), "
-        "ok %d, throttled %d, failed %d, skipped %d; victim RSS +%.1f MiB, CPU %.2f s + daemon %.2f s; "
-        "throttled %s; floods logged %s",
-        name,
-        r.baseline.rate,
-        r.flooded.rate,
-        r.ratio,
-        r.baseline.p99_s * 1e3,
-        r.flooded.p99_s * 1e3,
-        r.flood["sent"],
-        r.flood["sending_s"],
-        r.flood["sent"] / r.flood["sending_s"],
-        r.flood["ok"],
-        r.flood["throttled"],
-        r.flood["failed"],
-        r.flood["skipped"],
-        r.rss_growth_mib,
-        r.after["cpu_s"] - r.before["cpu_s"],
-        r.after["daemon_cpu_s"] - r.before["daemon_cpu_s"],
-        r.after["throttled_by_reason"],
-        r.after["floods_logged"],
-    )
-
-
+@pytest.mark.timeout(300)
 def test_flood_is_throttled_and_honest_throughput_holds() -> None:
     r = _measured_flood(defended=True)
     flooder = r.flooder_id
     assert flooder, "the victim never saw the flooder"
-    # Counted injections: everything the flooder sent was either served or refused for load, nothing else.
-    assert r.flood["sent"] >= MIN_FLOOD_RATE_PER_S * r.flood["sending_s"], (
-        f"the flood never got going: {r.flood}"
-    )
-    assert r.flood["ok"] + r.flood["throttled"] + r.flood["refused"] + r.flood["failed"] == r.flood["sent"]
-    assert r.flood["refused"] == 0  # every refusal was a typed throttle
-    throttled = sum(r.after["throttled"].get(flooder, {}).values())
-    assert (
-        r.flood["throttled"] <= throttled
-    )  # a refusal the flooder saw was counted (it may miss a few answers)
+    # Counted injections: our layer saw no more than the flooder's daemon opened; the rest died below us.
+    assert r.offered_rps >= MIN_FLOOD_RATE_PER_S, f"the flood never got going: {r.flood}"
+    assert 0 < r.reached_us <= r.flood["sent"]
+    if (
+        r.flood["engine"] == "answered"
+    ):  # the flooder saw every answer: served or refused for load, nothing else
+        assert (
+            r.flood["ok"] + r.flood["throttled"] + r.flood["refused"] + r.flood["failed"] == r.flood["sent"]
+        )
+        assert r.flood["refused"] == 0 and r.flood["throttled"] <= sum(r.throttled.values())
     # The flooder's admitted requests never beat its bucket: burst + rate x the time it sent.
     assert r.after["handled"].get(flooder, 0) <= ROUTE_RATE.burst + ROUTE_RATE.rate_per_s * (
-        r.flood["sending_s"] + 1.0
+        r.flood["sending_s"] + 1.5
     )
-    assert (
-        r.flood["throttled"] >= 0.9 * r.flood["sent"] - r.after["handled"].get(flooder, 0) - r.flood["failed"]
-    )
+    assert sum(r.throttled.values()) >= r.reached_us - r.after["handled"].get(flooder, 0)
     # Recorded: logged once per window, one flood strike per logged window, and never a strike for anything else.
     assert r.after["floods_logged"].get(flooder, 0) >= 1
     assert r.after["strikes"].get(flooder, {}).get(FLOOD_STRIKE, 0) == r.after["floods_logged"][flooder]
-    assert r.after["floods_logged"][flooder] <= math.ceil((r.flood["sending_s"] + 1.0) / 10.0)
+    assert r.after["floods_logged"][flooder] <= math.ceil((r.flood["sending_s"] + 1.5) / 10.0)
     # The honest peer is never throttled and keeps its throughput; the victim's memory stays bounded.
     assert r.flooded.throttled == 0 and r.baseline.throttled == 0
     assert r.ratio >= MIN_RATIO, f"honest throughput fell to {r.ratio:.2f} of its no-flood level"
     assert r.rss_growth_mib < RSS_BUDGET_MIB
 
 
+@pytest.mark.timeout(300)
 def test_negative_control_without_limits_the_flood_hurts() -> None:
     r = _measured_flood(defended=False)
-    assert r.flood["throttled"] == 0  # nothing refused for load: the control really runs without limits
-    assert r.flood["sent"] >= MIN_FLOOD_RATE_PER_S * r.flood["sending_s"]
+    assert not r.throttled  # nothing refused for load: the control really runs without limits
+    assert r.offered_rps >= MIN_FLOOD_RATE_PER_S
     assert r.ratio < MIN_RATIO or r.rss_growth_mib >= RSS_BUDGET_MIB, (
         f"without limits the flood did not hurt (ratio {r.ratio:.2f}, RSS +{r.rss_growth_mib:.1f} MiB): void"
     )
@@ -489,6 +699,6 @@ if __name__ == "__main__":
     elif role == "honest":
         _honest_main(sys.argv[2])
     elif role == "flood":
-        _flood_main(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
+        _flood_main(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), sys.argv[5])
     else:
         raise SystemExit(f"unknown role {role!r}")
