@@ -10,6 +10,11 @@ not built yet in this version (it never pretends to train).
    on the stage with the least announced throughput per layer (`node.routing.choose_stage`);
 3. `learner` otherwise.
 (Verifiers are chosen explicitly: `--role verifier`; `--role stage` without `--stage` places as in 2.)
+
+A node in client mode (others cannot dial it: behind NAT, `node.swarm.Joined.client_mode`) skips 1 and 2: a syncer
+and a stage replica serve RPCs (learners push to the syncer, verifiers call the stages), which such a node cannot
+answer. It becomes a learner, which only dials out, and says so in one log line. An explicit `--role stage` or
+`--role syncer` is kept (the owner may know better, e.g. a relay), with a warning.
 """
 
 from __future__ import annotations
@@ -108,8 +113,12 @@ def choose_role(
     manifest: RunManifest,
     peers: Sequence[PeerRecord],
     now: float,
+    *,
+    client_mode: bool = False,
 ) -> RoleChoice:
-    """What this node will be (see the module docstring); raise ConfigError for a request the run does not allow."""
+    """What this node will be (see the module docstring); raise ConfigError for a request the run does not allow.
+
+    `client_mode`: others cannot dial this node, so `auto` never makes it a role that serves RPCs."""
     if requested_stage is not None and requested != "stage":
         raise ConfigError("--stage only applies to --role stage")
     authorized = {"syncer": manifest.authorized_syncers, "verifier": manifest.authorized_verifiers}
@@ -118,21 +127,44 @@ def choose_role(
             f"this node's key {peer_id} is not an authorized {requested} of run {manifest.name!r}; the owner can "
             f"add it with `python -m bootstrap --authorize-{requested} {peer_id}`"
         )
-    if requested == "stage":
-        if requested_stage is None:
-            return RoleChoice("stage", *_place_stage(manifest, peers, now))
-        if requested_stage >= manifest.num_stages:
-            raise ConfigError(
-                f"--stage {requested_stage}: run {manifest.name!r} has {manifest.num_stages} stages"
-            )
-        return RoleChoice("stage", requested_stage, "asked for")
-    if requested != "auto":
+    if requested == "auto":
+        return _auto(peer_id, manifest, peers, now, client_mode=client_mode)
+    if client_mode and requested in SERVING_ROLES:
+        logger.warning(
+            "--role %s: peers cannot dial this node (client mode), so it will not get their requests",
+            requested,
+        )
+    if requested != "stage":
         return RoleChoice(requested, None, "asked for")
-    if peer_id in manifest.authorized_syncers and not _live(peers, "syncer", now):
-        return RoleChoice("syncer", None, "authorized syncer and no syncer is alive")
-    if manifest.num_stages > 1 and manifest.authorized_verifiers:
+    if requested_stage is None:
         return RoleChoice("stage", *_place_stage(manifest, peers, now))
-    return RoleChoice("learner", None, "default for volunteers")
+    if requested_stage >= manifest.num_stages:
+        raise ConfigError(
+            f"--stage {requested_stage}: run {manifest.name!r} has {manifest.num_stages} stages"
+        )
+    return RoleChoice("stage", requested_stage, "asked for")
+
+
+SERVING_ROLES = ("stage", "syncer")  # roles whose work arrives as RPCs from other peers
+
+
+def _auto(
+    peer_id: str, manifest: RunManifest, peers: Sequence[PeerRecord], now: float, *, client_mode: bool
+) -> RoleChoice:
+    if peer_id in manifest.authorized_syncers and not _live(peers, "syncer", now):
+        choice = RoleChoice("syncer", None, "authorized syncer and no syncer is alive")
+    elif manifest.num_stages > 1 and manifest.authorized_verifiers:
+        choice = RoleChoice("stage", *_place_stage(manifest, peers, now))
+    else:
+        return RoleChoice("learner", None, "default for volunteers")
+    if not client_mode:
+        return choice
+    reason = (
+        f"client mode (peers cannot dial this node): learner instead of {choice.role}, "
+        "whose work arrives as requests from other peers"
+    )
+    logger.info("role auto: %s", reason)
+    return RoleChoice("learner", None, reason)
 
 
 def _place_stage(manifest: RunManifest, peers: Sequence[PeerRecord], now: float) -> tuple[int, str]:

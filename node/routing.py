@@ -8,17 +8,19 @@ Nothing here touches sockets, asyncio or the global clock: `now` (seconds on any
   (work queued there + 1 microbatch) / throughput, where throughput is our own measurement of that replica
   when we have one and its announced figure otherwise, and "work queued" counts both its announced queue and
   the hops we already have in flight on it. Failed replicas sit out a cooldown that doubles per failure.
-* `RetryPolicy` bounds how many replicas one hop may try and how long each try may take.
+  A replica that timed out is slow, not gone: its estimate is divided, the next request to it may take longer,
+  and only `timeouts_before_cooldown` timeouts in a row put it in a cooldown.
+* `RetryPolicy` bounds how many tries one hop may make and how long each may take.
 * `IdempotencyLedger` remembers (run, microbatch, stage, direction) keys that were applied, so a retried
   request is answered from cache or refused, never applied twice. Bounded: when a key is evicted its
   microbatch id becomes its sender's floor, and anything at or below a floor is refused as stale, so eviction
   can never re-open a double application (microbatch ids grow per sender).
 * `choose_stage` places a new node on the stage with the least announced throughput per layer.
 * `Rebalancer` moves a replica from a well-served stage to a starved one, with hysteresis: the imbalance must
-  hold for `dwell_s`, the move must not leave the donor stage starved in turn (the same ratio both ways, so a
-  move is never immediately undone), moves are
-  at least `cooldown_s` apart, and only the donor stage's slowest replica moves (so replicas that all see the
-  same view do not stampede).
+  hold for `dwell_s` (restarted when the starved stage gains a replica), the move must leave the two stages
+  `min_gain` times better balanced and the donor not starved in turn (so a move is never undone), moves of one
+  replica are at least `cooldown_s` apart, and the donor's slowest replicas move one at a time, staggered by
+  peer id (so replicas that all see the same view do not stampede).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class RoutingConfig:
     failure_cooldown_s: float = 5.0  # first pause after a failure; doubles per consecutive failure
     max_cooldown_s: float = 60.0  # ... up to this
     max_tracked_peers: int = 4096  # measurements and failures kept (least recently touched forgotten)
+    # A timeout on a loaded machine is usually a slow answer, not a dead replica: a cooldown would take the only
+    # live replica of a stage out (the verifier waits while every replica of a stage cools down). Only this many
+    # timeouts in a row (each already given a longer timeout) count as a failure.
+    timeouts_before_cooldown: int = 3
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.prior_throughput) and self.prior_throughput > 0):
@@ -65,8 +71,8 @@ class RoutingConfig:
             raise ValueError(f"measurement_weight must be in (0, 1], got {self.measurement_weight}")
         if not 0 < self.failure_cooldown_s <= self.max_cooldown_s:
             raise ValueError("need 0 < failure_cooldown_s <= max_cooldown_s")
-        if self.max_tracked_peers < 1:
-            raise ValueError("max_tracked_peers must be >= 1")
+        if self.max_tracked_peers < 1 or self.timeouts_before_cooldown < 1:
+            raise ValueError("max_tracked_peers and timeouts_before_cooldown must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +98,7 @@ class ReplicaRouter:
         self._measured: OrderedDict[str, float] = OrderedDict()  # peer -> EMA tokens/s (our measurement)
         self._failures: OrderedDict[str, _Failures] = OrderedDict()
         self._in_flight: dict[str, int] = {}
+        self._timeouts: OrderedDict[str, int] = OrderedDict()  # peer -> timeouts in a row
 
     # ---- bookkeeping
 
@@ -112,6 +119,7 @@ class ReplicaRouter:
     def record_success(self, peer_id: str, *, tokens: int, seconds: float) -> None:
         """A hop of `tokens` took `seconds` end to end: update our throughput estimate, clear its failures."""
         self._failures.pop(peer_id, None)
+        self._timeouts.pop(peer_id, None)
         if tokens <= 0 or not seconds > 0:
             return
         sample = tokens / seconds
@@ -133,6 +141,30 @@ class ReplicaRouter:
         self._failures[peer_id] = state
         self._trim(self._failures)
         return cooldown
+
+    def record_timeout(self, peer_id: str, now: float, *, slowdown: float = 2.0) -> float:
+        """A request to `peer_id` got no answer in time: it is at least `slowdown` times slower than we thought.
+
+        Its throughput estimate is divided by `slowdown` (so other replicas are preferred), the next request to it
+        gets a longer timeout (`hop_timeout_s`), and `timeouts_before_cooldown` in a row count as a failure.
+        Returns the cooldown that started (0 when none)."""
+        count = self._timeouts.pop(peer_id, 0) + 1
+        self._timeouts[peer_id] = count
+        self._trim(self._timeouts)
+        known = self._measured.pop(peer_id, None)
+        if known is not None:
+            self._measured[peer_id] = known / slowdown
+        if count >= self.config.timeouts_before_cooldown:
+            return self.record_failure(peer_id, now)
+        return 0.0
+
+    def timeouts(self, peer_id: str) -> int:
+        """Timeouts in a row of `peer_id` (cleared by its next answer)."""
+        return self._timeouts.get(peer_id, 0)
+
+    def hop_timeout_s(self, peer_id: str, policy: RetryPolicy) -> float:
+        """How long the next request to `peer_id` may take: longer after each timeout in a row."""
+        return policy.timeout_s(self.timeouts(peer_id))
 
     def is_blocked(self, peer_id: str, now: float) -> bool:
         state = self._failures.get(peer_id)
@@ -216,17 +248,45 @@ class HopFailure(str, enum.Enum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RetryPolicy:
-    """Bounds on one hop: tries (each on a replica not yet tried for it) and the time each try may take."""
+    """Bounds on one hop: tries and the time each may take.
 
-    max_attempts: int = 3  # replicas tried for one hop before the microbatch is abandoned
-    hop_timeout_s: float = 30.0  # one request to one replica, sending included
+    A failed replica is not tried again for the same hop, except one that timed out or whose answer was lost: on a
+    loaded machine those are the usual failures of a live replica (both were seen on the survivor of a killed
+    replica, whose exclusion left no replica and abandoned the microbatch), and every request is idempotent. It
+    is tried again after the others (its cooldown or, for a timeout, its estimate divided by
+    `ReplicaRouter.record_timeout`), a timed-out one with a timeout `timeout_growth` times longer per timeout
+    in a row, up to `max_hop_timeout_s`. A dead replica costs one more try: the next one finds it unreachable.
+
+    Asking the same replica again after a lost answer (`ask_same_again`, up to `same_replica_retries` per replica
+    a hop reaches) is not a new try: it is the same request, answered from cache if it was applied.
+    """
+
+    max_attempts: int = 3  # tries of one hop (another replica, or a timed-out one again), then abandoned
+    hop_timeout_s: float = 30.0  # one request to one replica, sending included, when it has not timed out
     same_replica_retries: int = 1  # a timed-out backward is asked again of the same replica first (cached)
+    timeout_growth: float = 2.0  # the timeout of a replica is multiplied by this per timeout in a row
+    max_hop_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.same_replica_retries < 0:
             raise ValueError("max_attempts must be >= 1 and same_replica_retries >= 0")
         if not (math.isfinite(self.hop_timeout_s) and self.hop_timeout_s > 0):
             raise ValueError(f"hop_timeout_s must be positive, got {self.hop_timeout_s}")
+        if not (math.isfinite(self.timeout_growth) and self.timeout_growth >= 1):
+            raise ValueError(f"timeout_growth must be >= 1, got {self.timeout_growth}")
+        if not (math.isfinite(self.max_hop_timeout_s) and self.max_hop_timeout_s >= self.hop_timeout_s):
+            raise ValueError("max_hop_timeout_s must be >= hop_timeout_s")
+
+    def timeout_s(self, timeouts: int) -> float:
+        """The time a request may take to a replica that timed out `timeouts` times in a row."""
+        return min(self.hop_timeout_s * self.timeout_growth ** max(0, timeouts), self.max_hop_timeout_s)
+
+    def excludes(self, failure: HopFailure) -> bool:
+        """Whether a replica that failed this way is left out of the hop's next tries.
+
+        Not after a timeout or a lost answer (maybe alive, see the class docstring), nor a lost context (the
+        verifier rebuilds it there)."""
+        return failure not in (HopFailure.TIMEOUT, HopFailure.LOST, HopFailure.NO_CONTEXT)
 
     def retry_elsewhere(self, failure: HopFailure, attempt: int) -> bool:
         """After the `attempt`-th failed try (1-based): may another replica be tried?"""
@@ -240,8 +300,9 @@ class RetryPolicy:
         return failure in (HopFailure.TIMEOUT, HopFailure.LOST) and same_tries < self.same_replica_retries
 
     def blames_replica(self, failure: HopFailure) -> bool:
-        """Whether the failure should put the replica in a cooldown (a lost context is not its fault)."""
-        return failure is not HopFailure.NO_CONTEXT
+        """Whether the failure should put the replica in a cooldown at once. Not a lost context (not its fault),
+        nor a timeout (`ReplicaRouter.record_timeout` counts those: only several in a row start a cooldown)."""
+        return failure not in (HopFailure.NO_CONTEXT, HopFailure.TIMEOUT)
 
 
 # ---------------------------------------------------------------------------------------------------- idempotency
@@ -386,14 +447,26 @@ class RebalanceConfig:
 
     check_period_s: float = 10.0  # how often the stage role asks
     starve_ratio: float = 0.5  # a stage is starved below this share of the donor's per-layer throughput
-    dwell_s: float = 30.0  # the imbalance must hold this long before anyone moves
+    dwell_s: float = (
+        30.0  # the imbalance must hold this long (since it began, or since the starved stage gained
+    )
+    # a replica, whose throughput may not be measured yet) before anyone moves
     cooldown_s: float = 120.0  # least time between two moves of one replica (and after it joined)
     min_donor_replicas: int = 2  # never leave a stage with fewer than min_donor_replicas - 1 replicas
+    # A move must make the two stages' per-layer throughputs (lesser / greater) this much better balanced. Undoing
+    # a move gives back the balance before it, so a move is never undone, even where measurements are noisy.
+    min_gain: float = 1.25
+    # Replicas of the donor stage within `slow_margin` of its slowest are the candidates to move, ordered by peer
+    # id (which every replica sees the same, unlike throughputs that change between heartbeats): the first
+    # moves after `dwell_s`, the k-th only after `dwell_s + k * stagger_s`, by which time the first one's move
+    # shows in its heartbeat and restarts everyone's dwell. Keep it above heartbeat period + check period.
+    slow_margin: float = 1.25
+    stagger_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 < self.starve_ratio < 1:
             raise ValueError(f"starve_ratio must be in (0, 1), got {self.starve_ratio}")
-        for name in ("check_period_s", "dwell_s", "cooldown_s"):
+        for name in ("check_period_s", "dwell_s", "cooldown_s", "stagger_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be >= 0, got {value}")
@@ -401,6 +474,10 @@ class RebalanceConfig:
             raise ValueError("check_period_s must be positive")
         if self.min_donor_replicas < 2:
             raise ValueError("min_donor_replicas must be >= 2 (a stage is never emptied)")
+        for name in ("min_gain", "slow_margin"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 1):
+                raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,6 +493,7 @@ class Rebalancer:
     config: RebalanceConfig
     started_at: float  # when this replica began serving its stage (counts as a move for the cooldown)
     _starved_since: dict[int, float] = field(default_factory=dict)
+    _members: dict[int, frozenset[str]] = field(default_factory=dict)  # replicas per stage at the last check
     last_reason: str = "no check yet"
 
     def moved(self, now: float) -> None:
@@ -432,23 +510,17 @@ class Rebalancer:
         replicas: Sequence[ReplicaInfo],
         spans: Sequence[tuple[int, int]],
     ) -> Move | None:
-        """A move for this replica, or None (`last_reason` says why not)."""
+        """A move for this replica, or None (`last_reason` says why not).
+
+        `replicas`: the live replicas of every stage, those still joining a stage included (a replica that is
+        moving counts where it goes, so nobody follows it there)."""
         cfg = self.config
         loads = stage_loads(replicas, spans, exclude=me)
         mine = loads[my_stage]
         own = max(0.0, my_throughput) if math.isfinite(my_throughput) else 0.0
-        donor_after = mine.per_layer  # what our stage keeps if we leave (loads exclude us)
-        starved = [
-            s
-            for s in loads
-            if s.stage != my_stage
-            and s.per_layer < cfg.starve_ratio * (mine.throughput + own) / mine.num_layers
-        ]
-        for stage in list(self._starved_since):
-            if stage not in {s.stage for s in starved}:
-                del self._starved_since[stage]
-        for s in starved:
-            self._starved_since.setdefault(s.stage, now)
+        here = (mine.throughput + own) / mine.num_layers  # per layer, with us
+        starved = [s for s in loads if s.stage != my_stage and s.per_layer < cfg.starve_ratio * here]
+        self._track(now, replicas, me, {s.stage for s in starved})
         if not starved:
             self.last_reason = "no stage is starved"
             return None
@@ -456,32 +528,72 @@ class Rebalancer:
         if mine.replicas + 1 < cfg.min_donor_replicas:
             self.last_reason = f"stage {my_stage} would be left with {mine.replicas} replica(s)"
             return None
+        donor_after = mine.per_layer  # what our stage keeps if we leave (loads exclude us)
         target_after = (target.throughput + own) / max(target.num_layers, 1)
         if donor_after < cfg.starve_ratio * target_after:  # the same ratio both ways: no ping-pong
             self.last_reason = f"moving would starve stage {my_stage} instead"
             return None
+        before, after = _balance(here, target.per_layer), _balance(donor_after, target_after)
+        if after < cfg.min_gain * before:
+            self.last_reason = f"moving would not balance the stages better ({before:.2f} -> {after:.2f})"
+            return None
+        rank = _candidate_rank(me, own, my_stage, replicas, cfg.slow_margin)
+        if rank is None:
+            self.last_reason = "a slower replica of this stage should move first"
+            return None
         held_s = now - self._starved_since[target.stage]
-        if held_s < cfg.dwell_s:
-            self.last_reason = f"stage {target.stage} starved for {held_s:.0f} s < dwell {cfg.dwell_s:.0f} s"
+        needed_s = cfg.dwell_s + rank * cfg.stagger_s
+        if held_s < needed_s:
+            self.last_reason = (
+                f"stage {target.stage} starved for {held_s:.0f} s < {needed_s:.0f} s "
+                f"(dwell, candidate {rank + 1} to move)"
+            )
             return None
         if now - self.started_at < cfg.cooldown_s:
             self.last_reason = (
                 f"moved or joined {now - self.started_at:.0f} s ago < cooldown {cfg.cooldown_s:.0f} s"
             )
             return None
-        if not _is_slowest(me, own, my_stage, replicas):
-            self.last_reason = "a slower replica of this stage should move first"
-            return None
         self.last_reason = (
-            f"stage {target.stage} has {target.per_layer:.0f} tokens/s/layer against "
-            f"{(mine.throughput + own) / mine.num_layers:.0f} here, for {held_s:.0f} s"
+            f"stage {target.stage} has {target.per_layer:.0f} tokens/s/layer against {here:.0f} here, "
+            f"for {held_s:.0f} s"
         )
         return Move(to_stage=target.stage, reason=self.last_reason)
 
+    def _track(self, now: float, replicas: Sequence[ReplicaInfo], me: str, starved: set[int]) -> None:
+        """Starvation clocks: started when a stage becomes starved, restarted when it gains a replica."""
+        members: dict[int, set[str]] = {}
+        for r in replicas:
+            if r.peer_id != me:
+                members.setdefault(r.stage, set()).add(r.peer_id)
+        for stage in list(self._starved_since):
+            if stage not in starved:
+                del self._starved_since[stage]
+        for stage in starved:
+            now_members = frozenset(members.get(stage, ()))
+            gained = now_members - self._members.get(stage, frozenset())
+            if stage not in self._starved_since or gained:
+                self._starved_since[stage] = now
+        self._members = {stage: frozenset(peers) for stage, peers in members.items()}
 
-def _is_slowest(me: str, own: float, stage: int, replicas: Sequence[ReplicaInfo]) -> bool:
-    peers = [(max(0.0, r.throughput), r.peer_id) for r in replicas if r.stage == stage and r.peer_id != me]
-    return all((own, me) <= other for other in peers)
+
+def _balance(a: float, b: float) -> float:
+    """How evenly two per-layer throughputs match: lesser / greater, 1 when equal, 0 when one is empty."""
+    high = max(a, b)
+    return 1.0 if high <= 0 else min(a, b) / high
+
+
+def _candidate_rank(
+    me: str, own: float, stage: int, replicas: Sequence[ReplicaInfo], slow_margin: float
+) -> int | None:
+    """Our place among the donor's candidates to move (those near its slowest, by peer id); None if we are not."""
+    throughputs = {
+        r.peer_id: max(0.0, r.throughput) for r in replicas if r.stage == stage and r.peer_id != me
+    }
+    throughputs[me] = own
+    slowest = min(throughputs.values())
+    candidates = sorted(p for p, t in throughputs.items() if t <= slowest * slow_margin)
+    return candidates.index(me) if me in candidates else None
 
 
 def replicas_by_stage(replicas: Iterable[ReplicaInfo], num_stages: int) -> Mapping[int, list[ReplicaInfo]]:

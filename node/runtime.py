@@ -360,7 +360,13 @@ async def _serve(
     try:
         peers = await membership.peers_or_empty()
         choice = roles.choose_role(
-            config.role, config.stage, identity.peer_id, ctx.manifest, peers, joined.now
+            config.role,
+            config.stage,
+            identity.peer_id,
+            ctx.manifest,
+            peers,
+            joined.now,
+            client_mode=joined.client_mode or config.network.client_mode,
         )
         ctx.role_name, ctx.stage, log_context.role = choice.role, choice.stage, choice.role
         role = roles.build_role(choice.role, ctx)

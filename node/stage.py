@@ -75,6 +75,7 @@ from protocol.envelope import (
 )
 from protocol.errors import ConfigError, MalformedFrame, ProtocolError, TensorPolicyError, WrongContext
 from protocol.identity import NodeIdentity
+from protocol.limits import Admission, RateLimit
 from protocol.manifest import InnerOptimizerSpec, RunManifest
 from protocol.replay import ReplayConfig, ReplayGuard
 from protocol.rpc import FramedServer, PeerStrikes, Route
@@ -92,6 +93,10 @@ BACKWARD_RPC = "stage.backward"
 RECEIPT_RPC = "stage.receipt"
 TARGETS = "targets"  # name of the targets tensor beside the input ("") in a last-stage request
 EVAL_META = "eval"  # meta flag: forward only, no context, no ledger (held-out loss)
+# With EVAL_META: answer the gradient of the input instead (SENTINEL spot checks), for the output gradient in
+# GRAD_OUTPUT (or the loss on the targets at the last stage); nothing is kept or applied.
+RECOMPUTE_GRAD_META = "recompute_grad"
+GRAD_OUTPUT = "grad_output"
 LOSS_META = "loss"
 APPLIED_META = "applied"
 RECEIPT_FORMAT = "hivenode.receipt.v1"
@@ -148,6 +153,15 @@ class StageConfig:
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     max_receipts: int = 64  # verifier sessions whose latest receipt is kept
     recent_applied: int = 4096  # applied microbatch ids shown in status (for audits and tests)
+    # Per-verifier request rates (`protocol.limits`): one microbatch is one forward and one backward here, plus
+    # held-out forwards and retries. 100/s sustained is several times what one verifier drives through the
+    # smallest model (~30 microbatches/s with 8 in flight); the burst covers an evaluation round at once.
+    forward_rate_per_s: float = 100.0
+    forward_burst: float = 200.0
+    backward_rate_per_s: float = 100.0
+    backward_burst: float = 200.0
+    receipt_rate_per_s: float = 1.0  # a verifier sends one per replica every `receipt_every_s` (10 s)
+    receipt_burst: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_contexts < 1:
@@ -160,6 +174,16 @@ class StageConfig:
             raise ValueError(f"throughput_ema must be in (0, 1], got {self.throughput_ema}")
         if self.compute_threads < 0 or self.max_receipts < 1 or self.recent_applied < 0:
             raise ValueError("compute_threads >= 0, max_receipts >= 1, recent_applied >= 0")
+        for route in ("forward", "backward", "receipt"):
+            RateLimit(rate_per_s=getattr(self, f"{route}_rate_per_s"), burst=getattr(self, f"{route}_burst"))
+
+    def route_rates(self) -> dict[str, RateLimit]:
+        """Per-peer rate of each stage RPC (what `StageService.routes` gives the server)."""
+        return {
+            FORWARD_RPC: RateLimit(rate_per_s=self.forward_rate_per_s, burst=self.forward_burst),
+            BACKWARD_RPC: RateLimit(rate_per_s=self.backward_rate_per_s, burst=self.backward_burst),
+            RECEIPT_RPC: RateLimit(rate_per_s=self.receipt_rate_per_s, burst=self.receipt_burst),
+        }
 
 
 def apply_overrides(config: T, text: str) -> T:
@@ -253,11 +277,12 @@ class BoundaryShape:
 
     @property
     def limits(self) -> TensorLimits:
-        """Caps of one pipeline frame: an activation or gradient plus, to the last stage, int64 targets."""
+        """Caps of one pipeline frame: an activation or gradient plus, to the last stage, int64 targets; a
+        spot check's backward recomputation carries an activation and a gradient (hence two)."""
         activation = self.max_batch * self.context_len * self.width * 4
         tokens = self.max_batch * self.context_len * 8
         return TensorLimits(
-            max_bytes=activation + tokens,
+            max_bytes=2 * activation + tokens,
             max_rank=3,
             max_tensors=2,
             allowed_dtypes=frozenset({"float32", "int64"}),
@@ -304,6 +329,7 @@ class _Context:
 
 
 INPUT_DIGEST_META = "input_digest"  # hex digest of the request an output answers
+SLOW_SAMPLE_CAP = 4.0  # a compute-time sample counts as at most this many times the current estimate
 _NO_GRAD = object()  # cached result of an applied backward on the first stage (nothing to send back)
 
 
@@ -379,6 +405,11 @@ class StageCore:
             return {}
         return {name: total / self._acc_sequences for name, total in self._grad_sum.items()}
 
+    def assume_throughput(self, tokens_per_s: float) -> None:
+        """Start from an estimate (a replica that moved stages: its speed per layer, carried over) until measured."""
+        if math.isfinite(tokens_per_s) and tokens_per_s > 0:
+            self._sec_per_token = 1.0 / tokens_per_s
+
     def weights_changed(self) -> None:
         """Call after the parameters were overwritten (DiLoCo version): later forwards use the new values."""
         self._snapshot = None
@@ -433,6 +464,32 @@ class StageCore:
             self.module.train()
         self.counters.microbatches_served += 1
         return out.detach()
+
+    def input_gradient(
+        self, x: torch.Tensor, grad_output: torch.Tensor | None, targets: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Gradient of this stage's input for `grad_output` (the loss on `targets` at the last stage), with the
+        current weights and nothing kept or applied: a SENTINEL spot check's recomputation of a backward."""
+        self._check_input(x)
+        if self.is_first:
+            raise TensorPolicyError("stage 0 has no input gradient", reason="bad tensors")
+        x_in = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            if self.is_last:
+                if targets is None or tuple(targets.shape) != tuple(x.shape[:2]):
+                    raise TensorPolicyError(
+                        "the last stage needs targets of the input's [B, T]", reason="bad shape"
+                    )
+                self.shape.check_tokens(targets, "targets")
+                out = functional_call(self.module, self._leaves(), (x_in, targets))
+                (grad,) = torch.autograd.grad(out, [x_in])
+            else:
+                out = functional_call(self.module, self._leaves(), (x_in,))
+                if grad_output is None or tuple(grad_output.shape) != tuple(out.shape):
+                    raise TensorPolicyError("the output gradient must match the output", reason="bad shape")
+                (grad,) = torch.autograd.grad(out, [x_in], grad_outputs=grad_output)
+        self.counters.microbatches_served += 1
+        return grad.detach()
 
     def forward_loss(
         self, sender: str, microbatch: int, x: torch.Tensor, targets: torch.Tensor
@@ -624,6 +681,10 @@ class StageCore:
         sample = seconds / share / tokens
         alpha = self.config.throughput_ema
         old = self._sec_per_token
+        if old is not None:
+            # One slow outlier (a fresh module's first call, a load spike) must not sink the announced throughput:
+            # rebalancing reads it, and a replica that just moved would make its new stage look starved.
+            sample = min(sample, old * SLOW_SAMPLE_CAP)
         self._sec_per_token = sample if old is None else (1 - alpha) * old + alpha * sample
 
     def recent_applied(self, limit: int) -> list[int]:
@@ -795,10 +856,11 @@ class StageService:
 
     def routes(self) -> dict[str, Route]:
         cap = max_frame_bytes(self.limits)
+        rates = self.core.config.route_rates()
         return {
-            FORWARD_RPC: Route(self.rpc_forward, cap),
-            BACKWARD_RPC: Route(self.rpc_backward, cap),
-            RECEIPT_RPC: Route(self.rpc_receipt, MAX_CONTROL_BYTES),
+            FORWARD_RPC: Route(self.rpc_forward, cap, rate=rates[FORWARD_RPC]),
+            BACKWARD_RPC: Route(self.rpc_backward, cap, rate=rates[BACKWARD_RPC]),
+            RECEIPT_RPC: Route(self.rpc_receipt, MAX_CONTROL_BYTES, rate=rates[RECEIPT_RPC]),
         }
 
     def authorized(self) -> Sequence[str]:
@@ -811,9 +873,15 @@ class StageService:
         kind = Kind.TOKENS if core.is_first else Kind.ACTIVATION
         opened = self._open(frame, remote_peer, kind, Direction.FORWARD, limits=self.limits)
         header, x, targets = opened.header, opened.tensors.get(""), opened.tensors.get(TARGETS)
-        if x is None or set(opened.tensors) - {"", TARGETS}:
+        recompute = opened.meta.get(EVAL_META) is True and opened.meta.get(RECOMPUTE_GRAD_META) is True
+        if x is None or set(opened.tensors) - {"", TARGETS, *((GRAD_OUTPUT,) if recompute else ())}:
             raise WrongContext(
                 "a forward carries its input (and targets for the last stage)", reason="bad tensors"
+            )
+        if recompute:
+            grad = await self.compute(core.input_gradient, x, opened.tensors.get(GRAD_OUTPUT), targets)
+            return self._seal(
+                remote_peer, Kind.GRADIENT, Direction.BACKWARD, header, tensor=grad, meta={EVAL_META: True}
             )
         if opened.meta.get(EVAL_META) is True:
             out = await self.compute(core.forward_eval, x, targets)
@@ -842,9 +910,10 @@ class StageService:
 
     async def rpc_backward(self, frame: bytearray, remote_peer: str) -> bytes:
         core = self.core
+        # opened first: a backward for the stage this replica left is refused `not serving`, never blamed
+        opened = self._open(frame, remote_peer, Kind.GRADIENT, Direction.BACKWARD, limits=self.limits)
         if core.is_last:
             raise WrongContext("the last stage takes no backward request (its forward is the backward)")
-        opened = self._open(frame, remote_peer, Kind.GRADIENT, Direction.BACKWARD, limits=self.limits)
         grad = opened.tensors.get("")
         if grad is None or len(opened.tensors) != 1:
             raise WrongContext("a backward carries one gradient", reason="bad tensors")
@@ -945,7 +1014,11 @@ class StageService:
     ) -> bytes:
         started = time.perf_counter()
         context = Context(
-            run_id=self.run_id, kind=kind, receiver=receiver, stage=self.stage, direction=direction
+            run_id=self.run_id,
+            kind=kind,
+            receiver=receiver,
+            stage=request.stage,  # not self.stage: the replica may have moved while computing this answer
+            direction=direction,
         )
         # Binding the request's digest makes "one payload per (microbatch, input)" checkable: an honest replica
         # that gets a new input for a microbatch (the verifier rerouted upstream) is never mistaken for a liar.
@@ -1000,8 +1073,12 @@ def build_core(
     )
 
 
-def replicas_from_peers(peers: Sequence[Any], now: float) -> list[ReplicaInfo]:
-    """Live serving stage replicas from heartbeat records (`protocol.records.PeerRecord`)."""
+def replicas_from_peers(
+    peers: Sequence[Any], now: float, *, states: Sequence[str] = ("serving",)
+) -> list[ReplicaInfo]:
+    """Live stage replicas from heartbeat records (`protocol.records.PeerRecord`): those serving, or in `states`.
+
+    Verifiers route to serving replicas only; rebalancing also counts the ones joining a stage (moving there)."""
     out = []
     for peer in peers:
         hb = peer.heartbeat
@@ -1009,7 +1086,7 @@ def replicas_from_peers(peers: Sequence[Any], now: float) -> list[ReplicaInfo]:
             hb.role != "stage"
             or hb.stage is None
             or hb.leaving
-            or hb.state != "serving"
+            or hb.state not in states
             or peer.expires_at <= now
         ):
             continue
@@ -1040,7 +1117,9 @@ class StageRole:
         self.manifest = ctx.manifest
         self.spans = stage_spans(ctx.manifest.model["num_layers"], ctx.manifest.num_stages)
         self.sync: Any = None  # node.diloco.sync_client.FragmentSync of the current stage, if a syncer exists
-        self.core = build_core(ctx.manifest, ctx.run_id, ctx.stage, self.config, on_step=self._after_step)
+        self.core = build_core(
+            ctx.manifest, ctx.run_id, ctx.stage, self.config, on_step=partial(self._after_step, ctx.stage)
+        )
         self.service = StageService(
             ctx.identity,
             ctx.run_id,
@@ -1052,6 +1131,7 @@ class StageRole:
         self.bans = ban_watcher_for(ctx)
         self.service.is_banned = self.bans.is_banned
         self.strikes = PeerStrikes()
+        self.throttled: dict[str, int] = {}  # "route: limit" -> requests refused for load
         self.state = "joining"
         self.rebalancer = Rebalancer(self.config.rebalance, started_at=time.monotonic())
         self.moves = 0
@@ -1062,7 +1142,9 @@ class StageRole:
 
     async def run(self, ctx: NodeContext, stop: asyncio.Event) -> None:
         self._p2p = await ctx.dht.replicate_p2p()
-        server = FramedServer(self._p2p, self.service.routes(), strikes=self.strikes)
+        server = FramedServer(
+            self._p2p, self.service.routes(), strikes=self.strikes, on_throttle=self._on_throttle
+        )
         try:
             await self._start_sync(stop)
             await server.start()
@@ -1097,7 +1179,9 @@ class StageRole:
 
     # ---- DiLoCo
 
-    def _after_step(self, step: int, tokens: int) -> None:
+    def _after_step(self, stage: int, step: int, tokens: int) -> None:
+        if stage != self.core.stage:  # a step of the stage this replica just left: not the current sync's
+            return
         if self.sync is not None:
             self.sync.after_inner_step(step, tokens)
 
@@ -1116,7 +1200,10 @@ class StageRole:
             plan,
             authorized_syncers=self.manifest.authorized_syncers,
         )
-        self.sync = FragmentSync.create(self.core.params, plan, self.manifest.diloco, transport)
+        receipts = lambda: list(self.service.receipts.values())  # noqa: E731 - relayed with every push
+        self.sync = FragmentSync.create(
+            self.core.params, plan, self.manifest.diloco, transport, receipts=receipts
+        )
         loaded = await self.sync.join_global(stop, timeout_s=self.config.join_timeout_s)
         self.core.weights_changed()
         self.ctx.events.emit(
@@ -1149,7 +1236,11 @@ class StageRole:
                 continue
             from hivemind.utils import get_dht_time
 
-            replicas = replicas_from_peers(peers, get_dht_time())
+            replicas = [  # a banned replica gets no work from verifiers: it is no capacity
+                r
+                for r in replicas_from_peers(peers, get_dht_time(), states=("serving", "joining"))
+                if not self.bans.is_banned(r.peer_id)
+            ]
             move = self.rebalancer.decide(
                 now=time.monotonic(),
                 me=self.ctx.peer_id,
@@ -1162,13 +1253,22 @@ class StageRole:
                 await self._move_to(move.to_stage, move.reason, stop)
 
     async def _move_to(self, stage: int, reason: str, stop: asyncio.Event) -> None:
+        """Serve `stage` instead: a core built from the seed, the global version of its span from the syncer.
+
+        From the first line on, the heartbeat announces the new stage as "joining" (verifiers do not route to it
+        yet; other replicas' rebalancers count it there, so they do not follow) with this replica's speed per
+        layer carried over as its throughput until the new span is measured."""
         old = self.core.stage
         logger.info("moving from stage %d to stage %d: %s", old, stage, reason)
         self.state = "joining"
         if self._sync_stop is not None:
             self._sync_stop.set()
         self.moves += 1
-        core = build_core(self.manifest, self.ctx.run_id, stage, self.config, on_step=self._after_step)
+        core = build_core(
+            self.manifest, self.ctx.run_id, stage, self.config, on_step=partial(self._after_step, stage)
+        )
+        old_layers, new_layers = (b - a for a, b in (self.core.span, core.span))
+        core.assume_throughput(self.core.throughput * old_layers / max(new_layers, 1))
         self.sync = None
         self.core = core
         self.service.core = core
@@ -1178,6 +1278,12 @@ class StageRole:
         self.rebalancer.moved(time.monotonic())
         self.state = "serving"
         self.ctx.events.emit("stage_moved", from_stage=old, to_stage=stage, why=reason)
+
+    def _on_throttle(self, peer: str, route: str, admission: Admission) -> None:
+        """Requests refused for load before they were read: /metrics (`hivenode_rpc_throttled`) and status."""
+        self.ctx.metrics.count_throttle(peer, route, admission)
+        key = f"{route}: {admission.reason}"
+        self.throttled[key] = self.throttled.get(key, 0) + 1
 
     # ---- status
 
@@ -1201,6 +1307,7 @@ class StageRole:
             "refused": dict(counters.refused),
             "contexts_dropped": dict(counters.contexts_dropped),
             "strikes": self.strikes.snapshot(),
+            "throttled": dict(self.throttled),
             "verified_tokens": self.service.verified_tokens(),
             "receipts": len(self.service.receipts),
             "applied_recent": core.recent_applied(self.config.recent_applied),
