@@ -3,13 +3,33 @@
 Four arms run one after another, each a fresh swarm of real processes on loopback: a bootstrap, a primary and
 a standby syncer, and M = 4 learners stepping at a fixed speed (`min_step_s`, well inside what two cores do
 with this tiny model). The chaos arms share one seeded fault schedule (`node.chaos`): SIGKILL + restart of a
-learner, SIGSTOP stragglers, SIGKILL of the active syncer (the standby takes over).
+learner, SIGSTOP stragglers, SIGKILL of the active syncer (the standby takes over). DiLoCo: H = 12, P = 2 plus
+the embedding fragment, tau = 2 (the paper's; the grace window is bounded by the learners' overlap, and with
+tau = 1 it stays under one step, too short to gather learners that step independently), K = 1, gamma = 0.8.
 
-* goodput of an arm = tokens merged into the global model within the measured window / tokens the
-  failure-free (decoupled) arm merges in a window of the same length. Merges a syncer made that its
-  successor did not resume from (lost with it) do not count.
+* goodput of an arm (the issue's "tokens merged into the global model / tokens the failure-free run merges in
+  the same wall time", made so that it cannot exceed 1 and an outage cannot inflate it):
+
+      goodput = sum over 10 s bins b of min(merged_arm[b], merged_ff[b]) / sum over b of merged_ff[b]
+
+  where merged[b] counts the tokens that entered the global model (merge events within the window; merges a
+  failed syncer made that its successor did not resume from do not count), each attributed to the wall time
+  at which a learner processed it, not to the time of the merge: a merged contribution of k tokens from a
+  learner is laid over the last k tokens that learner processed before the syncer received it (from the
+  learners' sampled token counters). A token is counted once per fragment its progress entered; the ratio is
+  the same per fragment, and `merge_efficiency` divides by the fragment count.
+  Why not the plain ratio of merged tokens (kept as `merged_ratio`): with alpha = 0 every overwrite discards
+  a learner's steps since its send, so the failure-free run does not merge all it computes; during a syncer
+  outage nothing is overwritten and the learners' counters keep everything, which the merge after the
+  takeover then counts at once. The plain ratio thus rewarded outages (it reached 1.13). Attributed to
+  compute time and capped bin by bin at what the failure-free run merged of the same seconds, work done
+  during an outage and merged later counts (decoupled DiLoCo's point: the learners never stopped) but never
+  more than a failure-free run gets out of those seconds. The min of two noisy series is biased low by a few
+  percent; 10 s bins (about three schedule periods) keep that small.
 * compute goodput of an arm = tokens the learners processed within the window / the same in the failure-free
   arm (the paper's "share of chip time doing useful work": time lost to crashes, stalls and barrier waits).
+* merge efficiency of an arm = its merged tokens (per fragment) / the tokens its learners processed: what the
+  overwrites discard (the tau overlap steps at least; out-of-phase merges more).
 * loss gap = (held-out loss of the decoupled chaos arm's global model at its final merged-token count - the
   failure-free arm's loss interpolated at the same token count) / the latter.
 
@@ -46,6 +66,7 @@ logger = logging.getLogger("benchmarks.goodput")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NUM_LEARNERS = 4
 STANDBY_WAIT_S = 60.0  # a syncer kill waits this long for a standby to be up (else it kills the only one)
+BIN_S = 10.0  # goodput bins: merged tokens are compared with the failure-free run's bin by bin
 RUN_TOML = """
 name = "goodput-{arm}"
 seed = 11
@@ -65,7 +86,7 @@ weight_decay = 0.01
 [diloco]
 num_fragments = 2
 sync_every_steps = 12
-overlap_steps = 1
+overlap_steps = 2
 min_sync_interval_s = 0.0
 mode = "{mode}"
 sync_learners = {num_learners}
@@ -148,6 +169,10 @@ class Swarm:
                 num_learners=NUM_LEARNERS,
             )
         )
+        from node.diloco.sync_client import run_fragment_plan
+        from protocol.manifest import load_run_toml
+
+        self.num_fragments = run_fragment_plan(load_run_toml(self.run_path)).num_fragments
         self.node_toml = root / "node.toml"
         self.node_toml.write_text(NODE_TOML.format(min_step_s=min_step_s, checkpoints=root / "checkpoints"))
         self.syncers = ["syncer-a", "syncer-b"]
@@ -269,11 +294,14 @@ def measure(swarm: Swarm, plan: list[Fault], duration_s: float, sample_s: float 
     if runner is not None:
         runner.start()
     samples = []
+    peers: dict[str, str] = {}  # learner name -> peer id (a restarted learner keeps its identity)
     while (elapsed := time.time() - t0) < duration_s:
         row: dict[str, Any] = {"t": round(elapsed, 2)}
         for name in swarm.learners:
             st = swarm.status(name) if swarm.group.alive(name) else None
             row[name] = st.get("tokens") if st else None
+            if st and st.get("peer_id"):
+                peers[name] = st["peer_id"]
         samples.append(row)
         time.sleep(max(0.0, sample_s - (time.time() - t0 - elapsed)))
     t1 = time.time()
@@ -299,10 +327,22 @@ def measure(swarm: Swarm, plan: list[Fault], duration_s: float, sample_s: float 
             continue
         i = bisect.bisect_right(times, ev["t"]) - 1
         loss_curve.append((cumulative[i] if i >= 0 else 0, ev["loss"]))
+    curves = learner_curves(samples, swarm.learners)
+    by_peer = {peers[name]: curve for name, curve in curves.items() if name in peers}
+    num_bins = max(1, int(duration_s // BIN_S))
+    bins = attribute_merges(window, by_peer, t0=t0, num_bins=num_bins, bin_s=BIN_S)
+    span_processed = sum(cum_at(curve, num_bins * BIN_S) for curve in curves.values())
+    merged_per_fragment = sum(bins) / swarm.num_fragments
     return {
         "window_s": round(t1 - t0, 2),
         "tokens_merged": total,
         "tokens_processed": processed_tokens(samples, swarm.learners),
+        "merged_bins": [round(b, 1) for b in bins],
+        "merge_efficiency": round(merged_per_fragment / span_processed, 4) if span_processed else None,
+        "num_fragments": swarm.num_fragments,
+        "participants_per_merge": [len(m.get("participants", [])) for m in window],
+        "late_per_merge": [m.get("late", 0) for m in window],
+        "grace_s": [m.get("grace_s") for m in window],
         "merges": len(window),
         "merges_lost_with_a_syncer": len(
             [m for tape in tapes.values() for m in tape if m["event"] == "merge"]
@@ -320,6 +360,79 @@ def measure(swarm: Swarm, plan: list[Fault], duration_s: float, sample_s: float 
         "faults_ok": report.check(plan) if report is not None else True,
         "learner_samples": samples,
     }
+
+
+def learner_curves(
+    samples: list[dict[str, Any]], learners: list[str]
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Per learner, (seconds since the window opened, tokens processed since then), from the status samples; a
+    restarted learner's counter starts again from 0, so only increases add up."""
+    out = {}
+    for name in learners:
+        ts, cs = [0.0], [0.0]
+        last, total = None, 0.0
+        for row in samples:
+            value = row.get(name)
+            if value is None:
+                continue
+            if last is not None and value >= last:
+                total += value - last
+            last = value
+            ts.append(float(row["t"]))
+            cs.append(total)
+        out[name] = (ts, cs)
+    return out
+
+
+def cum_at(curve: tuple[list[float], list[float]], t: float) -> float:
+    ts, cs = curve
+    if t <= ts[0]:
+        return cs[0]
+    if t >= ts[-1]:
+        return cs[-1]
+    i = bisect.bisect_right(ts, t)
+    (t0, c0), (t1, c1) = (ts[i - 1], cs[i - 1]), (ts[i], cs[i])
+    return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c1
+
+
+def attribute_merges(
+    merges: list[dict[str, Any]],
+    curves: dict[str, tuple[list[float], list[float]]],
+    *,
+    t0: float,
+    num_bins: int,
+    bin_s: float,
+) -> list[float]:
+    """Merged tokens per bin of compute time: each merged contribution (the tape's `contributed` rows: steps,
+    tokens, seconds from its arrival to the merge, base) is laid over the last `tokens` tokens its learner
+    processed before the syncer received it; what falls before the window is dropped."""
+    out = [0.0] * num_bins
+    edges = [i * bin_s for i in range(num_bins + 1)]
+    for merge in merges:
+        for peer, rows in (merge.get("contributed") or {}).items():
+            curve = curves.get(peer)
+            for _steps, tokens, age_s, _base in rows:
+                end = merge["t"] - t0 - age_s
+                if curve is None:  # no samples of that learner: count it at its arrival
+                    index = int(end // bin_s)
+                    if 0 <= index < num_bins:
+                        out[index] += tokens
+                    continue
+                c_end = cum_at(curve, end)
+                c_start = max(0.0, c_end - tokens)
+                for i in range(num_bins):
+                    lo = min(max(cum_at(curve, edges[i]), c_start), c_end)
+                    hi = min(max(cum_at(curve, edges[i + 1]), c_start), c_end)
+                    out[i] += hi - lo
+    return out
+
+
+def bounded_goodput(bins: list[float], reference: list[float]) -> float | None:
+    """sum_b min(bins[b], reference[b]) / sum_b reference[b]: at most 1 by construction."""
+    total = sum(reference)
+    if not total:
+        return None
+    return sum(min(a, r) for a, r in zip(bins, reference, strict=False)) / total
 
 
 def processed_tokens(samples: list[dict[str, Any]], learners: list[str]) -> int:
@@ -351,23 +464,6 @@ def interpolate(curve: list[tuple[int, float]], x: float) -> float | None:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
 
 
-def goodput_over_time(
-    arm: list[tuple[float, int]], reference: list[tuple[float, int]], step_s: float = 5.0
-) -> list[tuple[float, float]]:
-    def at(curve: list[tuple[float, int]], t: float) -> int:
-        i = bisect.bisect_right([c[0] for c in curve], t) - 1
-        return curve[i][1] if i >= 0 else 0
-
-    end = reference[-1][0] if reference else 0.0  # an arm that stopped merging stays flat to the end
-    out = []
-    t = step_s
-    while t <= end:
-        ref = at(reference, t)
-        out.append((t, at(arm, t) / ref if ref else 0.0))
-        t += step_s
-    return out
-
-
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -375,7 +471,6 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_good) = plt.subplots(1, 2, figsize=(12, 4.5))
-    reference = results["failure_free"]["merged_curve"]
     colors = {
         "failure_free": "tab:grey",
         "decoupled": "tab:blue",
@@ -390,18 +485,22 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
                 [c[0] / 1e3 for c in curve], [c[1] for c in curve], marker=".", label=name, color=color
             )
         if name != "failure_free":
-            series = goodput_over_time(result["merged_curve"], reference)
-            ax_good.plot([s[0] for s in series], [s[1] for s in series], label=name, color=color)
+            ref_bins = results["failure_free"]["merged_bins"]
+            series = [
+                ((i + 0.5) * BIN_S, min(a, r) / r if r else 0.0)
+                for i, (a, r) in enumerate(zip(result["merged_bins"], ref_bins, strict=False))
+            ]
+            ax_good.plot([s[0] for s in series], [s[1] for s in series], marker="o", label=name, color=color)
     for fault in results.get("decoupled", {}).get("faults", []):
         ax_good.axvline(fault["injected_at_s"], color="grey", alpha=0.3, linewidth=1)
     ax_loss.set_xlabel("tokens merged into the global model (thousands)")
     ax_loss.set_ylabel("held-out loss of the global model (nats/byte)")
     ax_loss.set_title("loss at equal merged tokens")
     ax_loss.legend()
-    ax_good.set_xlabel("seconds since the chaos clock started (grey: faults)")
-    ax_good.set_ylabel("merged tokens / failure-free merged tokens")
-    ax_good.set_ylim(0, 1.2)
-    ax_good.set_title("goodput over time")
+    ax_good.set_xlabel("seconds of compute time since the chaos clock started (grey: faults)")
+    ax_good.set_ylabel("min(merged, failure-free merged) / failure-free merged")
+    ax_good.set_ylim(0, 1.05)
+    ax_good.set_title(f"goodput per {BIN_S:.0f} s bin (tokens by when they were computed)")
     ax_good.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -476,7 +575,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(base, ignore_errors=True)
     reference = results.get("failure_free", {}).get("tokens_merged") or 0
-    goodput = {name: (r["tokens_merged"] / reference if reference else None) for name, r in results.items()}
+    merged_ratio = {
+        name: (r["tokens_merged"] / reference if reference else None) for name, r in results.items()
+    }
+    ref_bins = results.get("failure_free", {}).get("merged_bins") or []
+    goodput = {name: bounded_goodput(r["merged_bins"], ref_bins) for name, r in results.items()}
     processed_ref = results.get("failure_free", {}).get("tokens_processed") or 0
     compute = {
         name: (r["tokens_processed"] / processed_ref if processed_ref else None)
@@ -495,6 +598,13 @@ def main(argv: list[str] | None = None) -> int:
         "compute_goodput_decoupled": _round(compute.get("decoupled")),
         "compute_goodput_sync": _round(compute.get("sync")),
         "compute_goodput_elastic_sync": _round(compute.get("elastic_sync")),
+        "merged_ratio_decoupled": _round(merged_ratio.get("decoupled")),
+        "merge_efficiency_failure_free": results.get("failure_free", {}).get("merge_efficiency"),
+        "merge_efficiency_decoupled": results.get("decoupled", {}).get("merge_efficiency"),
+        "mean_participants_failure_free": _mean(
+            results.get("failure_free", {}).get("participants_per_merge")
+        ),
+        "mean_participants_decoupled": _mean(results.get("decoupled", {}).get("participants_per_merge")),
         "loss_gap_decoupled": _round(loss_gap),
         "faults_injected": injected,
         "faults_planned": len(plan) * sum(1 for a in chosen if a.chaos),
@@ -521,6 +631,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(headline, indent=2))
     print(f"wrote {path}")
     return 0
+
+
+def _mean(values: list[float] | None) -> float | None:
+    return round(sum(values) / len(values), 3) if values else None
 
 
 def _round(value: float | None) -> float | None:

@@ -330,6 +330,7 @@ class LaneStats:
     spot_checks: int = 0
     spot_false_convictions: int = 0
     spot_inconclusive: int = 0
+    spot_exonerated: int = 0  # flagged tensors whose recomputation cleared them
     honest_rel_diffs: list[float] = field(default_factory=list)
     check_seconds: list[float] = field(default_factory=list)
     honest_flags_by_boundary: dict[str, int] = field(default_factory=dict)
@@ -404,9 +405,10 @@ class Lane:
                     replicas=self.members(stage),
                 )
             )
+            cleared = False
             if stage == ATTACKED_STAGE and signer not in self.banned:
-                self._spot_check(mb, direction, signer, sent, attacked)
-            if verdict.flagged:
+                cleared = self._spot_check(mb, direction, signer, sent, attacked, verdict.flagged)
+            if verdict.flagged and not cleared:
                 break  # cascade handling: later boundaries of this microbatch are not checked
 
     def _count(self, flagged: bool, reason: str, attacked: bool, boundary: str) -> None:
@@ -442,18 +444,20 @@ class Lane:
             self.stats.false_bans.append(f"{signer}: {reason}")
 
     def _spot_check(
-        self, mb: Microbatch, direction: str, signer: str, sent: torch.Tensor, attacked: bool
-    ) -> None:
+        self, mb: Microbatch, direction: str, signer: str, sent: torch.Tensor, attacked: bool, flagged: bool
+    ) -> bool:
+        """As node.sentinel_tap does live; True when the recomputation cleared a flagged tensor."""
         if self.spot is None or len(mb.recomputed[direction]) < 2:
-            return
+            return False
         decision = self.spot.should_check(
             self.rng,
             microbatches_seen=self.ledger.microbatches_seen(signer),
             recent_flags=self.ledger.flags_in_window(signer),
             quarantined=self.ledger.is_quarantined(signer),
+            flagged_now=flagged,
         )
         if not decision.check:
-            return
+            return False
         self.stats.spot_checks += 1
         (checker_id, checker), (_, third) = mb.recomputed[direction][:2]
         verdict = self.spot.adjudicate(sent, checker)
@@ -463,8 +467,12 @@ class Lane:
             self.stats.honest_rel_diffs.append(verdict.original_vs_checker.rel_diff)
         if verdict.outcome == "inconclusive":
             self.stats.spot_inconclusive += 1
+        if flagged and self.spot.clears(verdict):
+            self.stats.spot_exonerated += 1
+            self._apply(self.ledger.exonerate(signer, mb.index, reason=verdict.reason))
+            return True
         if verdict.culprit is None:
-            return
+            return False
         # The stream's checkers are honest replicas: convicting one, or an unattacked original, is false.
         culprit = signer if verdict.culprit == "original" else checker_id
         self.stats.spot_false_convictions += int(culprit != signer or not attacked)
@@ -476,6 +484,7 @@ class Lane:
             replicas=self.members(ATTACKED_STAGE),
         )
         self._apply(decision)
+        return False
 
 
 # --------------------------------------------------------------------------- suite and report
@@ -606,6 +615,7 @@ def summarize(per_seed: list[dict[str, LaneStats]]) -> dict[str, dict[str, objec
             "spot_checks": sum(s.spot_checks for s in stats),
             "spot_false_convictions": sum(s.spot_false_convictions for s in stats),
             "spot_inconclusive": sum(s.spot_inconclusive for s in stats),
+            "spot_exonerated": sum(s.spot_exonerated for s in stats),
         }
     return table
 

@@ -13,7 +13,12 @@
 * `attack_from_env`: a stage replica applies `verification.attacks` to its outputs only when started with
   `HIVENODE_UNSAFE_ATTACK=<spec>` (tests and benchmarks), announced by a WARNING banner.
 
-Spot-check recomputation (`verification.spotcheck`) is not wired here yet.
+* Spot checks (`verification.spotcheck`): after each checked tensor the driver asks `spot_check_due`
+  (the tap's RNG draws, after the sender signed, at the rate its ledger state calls for: new, flagged and
+  quarantined replicas more often); if due, the driver recomputes the same input on a random other replica
+  of the stage (and on a third one after a mismatch) and hands the outputs to `spot_check`, which
+  adjudicates, feeds convictions to the ledger (two within a window ban) and takes back the flag of a
+  microbatch whose recomputation matched (the statistics were wrong, not the replica).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import contextlib
 import logging
 import math
 import os
+import random
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -46,6 +53,7 @@ from verification.bans import (
 from verification.equivocation import EquivocationDetector, SignedHeader, Slot
 from verification.ledger import LedgerConfig, LedgerDecision, ViolationLedger
 from verification.sentinel import SentinelConfig, SentinelMonitor, Verdict
+from verification.spotcheck import SpotCheckConfig, SpotCheckPolicy, SpotCheckVerdict
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +73,8 @@ class SentinelTapConfig:
     tainted_microbatches: int = 4096  # microbatch ids remembered as "already handled upstream"
     sentinel: SentinelConfig = field(default_factory=SentinelConfig)
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    spot: SpotCheckConfig | None = field(default_factory=SpotCheckConfig)  # None: no spot checks
+    spot_seed: int | None = None  # the spot-check draws' RNG seed (None: unpredictable, the default)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.ban_ttl_s) and self.ban_ttl_s > 0):
@@ -84,6 +94,12 @@ class TapStats:
     rewarms: int = 0
     quarantines: int = 0
     equivocations: int = 0
+    spot_checks: int = 0  # recomputations started (a third replica's is not counted again)
+    spot_matches: int = 0
+    spot_thirds: int = 0  # mismatches that asked a third replica
+    spot_convictions: int = 0
+    spot_inconclusive: int = 0
+    spot_exonerated: int = 0  # flagged microbatches whose recomputation matched: flag taken back
     check_s: float = 0.0
 
 
@@ -126,6 +142,12 @@ class SentinelTap:
         self._flags: dict[str, deque[_Flag]] = {}
         self._tainted: deque[int] = deque()
         self._tainted_set: set[int] = set()
+        seed = self.config.spot_seed if self.config.spot_seed is not None else secrets.randbits(64)
+        self.spot_rng = random.Random(seed)
+        self._spot: dict[tuple[int, str], SpotCheckPolicy] = {}
+        self._recent: dict[str, deque[_Flag]] = {}  # each replica's last checked tensors (spot evidence)
+        # (replica, microbatch) of tensors a spot check cleared of their flag (the driver uses them after all)
+        self._cleared: deque[tuple[str, int]] = deque(maxlen=64)
 
     # ---- the seam
 
@@ -165,6 +187,7 @@ class SentinelTap:
             decision = self.ledger.record(
                 replica, stage, verdict.flagged, now, microbatch_id=microbatch_id, replicas=replicas
             )
+            self._recent.setdefault(replica, deque(maxlen=8)).append(_Flag(microbatch_id, verdict, signed))
             if verdict.flagged:
                 self.stats.flagged += 1
                 self._remember_flag(replica, microbatch_id, verdict, signed)
@@ -179,6 +202,102 @@ class SentinelTap:
             return self.monitor.boundary(stage, dir_name).replacement_for(tensor)
         finally:
             self.stats.check_s += time.perf_counter() - started
+
+    # ---- spot checks (the driver runs the recomputations; see the module docstring)
+
+    def spot_check_due(self, stage: int, direction: Direction, replica: str) -> bool:
+        """Draw whether `replica`'s tensor just checked at (stage, direction) is recomputed elsewhere."""
+        if not self.config.enabled or self.config.spot is None or replica in self.banned_locally:
+            return False
+        latest = self._recent.get(replica)
+        flagged_now = bool(latest) and latest[-1].verdict.flagged  # type: ignore[index]
+        draw = self._spot_policy(stage, direction).should_check(
+            self.spot_rng,
+            microbatches_seen=self.ledger.microbatches_seen(replica),
+            recent_flags=self.ledger.flags_in_window(replica),
+            quarantined=self.ledger.is_quarantined(replica),
+            flagged_now=flagged_now,
+        )
+        return draw.check
+
+    def spot_check(
+        self,
+        stage: int,
+        direction: Direction,
+        replica: str,
+        microbatch_id: int,
+        original: torch.Tensor,
+        checker: str,
+        checker_output: torch.Tensor,
+        *,
+        third: str | None = None,
+        third_output: torch.Tensor | None = None,
+    ) -> SpotCheckVerdict:
+        """Adjudicate a recomputation of `replica`'s `original` by `checker` (and `third` after a
+        `need_third`), and act on it: a conviction goes to the ledger as evidence, a match takes back a
+        flag of that microbatch."""
+        policy = self._spot_policy(stage, direction)
+        verdict = policy.adjudicate(original, checker_output, third_output)
+        stats = self.stats
+        if third_output is None:
+            stats.spot_checks += 1
+        outcome = verdict.outcome
+        if outcome == "need_third":
+            stats.spot_thirds += 1
+        elif outcome in ("match", "checker_faulty"):
+            stats.spot_matches += int(outcome == "match")
+            if policy.clears(verdict):
+                self._cleared.append((replica, microbatch_id))
+                self._exonerate(replica, microbatch_id, verdict.reason)
+        elif outcome == "inconclusive":
+            stats.spot_inconclusive += 1
+        culprit = {"original": replica, "checker": checker}.get(verdict.culprit or "")
+        if culprit is not None:
+            stats.spot_convictions += 1
+            if culprit == replica:
+                self._taint(microbatch_id)
+                kept = next((f for f in self._recent.get(replica, ()) if f.microbatch == microbatch_id), None)
+                if kept is not None:
+                    self._remember_flag(replica, microbatch_id, kept.verdict, kept.signed)
+            dir_name = "forward" if direction is Direction.FORWARD else "backward"
+            reason = f"spot check of microbatch {microbatch_id} at stage {stage} {dir_name}: {verdict.reason}"
+            decision = self.ledger.record_evidence(
+                culprit, stage, self.clock(), reason=reason, replicas=self._replicas(stage, culprit)
+            )
+            self._act(decision, kind="spotcheck")
+        if outcome != "match":
+            self.emit(
+                "sentinel_spotcheck",
+                replica=replica,
+                checker=checker,
+                third=third,
+                stage=stage,
+                direction=direction.value,
+                microbatch=microbatch_id,
+                outcome=outcome,
+                reason=verdict.reason,
+            )
+        return verdict
+
+    def spot_cleared(self, replica: str, microbatch_id: int) -> bool:
+        """Whether a spot check cleared `replica`'s tensor of `microbatch_id` (use it even if flagged)."""
+        return (replica, microbatch_id) in self._cleared
+
+    def _spot_policy(self, stage: int, direction: Direction) -> SpotCheckPolicy:
+        # one per boundary: honest replicas differ more on gradients than on activations (the tolerance)
+        key = (stage, direction.value)
+        policy = self._spot.get(key)
+        if policy is None:
+            policy = self._spot[key] = SpotCheckPolicy(self.config.spot or SpotCheckConfig())
+        return policy
+
+    def _exonerate(self, replica: str, microbatch_id: int, reason: str) -> None:
+        before = self.ledger.flags_in_window(replica)
+        decision = self.ledger.exonerate(replica, microbatch_id, reason=reason)
+        if self.ledger.flags_in_window(replica) < before:
+            self.stats.spot_exonerated += 1
+            self._tainted_set.discard(microbatch_id)  # later boundaries may judge it again
+        self._act(decision)
 
     # ---- queries
 
@@ -198,6 +317,9 @@ class SentinelTap:
             "rewarms": s.rewarms,
             "quarantines": s.quarantines,
             "equivocations": s.equivocations,
+            "spot_checks": s.spot_checks,
+            "spot_convictions": s.spot_convictions,
+            "spot_exonerated": s.spot_exonerated,
             "check_ms_mean": round(1000 * s.check_s / max(s.checked, 1), 3),
             "banned": sorted(self.banned_locally),
         }

@@ -36,7 +36,7 @@ import logging
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -57,6 +57,12 @@ from node.diloco.fragments import FragmentPlan
 from node.diloco.merge import Contribution, MergeResult, NothingToMerge, merge_fragment
 from node.diloco.outer import STATE_PREFIX, OuterNesterov
 from node.diloco.quorum import QuorumConfig, QuorumPolicy
+from node.diloco.receipts import (
+    FORGERY_REASONS,
+    ReceiptLedger,
+    parse_receipts_meta,
+    verify_receipts,
+)
 from node.diloco.sync_client import (
     FETCH_ROUTE,
     OFFER_PREFIX,
@@ -77,6 +83,7 @@ from protocol.errors import ConfigError, MalformedFrame, ProtocolError
 
 if TYPE_CHECKING:
     from node.runtime import NodeContext
+    from node.stage import TokenReceipt
     from protocol.records import SyncerRecord
 
 logger = logging.getLogger(__name__)
@@ -107,6 +114,9 @@ class SyncerConfig:
     max_grace_s: float = 5.0  # absolute cap on the grace window
     max_poll_s: float = 10.0  # longest versions long-poll served
     membership_refresh_s: float = 1.0  # how often the live learner/stage list is re-read
+    # A standby takes over only while it sees most of the learners/stages it knew when it last saw the lease
+    # (a partition can hide a live lease holder); false: on a lapsed lease alone (liveness over safety).
+    takeover_quorum: bool = True
     eval_every_merges: int = 0  # held-out loss of the global model every N merges (0 = never)
     eval_batches: int = 4
     eval_batch_size: int = 8
@@ -160,8 +170,11 @@ def quorum_config(spec: Any, *, max_grace_s: float) -> QuorumConfig:
     if mode == "elastic_sync":
         return QuorumConfig.elastic_synchronous()
     gamma = min(spec.grace_gamma, 0.99)
+    # tau of the grace formula is at most the tau learners apply a merge at (FragmentSync.create): a wait longer
+    # than what they keep computing after a send would stall them (or, decoupled, waste their steps)
+    overlap = max(0, min(spec.overlap_steps, spec.sync_every_steps - 1))
     return QuorumConfig.decoupled(
-        spec.min_quorum, grace_gamma=gamma, grace_tau=spec.grace_tau, max_grace_s=max_grace_s
+        spec.min_quorum, grace_gamma=gamma, grace_tau=min(spec.grace_tau, overlap), max_grace_s=max_grace_s
     )
 
 
@@ -181,12 +194,14 @@ class _Entry:
     contribution: Contribution
     key: tuple[str, int, int, bytes]
     received_at: float
+    # (verifier, session) -> verified tokens its receipts showed (stage replicas; committed once merged)
+    receipt_counts: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class _Round:
-    opened_at: float
-    entries: dict[str, _Entry] = field(default_factory=dict)
+    opened_at: float | None = None  # when the first contribution that counts toward K arrived
+    entries: dict[str, _Entry] = field(default_factory=dict)  # peer -> its newest counting contribution
     quorum_reached_at: float | None = None
 
 
@@ -194,6 +209,7 @@ class _Round:
 class Admission:
     target_version: int
     capped: bool  # the counters were reduced (count it against the sender)
+    receipt_capped: bool = False  # tokens were cut to what verifier receipts show (receipts lag: no strike)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -205,6 +221,8 @@ class PreparedMerge:
     round: _Round
     result: MergeResult
     new_params: dict[str, torch.Tensor]
+    merged: dict[str, Contribution]  # per peer, what went into merge_fragment (its entries combined)
+    sources: dict[str, list[_Entry]]  # per peer, the contributions combined
     required: int
     expected: int
     started_at: float
@@ -228,6 +246,9 @@ class MergeRecord:
     clipped: dict[str, float]
     rejected: dict[str, str]
     duration_s: float
+    late: int = 0  # contributions on an older base merged (only the synchronous modes take them)
+    # per participant, one [steps, tokens, seconds from its arrival to the merge, base version] per contribution
+    contributed: dict[str, list[list[float]]] = field(default_factory=dict)
 
     def to_event(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -282,6 +303,14 @@ class SyncerCore:
         self._merged: OrderedDict[tuple[str, int, int], tuple[int, int, float]] = OrderedDict()
         self._merged_keys: OrderedDict[tuple[str, int, int, bytes], None] = OrderedDict()
         self._max_merged_keys = max_merged_keys
+        # fragment -> version -> its published tensors, for versions a contribution may still be built on: a
+        # contribution's delta is taken against its own base (what the learner actually did since it
+        # overwrote), so one on an older base neither undoes the merges it missed nor is lost
+        self._history: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        self._reset_history()
+        # per fragment: whether its current version is one of our own merges (not restored, not adopted)
+        self._merged_here = [False] * plan.num_fragments
+        self.receipt_ledger = ReceiptLedger(max_merged_keys)
 
     # ---- admission ----
 
@@ -298,8 +327,13 @@ class SyncerCore:
         step_time_s: float,
         nonce: bytes,
         now: float,
+        receipts: Sequence[TokenReceipt] | None = None,
     ) -> Admission:
-        """Put a contribution into its fragment's round (replacing the peer's earlier one) or raise Refusal."""
+        """Put a contribution into its fragment's round (replacing the peer's earlier one) or raise Refusal.
+
+        `receipts`: for a pipeline stage replica, the verifier receipts it relayed (already verified); its
+        tokens are then capped at their growth since its last merged contribution (`ReceiptLedger`). None for
+        a learner (no verifier watches it)."""
         self._check_shape(fragment, params)
         current = self.versions[fragment]
         if base_version > current:
@@ -311,6 +345,13 @@ class SyncerCore:
         key = (peer, fragment, base_version, nonce)
         if key in self._merged_keys:
             raise _refuse("duplicate", "this contribution was merged already", blame=True)
+        if base_version < current and self.policy.config.drop_stale and self._merged_here[fragment]:
+            # Q5: it missed the round that merged its base (weight 0, as the paper's late learners); merged
+            # alone it would publish one more version that overwrites everyone's unsent progress, and folded
+            # into the next round it would count twice what its learner re-learns from the version without it.
+            # Not after a takeover, until we merged the fragment ourselves: a learner's work from the outage,
+            # on a version an earlier syncer published, missed no round of ours (taken as before: merged)
+            raise _refuse("missed round", f"base version {base_version} < current {current}")
         since = self._published_at.get((fragment, base_version), self._restored_at)
         prior = self._merged.get((peer, fragment, base_version))
         if prior is not None:  # part of this progress is in the model already (e.g. merged before a failover)
@@ -322,6 +363,15 @@ class SyncerCore:
             max_steps_per_s=self.max_steps_per_s,
             tokens_per_step=self.tokens_per_step,
         )
+        round_ = self.rounds.get(fragment)
+        if round_ is None:
+            round_ = self.rounds[fragment] = _Round()
+        counts: dict[tuple[str, str], int] = {}
+        receipt_capped = False
+        if receipts is not None:
+            verified, counts = self.receipt_ledger.growth(peer, fragment, receipts)
+            if tokens > verified:
+                tokens, receipt_capped = verified, True
         contribution = Contribution(
             peer_id=peer,
             params={n: t.detach().to(torch.float32) for n, t in params.items()},
@@ -329,15 +379,15 @@ class SyncerCore:
             steps=steps,
             tokens=tokens,
         )
-        round_ = self.rounds.get(fragment)
-        if round_ is None:
-            round_ = self.rounds[fragment] = _Round(opened_at=now)
+        entry = _Entry(contribution, key, now, counts)
         earlier = round_.entries.get(peer)
         if earlier is None or (base_version, steps) >= (
             earlier.contribution.base_version,
             earlier.contribution.steps,
         ):
-            round_.entries[peer] = _Entry(contribution, key, now)
+            round_.entries[peer] = entry
+        if round_.opened_at is None:
+            round_.opened_at = now
         if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
             self.policy.observe_step(step_time_s)
         self.clock = max(self.clock, sched_step)
@@ -345,7 +395,7 @@ class SyncerCore:
         self._clocks[peer] = (sched_step, now)
         while len(self._clocks) > self._max_merged_keys:
             self._clocks.popitem(last=False)
-        return Admission(target_version=current + 1, capped=capped)
+        return Admission(target_version=current + 1, capped=capped, receipt_capped=receipt_capped)
 
     def check_contribution(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
         """Raise MalformedFrame unless `params` are exactly the fragment's tensors, shapes and float dtypes."""
@@ -368,12 +418,17 @@ class SyncerCore:
         """Fragments whose round should merge now, and the earliest grace deadline among the others."""
         ready, deadline = [], None
         for fragment, round_ in self.rounds.items():
+            if round_.opened_at is None:
+                continue
             received = len(round_.entries)
             num_expected = max(expected(fragment), received)
             required = self.policy.required(num_expected)
             if received >= required and round_.quorum_reached_at is None:
-                round_.quorum_reached_at = now
-                self.policy.observe_quorum(max(0.0, now - round_.opened_at))
+                # when the required-th contribution arrived, not when we got to look (a merge of another
+                # fragment may have held the loop): xi_quorum is the wait for learners, not for ourselves
+                arrivals = sorted(e.received_at for e in round_.entries.values())
+                round_.quorum_reached_at = arrivals[required - 1] if 0 < required <= len(arrivals) else now
+                self.policy.observe_quorum(max(0.0, round_.quorum_reached_at - round_.opened_at))
             decision = self.policy.decide(
                 now, round_.opened_at, received, num_expected, round_.quorum_reached_at
             )
@@ -398,9 +453,10 @@ class SyncerCore:
         """The heavy part (safe in a worker thread while nothing else mutates this fragment)."""
         names = self.plan.fragments[fragment].names
         global_params = {n: self.params[n] for n in names}
+        merged, sources = self._combine(fragment, round_)
         result = merge_fragment(
             global_params,
-            [e.contribution for e in round_.entries.values()],
+            list(merged.values()),
             embedding_names=self.embedding_names,
             clip_factor=self.clip_factor,
             current_version=self.versions[fragment],
@@ -413,10 +469,58 @@ class SyncerCore:
             round=round_,
             result=result,
             new_params=new_params,
+            merged=merged,
+            sources=sources,
             required=required,
             expected=expected,
             started_at=started_at,
         )
+
+    def _combine(
+        self, fragment: int, round_: _Round
+    ) -> tuple[dict[str, Contribution], dict[str, list[_Entry]]]:
+        """One contribution per peer, its delta taken against its own base version.
+
+        A contribution on an older base (the synchronous modes take them, e.g. after a failover) is expressed
+        as parameters against the current global value, so `merge_fragment` sees current - params == the
+        learner's own progress (base value - learner value) instead of that progress minus every merge it
+        missed. A base whose value we no longer hold (after a restore or an adoption) falls back to the
+        current value, as if it were current. Ones older than max_staleness are dropped."""
+        current = self.versions[fragment]
+        names = self.plan.fragments[fragment].names
+        history = self._history.get(fragment, {})
+        sources: dict[str, list[_Entry]] = {}
+        for entry in round_.entries.values():
+            if entry.contribution.base_version < current - self.max_staleness:
+                logger.info("dropping a contribution of %s: base too old", entry.contribution.peer_id)
+                continue
+            sources.setdefault(entry.contribution.peer_id, []).append(entry)
+        merged: dict[str, Contribution] = {}
+        for peer, entries in sources.items():
+            if len(entries) == 1 and entries[0].contribution.base_version == current:
+                merged[peer] = entries[0].contribution
+                continue
+            delta = {n: torch.zeros_like(self.params[n]) for n in names}
+            for entry in entries:
+                c = entry.contribution
+                base = history.get(c.base_version) or {n: self.params[n] for n in names}
+                for n in names:
+                    delta[n] += base[n] - c.params[n]
+            merged[peer] = Contribution(
+                peer_id=peer,
+                params={n: self.params[n] - delta[n] for n in names},
+                base_version=max(e.contribution.base_version for e in entries),
+                steps=sum(e.contribution.steps for e in entries),
+                tokens=sum(e.contribution.tokens for e in entries),
+            )
+        return merged, sources
+
+    def _reset_history(self) -> None:
+        """Forget older versions: only the current value of each fragment is known."""
+        self._history = {
+            f: {v: {n: self.params[n] for n in self.plan.fragments[f].names}}
+            for f, v in enumerate(self.versions)
+        }
 
     def commit_merge(self, prepared: PreparedMerge, now: float) -> MergeRecord:
         fragment = prepared.fragment
@@ -426,14 +530,27 @@ class SyncerCore:
         version = self.versions[fragment] = prepared.base_version + 1
         self._published_at[(fragment, version)] = now
         self._published_at.pop((fragment, version - self.max_staleness - 2), None)
-        result, entries = prepared.result, prepared.round.entries
+        self._merged_here[fragment] = True
+        history = self._history.setdefault(fragment, {})
+        history[version] = dict(prepared.new_params)
+        for old in [v for v in history if v < version - self.max_staleness]:
+            del history[old]
+        self._drop_missed(fragment)
+        result = prepared.result
         participants = result.participants
-        tokens = steps = 0
+        tokens = steps = late = 0
+        contributed: dict[str, list[list[float]]] = {}
         for peer in participants:
-            entry = entries[peer]
-            tokens += entry.contribution.tokens
-            steps += entry.contribution.steps
-            self._remember_merged(entry, now)
+            tokens += prepared.merged[peer].tokens
+            steps += prepared.merged[peer].steps
+            for entry in prepared.sources[peer]:
+                c = entry.contribution
+                late += c.base_version < prepared.base_version
+                contributed.setdefault(peer, []).append(
+                    [c.steps, c.tokens, round(max(0.0, now - entry.received_at), 3), c.base_version]
+                )
+                self._remember_merged(entry, now)
+                self.receipt_ledger.commit(peer, fragment, entry.receipt_counts)
         self.merges += 1
         self.tokens_merged += tokens
         duration = now - prepared.started_at
@@ -446,15 +563,32 @@ class SyncerCore:
             weights=dict(result.weights),
             tokens=tokens,
             steps=steps,
-            received=len(entries),
+            received=len(prepared.round.entries),
             expected=prepared.expected,
             required=prepared.required,
-            quorum_wait_s=round((reached or prepared.started_at) - prepared.round.opened_at, 4),
+            quorum_wait_s=round(
+                (reached or prepared.started_at) - (prepared.round.opened_at or prepared.started_at), 4
+            ),
             grace_waited_s=round(prepared.started_at - reached, 4) if reached is not None else 0.0,
             clipped=dict(result.clipped),
             rejected=dict(result.rejected),
             duration_s=round(duration, 4),
+            late=late,
+            contributed=contributed,
         )
+
+    def _drop_missed(self, fragment: int) -> None:
+        """After a merge, contributions that arrived during it on the version it replaced missed that round:
+        dropped like any contribution on an older base (QuorumConfig.drop_stale), never a round of their own."""
+        round_ = self.rounds.get(fragment)
+        if round_ is None or not self.policy.config.drop_stale:
+            return  # (only called right after our own merge of the fragment)
+        current = self.versions[fragment]
+        for peer, entry in list(round_.entries.items()):
+            if entry.contribution.base_version < current:
+                del round_.entries[peer]
+        if not round_.entries:
+            del self.rounds[fragment]
 
     def merge_now(self, fragment: int, expected: int, now: float) -> MergeRecord | None:
         """Take, compute and commit in one call (tests and single-threaded callers); None if nothing merged."""
@@ -533,6 +667,8 @@ class SyncerCore:
         self.versions[fragment] = version
         self._published_at[(fragment, version)] = now
         self.rounds.pop(fragment, None)  # its contributions were built on older versions
+        self._history[fragment] = {version: {n: self.params[n] for n in self.plan.fragments[fragment].names}}
+        self._merged_here[fragment] = False
         return True
 
     def snapshot(self, run_id: str, term: int) -> SyncerSnapshot:
@@ -559,6 +695,8 @@ class SyncerCore:
         self._merged.clear()
         self.load_ledger(snapshot.merged, now)
         self._restored_at = now
+        self._reset_history()
+        self._merged_here = [False] * self.plan.num_fragments
 
 
 # ---------------------------------------------------------------------------------------------- the lease
@@ -572,16 +710,39 @@ class LeaseView:
     highest_term: int  # over every record seen
 
 
-def lease_action(*, me: str, active: bool, term: int, view: LeaseView, vacant_looks: int) -> str:
-    """renew | step_down | stand_by | take_over | wait. A standby takes over only after two looks in a row
-    found no live active lease (`vacant_looks` counts them, this one included), so one missed DHT read
-    cannot start a second primary."""
+def lease_action(
+    *, me: str, active: bool, term: int, view: LeaseView, vacant_looks: int, quorum: bool | None = True
+) -> str:
+    """renew | step_down | stand_by | take_over | no_quorum | wait. A standby takes over only after two looks
+    in a row found no live active lease (`vacant_looks` counts them, this one included), so one missed DHT read
+    cannot start a second primary, and only with `quorum` (see `takeover_quorum`; None: not known yet): a lapsed
+    lease may be a partition hiding a live holder, and the smaller side must not start a second lineage."""
     rivals = [r for r in view.live_active if (r.state.term, me) > (term, r.peer_id)]
     if active:
         return "step_down" if rivals else "renew"
     if view.live_active:
         return "stand_by"
-    return "take_over" if vacant_looks >= 2 else "wait"
+    if vacant_looks < 2 or quorum is None:
+        return "wait"
+    return "take_over" if quorum else "no_quorum"
+
+
+def takeover_quorum(
+    seen: Mapping[str, float], *, lease_seen_at: float | None, memory_s: float, fresh_after_s: float
+) -> tuple[int, int]:
+    """(live, members) for a standby deciding to take over; it may when `not members or 2 * live > members`.
+
+    `seen` maps each learner/stage to when this standby last saw its heartbeat (local monotonic time);
+    `lease_seen_at` is when it last saw a live lease. Members are the holders seen within `memory_s` before that;
+    live are those seen at least `fresh_after_s` (a heartbeat's lifetime) after it, i.e. whose heartbeats were
+    stored on this side after the lease vanished from it. A holder cut off with the lease holder can only be seen
+    through heartbeats stored before the cut, so a standby with the minority never has a majority; two disjoint
+    sides cannot both have one. Never having seen a lease (a fresh run) needs no quorum.
+    """
+    if lease_seen_at is None:
+        return 0, 0
+    members = [t for t in seen.values() if t >= lease_seen_at - memory_s]
+    return sum(1 for t in members if t >= lease_seen_at + fresh_after_s), len(members)
 
 
 # ---------------------------------------------------------------------------------------------- the role
@@ -630,9 +791,17 @@ class SyncerRole:
         self.takeover_source = ""
         self.adopted = 0
         self.refusals: dict[str, int] = {}
+        self.receipts_verified = 0
+        self.receipts_rejected: dict[str, int] = {}  # by reason
+        self.receipt_capped = 0  # stage contributions whose tokens the receipts cut
         self._live: dict[str, Any] = {}
         self._live_read_at = -math.inf
         self._vacant_looks = 0
+        # for `takeover_quorum`: when (monotonic) we last saw each learner/stage, and a live lease (ours or not)
+        self._holders_seen: dict[str, float] = {}
+        self._lease_seen_at: float | None = None
+        self._quorum: tuple[int, int] = (0, 0)  # (live, members) at the last look; see `takeover_quorum`
+        self._takeover_refused = False
         self._lease_expiration = 0.0
         self._lease_until = 0.0
         self._merge_lock = asyncio.Lock()
@@ -663,7 +832,13 @@ class SyncerRole:
             OFFER_ROUTE: Route(self._handle_offer, max_frame_bytes(offer_limits(self.plan))),
             STATE_ROUTE: Route(self._handle_state, control),
         }
-        self._server = FramedServer(self._p2p, routes, strikes=self.strikes, on_reject=self._on_reject)
+        self._server = FramedServer(
+            self._p2p,
+            routes,
+            strikes=self.strikes,
+            on_reject=self._on_reject,
+            on_throttle=ctx.metrics.count_throttle,
+        )
         await self._server.start()
         from node.runtime import RestartPolicy
 
@@ -764,13 +939,27 @@ class SyncerRole:
         live = tuple(r for r in others if r.state.state == "active" and r.state.lease_until > now)
         view = LeaseView(live_active=live, highest_term=max([r.state.term for r in found] + [self.term]))
         self._vacant_looks = 0 if live else self._vacant_looks + 1
+        if live or self.active:
+            self._lease_seen_at = time.monotonic()
+            self._takeover_refused = False
         action = lease_action(
             me=self.ctx.peer_id,
             active=self.active,
             term=self.term,
             view=view,
             vacant_looks=self._vacant_looks,
+            quorum=self._has_takeover_quorum(),
         )
+        if action == "no_quorum" and not self._takeover_refused:  # once per lapse
+            self._takeover_refused = True
+            live_holders, members = self._quorum
+            self.ctx.events.emit("takeover_refused", live=live_holders, members=members, term=self.term)
+            logger.warning(
+                "no live syncer lease, but only %d of the %d learners/stages seen with it are here: not taking "
+                "over (the lease holder may be alive on the other side of a partition)",
+                live_holders,
+                members,
+            )
         if action == "renew":
             await self._publish_lease()
         elif action == "step_down":
@@ -785,6 +974,29 @@ class SyncerRole:
             await self._publish_lease()
         else:
             await self._publish_lease()
+
+    def _heartbeat_ttl_s(self) -> float:
+        from node.swarm import HEARTBEAT_TTL_PERIODS
+
+        return HEARTBEAT_TTL_PERIODS * self.ctx.manifest.heartbeat_period_s
+
+    def _quorum_memory_s(self) -> float:
+        return self.config.lease_s + self._heartbeat_ttl_s()
+
+    def _has_takeover_quorum(self) -> bool | None:
+        """Whether a standby may take over now; None until heartbeats stored since the lease lapsed could show."""
+        fresh_after_s = self._heartbeat_ttl_s() + self.config.membership_refresh_s
+        self._quorum = takeover_quorum(
+            self._holders_seen,
+            lease_seen_at=self._lease_seen_at,
+            memory_s=self._quorum_memory_s(),
+            fresh_after_s=fresh_after_s,
+        )
+        live_holders, members = self._quorum
+        if not self.config.takeover_quorum or not members or 2 * live_holders > members:
+            return True
+        assert self._lease_seen_at is not None  # members are only counted relative to a lease seen
+        return False if self._live_read_at >= self._lease_seen_at + fresh_after_s else None
 
     async def _publish_lease(self, *, release: bool = False) -> None:
         from protocol.records import SyncerState
@@ -891,6 +1103,11 @@ class SyncerRole:
             return
         self._live = {p.peer_id: p.heartbeat for p in peers if p.heartbeat.role in HOLDER_ROLES}
         self._live_read_at = time.monotonic()
+        for peer in self._live:
+            self._holders_seen[peer] = self._live_read_at
+        if self._lease_seen_at is not None:  # older sightings can no longer make anyone a member
+            horizon = self._lease_seen_at - self._quorum_memory_s()
+            self._holders_seen = {p: t for p, t in self._holders_seen.items() if t >= horizon}
 
     def _expected(self, fragment: int) -> int:
         stage = self.fragment_stage[fragment]
@@ -1117,11 +1334,16 @@ class SyncerRole:
         fields = _contribution_fields(meta)
         if fields["fragment"] != header.microbatch or fields["base_version"] != header.step:
             raise MalformedFrame("meta disagrees with the signed header", reason="malformed contribution")
+        frames = parse_receipts_meta(meta)
         core = self.core
         assert core is not None
         core.check_contribution(fields["fragment"], opened.tensors)  # malformed: refused and counted first
         self._require_active()
         await self._check_known(remote)
+        holder = self._live.get(remote)
+        receipts = None
+        if holder is not None and holder.role == "stage":  # verifiers watch stages: weigh them by receipts
+            receipts = self._verified_receipts(remote, fields["fragment"], frames)
         recovering = time.monotonic() < self.recovering_until
         try:
             admission = core.accept(
@@ -1135,6 +1357,7 @@ class SyncerRole:
                 step_time_s=fields["step_time_s"],
                 nonce=header.nonce,
                 now=time.monotonic(),
+                receipts=receipts,
             )
         except Refusal as e:
             if e.reason == "ahead of syncer" and recovering:
@@ -1142,8 +1365,28 @@ class SyncerRole:
             raise
         if admission.capped:
             self.strikes.record(remote, "counters capped")
+        self.receipt_capped += admission.receipt_capped
         self._wake.set()
         return self._answer(Kind.CONTROL, remote, meta={"target_version": admission.target_version})
+
+    def _verified_receipts(self, remote: str, fragment: int, frames: list[bytes]) -> list[TokenReceipt]:
+        """The receipts that verify for `remote` on the fragment's stage; the others are counted (and struck when
+        forged), never raised: a bad receipt costs the contribution its credit, not the syncer anything."""
+        valid, errors = verify_receipts(
+            frames,
+            run_id=self.ctx.run_id,
+            replica=remote,
+            stage=self.fragment_stage[fragment],
+            authorized_verifiers=self.ctx.manifest.authorized_verifiers,
+            now=time.time(),
+        )
+        for error in errors:
+            self.receipts_rejected[error.reason] = self.receipts_rejected.get(error.reason, 0) + 1
+            if error.reason in FORGERY_REASONS:
+                self.strikes.record(remote, "bad receipt")
+            logger.info("receipt from %s rejected: %s: %s", remote[-8:], error.reason, error)
+        self.receipts_verified += len(valid)
+        return valid
 
     async def _handle_versions(self, frame: bytearray, remote: str) -> bytes:
         from protocol.envelope import Kind
@@ -1286,12 +1529,19 @@ class SyncerRole:
             "held_out_loss": self.held_out_loss,
             "open_rounds": {str(f): len(r.entries) for f, r in core.rounds.items()},
             "live_holders": len(self._live),
+            "takeover_quorum": list(self._quorum),
+            "lease_vacant_looks": self._vacant_looks,
             "grace_s": round(policy.grace_s(), 4),
             "xi_step_s": policy.xi_step,
             "xi_quorum_s": policy.xi_quorum,
             "xi_sync_s": policy.xi_sync,
             "adopted": self.adopted,
             "refusals": dict(self.refusals),
+            "receipts": {
+                "verified": self.receipts_verified,
+                "rejected": dict(self.receipts_rejected),
+                "capped": self.receipt_capped,
+            },
             "strikes": self.strikes.snapshot(),
             "checkpoint": str(self.checkpoint_file),
             "last_checkpoint_at": self.last_checkpoint_at,

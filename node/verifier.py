@@ -11,7 +11,11 @@ boundary tensor of its microbatches passes through it, in both directions, signe
   replica before the backward. Every answer must be signed by the replica that was asked (else it is rejected
   and struck), and every backward application is recorded once in an `IdempotencyLedger`.
 * `BoundaryTap.check` is the ONE place each received boundary tensor passes through (the SENTINEL seam):
-  it returns the tensor to use (possibly a replacement) or a `Drop`. Today it passes everything through.
+  it returns the tensor to use (possibly a replacement) or a `Drop`. This base class passes everything
+  through; the verifier role plugs in `node.sentinel_tap.SentinelTap`. When the tap draws a spot check
+  (`spot_check_due`), the driver recomputes the same request on a random other replica of the stage (a third
+  after a mismatch) without side effects (`EVAL_META`, `RECOMPUTE_GRAD_META` for gradients) and lets the tap
+  judge (`spot_check`): a convicted tensor is dropped, a flagged one that the recomputation cleared is used.
 * `ReceiptBook` counts verified tokens per stage replica and emits signed `TokenReceipt`s (format in
   `node.stage`), sent to each replica on `stage.receipt` for its syncer contributions.
 * `HopTransport` moves bytes: `FramedTransport` over hivemind P2P framed streams, `DirectTransport` in process
@@ -57,12 +61,14 @@ from node.stage import (
     BACKWARD_RPC,
     EVAL_META,
     FORWARD_RPC,
+    GRAD_OUTPUT,
     LOSS_META,
     MAX_CONTROL_BYTES,
     NO_CONTEXT,
     NOT_SERVING,
     PIPELINE_REPLAY,
     RECEIPT_RPC,
+    RECOMPUTE_GRAD_META,
     TARGETS,
     BoundaryShape,
     StageService,
@@ -358,6 +364,7 @@ class DriverStats:
     recovered: int = 0  # completed microbatches that needed at least one retry
     double_applied: int = 0  # a backward acknowledged twice for one (microbatch, stage): must stay 0
     bad_replies: int = 0
+    spot_checks: int = 0  # spot-check recomputations concluded (see SentinelTap for their outcomes)
     failures: dict[str, int] = field(default_factory=dict)
     applied_per_stage: dict[int, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=lambda: {"seal_s": 0.0, "open_s": 0.0, "call_s": 0.0})
@@ -491,12 +498,16 @@ class PipelineDriver:
                 checked = self._tap_check(
                     stage, Direction.FORWARD, replica, microbatch, out, opened, x if stage > 0 else None
                 )
+                checked = await self._spot_check(
+                    stage, Direction.FORWARD, replica, microbatch, out, checked, x
+                )
                 if isinstance(checked, Drop):
                     raise HopError(HopFailure.DROPPED, checked.reason)
                 return replica, checked
             except HopError as e:
                 self._failed(microbatch, stage, replica, e, outcome)
-                tried.add(replica)
+                if self.retry.excludes(e.failure):  # a timed-out replica may be tried again, with more time
+                    tried.add(replica)
                 if not self.retry.retry_elsewhere(e.failure, attempt):
                     raise MicrobatchAbandoned(f"forward at stage {stage}: {e}") from None
                 outcome.retries += 1
@@ -530,19 +541,21 @@ class PipelineDriver:
                     raise HopError(HopFailure.BAD_REPLY, "answer lacks a finite loss")
                 grad = None
                 if stage > 0:
-                    grad = self._checked_grad(opened, replica, stage, microbatch, x, None)
+                    grad = await self._checked_grad(opened, replica, stage, microbatch, x, None, targets)
                 return replica, loss, grad
             except HopError as e:
                 if self.retry.ask_same_again(e.failure, same_tries):
                     same_tries += 1
+                    attempt -= 1  # the same try asked again (answered from cache if applied): not another try
                     self._asked_again(microbatch, stage, replica, e, outcome)
                     continue
                 self._failed(microbatch, stage, replica, e, outcome)
-                tried.add(replica)
+                if self.retry.excludes(e.failure):
+                    tried.add(replica)
                 if not self.retry.retry_elsewhere(e.failure, attempt):
                     raise MicrobatchAbandoned(f"loss at stage {stage}: {e}") from None
                 outcome.retries += 1
-                replica = self._choose(stage, x, tried)
+                replica, same_tries = self._choose(stage, x, tried), 0
 
     async def _backward(
         self,
@@ -566,28 +579,28 @@ class PipelineDriver:
                     if opened.meta.get(APPLIED_META) is not True or opened.tensors:
                         raise HopError(HopFailure.BAD_REPLY, "stage 0 did not confirm the backward")
                     return replica, None
-                return replica, self._checked_grad(opened, replica, stage, microbatch, x, grad)
+                return replica, await self._checked_grad(opened, replica, stage, microbatch, x, grad)
             except HopError as e:
                 if e.failure is HopFailure.REFUSED and e.detail == ALREADY_APPLIED and stage == 0:
                     return replica, None  # applied there before; stage 0 has nothing to send back
                 if self.retry.ask_same_again(e.failure, same_tries):
                     same_tries += 1
+                    attempt -= 1  # the same try asked again (answered from cache if applied): not another try
                     self._asked_again(microbatch, stage, replica, e, outcome)
                     continue
                 self._failed(microbatch, stage, replica, e, outcome)
-                if (
-                    e.failure is not HopFailure.NO_CONTEXT
-                ):  # a lost context may be rebuilt on the same replica
+                if self.retry.excludes(e.failure):  # a lost context may be rebuilt on the same replica
                     tried.add(replica)
                 if not self.retry.retry_elsewhere(e.failure, attempt):
                     raise MicrobatchAbandoned(f"backward at stage {stage}: {e}") from None
                 outcome.retries += 1
                 # The context lived on the failed replica: rebuild it on another one from the input we kept.
                 replica, _ = await self._forward(microbatch, stage, x, outcome, tried=tried)
+                same_tries = 0  # a new holder: its answer, too, may be asked again once
                 outcome.recomputed += 1
                 self.stats.recomputed += 1
 
-    def _checked_grad(
+    async def _checked_grad(
         self,
         opened: Opened,
         replica: str,
@@ -595,14 +608,125 @@ class PipelineDriver:
         microbatch: int,
         x: torch.Tensor,
         given: torch.Tensor | None,
+        targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
         grad = self._one_tensor(opened, replica)
         if grad.dtype != torch.float32 or tuple(grad.shape) != tuple(x.shape):
             raise HopError(HopFailure.BAD_REPLY, f"gradient {tuple(grad.shape)} != input {tuple(x.shape)}")
         checked = self._tap_check(stage, Direction.BACKWARD, replica, microbatch, grad, opened, given)
+        checked = await self._spot_check(
+            stage, Direction.BACKWARD, replica, microbatch, grad, checked, x, given=given, targets=targets
+        )
         if isinstance(checked, Drop):
             raise HopError(HopFailure.DROPPED, checked.reason)
         return checked
+
+    # ---- spot checks
+
+    async def _spot_check(
+        self,
+        stage: int,
+        direction: Direction,
+        replica: str,
+        microbatch: int,
+        original: torch.Tensor,
+        checked: torch.Tensor | Drop,
+        x: torch.Tensor,
+        *,
+        given: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+    ) -> torch.Tensor | Drop:
+        """If the tap draws a spot check of `replica`'s `original`, recompute it on a random other replica of
+        the stage (and a third after a mismatch) and let the tap judge. Returns what to use: a Drop when the
+        original was convicted; the original itself when the recomputation cleared a flagged tensor (the
+        statistics were wrong); otherwise `checked` as the tap returned it."""
+        due = getattr(self.tap, "spot_check_due", None)
+        if due is None or not due(stage, direction, replica):
+            return checked
+        peers = self._spot_peers(stage, replica)
+        outputs: list[tuple[str, torch.Tensor]] = []
+        verdict = None
+        while peers and len(outputs) < 2:
+            peer = peers.pop(self.rng.randrange(len(peers)))
+            out = await self._recompute(peer, stage, direction, microbatch, x, given, targets)
+            if out is None:
+                continue
+            outputs.append((peer, out))
+            checker, checker_out = outputs[0]
+            third, third_out = outputs[1] if len(outputs) > 1 else (None, None)
+            verdict = self.tap.spot_check(  # type: ignore[attr-defined]
+                stage, direction, replica, microbatch, original, checker, checker_out,
+                third=third, third_output=third_out,
+            )  # fmt: skip
+            if verdict.outcome != "need_third":
+                break
+        if verdict is None:
+            return checked
+        self.stats.spot_checks += 1
+        if verdict.culprit == "original":
+            return Drop(f"spot check convicted {replica[-8:]} at stage {stage}: {verdict.reason}")
+        cleared = getattr(self.tap, "spot_cleared", None)
+        if checked is not original and cleared is not None and cleared(replica, microbatch):
+            return original  # the flag was taken back: use the tensor after all (not a drop or the EMA)
+        return checked
+
+    def _spot_peers(self, stage: int, replica: str) -> list[str]:
+        banned = set(self.banned())
+        now = self.clock()
+        return [
+            r.peer_id
+            for r in self.replicas()
+            if r.stage == stage
+            and r.peer_id != replica
+            and r.peer_id not in banned
+            and not self.router.is_blocked(r.peer_id, now)
+        ]
+
+    async def _recompute(
+        self,
+        peer: str,
+        stage: int,
+        direction: Direction,
+        microbatch: int,
+        x: torch.Tensor,
+        given: torch.Tensor | None,
+        targets: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """`peer`'s answer to the same request, computed without context, ledger or weight update: its output
+        activation (forward), or the gradient of its input (backward: for the output gradient `given`, or the
+        loss on `targets` at the last stage). None if it failed (the spot check is then not concluded)."""
+        meta: dict[str, Any] = {EVAL_META: True}
+        if direction is Direction.FORWARD:
+            tensors, answer_kind, answer_direction = {"": x}, Kind.ACTIVATION, Direction.FORWARD
+        else:
+            extra = {TARGETS: targets} if given is None and targets is not None else {GRAD_OUTPUT: given}
+            if any(t is None for t in extra.values()):
+                return None
+            tensors = {"": x, **extra}  # type: ignore[dict-item]
+            answer_kind, answer_direction = Kind.GRADIENT, Direction.BACKWARD
+            meta[RECOMPUTE_GRAD_META] = True
+        try:
+            opened = await self._hop(
+                peer,
+                FORWARD_RPC,
+                stage,
+                answer_direction,
+                microbatch,
+                tensors,
+                answer_kind,
+                x,
+                request_direction=Direction.FORWARD,
+                meta=meta,
+            )
+            out = self._one_tensor(opened, peer)
+        except HopError as e:
+            if self.retry.blames_replica(e.failure):
+                self.router.record_failure(peer, self.clock())
+            logger.info("spot-check recomputation on %s failed: %s", peer[-8:], e)
+            return None
+        if out.dtype != torch.float32 or out.shape[0] != x.shape[0]:
+            return None
+        return out
 
     def _tap_check(
         self,
@@ -740,20 +864,22 @@ class PipelineDriver:
         return opened
 
     async def _send(self, replica: str, rpc: str, frame: bytes) -> bytes | bytearray:
+        timeout_s = self.router.hop_timeout_s(replica, self.retry)  # longer after timeouts in a row
         self.router.started(replica)
         try:
             return await self.transport.call(
                 replica,
                 rpc,
                 frame,
-                timeout_s=self.retry.hop_timeout_s,
+                timeout_s=timeout_s,
                 max_response_bytes=max_frame_bytes(self.limits),
             )
         except RemoteRefused as e:
             failure = HopFailure.NO_CONTEXT if e.reason in (NO_CONTEXT, NOT_SERVING) else HopFailure.REFUSED
             raise HopError(failure, e.reason) from None
         except asyncio.TimeoutError:
-            raise HopError(HopFailure.TIMEOUT, f"no answer in {self.retry.hop_timeout_s:g} s") from None
+            self.router.record_timeout(replica, self.clock(), slowdown=self.retry.timeout_growth)
+            raise HopError(HopFailure.TIMEOUT, f"no answer in {timeout_s:g} s") from None
         except StreamClosed as e:  # the request went out; its answer did not come back whole
             raise HopError(HopFailure.LOST, str(e)) from None
         except ProtocolError as e:

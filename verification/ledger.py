@@ -17,7 +17,8 @@ The rule (docs/sentinel.md explains and measures it):
 - A ban needs corroboration: peers of the same stage must have sent clean microbatches since the suspect's
   first counted flag. Until then, while bans are paused after a storm anywhere (`storm_cooldown_s`), or
   when the cap would be exceeded, the suspect is quarantined instead.
-- Spot-check convictions (two replicas against one) quarantine; two within the window ban.
+- Spot-check convictions (two replicas against one) quarantine; two within the window ban. A spot check
+  that matches a flagged microbatch exonerates it: the flag was the statistics' error, not the signer's.
 - Never ban more than `max_banned_fraction_per_stage` of a stage's replicas, nor leave fewer than
   `min_active_replicas_per_stage`, except on cryptographic proof (equivocation).
 """
@@ -123,6 +124,7 @@ class _Signer:
     candidate_since: float | None = None  # when its statistical evidence first reached ban level
     candidate_storms: int = 0  # the ledger's storm count when that clock started
     convictions: deque[int] = field(default_factory=lambda: deque(maxlen=16))  # own-microbatch count at each
+    ids: deque[tuple[int, int]] = field(default_factory=deque)  # (microbatch id, stage seq) of the window
 
     def flags(self) -> int:
         """Flags in the window, including those recorded while bans were paused (they quarantine)."""
@@ -198,8 +200,11 @@ class ViolationLedger:
         st = self._signer(signer, stage)
         if st.banned:
             return LedgerDecision("none", "already banned; record ignored", signer, stage)
-        if microbatch_id is not None and microbatch_id == st.last_microbatch and st.window:
-            newly_flagged = self._amend_last(st, stage_state, flagged, now)
+        # Several microbatches are in flight at once, so a microbatch's backward check need not follow
+        # its forward directly: look it up among the window's ids, not only the latest.
+        seen = None if microbatch_id is None else next((q for mb, q in st.ids if mb == microbatch_id), None)
+        if seen is not None and any(q == seen for q, _ in st.window):
+            newly_flagged = self._amend(st, stage_state, seen, flagged, now)
             if not newly_flagged:
                 return LedgerDecision("none", "same microbatch, already counted", signer, stage)
         else:
@@ -208,6 +213,10 @@ class ViolationLedger:
             stage_state.records.append((seq, signer, flagged))
             self._account(st, seq, flagged, now)
             st.last_microbatch = microbatch_id
+            if microbatch_id is not None:
+                st.ids.append((microbatch_id, seq))
+                while len(st.ids) > self.config.window_microbatches:
+                    st.ids.popleft()
         if flagged and self._is_storm(stage_state):
             return self._storm(stage_state, signer, stage, now)
         decision = self._evaluate(signer, st, stage_state, now)
@@ -260,7 +269,42 @@ class ViolationLedger:
             st, stage_state, signer, stage, f"{recent} spot-check convictions, latest: {reason}", now
         )
 
+    def exonerate(
+        self, signer: str, microbatch_id: int, *, reason: str = "spot check matched"
+    ) -> LedgerDecision:
+        """A recomputation on a stage peer matched the signer's flagged microbatch: the flag was the
+        statistics' error (honest turbulence), so it is taken back, with its strike. Only flags still in
+        the signer's window can be taken back; convictions never are."""
+        st = self._signers.get(signer)
+        if st is None or st.banned:
+            return LedgerDecision("none", "unknown or banned signer", signer, -1 if st is None else st.stage)
+        seq = next((s for mb, s in st.ids if mb == microbatch_id), None)
+        index = next((i for i, (s, _) in enumerate(st.window) if s == seq), None) if seq is not None else None
+        if index is None or st.window[index][1] == CLEAN:
+            return LedgerDecision("none", "nothing to take back", signer, st.stage)
+        state = st.window[index][1]
+        st.window[index] = (st.window[index][0], CLEAN)
+        if state == FLAG:
+            st.strikes = max(0, st.strikes - 1)
+        records = self._stage(st.stage).records
+        for i in range(len(records) - 1, -1, -1):
+            if records[i][0] == seq:
+                records[i] = (seq, records[i][1], False)
+                break
+        if st.ban_flags() < self.config.ban_flags and st.strikes < self.config.max_strikes:
+            st.candidate_since = None
+        if st.quarantined and st.flags() < self.config.quarantine_flags and not self._recently_convicted(st):
+            return self._release(
+                st, signer, st.stage, f"flag on microbatch {microbatch_id} taken back: {reason}"
+            )
+        return LedgerDecision(
+            "none", f"flag on microbatch {microbatch_id} taken back: {reason}", signer, st.stage
+        )
+
     # ----------------------------------------------------------------- internals
+
+    def _recently_convicted(self, st: _Signer) -> bool:
+        return any(st.microbatches - at < self.config.window_microbatches for at in st.convictions)
 
     def _stage(self, stage: int) -> _Stage:
         return self._stages.setdefault(stage, _Stage())
@@ -301,21 +345,22 @@ class ViolationLedger:
             st.strikes -= 1
             st.last_forgave = True
 
-    def _amend_last(self, st: _Signer, stage_state: _Stage, flagged: bool, now: float) -> bool:
-        """Fold a second check of the signer's latest microbatch into it; True if it newly flags it."""
-        seq, state = st.window[-1]
+    def _amend(self, st: _Signer, stage_state: _Stage, seq: int, flagged: bool, now: float) -> bool:
+        """Fold a second check of one of the signer's microbatches into it; True if it newly flags it."""
+        index = next(i for i, (q, _) in enumerate(st.window) if q == seq)
+        state = st.window[index][1]
         if state != CLEAN or not flagged:
             return False
-        st.window[-1] = (seq, self._flag_state(True, now))
+        st.window[index] = (seq, self._flag_state(True, now))
         for i in range(len(stage_state.records) - 1, -1, -1):
             if stage_state.records[i][0] == seq:
                 stage_state.records[i] = (seq, stage_state.records[i][1], True)
                 break
         # Undo the clean accounting of this microbatch and count it as a flag instead.
-        if st.last_forgave:
+        if index == len(st.window) - 1 and st.last_forgave:
             st.strikes += 1  # the forgiveness this microbatch granted is withdrawn
             st.last_forgave = False
-        st.clean_run = 0
+        st.clean_run = min(st.clean_run, len(st.window) - 1 - index)
         if now >= self._paused_until:
             st.strikes += 1
         return True
@@ -360,10 +405,10 @@ class ViolationLedger:
         related = tuple(
             self._release(self._signers[p], p, stage, "stage-wide flag storm: flags forgiven")
             for p in sorted(stage_state.members)
-            if p != signer and self.is_quarantined(p)
+            if p != signer and self.is_quarantined(p) and not self._recently_convicted(self._signers[p])
         )
         me = self._signers[signer]
-        if me.quarantined:
+        if me.quarantined and not self._recently_convicted(me):  # a conviction is not turbulence
             me.quarantined = False
         reason = (
             f"stage-wide flag storm at t={now:.1f}: {len(flagged)} of "
@@ -467,6 +512,7 @@ class ViolationLedger:
                 "candidate_since": st.candidate_since,
                 "candidate_storms": st.candidate_storms,
                 "convictions": list(st.convictions),
+                "ids": [list(item) for item in st.ids],
             }
             for name, st in self._signers.items()
         }
@@ -506,6 +552,7 @@ class ViolationLedger:
                 candidate_since=None if s.get("candidate_since") is None else float(s["candidate_since"]),
                 candidate_storms=int(s.get("candidate_storms", 0)),
                 convictions=deque((int(c) for c in s.get("convictions", [])), maxlen=16),
+                ids=deque((int(mb), int(seq)) for mb, seq in s.get("ids", [])),
             )
         self._stages = {}
         for stage, s in state["stages"].items():

@@ -26,6 +26,16 @@ The same policy expresses the baselines the benchmarks compare against:
 
 Q6 of the digest (whose xi_step?) is left to the caller: feed the step times of the learners that make
 the quorum, or of all learners; the policy keeps one EMA.
+
+Eligibility (the digest's Q5), `drop_stale`: in the decoupled mode only contributions built on the
+fragment's current version are eligible; one on an older version missed the round that merged its base
+(its learner was further behind the one that triggered the round than the grace window) and gets weight 0,
+as the paper's late learners: the caller refuses it. It must not open a round of its own (one more version
+per straggler overwrites every other learner's unsent progress), and folding it into the next round
+counted its learner's progress twice (its next stretch starts from a version without it and re-learns
+much of it) and destabilised the outer Nesterov step in our runs (docs/diloco.md). The synchronous
+baselines take every contribution (`drop_stale=False`): a lock-step round must never wait for a learner
+that is itself waiting for that round.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ class QuorumConfig:
     ema_alpha: float = 0.2  # weight of a new observation in the xi EMAs, (0, 1]
     wait_for_all_expected: bool = False  # elastic synchronous: required = num_expected, K is ignored
     ignore_expected: bool = False  # synchronous: never merge early on num_expected (dead ones count)
+    drop_stale: bool = True  # Q5: a contribution on an older base than the current version gets weight 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_quorum, int) or isinstance(self.min_quorum, bool) or self.min_quorum < 1:
@@ -77,12 +88,12 @@ class QuorumConfig:
     @classmethod
     def synchronous(cls, num_learners: int) -> QuorumConfig:
         """Synchronous DiLoCo: all M registered learners, alive or dead, and no grace window."""
-        return cls(min_quorum=num_learners, grace_gamma=0.0, ignore_expected=True)
+        return cls(min_quorum=num_learners, grace_gamma=0.0, ignore_expected=True, drop_stale=False)
 
     @classmethod
     def elastic_synchronous(cls) -> QuorumConfig:
         """Wait for every learner the membership believes alive (required = num_expected), no grace."""
-        return cls(min_quorum=1, grace_gamma=0.0, wait_for_all_expected=True)
+        return cls(min_quorum=1, grace_gamma=0.0, wait_for_all_expected=True, drop_stale=False)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

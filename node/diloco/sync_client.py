@@ -35,7 +35,12 @@ API
     (2) overwrites fragments whose merged version has arrived and is due (the send step + tau, or at once
     if we had no contribution in flight) and resets their counters, and (3) for each fragment the schedule
     says is due and the real-time floor allows, clones its tensors with their counters and hands the copy
-    to the background sender. Cost: one tensor copy per due fragment; no I/O, no waiting.
+    to the background sender. Decoupled only: a send due less than H/2 steps after a version overwrote
+    unsent progress of that fragment is skipped (it would carry a few steps and start one more round).
+    Cost: one tensor copy per due fragment; no I/O, no waiting.
+
+`FragmentSync(..., receipts=provider)`: a stage replica passes a callable returning its verifier token
+    receipts (raw frames, oldest first); the newest are relayed with every push (`node.diloco.receipts`).
 
 `run_sender(stop)`, `run_watcher(stop)`
     The two background loops; run them as supervised tasks on the node's event loop. The sender pushes
@@ -158,6 +163,8 @@ class OutgoingContribution:
     sent_step: int  # local inner step at which the snapshot was taken
     sched_step: int  # our schedule step (run-aligned); on the wire: at the time of sending
     step_time_s: float  # the holder's recent mean inner-step time (the syncer's xi_step estimate)
+    # verifier token receipts (stage replicas), the newest, added at push time
+    receipts: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -259,6 +266,7 @@ class _Stats:
     refused: int = 0
     retries: int = 0
     applied: int = 0
+    skipped: int = 0  # due sends skipped right after a version overwrote unsent progress
     offered: int = 0
     adopted_by_syncer: int = 0
     fetched: int = 0
@@ -280,6 +288,7 @@ class FragmentSync:
         *,
         config: SyncClientConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        receipts: Callable[[], Sequence[bytes]] | None = None,
     ) -> None:
         self.params = dict(params)
         self.plan = plan
@@ -295,6 +304,9 @@ class FragmentSync:
         self.transport = transport
         self.config = config or SyncClientConfig()
         self.clock = clock
+        # a stage replica's verifier receipts (raw frames, oldest first): relayed with every push so the syncer
+        # weighs its work by what verifiers signed (node.diloco.receipts)
+        self.receipts = receipts
         self._local = {fid: i for i, fid in enumerate(self.fragment_ids)}
         self._names = [plan.fragments[fid].names for fid in self.fragment_ids]
         self._lock = threading.Lock()
@@ -302,6 +314,7 @@ class FragmentSync:
         self._versions = [0] * len(self.fragment_ids)
         self._outbox: dict[int, OutgoingContribution] = {}
         self._pending: dict[int, _Pending] = {}
+        self._overwritten_at: dict[int, int] = {}  # fragment -> step a version overwrote unsent progress
         self._inbox: dict[int, FragmentVersion] = {}
         self._held: dict[int, FragmentVersion] = {}  # last applied signed versions, for failover offers
         self._offered: set[tuple[str, int, int]] = set()  # (syncer, fragment, version) already offered
@@ -326,6 +339,7 @@ class FragmentSync:
         *,
         config: SyncClientConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        receipts: Callable[[], Sequence[bytes]] | None = None,
     ) -> FragmentSync:
         """Schedule (H, tau) and real-time floor from the manifest's DilocoSpec."""
         count = len(covered_fragments(plan, params))
@@ -334,7 +348,7 @@ class FragmentSync:
             num_fragments=max(count, 1), sync_every_steps=spec.sync_every_steps, overlap_steps=tau
         )
         floor = SyncFloor(SyncFloorConfig(min_interval_s=spec.min_sync_interval_s))
-        return cls(params, plan, schedule, floor, transport, config=config, clock=clock)
+        return cls(params, plan, schedule, floor, transport, config=config, clock=clock, receipts=receipts)
 
     # ---- the inner loop's side (any thread) ----
 
@@ -433,6 +447,10 @@ class FragmentSync:
             if pending is not None and step < pending.apply_at:
                 continue  # tau overlap: the merged version is applied tau steps after the send
             del self._inbox[index]
+            if pending is None and not self.config.barrier and self._counters[index].steps > 0:
+                # we were behind the learners of that round (the paper's weight 0): our steps since our last
+                # overwrite are lost; do not follow up with a near-empty send that would start another round
+                self._overwritten_at[index] = step
             self._overwrite_locked(index, version)
             applied += 1
             if pending is not None and (
@@ -456,27 +474,35 @@ class FragmentSync:
         queued = False
         sched_step = step + self._sched_offset
         for index in self.schedule.due_to_send(sched_step):
+            overwritten = self._overwritten_at.pop(index, None)
+            if overwritten is not None and step - overwritten < self.schedule.sync_every_steps // 2:
+                self._stats.skipped += 1
+                continue  # a few steps since a round we were late for: not worth a round of their own
             counters = self._counters[index]
             if counters.steps == 0 or not self.floor.may_send(index, now):
                 continue  # nothing new to contribute, or too soon: counters keep growing until next time
-            self.floor.mark_sent(index, now)
-            with torch.no_grad():
-                params = {n: self.params[n].detach().to("cpu", copy=True) for n in self._names[index]}
-            self._outbox[index] = OutgoingContribution(
-                fragment=self.fragment_ids[index],
-                params=params,
-                base_version=self._versions[index],
-                steps=counters.steps,
-                tokens=counters.tokens,
-                sent_step=step,
-                sched_step=sched_step,
-                step_time_s=self._step_time_s,
-            )
-            self._pending[index] = _Pending(
-                base_version=self._versions[index], apply_at=self.schedule.apply_at(step)
-            )
+            self._snapshot_locked(index, step, sched_step, now)
             queued = True
         return queued
+
+    def _snapshot_locked(self, index: int, step: int, sched_step: int, now: float) -> None:
+        counters = self._counters[index]
+        self.floor.mark_sent(index, now)
+        with torch.no_grad():
+            params = {n: self.params[n].detach().to("cpu", copy=True) for n in self._names[index]}
+        self._outbox[index] = OutgoingContribution(
+            fragment=self.fragment_ids[index],
+            params=params,
+            base_version=self._versions[index],
+            steps=counters.steps,
+            tokens=counters.tokens,
+            sent_step=step,
+            sched_step=sched_step,
+            step_time_s=self._step_time_s,
+        )
+        self._pending[index] = _Pending(
+            base_version=self._versions[index], apply_at=self.schedule.apply_at(step)
+        )
 
     # ---- the event loop's side ----
 
@@ -538,7 +564,7 @@ class FragmentSync:
             now_step = self._step + self._sched_offset
         # the syncer derives the run's schedule clock from what senders report: say where we are now, not
         # where we were when the snapshot was taken (a retried or re-sent one may be seconds old)
-        wire = dataclasses.replace(contribution, sched_step=now_step)
+        wire = dataclasses.replace(contribution, sched_step=now_step, receipts=self._receipts_now())
         try:
             receipt = await self.transport.push(wire)
         except ContributionRefused as e:
@@ -568,6 +594,15 @@ class FragmentSync:
                 pending.term = view.term if view is not None else None
         self._stats.acked += 1
         return True
+
+    def _receipts_now(self) -> tuple[bytes, ...]:
+        if self.receipts is None:
+            return ()
+        try:
+            return tuple(bytes(f) for f in self.receipts())
+        except Exception as e:  # a broken provider costs this push its receipts, not the push
+            logger.warning("receipts provider failed: %s: %s", type(e).__name__, e)
+            return ()
 
     async def run_watcher(self, stop: asyncio.Event) -> None:
         """Long-poll versions, fetch newer fragments into the inbox, offer held versions to a lagging syncer."""
@@ -755,6 +790,7 @@ class FragmentSync:
                 "refusals": dict(self._stats.refusals),
                 "retries": self._stats.retries,
                 "applied": self._stats.applied,
+                "sends_skipped": self._stats.skipped,
                 "fetched": self._stats.fetched,
                 "offered": self._stats.offered,
                 "in_flight": len(self._outbox),
@@ -1058,7 +1094,9 @@ def choose_syncer(
 
 
 def contribution_meta(contribution: OutgoingContribution) -> dict[str, Any]:
-    return {
+    from node.diloco.receipts import RECEIPTS_META, receipts_meta
+
+    meta: dict[str, Any] = {
         "fragment": contribution.fragment,
         "base_version": contribution.base_version,
         "steps": contribution.steps,
@@ -1066,6 +1104,9 @@ def contribution_meta(contribution: OutgoingContribution) -> dict[str, Any]:
         "sched_step": contribution.sched_step,
         "step_time_s": float(contribution.step_time_s),
     }
+    if contribution.receipts:
+        meta[RECEIPTS_META] = receipts_meta(contribution.receipts)
+    return meta
 
 
 def parse_versions_meta(meta: Mapping[str, Any], *, syncer: str, num_fragments: int) -> VersionsView:

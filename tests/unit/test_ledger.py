@@ -261,6 +261,39 @@ def test_forward_and_backward_checks_of_one_microbatch_count_once() -> None:
     assert decision.action == "ban"
 
 
+def test_checks_of_one_microbatch_count_once_with_several_in_flight() -> None:
+    # With microbatches in flight concurrently a microbatch's backward check need not follow its forward.
+    ledger = ViolationLedger(PROMPT)
+    for mb in range(3):
+        ledger.record("a", 1, False, float(mb), microbatch_id=mb, replicas=REPLICAS)
+    ledger.record("a", 1, True, 3.0, microbatch_id=0, replicas=REPLICAS)  # backward of 0, after 1 and 2
+    ledger.record("a", 1, False, 3.0, microbatch_id=1, replicas=REPLICAS)
+    assert ledger.microbatches_seen("a") == 3 and ledger.flags_in_window("a") == 1
+
+
+def test_a_matching_recomputation_takes_a_flag_back_but_never_a_conviction() -> None:
+    ledger = ViolationLedger(PROMPT)
+    for mb in range(20):
+        ledger.record("b", 1, False, float(mb), microbatch_id=100 + mb, replicas=REPLICAS)
+        ledger.record("c", 1, False, float(mb), microbatch_id=200 + mb, replicas=REPLICAS)
+    for mb in range(2):
+        ledger.record("a", 1, True, float(mb), microbatch_id=mb, replicas=REPLICAS)
+    assert ledger.is_quarantined("a") and ledger.flags_in_window("a") == 2
+    released = ledger.exonerate("a", 1)
+    assert released.action == "release" and ledger.flags_in_window("a") == 1
+    assert "nothing" in ledger.exonerate("a", 1).reason  # once only
+    assert "nothing" in ledger.exonerate("a", 99).reason  # unknown microbatch
+    # the flag that came back does not count towards a ban any more
+    ledger.record("a", 1, True, 3.0, microbatch_id=3, replicas=REPLICAS)
+    assert not ledger.is_banned("a") and ledger.flags_in_window("a") == 2
+    # a conviction keeps the replica quarantined whatever is taken back, and storms do not release it
+    ledger.record_evidence("a", 1, 4.0, reason="spot check", replicas=REPLICAS)
+    ledger.exonerate("a", 0)
+    assert ledger.is_quarantined("a")
+    feed(ledger, [("b", True), ("c", True), ("b", True), ("c", True)], start=5)
+    assert ledger.is_quarantined("a") and not ledger.is_banned("a")
+
+
 def test_banned_signer_records_are_ignored() -> None:
     ledger = ViolationLedger()
     ledger.record_evidence("a", 1, 0.0, reason="test", proof=True, replicas=REPLICAS)

@@ -21,6 +21,7 @@ from node.diloco.sync_client import (
     SyncClientConfig,
     SyncUnavailable,
     VersionsView,
+    contribution_meta,
     covered_fragments,
     run_fragment_plan,
 )
@@ -430,3 +431,73 @@ def test_a_synchronous_joiner_starts_at_the_earliest_open_round() -> None:
     first = [sync.schedule.next_send(i, 0) for i in range(len(sync.fragment_ids))]
     expected = min(f + v * h for f, v in zip(first, sync._versions, strict=True)) - 1
     assert sync.align_to_rounds() == expected
+
+
+def test_a_stage_relays_its_newest_verifier_receipts_with_every_push() -> None:
+    async def scenario() -> None:
+        run = manifest()
+        plan = run_fragment_plan(run)
+        stage = build_stage(ModelConfig.from_dict(run.model), 0, 1, 2)
+        syncer = FakeSyncer(plan.num_fragments)
+        held = [b"r1", b"r2"]  # what StageService.receipts holds (the frames, oldest first)
+        calls = {"n": 0}
+
+        def provider() -> list[bytes]:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("a broken provider costs one push its receipts, not the push")
+            return list(held)
+
+        sync = FragmentSync.create(
+            dict(stage.named_parameters()),
+            plan,
+            run.diloco,
+            syncer,
+            config=SyncClientConfig(retry_min_s=0.01, retry_max_s=0.05),
+            receipts=provider,
+        )
+        stop = asyncio.Event()
+        sender = asyncio.create_task(sync.run_sender(stop))
+        for step in range(1, 5):
+            sync.after_inner_step(step, tokens=4)
+            held.append(f"r{step + 2}".encode())
+            await asyncio.sleep(0)
+        await until(lambda: len(syncer.pushed) == len(sync.fragment_ids))
+        stop.set()
+        await sender
+        with_receipts = [c for c in syncer.pushed if c.receipts]
+        assert with_receipts and all(c.receipts[0] == b"r1" for c in with_receipts)
+        assert len(with_receipts) == len(syncer.pushed) - 1  # the push whose provider call failed
+        meta = contribution_meta(with_receipts[0])
+        assert meta["receipts"][0] == b"r1".hex() and len(meta["receipts"]) == len(with_receipts[0].receipts)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("barrier", [False, True])
+def test_a_round_we_were_late_for_overwrites_and_the_near_empty_send_after_it_is_skipped(
+    barrier: bool,
+) -> None:
+    sync, model, _ = learner_sync(barrier=barrier)  # H = 4, tau = 1
+    index = next(i for i in range(len(sync.fragment_ids)) if sync.schedule.offset(i) == 3)  # due at step 3
+    fid = sync.fragment_ids[index]
+    names = sync.plan.fragments[fid].names
+    params = dict(model.named_parameters())
+    bump(model)
+    sync.after_inner_step(1, tokens=8)
+    merged = {n: torch.full_like(params[n], 7.0) for n in names}
+    sync._inbox[index] = FragmentVersion(fragment=fid, version=1, params=merged)  # a round we were late for
+    bump(model)
+    sync.after_inner_step(2, tokens=8)
+    assert torch.equal(params[names[0]].detach(), merged[names[0]])  # the paper's overwrite: weight 0
+    bump(model)
+    sync.after_inner_step(3, tokens=8)  # our scheduled send, one step after the overwrite
+    if barrier:  # the lock-step baselines send whatever is due
+        assert sync._outbox[index].steps == 1
+        return
+    assert index not in sync._outbox and sync.status()["sends_skipped"] == 1  # no round for one step
+    for step in range(4, 8):  # the next period sends everything since the overwrite
+        bump(model)
+        sync.after_inner_step(step, tokens=8)
+    sent = sync._outbox[index]
+    assert (sent.sent_step, sent.base_version, sent.steps) == (7, 1, 5)

@@ -11,10 +11,19 @@ import torch
 
 from node.diloco.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from node.diloco.quorum import QuorumConfig
+from node.diloco.receipts import (
+    FORGERY_REASONS,
+    ReceiptLedger,
+    parse_receipts_meta,
+    receipts_meta,
+    verify_receipts,
+)
 from node.diloco.sync_client import run_fragment_plan
 from node.model import ModelConfig, build_model, embedding_param_names
+from node.stage import TokenReceipt
 from node.syncer import LeaseView, Refusal, SyncerConfig, SyncerCore, lease_action, quorum_config
-from protocol.errors import ConfigError, MalformedFrame
+from protocol.errors import ConfigError, MalformedFrame, ProtocolError
+from protocol.identity import NodeIdentity
 from protocol.manifest import DilocoSpec, RunManifest
 from protocol.records import SyncerRecord, SyncerState
 
@@ -188,7 +197,9 @@ def test_a_peer_has_one_contribution_per_round_the_newest() -> None:
 
 
 def test_a_merged_claim_cannot_be_claimed_again_on_the_same_base() -> None:
-    c = core(now=0.0)
+    c = core(
+        quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0), now=0.0
+    )  # a mode that takes contributions on an older base
     push(c, "a", base=0, steps=20, now=2.0, nonce=b"1" * 16)
     c.merge_now(0, 1, 2.0)
     # the same learner, not having applied version 1, claims its old steps again 0.5 s later
@@ -255,7 +266,7 @@ def test_syncer_config_defaults_follow_the_heartbeat_and_reject_unknown_keys() -
 
 
 def test_a_second_contribution_on_the_same_base_counts_only_what_it_adds() -> None:
-    c = core(now=0.0)
+    c = core(quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0), now=0.0)
     push(c, "a", base=0, steps=4, now=5.0, nonce=b"1" * 16)
     first = c.merge_now(0, 1, 5.0)
     assert first is not None and first.tokens == 4 * 64
@@ -264,7 +275,7 @@ def test_a_second_contribution_on_the_same_base_counts_only_what_it_adds() -> No
     assert c.rounds[0].entries["a"].contribution.steps == 6
     snapshot = c.snapshot("ab" * 20, term=1)
     assert ("a", 0, 0, 4, 4 * 64) in snapshot.merged
-    fresh = core()
+    fresh = core(quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0), now=0.0)
     fresh.restore(snapshot, 9.0)
     push(fresh, "a", base=0, steps=10, now=12.0, nonce=b"3" * 16)
     assert fresh.rounds[0].entries["a"].contribution.steps == 6  # the ledger survives a failover
@@ -289,3 +300,204 @@ def test_the_run_clock_is_the_median_of_extrapolated_reports() -> None:
     assert c.clock_estimate(10.0) == 101  # one outlier cannot move everyone's schedule
     assert c.clock_estimate(12.0) == 105  # extrapolated at the step-time EMA (0.5 s)
     assert c.clock_estimate(100.0) == 0  # reports older than a minute are forgotten
+
+
+# ---- Q5: a contribution that missed its round gets weight 0 and never starts a round of its own
+
+
+def params_with_delta(c: SyncerCore, fragment: int, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        n: t - 0.01 * torch.randn(t.shape, generator=gen) for n, t in c.fragment_tensors(fragment).items()
+    }
+
+
+def accept(c: SyncerCore, peer: str, params: dict[str, torch.Tensor], *, base: int, steps: int, now: float):  # noqa: ANN201
+    return c.accept(
+        peer,
+        0,
+        params,
+        base_version=base,
+        steps=steps,
+        tokens=steps * 64,
+        sched_step=7,
+        step_time_s=0.1,
+        nonce=bytes([steps, base, len(peer)]) * 4,
+        now=now,
+    )
+
+
+def test_a_contribution_that_missed_its_round_is_refused_and_never_starts_one() -> None:
+    c = core(now=0.0)
+    accept(c, "a", params_with_delta(c, 0, 1), base=0, steps=4, now=10.0)
+    assert c.due(10.0, lambda _f: 2)[0] == [0]
+    c.merge_now(0, 2, 10.0)
+    # b was a step behind a: its contribution on version 0 arrives just after version 1 was published
+    with pytest.raises(Refusal) as missed:
+        accept(c, "b", params_with_delta(c, 0, 2), base=0, steps=4, now=10.2)
+    assert missed.value.reason == "missed round" and not missed.value.blame_sender
+    assert c.due(10.3, lambda _f: 2) == ([], None) and c.versions[0] == 1  # no version 2 overwrites everyone
+    accept(c, "b", params_with_delta(c, 0, 3), base=1, steps=4, now=11.0)  # on the current version: counts
+    record = c.merge_now(0, 2, 11.0)
+    assert record is not None and record.participants == ("b",) and record.late == 0
+
+
+def test_a_stale_contribution_that_a_synchronous_mode_takes_is_a_delta_against_its_own_base() -> None:
+    c = core(quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0), now=0.0)
+    v0 = {n: t.clone() for n, t in c.fragment_tensors(0).items()}
+    accept(c, "a", params_with_delta(c, 0, 1), base=0, steps=4, now=10.0)
+    c.merge_now(0, 1, 10.0)
+    v1 = {n: t.clone() for n, t in c.fragment_tensors(0).items()}
+    theta_b = {n: t - 0.01 * torch.randn_like(t) for n, t in v0.items()}  # b trained on version 0
+    accept(c, "b", theta_b, base=0, steps=4, now=10.2)
+    round_, expected, required = c.take_round(0, 1, 11.0)
+    prepared = c.compute_merge(0, round_, expected=expected, required=required, started_at=11.0)
+    for n in v0:
+        own = v0[n] - theta_b[n]  # what b did since it overwrote
+        assert torch.allclose(v1[n] - prepared.merged["b"].params[n], own, atol=1e-6)
+        # negative control: against the newest global value b's delta would also carry a's merge, reverted
+        assert not torch.allclose(v1[n] - theta_b[n], own, atol=1e-6)
+    record = c.commit_merge(prepared, 11.0)
+    assert record.late == 1 and record.contributed["b"][0][3] == 0
+
+
+def test_contributions_on_the_replaced_version_that_arrive_during_a_merge_are_dropped() -> None:
+    c = core(now=0.0)
+    accept(c, "a", params_with_delta(c, 0, 1), base=0, steps=4, now=10.0)
+    round_, expected, required = c.take_round(0, 2, 10.0)
+    prepared = c.compute_merge(0, round_, expected=expected, required=required, started_at=10.0)
+    accept(c, "b", params_with_delta(c, 0, 2), base=0, steps=4, now=10.05)  # current is still 0
+    assert c.rounds[0].entries
+    c.commit_merge(prepared, 10.1)
+    assert 0 not in c.rounds and c.due(10.2, lambda _f: 2) == ([], None)
+
+
+def test_the_synchronous_modes_count_a_stale_contribution() -> None:
+    c = core(quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0))
+    accept(c, "a", params_with_delta(c, 0, 1), base=0, steps=4, now=10.0)
+    c.merge_now(0, 1, 10.0)
+    accept(c, "b", params_with_delta(c, 0, 2), base=0, steps=4, now=10.2)
+    assert c.due(10.3, lambda _f: 1)[0] == [0]  # a lock-step round never waits on its own waiters
+
+
+def test_the_grace_formulas_tau_is_at_most_the_learners_overlap() -> None:
+    spec = DilocoSpec(overlap_steps=1, grace_tau=2.0, sync_every_steps=12)
+    assert quorum_config(spec, max_grace_s=5.0).grace_tau == 1.0
+    assert quorum_config(DilocoSpec(overlap_steps=3, grace_tau=2.0), max_grace_s=5.0).grace_tau == 2.0
+    assert quorum_config(spec, max_grace_s=5.0).drop_stale
+    assert not quorum_config(DilocoSpec(mode="sync", sync_learners=2), max_grace_s=5.0).drop_stale
+
+
+# ---- verifier token receipts cap a stage replica's tokens
+
+
+RUN_ID = "ab" * 20
+VERIFIER = NodeIdentity.generate()
+REPLICA = NodeIdentity.generate().peer_id
+
+
+def receipt(tokens: int, *, sequence: int, signer: NodeIdentity = VERIFIER, replica: str = REPLICA) -> bytes:
+    return TokenReceipt(
+        verifier=signer.peer_id,
+        replica=replica,
+        stage=0,
+        session="5e55",
+        sequence=sequence,
+        tokens=tokens,
+        microbatches=tokens // 64,
+        last_microbatch=sequence,
+        issued_at=1000.0,
+    ).seal(signer, RUN_ID)
+
+
+def verified(frames: list[bytes]) -> tuple[list, list]:  # noqa: ANN201
+    wire = parse_receipts_meta({"receipts": receipts_meta(frames)})
+    return verify_receipts(
+        wire, run_id=RUN_ID, replica=REPLICA, stage=0, authorized_verifiers=[VERIFIER.peer_id], now=1001.0
+    )
+
+
+def test_a_stage_contribution_is_capped_by_the_growth_of_its_verified_tokens() -> None:
+    c = core(now=0.0)
+    good, errors = verified([receipt(3 * 64, sequence=1)])
+    assert len(good) == 1 and not errors
+    # claims 8 steps x 64 tokens; the verifier vouched for 3 x 64 so far
+    admission = c.accept(
+        REPLICA, 0, learner_params(c, 0, 0.01), base_version=0, steps=8, tokens=8 * 64, sched_step=1,
+        step_time_s=0.1, nonce=b"r1" * 8, now=10.0, receipts=good,
+    )  # fmt: skip
+    assert admission.receipt_capped and not admission.capped
+    record = c.merge_now(0, 1, 10.0)
+    assert record is not None and record.tokens == 3 * 64
+    # next sync: the receipts grew to 10 x 64, so 7 x 64 are new; the claim of 5 x 64 is below that: kept
+    good, _ = verified([receipt(3 * 64, sequence=1), receipt(10 * 64, sequence=2)])
+    admission = c.accept(
+        REPLICA, 0, learner_params(c, 0, 0.01), base_version=1, steps=5, tokens=5 * 64, sched_step=2,
+        step_time_s=0.1, nonce=b"r2" * 8, now=20.0, receipts=good,
+    )  # fmt: skip
+    assert not admission.receipt_capped and c.rounds[0].entries[REPLICA].contribution.tokens == 5 * 64
+    c.merge_now(0, 1, 20.0)
+    # replaying the same receipts at the sync after: no growth, no verified tokens, no weight
+    c.accept(
+        REPLICA, 0, learner_params(c, 0, 0.01), base_version=2, steps=5, tokens=5 * 64, sched_step=3,
+        step_time_s=0.1, nonce=b"r3" * 8, now=30.0, receipts=good,
+    )  # fmt: skip
+    assert c.rounds[0].entries[REPLICA].contribution.tokens == 0
+    # negative control: a learner (receipts=None) keeps its self-reported tokens
+    c.accept(
+        "learner", 0, learner_params(c, 0, 0.01), base_version=2, steps=5, tokens=5 * 64, sched_step=3,
+        step_time_s=0.1, nonce=b"r4" * 8, now=30.0,
+    )  # fmt: skip
+    assert c.rounds[0].entries["learner"].contribution.tokens == 5 * 64
+
+
+def test_bad_receipts_are_rejected_one_by_one_with_a_typed_error() -> None:
+    forger = NodeIdentity.generate()
+    genuine = receipt(640, sequence=1)
+    tampered = bytearray(genuine)
+    tampered[-1] ^= 0xFF  # the signature
+    other_replica = receipt(640, sequence=2, replica=NodeIdentity.generate().peer_id)
+    good, errors = verified(
+        [genuine, bytes(tampered), receipt(6400, sequence=3, signer=forger), other_replica]
+    )
+    assert [r.tokens for r in good] == [640]
+    assert len(errors) == 3 and all(isinstance(e, ProtocolError) for e in errors)
+    reasons = [e.reason for e in errors]
+    assert sum(r in FORGERY_REASONS for r in reasons) == 2  # tampered and unauthorized: the relayer is struck
+    with pytest.raises(MalformedFrame):
+        parse_receipts_meta({"receipts": ["not hex"]})
+    with pytest.raises(MalformedFrame):
+        parse_receipts_meta({"receipts": "ab"})
+    garbage, garbage_errors = verified([b"\x00\x00\x00\x05junk!"])
+    assert not garbage and isinstance(garbage_errors[0], ProtocolError)
+
+
+def test_two_contributions_merged_together_cannot_both_claim_the_same_receipt_growth() -> None:
+    ledger = ReceiptLedger()
+    good, _ = verified([receipt(640, sequence=1)])
+    first, counts = ledger.growth(REPLICA, 0, good)
+    second, _ = ledger.growth(REPLICA, 0, good, also=[counts])
+    assert (first, second) == (640, 0)
+    ledger.commit(REPLICA, 0, counts)
+    assert ledger.growth(REPLICA, 0, good)[0] == 0 and ledger.growth(REPLICA, 1, good)[0] == 640
+
+
+def test_quorum_time_is_when_the_kth_contribution_arrived_not_when_the_syncer_looked() -> None:
+    c = core(QuorumConfig.decoupled(1, grace_gamma=0.8, max_grace_steps=1.0))
+    push(c, "a", now=10.0)  # step time 0.1 s: a grace window of one step
+    ready, _ = c.due(10.5, lambda _f: 3)  # the loop was busy merging another fragment until 10.5
+    assert ready == [0] and c.policy.xi_quorum == 0.0  # the window ran from 10.0: over, and not inflated
+
+
+def test_after_a_takeover_work_on_an_earlier_syncers_version_is_taken_until_we_merge_ourselves() -> None:
+    old = core(now=0.0)
+    accept(old, "a", params_with_delta(old, 0, 1), base=0, steps=4, now=10.0)
+    old.merge_now(0, 2, 10.0)
+    new = core(now=20.0)
+    new.restore(old.snapshot("ab" * 20, term=1), 20.0)  # at version 1; b trained through the outage on 0
+    accept(new, "b", params_with_delta(new, 0, 2), base=0, steps=4, now=21.0)  # missed no round of ours
+    record = new.merge_now(0, 2, 21.0)
+    assert record is not None and record.participants == ("b",) and new.versions[0] == 2
+    with pytest.raises(Refusal) as missed:  # version 2 is our own merge: on 1 now, it missed that round
+        accept(new, "c", params_with_delta(new, 0, 3), base=1, steps=4, now=22.0)
+    assert missed.value.reason == "missed round"

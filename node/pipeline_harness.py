@@ -1,0 +1,459 @@
+"""An in-process pipeline through the production stage and verifier code, for tests and benchmarks.
+
+`build_arm` wires one verifier's `PipelineDriver` to `StageService`s through `DirectTransport` (the same sealing,
+signing, opening, idempotency ledgers and handlers as over the network, minus sockets), with a `SentinelTap` at
+every boundary and a `BanWatcher` over an in-memory stand-in of the DHT ban records; bans are enforced by the
+driver (`banned=`) and by every stage service (`is_banned`). Replicas chosen as attackers apply a
+`verification.attacks` behaviour to what they send, exactly as a node started with `HIVENODE_UNSAFE_ATTACK`.
+
+`drive` pushes microbatches through it (`concurrency` at a time, one clock second per microbatch), publishes and
+polls bans, optionally averages each stage's unbanned replicas every `merge_every` microbatches (a stand-in for
+the syncer's DiLoCo merge: plain mean, outer learning rate 1, no outer momentum) and measures the held-out loss
+through the pipeline. `pretrained_state` trains the whole model centrally first, so that verification can start
+from a model past its first, fastest-moving steps (the paper's honest warm-up on a model already in training).
+
+Not a role and never started by a node: the harness exists so that tests and `benchmarks/sentinel_table.py`
+exercise the same production path without processes or sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from node.data import BatchSampler, Corpus, load_corpus, validation_batches
+from node.model import ModelConfig, build_model, lm_loss, load_state_subset, stage_state_subset
+from node.routing import ReplicaInfo, ReplicaRouter, RoutingConfig
+from node.sentinel_tap import BanWatchConfig, BanWatcher, SentinelTap, SentinelTapConfig
+from node.stage import BoundaryShape, StageConfig, StageService, build_core
+from node.verifier import DirectTransport, MicrobatchOutcome, PipelineDriver
+from protocol.envelope import Direction, Header
+from protocol.identity import NodeIdentity
+from protocol.manifest import InnerOptimizerSpec, RunManifest, WireSpec
+from protocol.records import BanNotice, BanRecord
+from verification.attacks import Attack, AttackConfig, parse_attack
+from verification.bans import SignedBoundaryHeader
+from verification.ledger import LedgerConfig
+from verification.sentinel import SentinelConfig
+
+logger = logging.getLogger(__name__)
+
+MODEL: dict[str, int] = {"vocab_size": 256, "context_len": 32, "num_layers": 3, "width": 64, "num_heads": 2}
+RUN_ID = "0" * 40
+EVAL_FIRST_ID = 10**6  # microbatch ids of held-out evaluations (never collide with training ids)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HarnessConfig:
+    """One in-process pipeline; the defaults are the integration test's."""
+
+    model: Mapping[str, int] = field(default_factory=lambda: dict(MODEL))
+    replicas: tuple[int, ...] = (2, 3, 2)  # per stage
+    attacked_stage: int = 1
+    attackers: int = 1  # replicas 0..attackers-1 of attacked_stage lie (when an attack is given)
+    lr: float = 1e-3
+    batch_size: int = 8  # sequences per microbatch (= the inner batch: one optimizer step per microbatch)
+    sentinel: SentinelConfig = field(default_factory=SentinelConfig)
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
+    concurrency: int = 2  # microbatches in flight at once
+    poll_every: int = 10  # microbatches between ban publishing/polling rounds
+    merge_every: int = 0  # microbatches between stage-wide averages of the unbanned replicas; 0: never
+    held_out_batches: int = 4
+    # True: every replica of a stage gets an equal share of the traffic (see `EvenRouter`); False: the
+    # production router, which in one process learns timings of a shared CPU and keeps to the replicas it
+    # measured first.
+    even_routing: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.replicas) < 2 or min(self.replicas) < 1:
+            raise ValueError(f"need at least 2 stages with at least one replica each, got {self.replicas}")
+        if not 0 <= self.attacked_stage < len(self.replicas):
+            raise ValueError(f"attacked_stage {self.attacked_stage} is not a stage of {self.replicas}")
+        if not 0 <= self.attackers < self.replicas[self.attacked_stage]:
+            raise ValueError("attackers must leave at least one honest replica in the attacked stage")
+        for name in ("concurrency", "poll_every", "held_out_batches", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.merge_every < 0:
+            raise ValueError("merge_every must be >= 0")
+
+
+class MemoryBanRecords:
+    """The two calls BanWatcher makes on protocol.records.SwarmRecords, kept in memory (one verifier signs)."""
+
+    def __init__(self, signer: str) -> None:
+        self.signer = signer
+        self.rows: dict[str, BanRecord] = {}
+
+    async def publish_ban(self, notice: BanNotice, *, expiration: float) -> bool:
+        self.rows[notice.offender] = BanRecord(verifier=self.signer, notice=notice, expires_at=expiration)
+        return True
+
+    async def list_bans(self, offenders: object) -> dict[str, list[BanRecord]]:
+        wanted = set(offenders)  # type: ignore[call-overload]
+        return {o: [r] for o, r in self.rows.items() if o in wanted}
+
+
+class EvenRouter(ReplicaRouter):
+    """The production router without throughput learning: all replicas of a stage share one CPU here, so
+    their measured speeds say nothing about them; every replica keeps the prior speed, and the router's own
+    rule (least projected time, in-flight counted, ties broken at random) spreads microbatches evenly."""
+
+    def record_success(self, peer_id: str, *, tokens: int, seconds: float) -> None:
+        super().record_success(peer_id, tokens=0, seconds=seconds)  # clears failures, measures nothing
+
+
+class CountingAttack(Attack):
+    """The attack, remembering which microbatches it corrupted (the attacker's own attacked microbatches)."""
+
+    def __init__(self, config: AttackConfig) -> None:
+        super().__init__(config)
+        self.attacked: set[int] = set()
+
+    def apply(self, tensor: torch.Tensor, *, direction: str, microbatch_id: int, step: int) -> torch.Tensor:
+        if self.is_active(direction, step):
+            self.attacked.add(microbatch_id)
+        return super().apply(tensor, direction=direction, microbatch_id=microbatch_id, step=step)
+
+
+@dataclass(slots=True)
+class ReplicaChecks:
+    """What the verifier's tap judged from one replica (for benchmarks' microbatch-level accounting)."""
+
+    checks: int = 0
+    flags: int = 0
+    attacked_checks: int = 0  # checks of tensors the replica corrupted (attackers only)
+    attacked_flags: int = 0
+    skipped: int = 0  # not judged: the microbatch was already handled upstream (cascade)
+
+
+class RecordingTap(SentinelTap):
+    """A SentinelTap that also counts, per replica, what it judged and flagged; behaviour unchanged."""
+
+    def __init__(
+        self, *args: Any, attacks: Mapping[str, CountingAttack] | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.attacks = dict(attacks or {})
+        self.per_replica: dict[str, ReplicaChecks] = {}
+
+    def check(
+        self,
+        stage: int,
+        direction: Direction,
+        replica: str,
+        microbatch_id: int,
+        tensor: torch.Tensor,
+        header: Header,
+        *,
+        context: torch.Tensor | None = None,
+        signed: SignedBoundaryHeader | None = None,
+    ) -> torch.Tensor | Any:
+        row = self.per_replica.setdefault(replica, ReplicaChecks())
+        flagged, checked, skipped = self.stats.flagged, self.stats.checked, self.stats.skipped_cascade
+        out = super().check(
+            stage, direction, replica, microbatch_id, tensor, header, context=context, signed=signed
+        )
+        attack = self.attacks.get(replica)
+        attacked = attack is not None and microbatch_id in attack.attacked
+        if self.stats.checked > checked:
+            row.checks += 1
+            row.attacked_checks += int(attacked)
+        if self.stats.flagged > flagged:
+            row.flags += 1
+            row.attacked_flags += int(attacked)
+        row.skipped += self.stats.skipped_cascade - skipped
+        return out
+
+
+@dataclass
+class Arm:
+    """One pipeline (verifier, stage replicas, ban plumbing) and its simulated clock."""
+
+    config: HarnessConfig
+    driver: PipelineDriver
+    services: dict[str, StageService]
+    stages: dict[str, int]  # replica -> stage
+    tap: RecordingTap
+    watcher: BanWatcher
+    attacks: dict[str, CountingAttack]  # attacker -> its attack
+    clock: dict[str, float]
+    # attacker -> its own attacked microbatches when its ban took effect (checked after every round)
+    attacked_at_ban: dict[str, int] = field(default_factory=dict)
+    min_usable_per_stage: dict[int, int] = field(default_factory=dict)  # fewest unbanned replicas seen
+
+    @property
+    def attackers(self) -> tuple[str, ...]:
+        return tuple(self.attacks)
+
+    @property
+    def attacker(self) -> str | None:
+        return self.attackers[0] if self.attackers else None
+
+    @property
+    def attack(self) -> CountingAttack | None:
+        return self.attacks[self.attackers[0]] if self.attackers else None
+
+    @property
+    def attacked_before_ban(self) -> int | None:
+        """The first attacker's own attacked microbatches when its ban took effect (None: not banned)."""
+        return self.attacked_at_ban.get(self.attacker) if self.attacker is not None else None
+
+    def banned(self) -> frozenset[str]:
+        return self.tap.banned() | self.watcher.active()
+
+    def account_bans(self) -> None:
+        banned = self.banned()
+        for attacker, attack in self.attacks.items():
+            if attacker in banned and attacker not in self.attacked_at_ban:
+                self.attacked_at_ban[attacker] = len(attack.attacked)
+        for stage in range(len(self.config.replicas)):
+            usable = sum(1 for p, s in self.stages.items() if s == stage and p not in banned)
+            self.min_usable_per_stage[stage] = min(self.min_usable_per_stage.get(stage, usable), usable)
+
+
+@functools.cache
+def corpus() -> Corpus:
+    return load_corpus(None)
+
+
+def manifest_for(config: HarnessConfig, verifier: NodeIdentity) -> RunManifest:
+    return RunManifest(
+        model=dict(config.model),
+        num_stages=len(config.replicas),
+        inner=InnerOptimizerSpec(lr=config.lr, batch_size=config.batch_size, weight_decay=0.01),
+        wire=WireSpec(max_batch=config.batch_size),
+        authorized_verifiers=(verifier.peer_id,),
+    )
+
+
+def pretrained_state(
+    config: HarnessConfig, *, steps: int, seed: int, lr: float = 3e-3
+) -> dict[str, torch.Tensor]:
+    """The whole model (same init as the stage cores: the run seed) trained `steps` steps centrally."""
+    cfg = ModelConfig.from_dict(dict(config.model))
+    model = build_model(cfg, 0)
+    model.train()
+    if steps > 0:
+        sampler = BatchSampler(
+            corpus().train_stream(0, 1),
+            batch_size=config.batch_size,
+            context_len=cfg.context_len,
+            generator=torch.Generator().manual_seed(10_000 + seed),
+        )
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        for _ in range(steps):
+            inputs, targets = sampler.next_batch()
+            loss = lm_loss(model(inputs), targets)  # type: ignore[arg-type]
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def build_arm(
+    config: HarnessConfig,
+    *,
+    attack: str | None,
+    verify: bool,
+    seed: int = 0,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    verifier: NodeIdentity | None = None,
+) -> Arm:
+    """A fresh pipeline; `attack` is a `verification.attacks` spec applied by the attackers, `weights` a full
+    model state every replica starts from (default: the run seed's init)."""
+    torch.manual_seed(seed)
+    verifier = verifier or NodeIdentity.generate()
+    run = manifest_for(config, verifier)
+    clock = {"t": 0.0}
+    spec = parse_attack(attack) if attack is not None else None
+    services: dict[str, StageService] = {}
+    stages: dict[str, int] = {}
+    pending: list[tuple[NodeIdentity, int, CountingAttack | None]] = []
+    for stage, count in enumerate(config.replicas):
+        for index in range(count):
+            evil = spec is not None and stage == config.attacked_stage and index < config.attackers
+            attack_obj = None
+            if evil:
+                assert spec is not None
+                # Each attacker its own noise stream; the same attack otherwise.
+                attack_obj = CountingAttack(dataclasses.replace(spec, seed=spec.seed + 101 * index))
+            pending.append((NodeIdentity.generate(), stage, attack_obj))
+    attacks = {identity.peer_id: a for identity, _, a in pending if a is not None}
+    tap = RecordingTap(
+        verifier=verifier.peer_id,
+        run_id=RUN_ID,
+        config=SentinelTapConfig(
+            enabled=verify, sentinel=config.sentinel, ledger=config.ledger, spot_seed=seed
+        ),
+        clock=lambda: clock["t"],
+        attacks=attacks,
+    )
+    watcher = BanWatcher(
+        MemoryBanRecords(verifier.peer_id),
+        authorized_verifiers=run.authorized_verifiers,
+        bans_required=1,
+        run_id=RUN_ID,
+        config=BanWatchConfig(ban_ttl_s=3600.0),
+        outbox=tap.pending,
+        clock=lambda: clock["t"],
+    )
+    for identity, stage, attack_obj in pending:
+        core = build_core(run, RUN_ID, stage, StageConfig())
+        if weights is not None:
+            with torch.no_grad():
+                load_state_subset(core.module, stage_state_subset(core.module, weights))
+            core.weights_changed()
+        services[identity.peer_id] = StageService(
+            identity,
+            RUN_ID,
+            core,
+            authorized=run.authorized_verifiers,
+            is_banned=watcher.is_banned,
+            attack=attack_obj,
+        )
+        stages[identity.peer_id] = stage
+    tap.stage_replicas = lambda s: [p for p, st in stages.items() if st == s]
+    driver = PipelineDriver(
+        identity=verifier,
+        run_id=RUN_ID,
+        num_stages=len(config.replicas),
+        shape=BoundaryShape.from_manifest(run),
+        transport=DirectTransport(verifier.peer_id, services),
+        replicas=lambda: [ReplicaInfo(peer_id=p, stage=s) for p, s in stages.items()],
+        router=EvenRouter(RoutingConfig()) if config.even_routing else ReplicaRouter(RoutingConfig()),
+        tap=tap,  # type: ignore[arg-type]
+        banned=lambda: tap.banned() | watcher.active(),
+        rng=random.Random(seed),
+        clock=lambda: clock["t"],
+    )
+    return Arm(config, driver, services, stages, tap, watcher, attacks, clock)
+
+
+def merge_stages(arm: Arm) -> None:
+    """Every stage's replicas not banned swarm-wide adopt the mean of their weights (the syncer's merge,
+    simplified; the attacker's too: it trains on honest gradients and lies only on the wire)."""
+    banned = arm.watcher.active()
+    for stage in range(len(arm.config.replicas)):
+        cores = [arm.services[p].core for p, s in arm.stages.items() if s == stage and p not in banned]
+        if len(cores) < 2:
+            continue
+        with torch.no_grad():
+            for name in cores[0].params:
+                mean = torch.stack([c.params[name].detach() for c in cores]).mean(0)
+                for c in cores:
+                    c.params[name].copy_(mean)
+        for c in cores:
+            c.weights_changed()
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    microbatches: int  # driven so far
+    tokens: int  # trained so far (tokens of completed microbatches)
+    loss: float  # held-out
+
+
+def drive(
+    arm: Arm,
+    microbatches: int,
+    seed: int = 0,
+    *,
+    eval_every: int = 100,
+    progress: Callable[[int, Arm], None] | None = None,
+) -> dict[str, Any]:
+    """Drive `microbatches` microbatches, `concurrency` at a time (one clock second each); after each round:
+    merge every `merge_every`, publish and poll bans every `poll_every`, note bans, and measure the held-out
+    loss every `eval_every` and at the end (also before the first microbatch). Put `eval_every` on a
+    multiple of `merge_every` to measure right after a merge, when every replica of a stage holds the same
+    weights and routing does not matter."""
+    cfg = arm.config
+    context_len = int(cfg.model["context_len"])
+    data = corpus()
+    sampler = BatchSampler(
+        data.train_stream(0, 1),
+        batch_size=cfg.batch_size,
+        context_len=context_len,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    held_out = validation_batches(
+        data, batch_size=cfg.batch_size, context_len=context_len, num_batches=cfg.held_out_batches
+    )
+    attacker_routes_after_ban = 0
+    completed = 0
+    outcomes: list[MicrobatchOutcome] = []
+    checkpoints: list[Checkpoint] = []
+
+    async def evaluate(done: int) -> None:
+        first_id = EVAL_FIRST_ID + len(checkpoints) * cfg.held_out_batches
+        loss = await arm.driver.evaluate(held_out, first_id)
+        checkpoints.append(Checkpoint(done, arm.driver.stats.tokens, loss))
+
+    async def go() -> None:
+        nonlocal attacker_routes_after_ban, completed
+        await evaluate(0)
+        for first in range(0, microbatches, cfg.concurrency):
+            arm.clock["t"] = float(first)
+            ids = range(first, min(first + cfg.concurrency, microbatches))
+            batches = [sampler.next_batch() for _ in ids]
+            results = await asyncio.gather(
+                *(arm.driver.run_microbatch(i, *b) for i, b in zip(ids, batches, strict=True))
+            )
+            done = ids[-1] + 1
+            banned_now = arm.watcher.active()
+            for o in results:
+                completed += o.completed
+                if any(a in banned_now and a in o.replicas for a in arm.attackers):
+                    attacker_routes_after_ban += 1
+            outcomes.extend(results)
+            if cfg.merge_every and done % cfg.merge_every == 0:
+                merge_stages(arm)
+            if first % cfg.poll_every == 0:
+                await arm.watcher.publish_pending()
+                await arm.watcher.poll(arm.services)
+            arm.account_bans()
+            if (eval_every and done % eval_every == 0) or done >= microbatches:
+                await evaluate(done)
+            if progress is not None:
+                progress(done, arm)
+        await arm.watcher.publish_pending()
+        await arm.watcher.poll(arm.services)
+        arm.account_bans()
+
+    asyncio.run(go())
+    return {
+        "loss": checkpoints[-1].loss,
+        "losses": [(c.microbatches, c.loss) for c in checkpoints],
+        "completed": completed,
+        "attacker_routes_after_ban": attacker_routes_after_ban,
+        "tokens": arm.driver.stats.tokens,
+        "checkpoints": checkpoints,
+        "outcomes": outcomes,
+    }
+
+
+__all__ = [
+    "MODEL",
+    "RUN_ID",
+    "Arm",
+    "Checkpoint",
+    "CountingAttack",
+    "EvenRouter",
+    "HarnessConfig",
+    "MemoryBanRecords",
+    "RecordingTap",
+    "ReplicaChecks",
+    "build_arm",
+    "corpus",
+    "drive",
+    "merge_stages",
+    "pretrained_state",
+]
