@@ -125,64 +125,60 @@ class _NoHash:
         return bytes(length)
 
 
+def _timed(fn: Callable[..., Any], clock: list[float]) -> Callable[..., Any]:
+    """`fn`, adding the time of each call to `clock[0]`."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clock[0] += time.perf_counter() - start
+
+    return run
+
+
 class _TimedHasher:
     """A BLAKE3 hasher that adds the time of each of its calls to a shared clock."""
 
     def __init__(self, hasher: Any, clock: list[float]) -> None:
-        self._hasher, self._clock = hasher, clock
-
-    def update(self, data: Any) -> None:
-        start = time.perf_counter()
-        self._hasher.update(data)
-        self._clock[0] += time.perf_counter() - start
-
-    def digest(self, length: int = 32) -> bytes:
-        start = time.perf_counter()
-        out = self._hasher.digest(length)
-        self._clock[0] += time.perf_counter() - start
-        return out
+        self.update = _timed(hasher.update, clock)
+        self.digest = _timed(hasher.digest, clock)
 
 
 @contextlib.contextmanager
-def crypto_timed(clock: list[float]) -> Iterator[None]:
-    """Add to `clock[0]` the time spent inside every digest, signature and verification call of the envelope path
-    (both ends live in this process): the crypto's time on the path, where it runs, with no credit for overlap."""
+def _crypto_replaced(
+    new_hasher: Callable[..., Any], verify: Callable[..., bool], sign: Callable[..., bytes]
+) -> Iterator[None]:
+    """Replace the hasher factory, the signature check and the signing of the envelope path for the block (sender
+    and receiver both live in this process)."""
     saved = envelope._new_hasher, envelope.verify_signature, NodeIdentity.sign
-    new_hasher, verify, sign = saved
+    envelope._new_hasher, envelope.verify_signature, NodeIdentity.sign = new_hasher, verify, sign  # type: ignore
+    try:
+        yield
+    finally:
+        envelope._new_hasher, envelope.verify_signature, NodeIdentity.sign = saved  # type: ignore[method-assign]
 
-    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                clock[0] += time.perf_counter() - start
 
-        return run
-
-    envelope._new_hasher = lambda num_bytes, parallel=False: _TimedHasher(  # type: ignore[assignment]
-        new_hasher(num_bytes, parallel=parallel), clock
+def crypto_timed(clock: list[float]) -> contextlib.AbstractContextManager[None]:
+    """Add to `clock[0]` the time spent inside every digest, signature and verification call of the envelope path:
+    the crypto's time on the path, where it runs, with no credit for overlap."""
+    new_hasher, verify, sign = envelope._new_hasher, envelope.verify_signature, NodeIdentity.sign
+    return _crypto_replaced(
+        lambda num_bytes, parallel=False: _TimedHasher(new_hasher(num_bytes, parallel=parallel), clock),
+        _timed(verify, clock),
+        _timed(sign, clock),
     )
-    envelope.verify_signature = timed(verify)  # type: ignore[assignment]
-    NodeIdentity.sign = timed(sign)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        envelope._new_hasher, envelope.verify_signature, NodeIdentity.sign = saved  # type: ignore[method-assign]
 
 
-@contextlib.contextmanager
-def crypto_off() -> Iterator[None]:
-    """Switch off every digest, signature and verification of the envelope path (sender and receiver both live in
-    this process), leaving its copies, header encoding, checks and tensor building as they are."""
-    saved = envelope._new_hasher, envelope.verify_signature, NodeIdentity.sign
-    envelope._new_hasher = lambda num_bytes, parallel=False: _NoHash()  # type: ignore[assignment]
-    envelope.verify_signature = lambda peer_id, data, signature: True  # type: ignore[assignment]
-    NodeIdentity.sign = lambda self, data: bytes(64)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        envelope._new_hasher, envelope.verify_signature, NodeIdentity.sign = saved  # type: ignore[method-assign]
+def crypto_off() -> contextlib.AbstractContextManager[None]:
+    """Switch off every digest, signature and verification of the envelope path, leaving its copies, header
+    encoding, checks and tensor building as they are."""
+    return _crypto_replaced(
+        lambda num_bytes, parallel=False: _NoHash(),
+        lambda peer_id, data, signature: True,
+        lambda self, data: bytes(64),
+    )
 
 
 def old_seal(identity: NodeIdentity, context: Context, *, microbatch: int, tensor: torch.Tensor) -> bytes:
@@ -191,12 +187,8 @@ def old_seal(identity: NodeIdentity, context: Context, *, microbatch: int, tenso
     dtype, shape = codec.tensor_spec(tensor)
     header = Header(
         version=PROTOCOL_VERSION,
-        run_id=context.run_id,
-        kind=context.kind,
+        **dataclasses.asdict(context),  # run_id, kind, receiver, stage, direction
         sender=identity.peer_id,
-        receiver=context.receiver,
-        stage=context.stage,
-        direction=context.direction,
         microbatch=microbatch,
         step=1,
         timestamp=time.time(),
@@ -313,17 +305,18 @@ async def _measure_size(
 
     in_path: dict[str, list[float]] = {"signed": [], "old_signed": []}
 
+    def sealed() -> bytearray:
+        return seal(client_id, ctx, microbatch=next(counter), step=1, now=time.time(), tensor=tensor)
+
     async def signed_once() -> None:
         clock = [0.0]
         with crypto_timed(clock):
-            frame = seal(client_id, ctx, microbatch=next(counter), step=1, now=time.time(), tensor=tensor)
-            await call("signed", frame)
+            await call("signed", sealed())
         in_path["signed"].append(clock[0])
 
     async def nocrypto_once() -> None:
         with crypto_off():  # through the route without the streaming digest: none of its bookkeeping either
-            frame = seal(client_id, ctx, microbatch=next(counter), step=1, now=time.time(), tensor=tensor)
-            await call("signed_separate", frame)
+            await call("signed_separate", sealed())
 
     async def old_once() -> None:
         clock = [0.0]
@@ -341,10 +334,7 @@ async def _measure_size(
         await once()
     for clocks in in_path.values():
         clocks.clear()
-    frame, payload = (
-        seal(client_id, ctx, microbatch=0, step=1, now=time.time(), tensor=tensor),
-        codec.tensor_bytes(tensor),
-    )
+    frame, payload = sealed(), codec.tensor_bytes(tensor)  # for the crypto steps timed alone: never sent
     times: dict[str, list[float]] = {name: [] for name in paths}
     crypto_samples = []
     for _ in range(reps):  # in turns, so that every path sees the same background load

@@ -8,6 +8,7 @@ alone. That is what lets a receiver demand "signer == Noise-authenticated remote
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ def peer_id_from_public_key(public_key: bytes) -> str:
     return base58.b58encode(_PEER_ID_PREFIX + public_key).decode()
 
 
+@functools.lru_cache(maxsize=4096)  # bounded: a peer churning ids only evicts; parsing costs ~8 us per frame
 def public_key_from_peer_id(peer_id: str) -> Ed25519PublicKey:
     """Recover the Ed25519 public key embedded in a `12D3KooW...` peer id; RSA (`Qm...`) ids carry none."""
     try:
@@ -51,7 +53,9 @@ def public_key_from_peer_id(peer_id: str) -> Ed25519PublicKey:
     except ValueError as e:
         raise IdentityError(f"peer id {peer_id!r} is not base58") from e
     if len(raw) != len(_PEER_ID_PREFIX) + PUBLIC_KEY_SIZE or not raw.startswith(_PEER_ID_PREFIX):
-        raise IdentityError(f"peer id {peer_id[:16]!r}... does not embed an Ed25519 key (only Ed25519 identities are accepted)")
+        raise IdentityError(
+            f"peer id {peer_id[:16]!r}... does not embed an Ed25519 key (only Ed25519 identities are accepted)"
+        )
     return Ed25519PublicKey.from_public_bytes(raw[len(_PEER_ID_PREFIX) :])
 
 

@@ -3,6 +3,11 @@
 Every process gets its own temp state dir, listens on port 0, and is killed (with the DHT process and p2pd it
 forked, which live in their own process group) by `Procs.close()`; use the `procs` context manager or call
 `close()` in a finally. Waits poll HTTP APIs or output lines against deadlines; nothing sleeps blindly.
+
+What the swarms of several tests share is built here, so that each test says only what differs: `RunSpec` (a
+test run's run.toml: a tiny model and quick syncs; `PIPELINE_RUN` for stage/verifier swarms),
+`write_node_toml` (a node's `--config`), `Procs.join_node` (a node joined to a bootstrap with the usual flags),
+`proxied_addrs` (a `WanProxy` in front of each node), `read_events` and `environment`.
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from node.proctree import descendants
+from node.proctree import descendants, is_alive, reap
+from protocol.identity import NodeIdentity
+from protocol.manifest import parse_run_toml
+from tests.harness.wan_proxy import LinkProfile, ProxyThread
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -149,6 +157,10 @@ class Node(Proc):
     def status(self) -> dict[str, Any]:
         return get_json(self.status_url)
 
+    def try_status(self) -> dict[str, Any]:
+        """The status, or {} while the API does not answer (starting, stopped, or slow on a busy box)."""
+        return get_status(self.status_url) or {}
+
 
 @dataclass
 class Bootstrap(Proc):
@@ -217,6 +229,30 @@ class Procs:
             self.wait_node(proc)
         return proc
 
+    def join_node(
+        self,
+        bootstrap: Bootstrap,
+        role: str,
+        *args: str,
+        stage: int | None = None,
+        config: Path | None = None,
+        identity: Path | None = None,
+        max_steps: int | None = None,
+        state: str | None = None,
+        wait: bool = True,
+    ) -> Node:
+        """`python -m node --join <bootstrap> --role <role>` and the usual flags; `args` go last, as given."""
+        flags = ["--join", bootstrap.maddr, "--role", role]
+        if stage is not None:
+            flags += ["--stage", str(stage)]
+        if config is not None:
+            flags += ["--config", str(config)]
+        if max_steps is not None:
+            flags += ["--max-steps", str(max_steps)]
+        if identity is not None:
+            flags += ["--identity", str(identity)]
+        return self.start_node(*flags, *args, state=state, wait=wait)
+
     def wait_node(self, proc: Node, timeout_s: float = START_TIMEOUT_S) -> Node:
         proc.status_url = proc.wait_line(r"^status: (http://\S+)$", timeout_s).group(1)
         proc.remember_children()
@@ -244,15 +280,6 @@ class Procs:
 _MARKERS = (b"p2pd", b"-m\x00node", b"-m\x00bootstrap", b"hivemind", b"torch_shm_manager")
 
 
-def is_alive(pid: int) -> bool:
-    """Running (a zombie has exited; it only waits to be reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
-
-
 def _kill_if_ours(pid: int, main_pid: int | None = None) -> None:
     """SIGKILL `pid` if it is still one of the processes we started (pids can be reused)."""
     try:
@@ -262,13 +289,7 @@ def _kill_if_ours(pid: int, main_pid: int | None = None) -> None:
     if pid == main_pid or any(marker in cmdline for marker in _MARKERS):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    _reap(pid)
-
-
-def _reap(pid: int) -> None:
-    # orphans are re-parented to the test process when it is a subreaper (tests/integration/conftest.py)
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
+    reap([pid])  # orphans are re-parented to the test process, a subreaper (tests/integration/conftest.py)
 
 
 def settle(pids: set[int], timeout_s: float = 5.0) -> None:
@@ -279,7 +300,7 @@ def settle(pids: set[int], timeout_s: float = 5.0) -> None:
     for pid in pids:
         if is_alive(pid):
             _kill_if_ours(pid)
-        _reap(pid)
+        reap([pid])
 
 
 @contextlib.contextmanager
@@ -346,3 +367,181 @@ def get_status(url: str) -> dict[str, Any] | None:
         return get_json(url)
     except (urllib.error.URLError, OSError, ValueError):
         return None
+
+
+# ---------------------------------------------------------------------------------------------------- run and node files
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # a float keeps its point (1.0), so TOML reads it back as a float
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML for {value!r}")
+
+
+def toml_text(top: Mapping[str, Any], tables: Mapping[str, Mapping[str, Any]]) -> str:
+    """TOML with top-level keys, then one `[table]` each: all that run.toml and node configs use."""
+    lines = [f"{key} = {_toml_value(value)}" for key, value in top.items()]
+    for table, values in tables.items():
+        lines.append(f"[{table}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A test run's run.toml: a tiny model (2 layers x 32, context 32) and quick decoupled-DiLoCo syncs, so a
+    swarm of several processes fits on two busy cores. Tests change what they need with `dataclasses.replace`."""
+
+    name: str
+    seed: int = 0
+    num_stages: int = 1
+    heartbeat_period_s: float = 1.0
+    authorized_syncers: tuple[str, ...] = ()  # peer ids
+    authorized_verifiers: tuple[str, ...] = ()
+    vocab_size: int = 256
+    context_len: int = 32
+    num_layers: int = 2
+    width: int = 32
+    num_heads: int = 2
+    lr: float = 0.003  # [inner]
+    batch_size: int = 4
+    weight_decay: float = 0.01
+    max_batch: int = 64  # [wire], the manifest's default
+    num_fragments: int = 2  # [diloco]
+    sync_every_steps: int = 8
+    overlap_steps: int = 1
+    min_sync_interval_s: float = 0.0
+    mode: str = "decoupled"
+
+    @property
+    def model(self) -> dict[str, int]:
+        keys = ("vocab_size", "context_len", "num_layers", "width", "num_heads")
+        return {key: getattr(self, key) for key in keys}
+
+    def toml(self) -> str:
+        top = {
+            "name": self.name,
+            "seed": self.seed,
+            "num_stages": self.num_stages,
+            "heartbeat_period_s": self.heartbeat_period_s,
+            "authorized_syncers": self.authorized_syncers,
+            "authorized_verifiers": self.authorized_verifiers,
+        }
+        tables = {
+            "model": self.model,
+            "inner": {"lr": self.lr, "batch_size": self.batch_size, "weight_decay": self.weight_decay},
+            "wire": {"max_batch": self.max_batch},
+            "diloco": {
+                "num_fragments": self.num_fragments,
+                "sync_every_steps": self.sync_every_steps,
+                "overlap_steps": self.overlap_steps,
+                "min_sync_interval_s": self.min_sync_interval_s,
+                "mode": self.mode,
+            },
+        }
+        return toml_text(top, tables)
+
+    def write_run_toml(self, path: Path) -> Path:
+        text = self.toml()
+        parse_run_toml(text)  # fail here, readably, not in a bootstrap's stderr
+        path.write_text(text)
+        return path
+
+    def write_authorizing(
+        self, root: Path, *, syncers: Sequence[str] = (), verifiers: Sequence[str] = ()
+    ) -> Path:
+        """`root/run.toml` authorizing the nodes of those state names: each one's key is created where
+        `Procs(root).start_node(..., state=name)` finds it (`<root>/<name>/identity.key`)."""
+
+        def peer_ids(names: Sequence[str]) -> tuple[str, ...]:
+            return tuple(NodeIdentity.load_or_create(root / name / "identity.key").peer_id for name in names)
+
+        run = replace(self, authorized_syncers=peer_ids(syncers), authorized_verifiers=peer_ids(verifiers))
+        return run.write_run_toml(root / "run.toml")
+
+
+# Stage replicas and a verifier: layers 64 wide, microbatches of up to 8, a stage's syncs every 20 steps and at
+# most every 2 s; fragments and overlap at the manifest's defaults.
+PIPELINE_RUN = RunSpec(
+    name="pipeline-test",
+    num_stages=2,
+    width=64,
+    batch_size=8,
+    max_batch=8,
+    num_fragments=4,
+    sync_every_steps=20,
+    overlap_steps=2,
+    min_sync_interval_s=2.0,
+)
+# What most test nodes' configs share: learners skip held-out evals and keep to one thread (many processes on 2
+# cores); syncers skip evals and checkpoints and recover within a second; after a cut, nodes re-dial within seconds.
+QUIET_LEARNER: dict[str, Any] = {"eval_every_steps": 0, "torch_threads": 1}
+QUIET_SYNCER: dict[str, Any] = {"recovery_s": 1.0, "eval_every_merges": 0, "checkpoint_every_merges": 1000}
+QUICK_REDIAL: dict[str, Any] = {"peer_check_period_s": 1.0, "redial_min_s": 0.5, "redial_max_s": 4.0}
+
+
+def write_node_toml(path: Path, **tables: Mapping[str, Any]) -> Path:
+    """A node's `--config` file, one `[table]` per keyword: `write_node_toml(p, learner={"min_step_s": 0.1})`."""
+    path.write_text(toml_text({}, tables))
+    return path
+
+
+def proxied_addrs(names: Sequence[str]) -> tuple[dict[str, ProxyThread], dict[str, list[str]]]:
+    """A started `WanProxy` (clean link) in front of each named node, and the node's `--listen` (its own port)
+    and `--announce` (the proxy's port) args: every connection to the node crosses its proxy."""
+    ports = {name: free_port() for name in names}
+    proxies = {
+        name: ProxyThread(target_host="127.0.0.1", target_port=port, profile=LinkProfile(seed=i))
+        for i, (name, port) in enumerate(ports.items())
+    }
+    try:
+        for proxy in proxies.values():
+            proxy.start()
+    except BaseException:
+        for proxy in proxies.values():
+            proxy.stop()
+        raise
+    addrs = {
+        name: [
+            "--listen",
+            f"/ip4/127.0.0.1/tcp/{ports[name]}",
+            "--announce",
+            f"/ip4/127.0.0.1/tcp/{proxies[name].port}",
+        ]
+        for name in names
+    }
+    return proxies, addrs
+
+
+def read_events(state_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """A node's event log (`<state_dir>/events.jsonl`), those of `kind` only if given; a line still being
+    written is skipped."""
+    path = state_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            events.append(json.loads(line))
+    return [e for e in events if kind is None or e.get("event") == kind]
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """Set environment variables (seen by every process started meanwhile) and restore them after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

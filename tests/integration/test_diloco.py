@@ -12,10 +12,11 @@ swarm fits on two busy cores.
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,78 +28,29 @@ from protocol.envelope import Context, Kind, max_frame_bytes, seal
 from protocol.errors import RemoteRefused
 from protocol.identity import NodeIdentity
 from protocol.manifest import parse_run_toml
-from tests.integration.procs import Bootstrap, Node, Procs, get_status, procs, wait_until
+from tests.integration.procs import (
+    QUIET_LEARNER,
+    Bootstrap,
+    Node,
+    Procs,
+    RunSpec,
+    procs,
+    read_events,
+    wait_until,
+    write_node_toml,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-RUN_TOML = """
-name = "diloco-test"
-seed = 3
-num_stages = 1
-heartbeat_period_s = 1.0
-authorized_syncers = [{syncers}]
-[model]
-vocab_size = 256
-context_len = 32
-num_layers = 2
-width = 32
-num_heads = 2
-[inner]
-lr = 0.003
-batch_size = 4
-weight_decay = 0.01
-[diloco]
-num_fragments = 2
-sync_every_steps = 8
-overlap_steps = 1
-min_sync_interval_s = 0.0
-mode = "{mode}"
-"""
-NODE_TOML = """
-[learner]
-min_step_s = 0.1
-eval_every_steps = 0
-torch_threads = 1
-join_timeout_s = 20.0
-[syncer]
-recovery_s = {recovery_s}
-eval_every_merges = 8
-eval_batches = 2
-checkpoint_every_merges = 4
-{syncer_extra}
-"""
-MAX_STEPS = "100000"
+RUN = RunSpec(name="diloco-test", seed=3)
+LEARNER = {**QUIET_LEARNER, "min_step_s": 0.1, "join_timeout_s": 20.0}
+SYNCER = {"recovery_s": 1.0, "eval_every_merges": 8, "eval_batches": 2, "checkpoint_every_merges": 4}
+MAX_STEPS = 100_000
 GRACE_SLACK_S = 0.5  # event-loop and scheduling delay on a loaded 2-core box
 
 
-def write_run(root: Path, syncers: list[str], mode: str = "decoupled") -> Path:
-    text = RUN_TOML.format(syncers=", ".join(f'"{s}"' for s in syncers), mode=mode)
-    parse_run_toml(text)  # fail here, readably, if the template is wrong
-    path = root / "run.toml"
-    path.write_text(text)
-    return path
-
-
-def write_node_toml(root: Path, syncer_extra: str = "", recovery_s: float = 1.0) -> Path:
-    path = root / "node.toml"
-    path.write_text(NODE_TOML.format(syncer_extra=syncer_extra, recovery_s=recovery_s))
-    return path
-
-
-def events(root: Path, state: str, kind: str | None = None) -> list[dict[str, Any]]:
-    path = root / state / "events.jsonl"
-    if not path.exists():
-        return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [e for e in lines if kind is None or e["event"] == kind]
-
-
-def status(node: Node) -> dict[str, Any]:
-    return get_status(node.status_url) or {}
-
-
 def learner_versions(node: Node) -> dict[str, int] | None:
-    return status(node).get("versions")
+    return node.try_status().get("versions")
 
 
 class Swarm:
@@ -106,8 +58,8 @@ class Swarm:
         self.root, self.group = root, group
         self.syncer_key = root / "syncer.key"
         self.syncer_id = NodeIdentity.load_or_create(self.syncer_key).peer_id
-        self.run_path = write_run(root, [self.syncer_id])
-        self.node_toml = write_node_toml(root)
+        self.run_path = replace(RUN, authorized_syncers=(self.syncer_id,)).write_run_toml(root / "run.toml")
+        self.node_toml = write_node_toml(root / "node.toml", learner=LEARNER, syncer=SYNCER)
         self.bootstrap: Bootstrap = group.start_bootstrap("--run", str(self.run_path))
         self.syncer = self.start_node("syncer", state="syncer", identity=self.syncer_key)
         self.learners = [self.start_node("learner", state=f"learner{i}", wait=False) for i in range(3)]
@@ -115,11 +67,17 @@ class Swarm:
             group.wait_node(learner)
 
     def start_node(self, role: str, *, state: str, identity: Path | None = None, wait: bool = True) -> Node:
-        args = ["--join", self.bootstrap.maddr, "--role", role, "--config", str(self.node_toml)]
-        args += ["--max-steps", MAX_STEPS, "--log-level", "INFO"]
-        if identity is not None:
-            args += ["--identity", str(identity)]
-        return self.group.start_node(*args, state=state, wait=wait)
+        return self.group.join_node(
+            self.bootstrap,
+            role,
+            "--log-level",
+            "INFO",
+            config=self.node_toml,
+            max_steps=MAX_STEPS,
+            identity=identity,
+            state=state,
+            wait=wait,
+        )
 
 
 @pytest.fixture(scope="class")
@@ -130,7 +88,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
 
 
 def merges_after(root: Path, state: str, t: float) -> list[dict[str, Any]]:
-    return [e for e in events(root, state, "merge") if e["t"] > t]
+    return [e for e in read_events(root / state, "merge") if e["t"] > t]
 
 
 def sent_after(merge: dict[str, Any], peer: str, t: float) -> bool:
@@ -142,7 +100,7 @@ def sent_after(merge: dict[str, Any], peer: str, t: float) -> bool:
 class TestSwarm:
     def test_training_reduces_held_out_loss(self, swarm: Swarm) -> None:
         def evals() -> list[dict[str, Any]] | None:
-            found = events(swarm.root, "syncer", "eval")
+            found = read_events(swarm.root / "syncer", "eval")
             return found if len(found) >= 4 else None
 
         found = wait_until(evals, 150, what="four evaluations of the global model", interval_s=0.5)
@@ -155,14 +113,14 @@ class TestSwarm:
         assert latest < min(4.5, initial - 0.3)
         wait_until(
             lambda: (
-                {p for m in events(swarm.root, "syncer", "merge") for p in m["participants"]}
-                == {status(n)["peer_id"] for n in swarm.learners}
+                {p for m in read_events(swarm.root / "syncer", "merge") for p in m["participants"]}
+                == {n.try_status()["peer_id"] for n in swarm.learners}
             ),
             30,
             what="every learner in some merge",
         )
         for learner in swarm.learners:
-            st = status(learner)
+            st = learner.try_status()
             assert st["state"] == "training" and st["joined_from_syncer"] is True
             assert st["sync"]["acked"] > 0 and st["sync"]["applied"] > 0
 
@@ -174,7 +132,7 @@ class TestSwarm:
         from protocol.rpc import call_framed
 
         plan = run_fragment_plan(parse_run_toml(swarm.run_path.read_text()))
-        run_id = status(swarm.syncer)["run_id"]
+        run_id = swarm.syncer.try_status()["run_id"]
         attacker = NodeIdentity.load_or_create(swarm.root / "attacker.key")
         cap = max_frame_bytes(fragment_limits(plan))
 
@@ -194,30 +152,17 @@ class TestSwarm:
                 "sched_step": 1,
                 "step_time_s": 0.1,
             }
-            wrong_names = seal(
-                attacker,
-                context,
-                microbatch=0,
-                step=0,
-                now=time.time(),
-                tensors={"evil": torch.zeros(4)},
-                meta=meta,
-            )
-            names = plan.fragments[0].names
-            wrong_shapes = seal(
-                attacker,
-                context,
-                microbatch=0,
-                step=0,
-                now=time.time(),
-                tensors={n: torch.zeros(3) for n in names},
-                meta=meta,
-            )
+
+            def forged(tensors: dict[str, torch.Tensor]) -> bytes:
+                return seal(
+                    attacker, context, microbatch=0, step=0, now=time.time(), tensors=tensors, meta=meta
+                )
+
             frames = {
                 "oversized": b"\0" * (cap + 1),
                 "garbage": b"\x00\x00\x00\x05hello" + b"\0" * 100,
-                "wrong names": wrong_names,
-                "wrong shapes": wrong_shapes,
+                "wrong names": forged({"evil": torch.zeros(4)}),
+                "wrong shapes": forged({n: torch.zeros(3) for n in plan.fragments[0].names}),
             }
             reasons = {}
             try:
@@ -233,23 +178,25 @@ class TestSwarm:
                 await p2p.shutdown()
             return reasons
 
-        merges_before = status(swarm.syncer)["merges"]
+        merges_before = swarm.syncer.try_status()["merges"]
         reasons = loop_thread.run(attack(), timeout_s=90)
         print(f"\nrefusals: {reasons}")
         assert reasons["oversized"] == "too large"
         assert reasons["garbage"] == "malformed"
         assert reasons["wrong names"] == reasons["wrong shapes"] == "malformed contribution"
         strikes = wait_until(
-            lambda: status(swarm.syncer)["strikes"].get(attacker.peer_id), 10, what="strikes recorded"
+            lambda: swarm.syncer.try_status()["strikes"].get(attacker.peer_id), 10, what="strikes recorded"
         )
         assert sum(strikes.values()) == 4
-        wait_until(lambda: status(swarm.syncer)["merges"] > merges_before + 3, 30, what="merging goes on")
+        wait_until(
+            lambda: swarm.syncer.try_status()["merges"] > merges_before + 3, 30, what="merging goes on"
+        )
         assert swarm.syncer.popen.poll() is None and "Traceback" not in swarm.syncer.stderr()
 
     def test_a_straggler_does_not_hold_any_round_past_its_grace_window(self, swarm: Swarm) -> None:
         straggler = swarm.learners[1]
-        straggler_id = status(straggler)["peer_id"]
-        versions_before = status(swarm.syncer)["versions"]
+        straggler_id = straggler.try_status()["peer_id"]
+        versions_before = swarm.syncer.try_status()["versions"]
         stopped_at = time.time()
         straggler.signal(signal.SIGSTOP)
         try:
@@ -263,9 +210,9 @@ class TestSwarm:
         resumed_at = time.time()
         during = [m for m in merges_after(swarm.root, "syncer", stopped_at + 0.5) if m["t"] < resumed_at]
         assert during and not any(sent_after(m, straggler_id, stopped_at + 0.5) for m in during)
-        versions_after = status(swarm.syncer)["versions"]
+        versions_after = swarm.syncer.try_status()["versions"]
         assert sum(versions_after) > sum(versions_before)
-        for merge in events(swarm.root, "syncer", "merge"):
+        for merge in read_events(swarm.root / "syncer", "merge"):
             assert merge["grace_waited_s"] <= merge["grace_s"] + GRACE_SLACK_S, merge
             assert merge["grace_s"] <= merge["xi_step_s"] + 1e-6  # capped at one (EMA) step time
         print(
@@ -282,8 +229,8 @@ class TestSwarm:
 
     def test_a_killed_learner_does_not_stall_rounds_and_survivors_agree(self, swarm: Swarm) -> None:
         victim, survivors = swarm.learners[0], swarm.learners[1:]
-        victim_id = status(victim)["peer_id"]
-        tokens_before = status(swarm.syncer)["tokens_merged"]
+        victim_id = victim.try_status()["peer_id"]
+        tokens_before = swarm.syncer.try_status()["tokens_merged"]
         killed_at = time.time()
         victim.signal(signal.SIGKILL)
         wait_until(
@@ -298,7 +245,7 @@ class TestSwarm:
 
         def agree() -> bool:
             a, b = learner_versions(survivors[0]), learner_versions(survivors[1])
-            history.append(status(swarm.syncer)["versions"])
+            history.append(swarm.syncer.try_status()["versions"])
             return a is not None and a == b
 
         wait_until(agree, 30, what="the survivors hold the same version of every fragment", interval_s=0.05)
@@ -307,24 +254,26 @@ class TestSwarm:
             for prev, cur in zip(history, history[1:], strict=False)
             for x, y in zip(prev, cur, strict=True)
         )
-        assert status(swarm.syncer)["tokens_merged"] > tokens_before
+        assert swarm.syncer.try_status()["tokens_merged"] > tokens_before
         swarm.learners.remove(victim)
 
     def test_a_late_joiner_starts_from_the_current_global_version(self, swarm: Swarm) -> None:
-        before = status(swarm.syncer)["versions"]
+        before = swarm.syncer.try_status()["versions"]
         assert sum(before) > 0
         late = swarm.start_node("learner", state="late")
         joined = wait_until(
-            lambda: events(swarm.root, "late", "learner_joined"), 40, what="the late joiner loaded"
+            lambda: read_events(swarm.root / "late", "learner_joined"), 40, what="the late joiner loaded"
         )
         loaded = joined[0]["versions"]
         print(f"\nsyncer versions before the join {before}, the late joiner loaded {loaded}")
         assert joined[0]["from_syncer"] is True
         assert all(loaded[str(f)] >= v for f, v in enumerate(before))
         wait_until(
-            lambda: status(late).get("sync", {}).get("acked", 0) > 0, 30, what="the late joiner contributes"
+            lambda: late.try_status().get("sync", {}).get("acked", 0) > 0,
+            30,
+            what="the late joiner contributes",
         )
-        assert status(late)["joined_from_syncer"] is True
+        assert late.try_status()["joined_from_syncer"] is True
         late.signal(signal.SIGTERM)
         assert late.wait_exit(timeout_s=15) == 0
 
@@ -332,33 +281,34 @@ class TestSwarm:
 def test_syncer_failover(tmp_path: Path) -> None:
     keys = [tmp_path / "syncer-a.key", tmp_path / "syncer-b.key"]
     ids = [NodeIdentity.load_or_create(k).peer_id for k in keys]
-    run_path = write_run(tmp_path, ids)
+    run_path = replace(RUN, authorized_syncers=tuple(ids)).write_run_toml(tmp_path / "run.toml")
     shared = tmp_path / "checkpoints"
     # learners retry a lost syncer with up to 3 s of backoff: the recovery window must let them offer
-    node_toml = write_node_toml(tmp_path, f'checkpoint_dir = "{shared}"', recovery_s=5.0)
+    syncer = {**SYNCER, "recovery_s": 5.0, "checkpoint_dir": str(shared)}
+    node_toml = write_node_toml(tmp_path / "node.toml", learner=LEARNER, syncer=syncer)
     with procs(tmp_path) as group:
         bootstrap = group.start_bootstrap("--run", str(run_path))
-        common = ["--join", bootstrap.maddr, "--config", str(node_toml), "--max-steps", MAX_STEPS]
-        primary = group.start_node(*common, "--role", "syncer", "--identity", str(keys[0]), state="syncer-a")
-        wait_until(lambda: status(primary).get("state") == "syncing", 30, what="primary active")
-        standby = group.start_node(*common, "--role", "syncer", "--identity", str(keys[1]), state="syncer-b")
-        learners = [
-            group.start_node(*common, "--role", "learner", state=f"l{i}", wait=False) for i in range(2)
-        ]
+        join = partial(group.join_node, bootstrap, config=node_toml, max_steps=MAX_STEPS)
+        primary = join("syncer", identity=keys[0], state="syncer-a")
+        wait_until(lambda: primary.try_status().get("state") == "syncing", 30, what="primary active")
+        standby = join("syncer", identity=keys[1], state="syncer-b")
+        learners = [join("learner", state=f"l{i}", wait=False) for i in range(2)]
         for learner in learners:
             group.wait_node(learner)
-        assert status(standby)["state"] == "standby"
-        wait_until(lambda: status(primary)["merges"] >= 12, 90, what="merges on the primary")
-        wait_until(lambda: status(standby).get("mirror_versions"), 20, what="the standby mirrors the primary")
+        assert standby.try_status()["state"] == "standby"
+        wait_until(lambda: primary.try_status()["merges"] >= 12, 90, what="merges on the primary")
+        wait_until(
+            lambda: standby.try_status().get("mirror_versions"), 20, what="the standby mirrors the primary"
+        )
         held_before = [learner_versions(learner) for learner in learners]
         killed_at = time.time()
         primary.signal(signal.SIGKILL)
         took_over = wait_until(
-            lambda: (st := status(standby)).get("state") == "syncing" and not st["recovering"] and st,
+            lambda: (st := standby.try_status()).get("state") == "syncing" and not st["recovering"] and st,
             40,
             what="the standby takes over",
         )
-        takeover = events(tmp_path, "syncer-b", "syncer_takeover")
+        takeover = read_events(tmp_path / "syncer-b", "syncer_takeover")
         print(
             f"\ntakeover {takeover[-1]['t'] - killed_at:.1f} s after the kill, from {took_over['takeover_source']}, "
             f"term {took_over['term']}, versions {took_over['versions']}"
@@ -372,12 +322,12 @@ def test_syncer_failover(tmp_path: Path) -> None:
                 took_over["versions"],
             )
         resumed = wait_until(
-            lambda: [m for m in events(tmp_path, "syncer-b", "merge") if m["term"] == 2][3:] or None,
+            lambda: [m for m in read_events(tmp_path / "syncer-b", "merge") if m["term"] == 2][3:] or None,
             60,
             what="merges under the new term",
         )
         assert {p for m in resumed for p in m["participants"]} <= {
-            status(learner)["peer_id"] for learner in learners
+            learner.try_status()["peer_id"] for learner in learners
         }
         for learner, held in zip(learners, held_before, strict=True):
             now_held = wait_until(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from node.proctree import cmdline, is_alive
 from tests.integration.procs import Bootstrap, Node, Procs, free_port, get_text, procs, wait_until
 
 logger = logging.getLogger(__name__)
@@ -21,30 +22,12 @@ OBSERVE_SLACK_S = 1.0  # the bootstrap answers /api/swarm from a snapshot up to 
 
 
 def alive(pids: set[int]) -> set[int]:
-    """Those of `pids` still running (a zombie has exited; it only waits for init to reap it)."""
-    out = set()
-    for pid in pids:
-        try:
-            state = next(
-                line
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                if line.startswith("State")
-            )
-        except (OSError, StopIteration):
-            continue
-        if "zombie" not in state:
-            out.add(pid)
-    return out
+    """Those of `pids` still running (a zombie has exited; it only waits to be reaped)."""
+    return {pid for pid in pids if is_alive(pid)}
 
 
 def describe(pids: set[int]) -> str:
-    names = []
-    for pid in sorted(pids):
-        try:
-            names.append(f"{pid}:{Path(f'/proc/{pid}/cmdline').read_bytes()[:40]!r}")
-        except OSError:
-            names.append(f"{pid}:gone")
-    return ", ".join(names)
+    return ", ".join(f"{pid}:{cmdline(pid, 40)}" for pid in sorted(pids))
 
 
 def roles_of(bootstrap: Bootstrap) -> dict[str, dict]:

@@ -19,64 +19,40 @@ over during the cut while the holder still merges on its side: two lineages.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from protocol.identity import NodeIdentity
-from protocol.manifest import parse_run_toml
-from tests.harness.wan_proxy import LinkProfile, ProxyThread
-from tests.integration.procs import Bootstrap, Node, Procs, free_port, get_status, procs, wait_until
+from tests.harness.wan_proxy import ProxyThread
+from tests.integration.procs import (
+    QUICK_REDIAL,
+    QUIET_LEARNER,
+    QUIET_SYNCER,
+    Bootstrap,
+    Node,
+    Procs,
+    RunSpec,
+    procs,
+    proxied_addrs,
+    read_events,
+    wait_until,
+    write_node_toml,
+)
 
 logger = logging.getLogger(__name__)
 pytestmark = [pytest.mark.integration]
 
-RUN_TOML = """
-name = "partition-test"
-seed = 11
-num_stages = 1
-heartbeat_period_s = 1.0
-authorized_syncers = ["{syncer}", "{standby}"]
-[model]
-vocab_size = 256
-context_len = 32
-num_layers = 2
-width = 32
-num_heads = 2
-[inner]
-lr = 0.003
-batch_size = 4
-weight_decay = 0.01
-[diloco]
-num_fragments = 2
-sync_every_steps = 8
-overlap_steps = 1
-min_sync_interval_s = 0.0
-mode = "decoupled"
-"""
-NODE_TOML = """
-[network]
-peer_check_period_s = 1.0
-redial_min_s = 0.5
-redial_max_s = 4.0
-request_timeout_s = 5.0
-[learner]
-min_step_s = 0.2
-eval_every_steps = 0
-torch_threads = 1
-join_timeout_s = 60.0
-[syncer]
-recovery_s = 1.0
-eval_every_merges = 0
-checkpoint_every_merges = 1000
-takeover_quorum = {quorum}
-"""
+RUN = RunSpec(name="partition-test", seed=11)
+NODE_TABLES: dict[str, dict[str, Any]] = {
+    "network": {**QUICK_REDIAL, "request_timeout_s": 5.0},
+    "learner": {**QUIET_LEARNER, "min_step_s": 0.2, "join_timeout_s": 60.0},
+}
 SIDE_A = ("bootstrap", "syncer", "learner0", "learner1")
 SIDE_B = ("standby", "learner2", "learner3")
 LEARNERS = ("learner0", "learner1", "learner2", "learner3")
@@ -84,35 +60,22 @@ START_S = 150.0  # seven cold starts (torch, hivemind) at once on a loaded 2-cor
 MIN_STEP_RATIO = 0.5  # cut-off learners keep at least this share of their pre-cut step rate
 
 
-def _events(root: Path, state: str, kind: str) -> list[dict[str, Any]]:
-    path = root / state / "events.jsonl"
-    if not path.exists():
-        return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [e for e in lines if e["event"] == kind]
-
-
-def _status(node: Node) -> dict[str, Any]:
-    return get_status(node.status_url) or {}
-
-
 @dataclass
 class PartitionSwarm:
     root: Path
     group: Procs
-    ports: dict[str, int]
     proxies: dict[str, ProxyThread]
     bootstrap: Bootstrap
     nodes: dict[str, Node]
 
     def steps(self, names: tuple[str, ...]) -> list[int]:
-        return [int(_status(self.nodes[n]).get("inner_step") or 0) for n in names]
+        return [int(self.nodes[n].try_status().get("inner_step") or 0) for n in names]
 
     def peer_id(self, name: str) -> str:
-        return wait_until(lambda: _status(self.nodes[name]).get("peer_id"), 30, what=f"{name}'s peer id")
+        return wait_until(lambda: self.nodes[name].try_status().get("peer_id"), 30, what=f"{name}'s peer id")
 
     def merges(self, state: str, since: float = 0.0) -> list[dict[str, Any]]:
-        return [m for m in _events(self.root, state, "merge") if m["t"] > since]
+        return [m for m in read_events(self.root / state, "merge") if m["t"] > since]
 
     def pids(self, names: tuple[str, ...]) -> set[int]:
         """Every process of those nodes (each node, its DHT process and its p2pd, which dials)."""
@@ -129,46 +92,31 @@ class PartitionSwarm:
 
 
 def _start_swarm(root: Path, group: Procs, *, standby_quorum: bool) -> PartitionSwarm:
-    names = (*SIDE_A, *SIDE_B)
-    ports = {name: free_port() for name in names}
-    proxies = {
-        name: ProxyThread(target_host="127.0.0.1", target_port=port, profile=LinkProfile(seed=i))
-        for i, (name, port) in enumerate(ports.items())
+    proxies, addrs = proxied_addrs((*SIDE_A, *SIDE_B))
+    run = RUN.write_authorizing(root, syncers=["syncer", "standby"])
+    configs = {
+        name: write_node_toml(
+            root / f"{name}.toml", **NODE_TABLES, syncer={**QUIET_SYNCER, "takeover_quorum": quorum}
+        )
+        for name, quorum in (("node", True), ("standby", standby_quorum))
     }
-    for proxy in proxies.values():
-        proxy.start()
-    keys = {name: root / f"{name}.key" for name in ("syncer", "standby")}
-    ids = {name: NodeIdentity.load_or_create(path).peer_id for name, path in keys.items()}
-    run = RUN_TOML.format(syncer=ids["syncer"], standby=ids["standby"])
-    parse_run_toml(run)
-    (root / "run.toml").write_text(run)
-    (root / "node.toml").write_text(NODE_TOML.format(quorum="true"))
-    (root / "standby.toml").write_text(NODE_TOML.format(quorum="true" if standby_quorum else "false"))
-    addrs = {
-        n: [
-            "--listen",
-            f"/ip4/127.0.0.1/tcp/{ports[n]}",
-            "--announce",
-            f"/ip4/127.0.0.1/tcp/{proxies[n].port}",
-        ]
-        for n in names
-    }
-    bootstrap = group.start_bootstrap("--run", str(root / "run.toml"), *addrs["bootstrap"])
+    bootstrap = group.start_bootstrap("--run", str(run), *addrs["bootstrap"])
 
-    def node(name: str, role: str, *extra: str) -> Node:
-        config = root / ("standby.toml" if name == "standby" else "node.toml")
-        args = ["--join", bootstrap.maddr, "--role", role, "--config", str(config), "--max-steps", "100000"]
-        return group.start_node(*args, *addrs[name], *extra, state=name, wait=False)
+    join = partial(group.join_node, bootstrap, max_steps=100_000, wait=False)
 
-    nodes = {"syncer": node("syncer", "syncer", "--identity", str(keys["syncer"]))}
+    def node(name: str, role: str) -> Node:
+        config = configs["standby" if name == "standby" else "node"]
+        return join(role, *addrs[name], config=config, state=name)
+
+    nodes = {"syncer": node("syncer", "syncer")}
     group.wait_node(nodes["syncer"], timeout_s=START_S)
-    wait_until(lambda: _status(nodes["syncer"]).get("state") == "syncing", 60, what="the syncer active")
-    nodes["standby"] = node("standby", "syncer", "--identity", str(keys["standby"]))
+    wait_until(lambda: nodes["syncer"].try_status().get("state") == "syncing", 60, what="the syncer active")
+    nodes["standby"] = node("standby", "syncer")
     for name in LEARNERS:
         nodes[name] = node(name, "learner")
     for name in ("standby", *LEARNERS):
         group.wait_node(nodes[name], timeout_s=START_S)
-    return PartitionSwarm(root, group, ports, proxies, bootstrap, nodes)
+    return PartitionSwarm(root, group, proxies, bootstrap, nodes)
 
 
 @pytest.fixture
@@ -217,9 +165,9 @@ def _run_cut(swarm: PartitionSwarm, cut_s: float) -> CutResult:
         interval_s=0.5,
     )
     wait_until(
-        lambda: _status(swarm.nodes["standby"]).get("mirror_versions"), 60, what="the standby mirroring"
+        lambda: swarm.nodes["standby"].try_status().get("mirror_versions"), 60, what="the standby mirroring"
     )
-    assert _status(swarm.nodes["standby"])["state"] == "standby"
+    assert swarm.nodes["standby"].try_status()["state"] == "standby"
     rate_before = _rate(swarm, side_b_learners, 5.0)
 
     swarm.cut(True)
@@ -229,7 +177,7 @@ def _run_cut(swarm: PartitionSwarm, cut_s: float) -> CutResult:
     before = swarm.steps(side_b_learners)
     started = time.monotonic()
     while time.monotonic() - started < cut_s:
-        standby = _status(swarm.nodes["standby"])
+        standby = swarm.nodes["standby"].try_status()
         if standby:  # (a status read that timed out on a busy box says nothing)
             states.add(str(standby.get("state")))
         views.append(
@@ -257,7 +205,7 @@ def _check_one_lineage_after_heal(swarm: PartitionSwarm, cut_s: float) -> None:
 
     # The cut was real: every proxy cut something, the standby saw the lease lapse and said why it stayed put.
     assert all(count >= 1 for count in r.drops.values()), r.drops
-    refused = [e for e in _events(swarm.root, "standby", "takeover_refused") if e["t"] >= r.cut_t]
+    refused = [e for e in read_events(swarm.root / "standby", "takeover_refused") if e["t"] >= r.cut_t]
     assert refused, "the standby never saw the lease lapse: the cut did not hide the lease holder"
     assert refused[0]["members"] == 4 and refused[0]["live"] <= 2, refused[0]
     # The standby stayed a standby; side A went on merging; side B's contributions were not merged during the cut.
@@ -283,9 +231,9 @@ def _check_one_lineage_after_heal(swarm: PartitionSwarm, cut_s: float) -> None:
     )
 
     # One lineage: no takeover or merge by the standby, every fragment's versions consecutive under one term.
-    assert not _events(swarm.root, "standby", "syncer_takeover")
+    assert not read_events(swarm.root / "standby", "syncer_takeover")
     assert not swarm.merges("standby")
-    assert _status(swarm.nodes["standby"])["state"] == "standby"
+    assert swarm.nodes["standby"].try_status()["state"] == "standby"
     merges = swarm.merges("syncer")
     assert {m["term"] for m in merges} == {1}
     fragments = sorted({m["fragment"] for m in merges})
@@ -298,9 +246,9 @@ def _check_one_lineage_after_heal(swarm: PartitionSwarm, cut_s: float) -> None:
         merged_steps = sum(m["steps"] for m in merges if m["fragment"] == fragment)
         assert merged_steps <= steps_made, (fragment, merged_steps, steps_made)
     # The learners hold versions of that lineage: none ahead of the syncer.
-    served = _status(swarm.nodes["syncer"])["versions"]
+    served = swarm.nodes["syncer"].try_status()["versions"]
     for name in LEARNERS:
-        held = _status(swarm.nodes[name]).get("versions") or {}
+        held = swarm.nodes[name].try_status().get("versions") or {}
         assert all(int(v) <= served[int(f)] for f, v in held.items()), (name, held, served)
     logger.warning(
         "partition of %.0f s (2 of 4 learners + standby cut off): side B learners %.2f -> %.2f steps/s; standby "
@@ -314,7 +262,7 @@ def _check_one_lineage_after_heal(swarm: PartitionSwarm, cut_s: float) -> None:
         len(during),
         recovered_s,
         r.drops,
-        _status(swarm.nodes["syncer"]).get("refusals"),
+        swarm.nodes["syncer"].try_status().get("refusals"),
     )
 
 
@@ -382,7 +330,7 @@ def test_partition_60s(swarm_factory: Any) -> None:
 def test_negative_control_standby_without_quorum_splits_the_brain(swarm_factory: Any) -> None:
     swarm = swarm_factory(standby_quorum=False)
     r = _run_cut(swarm, cut_s=30.0)
-    takeovers = [e for e in _events(swarm.root, "standby", "syncer_takeover") if e["t"] >= r.cut_t]
+    takeovers = [e for e in read_events(swarm.root / "standby", "syncer_takeover") if e["t"] >= r.cut_t]
     assert takeovers, "without the quorum rule the standby did not take over: the cut hid nothing"
     second = [m for m in swarm.merges("standby", r.cut_t) if m["t"] < r.healed_t]
     first = [m for m in swarm.merges("syncer", takeovers[0]["t"]) if m["t"] < r.healed_t]

@@ -9,10 +9,7 @@ Tiny model (2 layers x 64, context 32), microbatches of 4: the module runs in ab
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
-import json
-import os
 import random
 import signal
 import time
@@ -34,29 +31,29 @@ from protocol.errors import RemoteRefused, SignerMismatch
 from protocol.identity import NodeIdentity
 from protocol.manifest import RunManifest
 from protocol.rpc import FramedServer, Route, call_framed
-from tests.integration.procs import Bootstrap, Node, Procs, free_port, get_text, procs, wait_until
+from tests.integration.procs import (
+    PIPELINE_RUN,
+    Bootstrap,
+    Node,
+    Procs,
+    environment,
+    free_port,
+    get_text,
+    procs,
+    read_events,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-MODEL = {"vocab_size": 256, "context_len": 32, "num_layers": 2, "width": 64, "num_heads": 2}
+MODEL = PIPELINE_RUN.model
 STAGE_ENV = "context_timeout_s=30,compute_threads=1"
 VERIFIER_ENV = (
     "microbatch_size=4,max_in_flight=4,eval_every_s=3,eval_batches=2,receipt_every_s=2,"
     "retry.hop_timeout_s=5,routing.failure_cooldown_s=30"
 )
 HAS_SYNCER = importlib.util.find_spec("node.syncer") is not None
-
-
-def run_toml(verifier: str, syncer: str | None) -> str:
-    syncers = f'authorized_syncers = ["{syncer}"]\n' if syncer else ""
-    model = "\n".join(f"{k} = {v}" for k, v in MODEL.items())
-    return (
-        f'name = "pipeline-test"\nnum_stages = 2\nheartbeat_period_s = 1.0\n'
-        f'authorized_verifiers = ["{verifier}"]\n{syncers}'
-        f"[model]\n{model}\n[inner]\nlr = 0.003\nbatch_size = 8\nweight_decay = 0.01\n[wire]\nmax_batch = 8\n"
-        "[diloco]\nsync_every_steps = 20\nmin_sync_interval_s = 2.0\n"
-    )
 
 
 @dataclass
@@ -69,47 +66,21 @@ class Swarm:
     syncer: Node | None
 
 
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
     root = tmp_path_factory.mktemp("pipeline")
-    verifier_state = root / "verifier"
-    verifier_id = NodeIdentity.load_or_create(verifier_state / "identity.key")
-    syncer_id = NodeIdentity.load_or_create(root / "syncer" / "identity.key") if HAS_SYNCER else None
-    (root / "run.toml").write_text(run_toml(verifier_id.peer_id, syncer_id.peer_id if syncer_id else None))
+    syncers = ["syncer"] if HAS_SYNCER else []
+    run_path = PIPELINE_RUN.write_authorizing(root, syncers=syncers, verifiers=["verifier"])
     with procs(root) as group, environment(HIVENODE_STAGE=STAGE_ENV, HIVENODE_VERIFIER=VERIFIER_ENV):
-        bootstrap = group.start_bootstrap("--run", str(root / "run.toml"))
-        join = ("--join", bootstrap.maddr)
+        bootstrap = group.start_bootstrap("--run", str(run_path))
         syncer = None
-        if syncer_id is not None:
-            syncer = group.start_node(*join, "--role", "syncer", state="syncer", wait=False)
-        stages = [
-            group.start_node(*join, "--role", "stage", "--stage", str(s), wait=False) for s in (0, 0, 1, 1)
-        ]
-        verifier = group.start_node(*join, "--role", "verifier", state="verifier", wait=False)
+        if HAS_SYNCER:
+            syncer = group.join_node(bootstrap, "syncer", state="syncer", wait=False)
+        stages = [group.join_node(bootstrap, "stage", stage=s, wait=False) for s in (0, 0, 1, 1)]
+        verifier = group.join_node(bootstrap, "verifier", state="verifier", wait=False)
         for node in [*stages, verifier, *([syncer] if syncer else [])]:
             group.wait_node(node, timeout_s=90)
-        yield Swarm(group, bootstrap, stages, verifier, verifier_state, syncer)
-
-
-def events(state_dir: Path) -> list[dict[str, Any]]:
-    path = state_dir / "events.jsonl"
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    )
+        yield Swarm(group, bootstrap, stages, verifier, root / "verifier", syncer)
 
 
 def stage_statuses(swarm: Swarm) -> list[dict[str, Any]]:
@@ -163,7 +134,7 @@ def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: 
         # The events file holds the whole module's run: a hop of the victim that failed and was retried while it
         # was alive (an answer lost on a loaded box) is not this test's business, nor are the abandoned
         # microbatches the training test tolerates.
-        return [e for e in events(swarm.verifier_state) if e["t"] >= killed_at]
+        return [e for e in read_events(swarm.verifier_state) if e["t"] >= killed_at]
 
     def recovered() -> list[dict[str, Any]]:
         return [
@@ -212,12 +183,10 @@ def test_a_replica_joining_mid_run_starts_from_the_global_version(swarm: Swarm) 
         "receipts"
     ]  # a stage's tokens count only as far as verifier receipts show
     assert receipts["verified"] > 0 and not receipts["rejected"], receipts
-    late = swarm.group.start_node(
-        "--join", swarm.bootstrap.maddr, "--role", "stage", "--stage", "1", state="late"
-    )
+    late = swarm.group.join_node(swarm.bootstrap, "stage", stage=1, state="late")
     try:
         late_events = wait_until(
-            lambda: [e for e in events(swarm.group.root / "late") if e["event"] == "stage_joined_global"],
+            lambda: read_events(swarm.group.root / "late", "stage_joined_global"),
             60,
             what="the late replica loading the global version",
         )
@@ -245,7 +214,7 @@ def test_auto_makes_a_node_peers_cannot_dial_a_learner_not_a_stage(swarm: Swarm)
         assert node.wait_line(r"^joined run \S+ \(\w+\) as (\w+)$").group(1) == "learner"
         said = [line for line in node.stderr().splitlines() if "role auto: client mode" in line]
         assert len(said) == 1 and "learner instead of stage" in said[0], said
-        joined = [e for e in events(swarm.group.root / "natted") if e["event"] == "joined"]
+        joined = read_events(swarm.group.root / "natted", "joined")
         assert joined[0]["role"] == "learner" and "client mode" in joined[0]["why"]
     finally:
         node.signal(signal.SIGKILL)  # its orderly shutdown is not this test's business (a learner mid-step)

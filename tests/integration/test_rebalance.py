@@ -19,23 +19,18 @@ while the killed replica had trained far past it would be flagged as an outlier 
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 import signal
 import time
-from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from protocol.identity import NodeIdentity
-from tests.integration.procs import Node, procs, wait_until
+from tests.integration.procs import PIPELINE_RUN, Node, environment, procs, read_events, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-MODEL = {"vocab_size": 256, "context_len": 32, "num_layers": 2, "width": 64, "num_heads": 2}
+RUN = replace(PIPELINE_RUN, name="rebalance-test", lr=0.0003, sync_every_steps=5, min_sync_interval_s=1.0)
 STAGE_ENV = (
     "context_timeout_s=30,compute_threads=1,rebalance.check_period_s=1,rebalance.dwell_s=4,"
     "rebalance.stagger_s=6,rebalance.cooldown_s=5,rebalance.starve_ratio=0.1,join_timeout_s=20"
@@ -44,56 +39,21 @@ VERIFIER_ENV = "microbatch_size=4,max_in_flight=4,eval_every_s=30,receipt_every_
 NO_FLAP_WINDOW_S = 4 + 2 * 6 + 3  # dwell + two staggers + a heartbeat and a check
 
 
-def run_toml(verifier: str, syncer: str) -> str:
-    model = "\n".join(f"{k} = {v}" for k, v in MODEL.items())
-    return (
-        f'name = "rebalance-test"\nnum_stages = 2\nheartbeat_period_s = 1.0\n'
-        f'authorized_verifiers = ["{verifier}"]\nauthorized_syncers = ["{syncer}"]\n'
-        f"[model]\n{model}\n[inner]\nlr = 0.0003\nbatch_size = 8\nweight_decay = 0.01\n[wire]\nmax_batch = 8\n"
-        "[diloco]\nsync_every_steps = 5\nmin_sync_interval_s = 1.0\n"
-    )
-
-
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def events(state_dir: Path, kind: str) -> list[dict[str, Any]]:
-    path = state_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [e for e in lines if e["event"] == kind]
-
-
 def moves(nodes: dict[str, Node]) -> dict[str, int]:
     return {name: node.status()["moves"] for name, node in nodes.items()}
 
 
 def test_a_starved_stage_gets_exactly_one_replica_which_serves_the_global_version(tmp_path: Path) -> None:
-    verifier_id = NodeIdentity.load_or_create(tmp_path / "verifier" / "identity.key")
-    syncer_id = NodeIdentity.load_or_create(tmp_path / "syncer" / "identity.key")
-    (tmp_path / "run.toml").write_text(run_toml(verifier_id.peer_id, syncer_id.peer_id))
+    run_path = RUN.write_authorizing(tmp_path, syncers=["syncer"], verifiers=["verifier"])
     with procs(tmp_path) as group, environment(HIVENODE_STAGE=STAGE_ENV, HIVENODE_VERIFIER=VERIFIER_ENV):
-        bootstrap = group.start_bootstrap("--run", str(tmp_path / "run.toml"))
-        join = ("--join", bootstrap.maddr)
-        syncer = group.start_node(*join, "--role", "syncer", state="syncer", wait=False)
+        bootstrap = group.start_bootstrap("--run", str(run_path))
+        syncer = group.join_node(bootstrap, "syncer", state="syncer", wait=False)
         layout = {"d": 0, "a": 1, "b": 1, "c": 1}
         stages = {
-            name: group.start_node(*join, "--role", "stage", "--stage", str(s), state=name, wait=False)
+            name: group.join_node(bootstrap, "stage", stage=s, state=name, wait=False)
             for name, s in layout.items()
         }
-        verifier = group.start_node(*join, "--role", "verifier", state="verifier", wait=False)
+        verifier = group.join_node(bootstrap, "verifier", state="verifier", wait=False)
         for node in [syncer, *stages.values(), verifier]:
             group.wait_node(node, timeout_s=120)
 
@@ -127,9 +87,9 @@ def test_a_starved_stage_gets_exactly_one_replica_which_serves_the_global_versio
         mover = crowd[mover_name]
         status = mover.status()
         assert (status["stage"], status["span"]) == (0, [0, 1])
-        (move,) = events(tmp_path / mover_name, "stage_moved")
+        (move,) = read_events(tmp_path / mover_name, "stage_moved")
         assert (move["from_stage"], move["to_stage"]) == (1, 0)
-        joined = events(tmp_path / mover_name, "stage_joined_global")[-1]
+        joined = read_events(tmp_path / mover_name, "stage_joined_global")[-1]
         assert joined["stage"] == 0 and joined["loaded"] is True
         versions = {int(k): v for k, v in joined["versions"].items()}
         assert versions and all(versions[int(f)] >= v for f, v in held.items())  # the current global version

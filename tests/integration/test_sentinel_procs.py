@@ -9,21 +9,17 @@ Slow (12 processes on 2 busy cores, a few minutes): `pytest -m slow tests/integr
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from protocol.identity import NodeIdentity
-from tests.integration.procs import Node, procs, wait_until
+from tests.integration.procs import PIPELINE_RUN, Node, environment, procs, read_events, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
-MODEL = {"vocab_size": 256, "context_len": 32, "num_layers": 3, "width": 64, "num_heads": 2}
+RUN = replace(PIPELINE_RUN, name="sentinel-procs", num_stages=3, num_layers=3)
 STAGE_ENV = "context_timeout_s=30,compute_threads=1"
 VERIFIER_ENV = (
     "microbatch_size=4,max_in_flight=4,eval_every_s=10,eval_batches=2,receipt_every_s=5,"
@@ -32,64 +28,22 @@ VERIFIER_ENV = (
 ATTACK = "random:direction=both,start_after=30"
 
 
-def run_toml(verifier: str, syncer: str) -> str:
-    model = "\n".join(f"{k} = {v}" for k, v in MODEL.items())
-    return (
-        f'name = "sentinel-procs"\nnum_stages = 3\nheartbeat_period_s = 1.0\n'
-        f'authorized_verifiers = ["{verifier}"]\nauthorized_syncers = ["{syncer}"]\n'
-        f"[model]\n{model}\n[inner]\nlr = 0.003\nbatch_size = 8\nweight_decay = 0.01\n[wire]\nmax_batch = 8\n"
-        "[diloco]\nsync_every_steps = 20\nmin_sync_interval_s = 2.0\n"
-    )
-
-
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def events(state_dir: Path) -> list[dict[str, Any]]:
-    path = state_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):  # a line being written
-            out.append(json.loads(line))
-    return out
-
-
 def test_a_lying_replica_is_banned_on_every_honest_node_and_training_goes_on(tmp_path: Path) -> None:
-    verifier_id = NodeIdentity.load_or_create(tmp_path / "verifier" / "identity.key")
-    syncer_id = NodeIdentity.load_or_create(tmp_path / "syncer" / "identity.key")
+    run_path = RUN.write_authorizing(tmp_path, syncers=["syncer"], verifiers=["verifier"])
     liar_id = NodeIdentity.load_or_create(tmp_path / "liar" / "identity.key")
-    (tmp_path / "run.toml").write_text(run_toml(verifier_id.peer_id, syncer_id.peer_id))
     with procs(tmp_path) as group, environment(HIVENODE_STAGE=STAGE_ENV, HIVENODE_VERIFIER=VERIFIER_ENV):
-        bootstrap = group.start_bootstrap("--run", str(tmp_path / "run.toml"))
-        join = ("--join", bootstrap.maddr)
-        syncer = group.start_node(*join, "--role", "syncer", state="syncer", wait=False)
+        bootstrap = group.start_bootstrap("--run", str(run_path))
+        syncer = group.join_node(bootstrap, "syncer", state="syncer", wait=False)
         honest: dict[str, Node] = {"syncer": syncer}
         for stage in range(3):
             for replica in range(3):
                 if stage == 1 and replica == 0:
                     with environment(HIVENODE_UNSAFE_ATTACK=ATTACK):
-                        liar = group.start_node(
-                            *join, "--role", "stage", "--stage", "1", state="liar", wait=False
-                        )
+                        liar = group.join_node(bootstrap, "stage", stage=1, state="liar", wait=False)
                     continue
                 name = f"stage{stage}r{replica}"
-                honest[name] = group.start_node(
-                    *join, "--role", "stage", "--stage", str(stage), state=name, wait=False
-                )
-        verifier = group.start_node(*join, "--role", "verifier", state="verifier", wait=False)
+                honest[name] = group.join_node(bootstrap, "stage", stage=stage, state=name, wait=False)
+        verifier = group.join_node(bootstrap, "verifier", state="verifier", wait=False)
         for node in [*honest.values(), liar, verifier]:
             group.wait_node(node, timeout_s=180)
 
@@ -100,7 +54,7 @@ def test_a_lying_replica_is_banned_on_every_honest_node_and_training_goes_on(tmp
         wait_until(banned_by_verifier, 420, what="the verifier bans the liar", interval_s=2.0)
         status = verifier.status()
         completed_at_ban = status["microbatches_completed"]
-        ban = next(e for e in events(tmp_path / "verifier") if e.get("event") == "sentinel_ban")
+        ban = next(e for e in read_events(tmp_path / "verifier") if e.get("event") == "sentinel_ban")
         assert ban["offender"] == liar_id.peer_id, ban
         assert status["sentinel"]["banned"] == [liar_id.peer_id]  # nobody else
 
@@ -109,7 +63,7 @@ def test_a_lying_replica_is_banned_on_every_honest_node_and_training_goes_on(tmp
             return all(
                 any(
                     e.get("event") == "ban_enforced" and e.get("offender") == liar_id.peer_id
-                    for e in events(tmp_path / name)
+                    for e in read_events(tmp_path / name)
                 )
                 for name in [*honest, "verifier"]
             )

@@ -16,87 +16,45 @@ with longer windows.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from protocol.identity import NodeIdentity
-from protocol.manifest import parse_run_toml
 from tests.harness.wan_proxy import LinkProfile, ProxyThread
 from tests.integration.procs import (
+    QUICK_REDIAL,
+    QUIET_LEARNER,
+    QUIET_SYNCER,
     Bootstrap,
     Node,
     Procs,
-    free_port,
+    RunSpec,
     get_json,
-    get_status,
     procs,
+    proxied_addrs,
+    read_events,
     wait_until,
+    write_node_toml,
 )
 
 logger = logging.getLogger(__name__)
 pytestmark = [pytest.mark.integration]
 
-RUN_TOML = """
-name = "wan-test"
-seed = 5
-num_stages = 1
-heartbeat_period_s = 1.0
-authorized_syncers = ["{syncer}"]
-[model]
-vocab_size = 256
-context_len = 32
-num_layers = 2
-width = 32
-num_heads = 2
-[inner]
-lr = 0.003
-batch_size = 4
-weight_decay = 0.01
-[diloco]
-num_fragments = 2
-sync_every_steps = 8
-overlap_steps = 1
-min_sync_interval_s = 0.0
-mode = "decoupled"
-"""
-NODE_TOML = """
-[network]
-peer_check_period_s = 1.0
-redial_min_s = 0.5
-redial_max_s = 4.0
-request_timeout_s = 10.0
-[learner]
-min_step_s = 0.1
-eval_every_steps = 0
-torch_threads = 1
-join_timeout_s = 30.0
-[syncer]
-recovery_s = 1.0
-eval_every_merges = 0
-checkpoint_every_merges = 1000
-"""
+RUN = RunSpec(name="wan-test", seed=5)
+NODE_TABLES: dict[str, dict[str, Any]] = {
+    "network": {**QUICK_REDIAL, "request_timeout_s": 10.0},
+    "learner": {**QUIET_LEARNER, "min_step_s": 0.1, "join_timeout_s": 30.0},
+    "syncer": QUIET_SYNCER,
+}
 WAN = LinkProfile(delay_s=0.3, jitter_s=0.1, seed=7)
 MIN_WAN_RATIO = 0.5
 START_S = 120.0  # several cold starts (torch, hivemind) at once on a loaded 2-core box
-
-
-def _events(root: Path, state: str, kind: str) -> list[dict[str, Any]]:
-    path = root / state / "events.jsonl"
-    if not path.exists():
-        return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [e for e in lines if e["event"] == kind]
-
-
-def _status(node: Node) -> dict[str, Any]:
-    return get_status(node.status_url) or {}
 
 
 @dataclass
@@ -113,43 +71,24 @@ class WanSwarm:
             proxy.set_profile(profile)
 
     def steps(self) -> list[int]:
-        return [int(_status(n).get("inner_step") or 0) for n in self.learners]
+        return [int(n.try_status().get("inner_step") or 0) for n in self.learners]
 
     def merges(self, since: float) -> list[dict[str, Any]]:
-        return [m for m in _events(self.root, "syncer", "merge") if m["t"] > since]
+        return [m for m in read_events(self.root / "syncer", "merge") if m["t"] > since]
 
 
 @pytest.fixture
 def wan_swarm(tmp_path: Path) -> Iterator[WanSwarm]:
-    names = ["bootstrap", "syncer", "learner0", "learner1"]
-    ports = {name: free_port() for name in names}
-    proxies = {
-        name: ProxyThread(target_host="127.0.0.1", target_port=port, profile=LinkProfile(seed=i))
-        for i, (name, port) in enumerate(ports.items())
-    }
+    proxies, addrs = proxied_addrs(["bootstrap", "syncer", "learner0", "learner1"])
     with procs(tmp_path) as group:
         try:
-            for proxy in proxies.values():
-                proxy.start()
-            listen = {n: ["--listen", f"/ip4/127.0.0.1/tcp/{ports[n]}"] for n in names}
-            announce = {n: ["--announce", f"/ip4/127.0.0.1/tcp/{proxies[n].port}"] for n in names}
-            syncer_key = tmp_path / "syncer.key"
-            syncer_id = NodeIdentity.load_or_create(syncer_key).peer_id
-            run = RUN_TOML.format(syncer=syncer_id)
-            parse_run_toml(run)
-            (tmp_path / "run.toml").write_text(run)
-            (tmp_path / "node.toml").write_text(NODE_TOML)
-            bootstrap = group.start_bootstrap(
-                "--run", str(tmp_path / "run.toml"), *listen["bootstrap"], *announce["bootstrap"]
-            )
+            run = RUN.write_authorizing(tmp_path, syncers=["syncer"])
+            config = write_node_toml(tmp_path / "node.toml", **NODE_TABLES)
+            bootstrap = group.start_bootstrap("--run", str(run), *addrs["bootstrap"])
 
-            def node(name: str, role: str, *extra: str) -> Node:
-                args = ["--join", bootstrap.maddr, "--role", role, "--config", str(tmp_path / "node.toml")]
-                args += ["--max-steps", "100000", *listen[name], *announce[name], *extra]
-                return group.start_node(*args, state=name, wait=False)
-
-            syncer = node("syncer", "syncer", "--identity", str(syncer_key))
-            learners = [node(f"learner{i}", "learner") for i in range(2)]
+            join = partial(group.join_node, bootstrap, config=config, max_steps=100_000, wait=False)
+            syncer = join("syncer", *addrs["syncer"], state="syncer")
+            learners = [join("learner", *addrs[f"learner{i}"], state=f"learner{i}") for i in range(2)]
             for started in (syncer, *learners):
                 group.wait_node(started, timeout_s=START_S)
             yield WanSwarm(tmp_path, group, proxies, bootstrap, syncer, learners)
@@ -211,7 +150,7 @@ def test_wan_with_partition(wan_swarm: WanSwarm) -> None:
     # Cut every link. (Cutting only the syncer's and the bootstrap's is not a partition: libp2p reuses whichever
     # connection exists between two peers, and the one between a learner and the syncer may be the syncer's dial,
     # which crosses the learner's proxy.)
-    learner_ids = {_status(n)["peer_id"] for n in swarm.learners}
+    learner_ids = {n.try_status()["peer_id"] for n in swarm.learners}
     for proxy in swarm.proxies.values():
         proxy.partition(True)
     partitioned_t = time.time()
@@ -250,5 +189,5 @@ def test_wan_with_partition(wan_swarm: WanSwarm) -> None:
     assert fresh and all(count >= 1 for count in cut.values()), cut
     assert partition_rate >= MIN_WAN_RATIO * clean_rate  # learners never wait on the network
     assert not any(set(m["participants"]) & learner_ids for m in during), "a cut-off contribution was merged"
-    redialed = [e for n in ("learner0", "learner1") for e in _events(swarm.root, n, "peers_recovered")]
+    redialed = [e for n in ("learner0", "learner1") for e in read_events(swarm.root / n, "peers_recovered")]
     assert redialed, "no learner re-dialed the bootstrap"
