@@ -107,7 +107,7 @@ def test_discovery_names_a_tampered_manifest_and_only_then(
         async def no_report(dht: object, timeout_s: float) -> None:
             return None
 
-        monkeypatch.setattr(swarm, "_refuse_tampered_manifests", no_report)
+        monkeypatch.setattr(swarm.discovery, "_refuse_tampered_manifests", no_report)
     with plain_dht_holding(SIGNED if case == "untampered" else TAMPERED) as maddr:
         outcome, elapsed_s = discover(tmp_path, maddr, join_timeout_s)
     if case == "untampered":
