@@ -310,6 +310,10 @@ class SyncerCore:
         self._reset_history()
         # per fragment: whether its current version is one of our own merges (not restored, not adopted)
         self._merged_here = [False] * plan.num_fragments
+        # per fragment: whether its current version is a regular round (our merge after one of our own merges),
+        # which learners may time their sends from (version_ages); a first merge after a takeover gathers the
+        # learners' retried outage work of every fragment at once and would bunch their staggered sends
+        self._dated = [False] * plan.num_fragments
         self.receipt_ledger = ReceiptLedger(max_merged_keys)
 
     # ---- admission ----
@@ -428,7 +432,11 @@ class SyncerCore:
                 # fragment may have held the loop): xi_quorum is the wait for learners, not for ourselves
                 arrivals = sorted(e.received_at for e in round_.entries.values())
                 round_.quorum_reached_at = arrivals[required - 1] if 0 < required <= len(arrivals) else now
-                self.policy.observe_quorum(max(0.0, round_.quorum_reached_at - round_.opened_at))
+                # from the first contribution still in the round, not from when the round opened: a peer's newer
+                # contribution replaces its first one (retries after a takeover did), and that gap is no wait for
+                # learners; counted, one 3 s gap closed the grace window for the next ten merges (K = 1: 0)
+                first = arrivals[0] if arrivals else round_.opened_at
+                self.policy.observe_quorum(max(0.0, round_.quorum_reached_at - first))
             decision = self.policy.decide(
                 now, round_.opened_at, received, num_expected, round_.quorum_reached_at
             )
@@ -471,6 +479,45 @@ class SyncerCore:
             new_params=new_params,
             merged=merged,
             sources=sources,
+            required=required,
+            expected=expected,
+            started_at=started_at,
+        )
+
+    def void_merge(
+        self,
+        fragment: int,
+        round_: _Round,
+        *,
+        expected: int,
+        required: int,
+        started_at: float,
+        rejected: Mapping[str, str],
+    ) -> PreparedMerge:
+        """A round with nothing to merge (every contribution rejected or of zero weight), to be published as a
+        version whose parameters are unchanged (no outer step, momentum untouched).
+
+        The synchronous modes need it: each learner waits for its round's version, and a round that publishes
+        nothing held all of them for good (seen in the goodput benchmark's synchronous arm after a syncer
+        restart: "no weighted contribution among 4", then no learner stepped again)."""
+        names = self.plan.fragments[fragment].names
+        result = MergeResult(
+            outer_grad={},
+            weights={},
+            clipped={},
+            fallback_tensors=(),
+            rejected=dict(rejected),
+            delta_norms={},
+            reason="void round: nothing to merge, parameters unchanged",
+        )
+        return PreparedMerge(
+            fragment=fragment,
+            base_version=self.versions[fragment],
+            round=round_,
+            result=result,
+            new_params={n: self.params[n] for n in names},
+            merged={},
+            sources={},
             required=required,
             expected=expected,
             started_at=started_at,
@@ -530,6 +577,7 @@ class SyncerCore:
         version = self.versions[fragment] = prepared.base_version + 1
         self._published_at[(fragment, version)] = now
         self._published_at.pop((fragment, version - self.max_staleness - 2), None)
+        self._dated[fragment] = self._merged_here[fragment]
         self._merged_here[fragment] = True
         history = self._history.setdefault(fragment, {})
         history[version] = dict(prepared.new_params)
@@ -615,6 +663,20 @@ class SyncerCore:
         while len(self._merged) > self._max_merged_keys:
             self._merged.popitem(last=False)
 
+    def version_ages(self, now: float) -> list[float]:
+        """Per fragment, seconds since its current version was published by one of our merges; -1.0 when it
+        is not a regular round (the seed, a version restored or adopted, or our first merge of the fragment
+        after those: the learners' work retried through an outage, every fragment at once). Decoupled
+        learners time their next send of a fragment from its round's publication
+        (`FragmentSync._anchor_locked`): all of them see the same rounds, so they stay in phase without
+        counting steps; through an undated version they keep their anchors, which kept the fragments'
+        stagger."""
+        ages = []
+        for fragment, version in enumerate(self.versions):
+            at = self._published_at.get((fragment, version)) if self._dated[fragment] else None
+            ages.append(round(max(0.0, now - at), 4) if at is not None else -1.0)
+        return ages
+
     def clock_estimate(self, now: float, *, max_age_s: float = 60.0) -> int:
         """The schedule step the run's learners are at now: per peer, its latest report plus the steps since
         (at the EMA step time), then the median over peers that reported within `max_age_s`. The median keeps
@@ -669,6 +731,7 @@ class SyncerCore:
         self.rounds.pop(fragment, None)  # its contributions were built on older versions
         self._history[fragment] = {version: {n: self.params[n] for n in self.plan.fragments[fragment].names}}
         self._merged_here[fragment] = False
+        self._dated[fragment] = False
         return True
 
     def snapshot(self, run_id: str, term: int) -> SyncerSnapshot:
@@ -697,6 +760,7 @@ class SyncerCore:
         self._restored_at = now
         self._reset_history()
         self._merged_here = [False] * self.plan.num_fragments
+        self._dated = [False] * self.plan.num_fragments
 
 
 # ---------------------------------------------------------------------------------------------- the lease
@@ -1165,7 +1229,16 @@ class SyncerRole:
                 )
             except NothingToMerge as e:
                 self.ctx.events.emit("merge_skipped", fragment=fragment, reason=str(e), rejected=e.rejected)
-                return
+                if self.mode == "decoupled":
+                    return  # nobody waits for a round: the next one merges their work
+                prepared = core.void_merge(
+                    fragment,
+                    round_,
+                    expected=expected,
+                    required=required,
+                    started_at=started,
+                    rejected=e.rejected,
+                )
             record = core.commit_merge(prepared, time.monotonic())
         self._merges_since_checkpoint += 1
         event = {
@@ -1409,11 +1482,14 @@ class SyncerRole:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._published.wait(), remaining)
         self._require_active()
+        now = time.monotonic()
         meta = {
             "versions": list(core.versions),
             "term": self.term,
             "barrier": self.mode != "decoupled",
-            "clock": core.clock_estimate(time.monotonic()),
+            "clock": core.clock_estimate(now),
+            "ages": core.version_ages(now),
+            "step_time_s": float(core.policy.xi_step or 0.0),
         }
         return self._answer(Kind.CONTROL, remote, meta=meta)
 
@@ -1519,6 +1595,8 @@ class SyncerRole:
             "term": self.term,
             "primary": self.primary,
             "recovering": self.active and time.monotonic() < self.recovering_until,
+            # an active syncer whose lease renewals failed for lease_s still answers but merges nothing
+            "lease_left_s": round(self._lease_until - time.monotonic(), 3) if self.active else None,
             "takeover_source": self.takeover_source,
             "versions": list(core.versions),
             "merges": core.merges,

@@ -33,10 +33,13 @@ API
     Call once after every inner step from the thread that owns the parameters, with the number of
     completed inner steps and the tokens of that step. It (1) advances every fragment's counters,
     (2) overwrites fragments whose merged version has arrived and is due (the send step + tau, or at once
-    if we had no contribution in flight) and resets their counters, and (3) for each fragment the schedule
-    says is due and the real-time floor allows, clones its tensors with their counters and hands the copy
-    to the background sender. Decoupled only: a send due less than H/2 steps after a version overwrote
-    unsent progress of that fragment is skipped (it would carry a few steps and start one more round).
+    if we had no contribution in flight) and resets their counters, and (3) for each fragment that is due
+    and the real-time floor allows, clones its tensors with their counters and hands the copy to the
+    background sender. Due: decoupled, H run step times after the last round of that fragment (timed from
+    its publication, which the versions answers date, so that all learners send together on every round;
+    see `_anchor_locked`); before a fragment's first dated round, and in the synchronous modes, by the step
+    schedule. Decoupled only: a send due less than H/2 steps after a version overwrote unsent progress of
+    that fragment is skipped (it would carry a few steps and start one more round).
     Cost: one tensor copy per due fragment; no I/O, no waiting.
 
 `FragmentSync(..., receipts=provider)`: a stage replica passes a callable returning its verifier token
@@ -193,6 +196,10 @@ class VersionsView:
     syncer: str
     barrier: bool = False  # the run is in a synchronous mode: learners wait for their round
     clock: int = 0  # schedule step the run's learners are at (for aligning a late joiner), 0 if unknown
+    # per fragment of the run: seconds since its current version was published, at answer time (< 0 unknown:
+    # version 0, or one this syncer restored or adopted); () from a syncer that does not say
+    ages: tuple[float, ...] = ()
+    step_time_s: float = 0.0  # the syncer's EMA of the learners' step time (xi_step), 0 if unknown
 
 
 class SyncUnavailable(Exception):  # noqa: N818 - reads as the condition
@@ -225,6 +232,10 @@ class SyncTransport(Protocol):
 
 # ---------------------------------------------------------------------------------------------- the client
 
+# bounds on the step time a versions answer may anchor sends with (the syncer ignores reports above 600 s)
+MIN_ANCHOR_STEP_S = 1e-3
+MAX_ANCHOR_STEP_S = 600.0
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SyncClientConfig:
@@ -236,6 +247,8 @@ class SyncClientConfig:
     step_time_ema: float = 0.2  # weight of a new step time in the reported xi_step
     align_confirmations: int = 5  # decoupled: shift the schedule once this many answers in a row say we lead
     # (or lag) the run's clock; by the smallest offset among them, since the clock estimate jitters
+    anchor_rounds: bool = True  # decoupled: time each fragment's next send from its last round's publication
+    anchor_lead_steps: float = 1.0  # step times from a round's first send to its publication (~ the grace)
 
     def __post_init__(self) -> None:
         for name in ("poll_wait_s", "retry_min_s", "retry_max_s", "join_timeout_s"):
@@ -246,6 +259,8 @@ class SyncClientConfig:
             raise ValueError("retry_max_s must be >= retry_min_s")
         if not 0 < self.step_time_ema <= 1:
             raise ValueError("step_time_ema must be in (0, 1]")
+        if not (math.isfinite(self.anchor_lead_steps) and self.anchor_lead_steps >= 0):
+            raise ValueError("anchor_lead_steps must be finite and >= 0")
 
 
 @dataclass(slots=True)
@@ -267,6 +282,8 @@ class _Stats:
     retries: int = 0
     applied: int = 0
     skipped: int = 0  # due sends skipped right after a version overwrote unsent progress
+    anchored: int = 0  # fragment send times re-anchored to a published round
+    phase_skips: int = 0  # anchored sends skipped because we were a period or more behind them (a stall)
     offered: int = 0
     adopted_by_syncer: int = 0
     fetched: int = 0
@@ -321,6 +338,11 @@ class FragmentSync:
         self._step = 0
         self._sched_offset = 0
         self._align_diffs: list[int] = []  # recent offsets to the run's clock, all of one sign
+        # decoupled, per fragment: when its next send is due (our clock) and the version that anchored it; the
+        # period is H step times of the run (see _anchor_locked)
+        self._due_at: dict[int, float] = {}
+        self._anchored: dict[int, int] = {}
+        self._period_s = 0.0
         self._last_step_at: float | None = None
         self._step_time_s = 0.0
         self._view: VersionsView | None = None
@@ -470,10 +492,69 @@ class FragmentSync:
             self._held[index] = version
         self._stats.applied += 1
 
+    def _due_locked(self, step: int, now: float) -> list[int]:
+        """Fragments due to be sent now: an anchored one once its send time has come (see `_anchor_locked`),
+        the others by the step schedule shifted to the run's clock."""
+        by_schedule = set(self.schedule.due_to_send(step + self._sched_offset))
+        due = []
+        for index in range(len(self.fragment_ids)):
+            due_at = self._due_at.get(index)
+            if due_at is None:
+                if index in by_schedule:
+                    due.append(index)
+                continue
+            if now < due_at:
+                continue
+            # the next send one period after this one's due time, not after now: lateness does not pile up
+            late_s = now - due_at
+            self._due_at[index] = due_at + self._period_s * (1 + int(late_s // self._period_s))
+            if late_s >= self._period_s / 2:
+                # a stall (SIGSTOP, a long pause) put us a period or more behind: the others sent long ago and
+                # a send now would open a round of its own out of phase; wait for the next one (a version
+                # that arrives in the meantime re-anchors us)
+                self._stats.phase_skips += 1
+                continue
+            due.append(index)
+        return due
+
+    def _anchor_locked(self, view: VersionsView, now: float) -> None:
+        """Time each fragment's next send from the publication of its current version (decoupled only).
+
+        All learners see the same publications, so sends timed from them fall together on every round, and
+        the phase error cannot build up from round to round as with a step count: a learner that steps 5 %
+        slower than another drifts by H/20 steps per period on a step schedule, but here sends on time each
+        period (in wall time; that is fewer of its own steps). The next send of fragment p is due
+        `H - anchor_lead_steps` step times after its version was published (the round's first send came
+        about the grace window, ~one step, before), with the step time the syncer reports (one for
+        everyone, so that learners do not drift apart either), and every H step times after that until a
+        newer version re-anchors it. A version the syncer cannot date (restored, adopted) anchors nothing."""
+        if self.config.barrier or not self.config.anchor_rounds or len(view.ages) != len(view.versions):
+            return
+        xi = view.step_time_s if view.step_time_s > 0 else self._step_time_s
+        if not (math.isfinite(xi) and MIN_ANCHOR_STEP_S <= xi <= MAX_ANCHOR_STEP_S):
+            return  # unknown, or nonsense that would make the period overflow: keep the anchors we have
+        h = self.schedule.sync_every_steps
+        self._period_s = h * xi
+        lead = min(self.config.anchor_lead_steps, h - 1)
+        for index, fid in enumerate(self.fragment_ids):
+            version, age = view.versions[fid], view.ages[fid]
+            if (
+                version <= 0
+                or not (math.isfinite(age) and age >= 0)
+                or version <= self._anchored.get(index, 0)
+            ):
+                continue
+            due_at = now - age + (h - lead) * xi
+            if due_at < now:  # published more than a period ago (a joiner, a long stall): the next period
+                due_at = now + (due_at - now) % self._period_s
+            self._due_at[index] = due_at
+            self._anchored[index] = version
+            self._stats.anchored += 1
+
     def _snapshot_due_locked(self, step: int, now: float) -> bool:
         queued = False
         sched_step = step + self._sched_offset
-        for index in self.schedule.due_to_send(sched_step):
+        for index in self._due_locked(step, now):
             overwritten = self._overwritten_at.pop(index, None)
             if overwritten is not None and step - overwritten < self.schedule.sync_every_steps // 2:
                 self._stats.skipped += 1
@@ -638,6 +719,8 @@ class FragmentSync:
             )
         previous = self._view
         self._view = view
+        with self._lock:
+            self._anchor_locked(view, self.clock())
         if not self.config.barrier and view.clock > 0:
             self._align(view.clock)
         if previous is not None and (previous.syncer, previous.term) != (view.syncer, view.term):
@@ -762,6 +845,7 @@ class FragmentSync:
             clock = self.align_to_rounds() if view.barrier else view.clock
             with self._lock:
                 self._sched_offset = max(0, clock - self._step)
+                self._anchor_locked(view, self.clock())  # in phase with the rounds from our first send
             logger.info(
                 "loaded %d global fragments from syncer %s (term %d), schedule clock %d",
                 len(fetched),
@@ -791,6 +875,8 @@ class FragmentSync:
                 "retries": self._stats.retries,
                 "applied": self._stats.applied,
                 "sends_skipped": self._stats.skipped,
+                "phase_anchors": self._stats.anchored,
+                "phase_skips": self._stats.phase_skips,
                 "fetched": self._stats.fetched,
                 "offered": self._stats.offered,
                 "in_flight": len(self._outbox),
@@ -1112,6 +1198,7 @@ def contribution_meta(contribution: OutgoingContribution) -> dict[str, Any]:
 def parse_versions_meta(meta: Mapping[str, Any], *, syncer: str, num_fragments: int) -> VersionsView:
     versions, term = meta.get("versions"), meta.get("term")
     barrier, clock = meta.get("barrier", False), meta.get("clock", 0)
+    ages, step_time_s = meta.get("ages", []), meta.get("step_time_s", 0.0)
     ok = (
         isinstance(versions, list)
         and len(versions) == num_fragments
@@ -1119,11 +1206,22 @@ def parse_versions_meta(meta: Mapping[str, Any], *, syncer: str, num_fragments: 
         and type(term) is int
         and type(barrier) is bool
         and type(clock) is int
+        and isinstance(ages, list)
+        and len(ages) in (0, num_fragments)
+        and all(type(a) is float and math.isfinite(a) for a in ages)
+        and type(step_time_s) is float
+        and math.isfinite(step_time_s)
     )
     if not ok:
         raise SyncUnavailable("malformed versions answer")
     return VersionsView(
-        versions=tuple(versions), term=term, syncer=syncer, barrier=barrier, clock=max(clock, 0)
+        versions=tuple(versions),
+        term=term,
+        syncer=syncer,
+        barrier=barrier,
+        clock=max(clock, 0),
+        ages=tuple(ages),
+        step_time_s=max(step_time_s, 0.0),
     )
 
 

@@ -501,3 +501,188 @@ def test_a_round_we_were_late_for_overwrites_and_the_near_empty_send_after_it_is
         sync.after_inner_step(step, tokens=8)
     sent = sync._outbox[index]
     assert (sent.sent_step, sent.base_version, sent.steps) == (7, 1, 5)
+
+
+# ---- phase anchoring (decoupled): sends timed from the rounds' publications ----
+
+
+def anchored_learner(
+    now: list[float], *, barrier: bool = False, **diloco: object
+) -> tuple[FragmentSync, torch.nn.Module, FakeSyncer]:
+    run = manifest(sync_every_steps=12, overlap_steps=2, **diloco)
+    plan = run_fragment_plan(run)
+    model = build_model(ModelConfig.from_dict(run.model), seed=0)
+    syncer = FakeSyncer(plan.num_fragments)
+    config = SyncClientConfig(barrier=barrier, anchor_lead_steps=1.0)
+    sync = FragmentSync.create(
+        dict(model.named_parameters()), plan, run.diloco, syncer, config=config, clock=lambda: now[0]
+    )
+    return sync, model, syncer
+
+
+def publish_round(sync: FragmentSync, model: torch.nn.Module, syncer: FakeSyncer, fid: int) -> None:
+    params = dict(model.named_parameters())
+    syncer.publish(fid, {n: params[n].detach() for n in sync.plan.fragments[fid].names})
+
+
+def dated_view(syncer: FakeSyncer, ages: Sequence[float], step_time_s: float) -> VersionsView:
+    return VersionsView(
+        versions=tuple(syncer.current),
+        term=1,
+        syncer="s",
+        ages=tuple(float(a) for a in ages),
+        step_time_s=step_time_s,
+    )
+
+
+def send_times(
+    sync: FragmentSync, now: list[float], step_s: float, steps: range, fragment: int
+) -> list[float]:
+    """Step the learner at its own pace; the wall times at which `fragment` (local index) was snapshotted."""
+    out = []
+    for step in steps:
+        now[0] += step_s
+        sync._outbox.clear()
+        sync.after_inner_step(step, tokens=4)
+        if fragment in sync._outbox:
+            out.append(now[0])
+    return out
+
+
+def test_learners_of_different_speeds_send_a_fragment_together_after_a_round_is_published() -> None:
+    """The phase drift the step schedule had: two learners 10 % apart in speed drift H/10 steps a period; timed
+    from the same publication with the run's step time, both send within one of their own steps of it."""
+
+    async def scenario() -> None:
+        xi, h = 0.25, 12
+        fast_now, slow_now = [100.0], [100.0]
+        fast, model, syncer = anchored_learner(fast_now)
+        slow, _, _ = anchored_learner(slow_now)
+        slow.transport = syncer
+        index = 0
+        fid = fast.fragment_ids[index]
+        # a round of fragment fid, published 0.1 s ago (the others: undated)
+        publish_round(fast, model, syncer, fid)
+        ages = [-1.0] * len(syncer.current)
+        ages[fid] = 0.1
+        for sync, now in ((fast, fast_now), (slow, slow_now)):
+            await sync._absorb(dated_view(syncer, ages, xi))
+            assert sync._due_at[index] == pytest.approx(now[0] - 0.1 + (h - 1) * xi)
+            assert sync.status()["phase_anchors"] == 1
+        published = 100.0 - 0.1
+        fast_sends = send_times(fast, fast_now, 0.24, range(1, 60), index)
+        slow_sends = send_times(slow, slow_now, 0.27, range(1, 60), index)
+        # the first sends: both within one of their own steps after the anchor (not H steps of their own)
+        target = published + (h - 1) * xi
+        assert target <= fast_sends[0] < target + 0.24 and target <= slow_sends[0] < target + 0.27
+        # then every period of H run step times, from the anchor: no drift between the two learners
+        for k in range(3):
+            assert abs(fast_sends[k] - slow_sends[k]) < 0.27
+            assert fast_sends[k] == pytest.approx(target + k * h * xi, abs=0.27)
+        # a step schedule would have put the k-th sends H * k * (0.27 - 0.24) apart: 0.72 s by the third
+        assert h * 2 * (0.27 - 0.24) > 0.7
+
+    asyncio.run(scenario())
+
+
+def test_a_newer_version_reanchors_and_undated_or_old_ones_do_not() -> None:
+    async def scenario() -> None:
+        now = [50.0]
+        sync, model, syncer = anchored_learner(now)
+        fid = sync.fragment_ids[1]
+        ages = [-1.0] * len(syncer.current)
+        publish_round(sync, model, syncer, fid)
+        await sync._absorb(dated_view(syncer, ages, 0.25))
+        assert 1 not in sync._due_at  # a version the syncer cannot date (restored, adopted) anchors nothing
+        ages[fid] = 0.0
+        await sync._absorb(dated_view(syncer, ages, 0.25))
+        first = sync._due_at[1]
+        now[0] += 1.0
+        await sync._absorb(dated_view(syncer, ages, 0.25))
+        assert sync._due_at[1] == first  # the same version again: no move
+        publish_round(sync, model, syncer, fid)
+        await sync._absorb(dated_view(syncer, ages, 0.25))
+        assert sync._due_at[1] == pytest.approx(now[0] + 11 * 0.25)
+        ages[fid] = 7.0  # a joiner: published 7 s ago, more than a period (3 s): the next period from then
+        publish_round(sync, model, syncer, fid)
+        await sync._absorb(dated_view(syncer, ages, 0.25))
+        due = sync._due_at[1]
+        assert now[0] <= due < now[0] + 3.0
+        assert (due - (now[0] - 7.0 + 11 * 0.25)) / 3.0 == pytest.approx(round((due - (now[0] - 4.25)) / 3.0))
+
+    asyncio.run(scenario())
+
+
+def test_after_a_stall_the_missed_anchored_send_waits_for_the_next_period() -> None:
+    """A learner SIGSTOPped past its send time must not open a round of its own out of phase when it resumes."""
+
+    async def scenario() -> None:
+        now = [10.0]
+        sync, model, syncer = anchored_learner(now)
+        fid = sync.fragment_ids[0]
+        publish_round(sync, model, syncer, fid)
+        ages = [-1.0] * len(syncer.current)
+        ages[fid] = 0.0
+        await sync._absorb(dated_view(syncer, ages, 0.25))
+        due = sync._due_at[0]
+        step = 0
+        while now[0] < due - 0.3:
+            now[0] += 0.25
+            step += 1
+            sync.after_inner_step(step, tokens=4)
+        sync._outbox.clear()
+        now[0] = due + 2.0  # stopped for two seconds across the send time (period: 3 s)
+        step += 1
+        sync.after_inner_step(step, tokens=4)
+        assert 0 not in sync._outbox and sync.status()["phase_skips"] == 1
+        assert sync._due_at[0] == pytest.approx(due + 3.0)  # the next period, from the anchor
+        now[0] = due + 3.01
+        step += 1
+        sync.after_inner_step(step, tokens=4)
+        sent = sync._outbox[0]  # everything since the version overwrote us at step 1: the stall lost nothing
+        assert (sent.base_version, sent.steps) == (1, step - 1)
+
+    asyncio.run(scenario())
+
+
+def test_the_synchronous_baselines_keep_the_lock_step_schedule() -> None:
+    async def scenario() -> None:
+        now = [0.0]
+        sync, model, syncer = anchored_learner(now, barrier=True)
+        publish_round(sync, model, syncer, sync.fragment_ids[0])
+        await sync._absorb(dated_view(syncer, [0.0] * len(syncer.current), 0.25))
+        assert not sync._due_at  # lock-step rounds are numbered by steps: anchoring would break them
+
+    asyncio.run(scenario())
+
+
+def test_versions_meta_ages_are_parsed_and_malformed_ones_refused() -> None:
+    from node.diloco.sync_client import parse_versions_meta
+
+    base = {"versions": [1, 2], "term": 3, "barrier": False, "clock": 7}
+    view = parse_versions_meta(
+        {**base, "ages": [0.5, -1.0], "step_time_s": 0.25}, syncer="s", num_fragments=2
+    )
+    assert view.ages == (0.5, -1.0) and view.step_time_s == 0.25
+    assert parse_versions_meta(base, syncer="s", num_fragments=2).ages == ()  # an older syncer: no anchors
+    for bad in ({"ages": [0.5]}, {"ages": [1, 2]}, {"ages": "x"}, {"step_time_s": 1}):
+        with pytest.raises(SyncUnavailable):
+            parse_versions_meta({**base, **bad}, syncer="s", num_fragments=2)
+
+
+def test_a_nonsense_step_time_or_age_anchors_nothing_and_never_breaks_the_step() -> None:
+    async def scenario() -> None:
+        now = [5.0]
+        sync, model, syncer = anchored_learner(now)
+        fid = sync.fragment_ids[0]
+        publish_round(sync, model, syncer, fid)
+        ages = [1e300] * len(syncer.current)
+        await sync._absorb(dated_view(syncer, ages, 1e-300))  # a period of ~1e-299 s would overflow
+        assert not sync._due_at
+        await sync._absorb(dated_view(syncer, ages, 0.25))  # published 1e300 s ago: the next period from now
+        assert now[0] <= sync._due_at[0] <= now[0] + 12 * 0.25
+        for step in range(1, 30):
+            now[0] += 0.25
+            sync.after_inner_step(step, tokens=4)
+
+    asyncio.run(scenario())

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from node.diloco.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from node.diloco.merge import NothingToMerge
 from node.diloco.quorum import QuorumConfig
 from node.diloco.receipts import (
     FORGERY_REASONS,
@@ -489,6 +490,24 @@ def test_quorum_time_is_when_the_kth_contribution_arrived_not_when_the_syncer_lo
     assert ready == [0] and c.policy.xi_quorum == 0.0  # the window ran from 10.0: over, and not inflated
 
 
+def test_a_replaced_contribution_does_not_count_as_quorum_wait() -> None:
+    """After a takeover a learner's retry replaced its first contribution 3 s later; taking the round's opening as
+    the start of the quorum wait made xi_quorum 3 s and closed the grace window for the next ten merges."""
+    c = core(QuorumConfig.decoupled(1, grace_gamma=0.8, max_grace_steps=1.0))
+    push(c, "a", now=10.0, nonce=b"1" * 16)
+    push(c, "a", now=13.0, nonce=b"2" * 16, steps=6)  # the same peer, a newer contribution on the same base
+    c.due(13.0, lambda _f: 3)
+    assert c.policy.xi_quorum == 0.0 and c.policy.grace_s() == pytest.approx(
+        0.1
+    )  # K = 1: no wait for learners
+    k2 = core(QuorumConfig.decoupled(2, grace_gamma=0.8, max_grace_steps=1.0))
+    push(k2, "a", now=10.0, nonce=b"1" * 16)
+    push(k2, "a", now=12.0, nonce=b"2" * 16, steps=6)
+    push(k2, "b", now=12.5)
+    k2.due(12.5, lambda _f: 3)
+    assert k2.policy.xi_quorum == pytest.approx(0.5)  # from a's newer contribution to b's, the K-th
+
+
 def test_after_a_takeover_work_on_an_earlier_syncers_version_is_taken_until_we_merge_ourselves() -> None:
     old = core(now=0.0)
     accept(old, "a", params_with_delta(old, 0, 1), base=0, steps=4, now=10.0)
@@ -501,3 +520,47 @@ def test_after_a_takeover_work_on_an_earlier_syncers_version_is_taken_until_we_m
     with pytest.raises(Refusal) as missed:  # version 2 is our own merge: on 1 now, it missed that round
         accept(new, "c", params_with_delta(new, 0, 3), base=1, steps=4, now=22.0)
     assert missed.value.reason == "missed round"
+
+
+def test_version_ages_date_only_our_regular_rounds() -> None:
+    """Learners time their next send of a fragment from its round's publication: the syncer says how long ago it
+    published each fragment's current version, and -1 for one that is not a regular round (the seed, restored,
+    adopted, and our first merge after those)."""
+    c = core()
+    assert c.version_ages(5.0) == [-1.0] * PLAN.num_fragments
+    push(c, "a", 0, now=8.0)
+    assert c.merge_now(0, expected=1, now=8.5) is not None
+    # our first merge of a fragment (from the seed, or after a takeover: everyone's retried outage work of
+    # every fragment at once) is not a round to time sends from: the learners keep their staggered anchors
+    assert c.version_ages(9.0) == [-1.0] * PLAN.num_fragments
+    push(c, "a", 0, now=10.0, base=1)
+    assert c.merge_now(0, expected=1, now=10.5) is not None
+    ages = c.version_ages(12.0)
+    assert ages[0] == pytest.approx(1.5) and ages[1:] == [-1.0] * (PLAN.num_fragments - 1)
+    other = core()
+    assert other.adopt(0, 3, c.fragment_tensors(0), now=13.0)
+    # adopted from an earlier syncer: when it was merged is unknown
+    assert other.version_ages(14.0)[0] == -1.0
+    other.restore(c.snapshot("run", 1), now=15.0)
+    assert other.version_ages(16.0) == [-1.0] * PLAN.num_fragments
+
+
+def test_a_void_round_publishes_the_parameters_unchanged_so_a_synchronous_round_ends() -> None:
+    # A synchronous round whose every contribution is weightless (here: it reports no steps)
+    # raises NothingToMerge; its learners wait for the round's version, so the syncer publishes a void one.
+    c = core(quorum_config(DilocoSpec(mode="sync", sync_learners=1), max_grace_s=5.0))
+    push(c, "a")
+    assert c.merge_now(0, 1, 10.0) is not None and c.versions[0] == 1
+    push(c, "a", base=1, steps=0, now=11.0)
+    taken = c.take_round(0, 1, 11.0)
+    assert taken is not None
+    round_, expected, required = taken
+    with pytest.raises(NothingToMerge):
+        c.compute_merge(0, round_, expected=expected, required=required, started_at=11.0)
+    before = c.fragment_tensors(0)
+    prepared = c.void_merge(0, round_, expected=expected, required=required, started_at=11.0, rejected={})
+    record = c.commit_merge(prepared, 11.5)
+    assert record.version == 2 and c.versions[0] == 2 and record.participants == () and record.tokens == 0
+    assert all(torch.equal(before[n], t) for n, t in c.fragment_tensors(0).items())
+    assert c.tokens_merged == 4 * 64  # only the first round's
+
