@@ -481,6 +481,7 @@ class Lane:
             ATTACKED_STAGE,
             float(mb.index),
             reason=verdict.reason,
+            corroborated=verdict.corroborated,
             replicas=self.members(ATTACKED_STAGE),
         )
         self._apply(decision)

@@ -23,8 +23,9 @@ held-out loss gap relative to the clean run at equal trained tokens. And the ver
 (`benchmarks.sentinel_offline.measure_cost`, CPU time of the checks against the stage compute that
 produced the tensors, plus the same ratio measured live in this pipeline) and its memory per boundary.
 
-Run: `python -m benchmarks.sentinel_table` (about 13 000 driven microbatches: ~20 min of one idle core,
-much longer on oversubscribed ones), `--quick` for a smoke run, `--attacks random,mimic` for a subset.
+Run: `python -m benchmarks.sentinel_table` (about 13 000 driven microbatches: 6-7 min wall on the shared
+2-core machine under a load average of 6-8), `--quick` for a smoke run, `--attacks random,mimic` for a subset.
+docs/sentinel.md section 9 has the method, the table and what the adaptive attacks do.
 Results: `benchmarks/results/sentinel_table.json` and `.png` (written after every arm, with `complete`
 false until the end, so a run cut short still leaves its table so far).
 """

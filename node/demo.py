@@ -16,7 +16,9 @@ What it does, in order:
    `node.swarm_view.SwarmHistory`, and shows it live (rich) or, without a terminal, as a log line every 10 s;
 5. with `--chaos`, runs `node.chaos` schedules (learner kills and restarts, stalls, a syncer kill with failover);
    with `--attack KIND`, one stage replica runs the named attack (`HIVENODE_UNSAFE_ATTACK`, the stage's explicit
-   unsafe option; `verification.attacks` names the kinds);
+   unsafe option; `verification.attacks` names the kinds); its stage has at least 3 replicas, the fewest with
+   which a verifier may ban one (it never leaves a stage fewer than 2 working replicas, and a spot check needs a
+   third replica to decide two against one), and the report says whether and when it was banned;
 6. at `--duration` (seconds of training after the swarm is up) or on Ctrl-C: stops every process (SIGTERM, then
    SIGKILL of whatever is left and what it forked; the demo is the subreaper of everything it started, so nothing
    escapes), checks that no process is left, evaluates the syncer's final checkpoint on held-out data, and writes
@@ -61,8 +63,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = {"vocab_size": 256, "context_len": 64, "num_layers": 2, "width": 64, "num_heads": 4}
 EVAL_BATCHES, EVAL_BATCH_SIZE = 4, 8  # held-out batches the syncer and the demo evaluate the global model on
 MIN_CHAOS_DURATION_S = 40.0
-REVIVE_AFTER_S = 6.0
-ATTACK_START_AFTER = 80  # honest steps of the attacker before it attacks (the monitors warm up first)  # a node down this long that chaos does not account for is started again
+REVIVE_AFTER_S = 6.0  # a node down this long that chaos does not account for is started again
+ATTACK_START_AFTER = 80  # honest steps of the attacker before it attacks (the monitors warm up first)
+# The verifier's ledger never bans a stage below 2 working replicas (verification.ledger.LedgerConfig:
+# min_active_replicas_per_stage, max_banned_fraction_per_stage 0.5), and a spot check convicts only two against
+# one: with 2 replicas the liar could never be banned.
+ATTACK_MIN_REPLICAS = 3
 _DASHBOARD = re.compile(r"^dashboard: (http://\S+?)/?$", re.M)
 _MADDR = re.compile(r"^(/ip4/\S+/p2p/\S+)$", re.M)
 _STATUS = re.compile(r"^status: (http://\S+)$", re.M)
@@ -105,8 +111,13 @@ class DemoConfig:
             raise ValueError("nothing to train: give --learners N and/or --stages S")
         if self.stages and self.verifiers < 1:
             raise ValueError("a pipeline needs at least one verifier to drive it")
-        if self.attack is not None and (self.stages < 1 or self.replicas < 2):
-            raise ValueError("--attack needs a pipeline with at least 2 replicas per stage (one may lie)")
+        if self.attack is not None and (self.stages < 1 or self.replicas < ATTACK_MIN_REPLICAS):
+            raise ValueError(
+                f"--attack needs a pipeline with at least {ATTACK_MIN_REPLICAS} replicas per stage "
+                f"(got --stages {self.stages} --replicas {self.replicas}): a verifier never bans a stage "
+                f"below 2 working replicas and needs a third replica to decide a spot check, so with fewer "
+                f"the liar could never be banned; use --replicas {ATTACK_MIN_REPLICAS} (the default with --attack)"
+            )
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("--duration must be positive")
         if self.chaos and self.duration_s is not None and self.duration_s < MIN_CHAOS_DURATION_S:
@@ -133,6 +144,11 @@ class DemoConfig:
     @property
     def num_layers(self) -> int:
         return max(DEMO_MODEL["num_layers"], self.stages)
+
+    @property
+    def attacker(self) -> str | None:
+        """The name of the lying stage replica (see plan_nodes), None without --attack."""
+        return f"stage0r{self.replicas}" if self.attack is not None else None
 
     @property
     def planned_workers(self) -> int:
@@ -177,7 +193,7 @@ def plan_nodes(config: DemoConfig) -> list[NodeSpec]:
     for stage in range(config.stages):
         for replica in range(config.replicas):
             # the last replica of stage 0 lies, when asked to: its activations cross a checked boundary on every
-            # microbatch, and the other replica of its stage stays honest to compare with and route to
+            # microbatch, and the other replicas of its stage stay honest to compare with and route to
             lies = config.attack is not None and stage == 0 and replica == config.replicas - 1
             nodes.append(
                 NodeSpec(
@@ -762,6 +778,10 @@ class DemoSwarm:
                 },
             )
         )
+        if self.config.attacker is not None:
+            report["attack"] = attack_outcome(
+                self.config, self._run_summary()["nodes"], report.get("bans") or []
+            )
         paths = await asyncio.to_thread(write_plots, report, history, self.out, self.started_at)
         report["plots"] = [p.name for p in paths]
         write_report(self.out, report)
@@ -894,11 +914,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="R",
-        help="replicas per stage (default 1, 2 with --attack)",
+        help=f"replicas per stage (default 1, {ATTACK_MIN_REPLICAS} with --attack)",
     )
     add("--verifiers", type=int, default=1, metavar="V", help="verifiers driving the pipeline (default 1)")
     add("--chaos", action="store_true", help="kill, restart and stall nodes on a seeded schedule")
-    add("--attack", metavar="KIND", help="one stage replica attacks (implies a 2-stage, 2-replica pipeline)")
+    add(
+        "--attack",
+        metavar="KIND",
+        help=f"one stage replica attacks (implies a 2-stage, {ATTACK_MIN_REPLICAS}-replica pipeline)",
+    )
     add(
         "--duration",
         type=float,
@@ -915,7 +939,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace, now: float) -> DemoConfig:
     stages = args.stages or (2 if args.attack else 0)
-    replicas = args.replicas if args.replicas is not None else (2 if args.attack else 1)
+    replicas = args.replicas if args.replicas is not None else (ATTACK_MIN_REPLICAS if args.attack else 1)
     learners = args.learners if args.learners is not None else (0 if stages else 2)
     out = args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     try:
@@ -966,6 +990,48 @@ async def run_demo(config: DemoConfig) -> dict[str, Any] | None:
     return await swarm.finish()
 
 
+def attack_outcome(
+    config: DemoConfig, nodes: dict[str, dict[str, Any]], bans: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    """Whether the lying replica was banned (the report's `attack` entry): its name and peer id, the attack,
+    and from the report's bans whether a ban of it took effect, when it was first seen and why."""
+    name = config.attacker
+    peer = (nodes.get(name or "") or {}).get("peer_id")
+    mine = [b for b in bans if peer is not None and b.get("offender") == peer]
+    honest = sorted({str(b.get("offender")) for b in bans if b.get("offender") != peer})
+    return {
+        "node": name,
+        "peer_id": peer,
+        "kind": config.attack,
+        "banned": any(b.get("in_effect") for b in mine),
+        "ban_seen": bool(mine),
+        "first_seen_s": min(
+            (b["first_seen_s"] for b in mine if b.get("first_seen_s") is not None), default=None
+        ),
+        "reasons": [r for b in mine for r in b.get("reasons") or []][:3],
+        "honest_banned": honest,
+    }
+
+
+def attack_line(outcome: dict[str, Any]) -> str:
+    """One line for the terminal: was the liar banned?"""
+    who = (
+        f"{outcome['node']} ({short(str(outcome['peer_id']))})" if outcome.get("peer_id") else outcome["node"]
+    )
+    if outcome["banned"]:
+        when = outcome.get("first_seen_s")
+        verdict = "BANNED" + (f" {when:.0f} s into the run" if when is not None else "")
+    elif outcome["ban_seen"]:
+        verdict = "ban published but not (yet) in effect"
+    else:
+        verdict = (
+            f"NOT banned (it attacks after {ATTACK_START_AFTER} honest steps of its own; a short run may end "
+            "before it attacks or before the verifier has the evidence)"
+        )
+    extra = f"; honest replicas banned: {len(outcome['honest_banned'])}" if outcome["honest_banned"] else ""
+    return f"attack {outcome['kind']} by {who}: {verdict}{extra}"
+
+
 def describe(config: DemoConfig) -> str:
     parts = [f"{config.learners} learner(s)"] if config.learners else []
     if config.stages:
@@ -976,7 +1042,7 @@ def describe(config: DemoConfig) -> str:
     if config.chaos:
         parts.append("chaos")
     if config.attack:
-        parts.append(f"attack {config.attack}")
+        parts.append(f"attack {config.attack} by {config.attacker}")
     return ", ".join(parts)
 
 
@@ -996,6 +1062,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("stopped before the swarm was up; no report", flush=True)
         return EXIT_OK
     print(render_text(report), flush=True)
+    if report.get("attack"):
+        print(attack_line(report["attack"]), flush=True)
     print(
         f"report: {config.out_dir / 'report.json'}; plots: {', '.join(report.get('plots', []))}", flush=True
     )

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -355,6 +355,36 @@ def merge_stages(arm: Arm) -> None:
             c.weights_changed()
 
 
+def set_lr(arm: Arm, lr: float, *, stages: Collection[int] | None = None) -> None:
+    """An honest learning-rate change: every replica of `stages` (default all) steps with `lr` from now on."""
+    for peer, stage in arm.stages.items():
+        if stages is None or stage in stages:
+            for group in arm.services[peer].core.optimizer.param_groups:
+                group["lr"] = lr
+
+
+def shift_weights(arm: Arm, std: float, *, seed: int = 0, stages: Collection[int] | None = None) -> None:
+    """An honest new merged version that moved far: every unbanned replica of a stage gets the same weight jump
+    (std `std` relative to each tensor's RMS), as when all adopt a merge after a large outer step."""
+    gen = torch.Generator().manual_seed(seed)
+    banned = arm.watcher.active()
+    for stage in range(len(arm.config.replicas)):
+        if stages is not None and stage not in stages:
+            continue
+        cores = [arm.services[p].core for p, s in arm.stages.items() if s == stage and p not in banned]
+        if not cores:
+            continue
+        with torch.no_grad():
+            for name in sorted(cores[0].params):
+                ref = cores[0].params[name]
+                scale = float(ref.detach().pow(2).mean().sqrt()) or 1.0
+                jump = torch.randn(ref.shape, generator=gen) * (std * scale)
+                for c in cores:
+                    c.params[name].add_(jump)
+        for c in cores:
+            c.weights_changed()
+
+
 @dataclass(slots=True)
 class Checkpoint:
     microbatches: int  # driven so far
@@ -369,12 +399,15 @@ def drive(
     *,
     eval_every: int = 100,
     progress: Callable[[int, Arm], None] | None = None,
+    events: Mapping[int, Callable[[Arm], None]] | None = None,
 ) -> dict[str, Any]:
     """Drive `microbatches` microbatches, `concurrency` at a time (one clock second each); after each round:
     merge every `merge_every`, publish and poll bans every `poll_every`, note bans, and measure the held-out
     loss every `eval_every` and at the end (also before the first microbatch). Put `eval_every` on a
     multiple of `merge_every` to measure right after a merge, when every replica of a stage holds the same
-    weights and routing does not matter."""
+    weights and routing does not matter. `events` maps a microbatch count to a call made once that many
+    microbatches are done (honest shifts for tests: `set_lr`, `shift_weights`)."""
+    pending_events = sorted((events or {}).items())
     cfg = arm.config
     context_len = int(cfg.model["context_len"])
     data = corpus()
@@ -416,6 +449,8 @@ def drive(
             outcomes.extend(results)
             if cfg.merge_every and done % cfg.merge_every == 0:
                 merge_stages(arm)
+            while pending_events and pending_events[0][0] <= done:
+                pending_events.pop(0)[1](arm)
             if first % cfg.poll_every == 0:
                 await arm.watcher.publish_pending()
                 await arm.watcher.poll(arm.services)
@@ -456,4 +491,6 @@ __all__ = [
     "drive",
     "merge_stages",
     "pretrained_state",
+    "set_lr",
+    "shift_weights",
 ]

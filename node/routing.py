@@ -266,6 +266,10 @@ class RetryPolicy:
     same_replica_retries: int = 1  # a timed-out backward is asked again of the same replica first (cached)
     timeout_growth: float = 2.0  # the timeout of a replica is multiplied by this per timeout in a row
     max_hop_timeout_s: float = 120.0
+    # A forward answer SENTINEL dropped is asked of another replica of the stage: nothing was applied yet and
+    # the input was accepted upstream. Without this, a flagged replica that answers fast drew the next
+    # microbatches too (least projected time) and a short run of flags abandoned 250 in 3 s (test_pipeline).
+    retry_dropped_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.same_replica_retries < 0:
@@ -288,10 +292,14 @@ class RetryPolicy:
         verifier rebuilds it there)."""
         return failure not in (HopFailure.TIMEOUT, HopFailure.LOST, HopFailure.NO_CONTEXT)
 
-    def retry_elsewhere(self, failure: HopFailure, attempt: int) -> bool:
-        """After the `attempt`-th failed try (1-based): may another replica be tried?"""
-        if failure is HopFailure.DROPPED:
-            return False  # a dropped activation drops the microbatch; re-sending it elsewhere hides the flag
+    def retry_elsewhere(self, failure: HopFailure, attempt: int, *, forward: bool = False) -> bool:
+        """After the `attempt`-th failed try (1-based): may another replica be tried?
+
+        A dropped gradient is never re-sent: the replica that sent it has applied its backward, so a retry would
+        apply the microbatch twice at that stage. A dropped forward answer is, with `retry_dropped_forward`
+        (the flag is already recorded; the replica that sent it is left out of the hop's next tries)."""
+        if failure is HopFailure.DROPPED and not (forward and self.retry_dropped_forward):
+            return False
         return attempt < self.max_attempts
 
     def ask_same_again(self, failure: HopFailure, same_tries: int) -> bool:

@@ -98,6 +98,8 @@ class TapStats:
     spot_matches: int = 0
     spot_thirds: int = 0  # mismatches that asked a third replica
     spot_convictions: int = 0
+    spot_uncorroborated: int = 0  # convictions by two identical replicas: quarantine, never a ban
+    spot_marginal: int = 0  # convictions near the tolerance: each a fraction of a full one
     spot_inconclusive: int = 0
     spot_exonerated: int = 0  # flagged microbatches whose recomputation matched: flag taken back
     check_s: float = 0.0
@@ -194,10 +196,12 @@ class SentinelTap:
             self._act(decision)
             if not verdict.flagged:
                 return tensor
-            self._taint(microbatch_id)
             if dir_name == "forward" and self.config.drop_flagged_activations:
+                # Not tainted: the tensor goes nowhere, and the driver asks another replica for this hop,
+                # whose answer (and everything downstream of it) is checked as usual.
                 self.stats.dropped += 1
                 return Drop(f"SENTINEL flagged {replica[-8:]} at stage {stage} forward: {verdict.reason}")
+            self._taint(microbatch_id)  # the replacement travels on: later boundaries must not blame others
             self.stats.replaced += 1
             return self.monitor.boundary(stage, dir_name).replacement_for(tensor)
         finally:
@@ -261,8 +265,16 @@ class SentinelTap:
                     self._remember_flag(replica, microbatch_id, kept.verdict, kept.signed)
             dir_name = "forward" if direction is Direction.FORWARD else "backward"
             reason = f"spot check of microbatch {microbatch_id} at stage {stage} {dir_name}: {verdict.reason}"
+            stats.spot_uncorroborated += int(not verdict.corroborated)
+            stats.spot_marginal += int(verdict.marginal)
             decision = self.ledger.record_evidence(
-                culprit, stage, self.clock(), reason=reason, replicas=self._replicas(stage, culprit)
+                culprit,
+                stage,
+                self.clock(),
+                reason=reason,
+                corroborated=verdict.corroborated,
+                marginal=verdict.marginal,
+                replicas=self._replicas(stage, culprit),
             )
             self._act(decision, kind="spotcheck")
         if outcome != "match":

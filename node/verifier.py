@@ -508,7 +508,7 @@ class PipelineDriver:
                 self._failed(microbatch, stage, replica, e, outcome)
                 if self.retry.excludes(e.failure):  # a timed-out replica may be tried again, with more time
                     tried.add(replica)
-                if not self.retry.retry_elsewhere(e.failure, attempt):
+                if not self.retry.retry_elsewhere(e.failure, attempt, forward=True):
                     raise MicrobatchAbandoned(f"forward at stage {stage}: {e}") from None
                 outcome.retries += 1
 

@@ -64,6 +64,10 @@ class LedgerConfig:
     # quarantine rate) in between, so spot-check evidence usually convicts a real attacker sooner.
     confirm_s: float = 20.0
     convictions_to_ban: int = 2  # spot-check convictions within the window that ban (see record_evidence)
+    # Marginal convictions (the odd one within SpotCheckConfig.ban_margin tolerances of the others, where an
+    # honest replica running ahead was also seen) weigh less: this many of them alone ban, and each counts
+    # convictions_to_ban / marginal_convictions_to_ban of a full one.
+    marginal_convictions_to_ban: int = 4
     corroboration_clean: int = 2  # clean peer microbatches since the suspect's first counted flag
     release_clean_microbatches: int = 20  # clean in a row that lift a quarantine
     max_banned_fraction_per_stage: float = 0.5  # statistical bans never exceed this share of a stage
@@ -82,8 +86,8 @@ class LedgerConfig:
             )
         if not 0.0 < self.storm_fraction < 1.0:
             raise ValueError("storm_fraction must be in (0, 1)")
-        if self.convictions_to_ban < 1:
-            raise ValueError("convictions_to_ban must be >= 1")
+        if not 1 <= self.convictions_to_ban <= self.marginal_convictions_to_ban:
+            raise ValueError("need 1 <= convictions_to_ban <= marginal_convictions_to_ban")
         if self.storm_cooldown_s < 0 or self.confirm_s < 0:
             raise ValueError("storm_cooldown_s and confirm_s must be >= 0")
         if self.corroboration_clean < 0 or self.release_clean_microbatches < 1:
@@ -124,6 +128,7 @@ class _Signer:
     candidate_since: float | None = None  # when its statistical evidence first reached ban level
     candidate_storms: int = 0  # the ledger's storm count when that clock started
     convictions: deque[int] = field(default_factory=lambda: deque(maxlen=16))  # own-microbatch count at each
+    marginal: deque[int] = field(default_factory=lambda: deque(maxlen=16))  # likewise, marginal convictions
     ids: deque[tuple[int, int]] = field(default_factory=deque)  # (microbatch id, stage seq) of the window
 
     def flags(self) -> int:
@@ -238,6 +243,8 @@ class ViolationLedger:
         reason: str,
         proof: bool = False,
         bypass_cap: bool = False,
+        corroborated: bool = True,
+        marginal: bool = False,
         replicas: Collection[str] | None = None,
     ) -> LedgerDecision:
         """Evidence beyond statistics against `signer`.
@@ -249,7 +256,11 @@ class ViolationLedger:
         One conviction is not enough: right after a staggered merge two replicas can be nearly identical
         while an honest third that has not adopted it yet is the odd one out by its whole local drift
         (measured: 0.65 relative difference on gradients against 0.10 between the other two).
-        `bypass_cap=True` is the earlier name of `proof=True` and means the same."""
+        `bypass_cap=True` is the earlier name of `proof=True` and means the same. `corroborated=False` (the
+        two replicas that outvoted the signer were identical copies of one version: one opinion, see
+        `SpotCheckVerdict.corroborated`) quarantines and never counts towards a ban. `marginal=True` (the
+        odd one was near the others, `SpotCheckVerdict.marginal`) counts as a fraction of a conviction:
+        `marginal_convictions_to_ban` of them ban, so a liar near honest variation must keep losing."""
         stage_state = self._stage(stage)
         self._update_members(stage_state, signer, replicas)
         st = self._signer(signer, stage)
@@ -257,10 +268,19 @@ class ViolationLedger:
             return LedgerDecision("none", "already banned", signer, stage)
         if proof or bypass_cap:
             return self._ban(st, stage_state, signer, stage, f"proof: {reason}", now)
-        st.convictions.append(st.microbatches)
-        recent = sum(1 for at in st.convictions if st.microbatches - at < self.config.window_microbatches)
-        if recent < self.config.convictions_to_ban:
-            return self._quarantine(st, signer, stage, f"spot-check conviction {recent}: {reason}")
+        if not corroborated:
+            return self._quarantine(st, signer, stage, f"uncorroborated spot-check conviction: {reason}")
+        (st.marginal if marginal else st.convictions).append(st.microbatches)
+        cfg = self.config
+        full = sum(1 for at in st.convictions if st.microbatches - at < cfg.window_microbatches)
+        near = sum(1 for at in st.marginal if st.microbatches - at < cfg.window_microbatches)
+        recent = full + near
+        # integer form of full / convictions_to_ban + near / marginal_convictions_to_ban >= 1
+        if full * cfg.marginal_convictions_to_ban + near * cfg.convictions_to_ban < (
+            cfg.convictions_to_ban * cfg.marginal_convictions_to_ban
+        ):
+            kind = "marginal spot-check conviction" if marginal else "spot-check conviction"
+            return self._quarantine(st, signer, stage, f"{kind} {recent}: {reason}")
         if not self._cap_allows_ban(stage_state):
             return self._quarantine(
                 st, signer, stage, f"{recent} spot-check convictions but the stage ban cap is reached"
@@ -304,7 +324,8 @@ class ViolationLedger:
     # ----------------------------------------------------------------- internals
 
     def _recently_convicted(self, st: _Signer) -> bool:
-        return any(st.microbatches - at < self.config.window_microbatches for at in st.convictions)
+        window = self.config.window_microbatches
+        return any(st.microbatches - at < window for at in (*st.convictions, *st.marginal))
 
     def _stage(self, stage: int) -> _Stage:
         return self._stages.setdefault(stage, _Stage())
@@ -512,6 +533,7 @@ class ViolationLedger:
                 "candidate_since": st.candidate_since,
                 "candidate_storms": st.candidate_storms,
                 "convictions": list(st.convictions),
+                "marginal": list(st.marginal),
                 "ids": [list(item) for item in st.ids],
             }
             for name, st in self._signers.items()
@@ -552,6 +574,7 @@ class ViolationLedger:
                 candidate_since=None if s.get("candidate_since") is None else float(s["candidate_since"]),
                 candidate_storms=int(s.get("candidate_storms", 0)),
                 convictions=deque((int(c) for c in s.get("convictions", [])), maxlen=16),
+                marginal=deque((int(c) for c in s.get("marginal", [])), maxlen=16),
                 ids=deque((int(mb), int(seq)) for mb, seq in s.get("ids", [])),
             )
         self._stages = {}

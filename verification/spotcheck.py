@@ -62,6 +62,12 @@ class SpotCheckConfig:
     clear_factor: float = 3.0
     odd_one_out_ratio: float = 4.0  # the odd replica differs from BOTH others this many times more
     # than they differ from each other (measured honest max: 3.9, p99: 2.3-3.0)
+    # A conviction counts in full only when the odd one is this many tolerances from both others; nearer,
+    # it is marginal (LedgerConfig.marginal_convictions_to_ban: it takes more of them to ban). Measured
+    # in tests/integration/test_sentinel.py: an honest replica a few steps ahead of two others was the odd
+    # one out at 1.2 x the tolerance (0.18 vs 0.15) twice and was banned, about 1 run in 7. The attacks
+    # of the table differ from honest replicas by 0.45 (noise at strength 0.5) to 2 (scaling by -1).
+    ban_margin: float = 1.5
 
     def __post_init__(self) -> None:
         for name in ("base_rate", "new_peer_rate", "flagged_rate", "flagged_tensor_rate", "quarantined_rate"):
@@ -74,6 +80,8 @@ class SpotCheckConfig:
             raise ValueError("need rtol >= 0, atol >= 0 and tolerance_max >= rtol")
         if self.tolerance_factor < 1.0 or self.odd_one_out_ratio < 1.0 or self.clear_factor <= 0:
             raise ValueError("need tolerance_factor >= 1, odd_one_out_ratio >= 1 and clear_factor > 0")
+        if not (math.isfinite(self.ban_margin) and self.ban_margin >= 1.0):
+            raise ValueError(f"ban_margin must be >= 1, got {self.ban_margin}")
         if not 1 <= self.tolerance_samples <= self.tolerance_window:
             raise ValueError("need 1 <= tolerance_samples <= tolerance_window")
 
@@ -99,10 +107,18 @@ class SpotCheckVerdict:
     original_vs_checker: SpotCheckResult
     third_vs_checker: SpotCheckResult | None = None
     third_vs_original: SpotCheckResult | None = None
+    # False when the two replicas that agree are identical copies of one version while replicas normally
+    # drift (SpotCheckPolicy._one_opinion): the culprit's tensor is still distrusted (dropped, and the
+    # replica quarantined) but the conviction does not count towards a ban.
+    corroborated: bool = True
+    # True when the culprit is within `ban_margin` tolerances of the two others: a conviction, but one of
+    # several that a ban takes (LedgerConfig.marginal_convictions_to_ban).
+    marginal: bool = False
 
     @property
     def culprit(self) -> Literal["original", "checker"] | None:
-        """Who two replicas agree against: ban-grade evidence for `LedgerDecision.record_evidence`."""
+        """Who two replicas agree against (the odd one out); pass `corroborated` on to
+        `ViolationLedger.record_evidence`: only corroborated convictions count towards a ban."""
         if self.outcome == "original_faulty":
             return "original"
         if self.outcome == "checker_faulty":
@@ -111,8 +127,9 @@ class SpotCheckVerdict:
 
     @property
     def ban_grade(self) -> bool:
-        """True when the check convicts someone (the original or the checker) two against one."""
-        return self.culprit is not None
+        """True when the check convicts someone (the original or the checker) in full: two distinct
+        opinions against one, and not marginally (a marginal conviction is a fraction of one)."""
+        return self.culprit is not None and self.corroborated and not self.marginal
 
 
 def compare_outputs(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> SpotCheckResult:
@@ -198,6 +215,17 @@ class SpotCheckPolicy:
         sample = apart if len(apart) >= self.config.tolerance_samples // 2 else self._honest_rel
         return statistics.median(sample)
 
+    def _one_opinion(self, agreeing: float) -> bool:
+        """Whether the two replicas that agree against a third are one opinion rather than two: replicas
+        are known to drift apart (the calibrated honest median is above rtol) and these two are identical,
+        i.e. copies of one merged version that neither has stepped away from yet. Against such a pair any
+        replica that has stepped since is "the odd one out", honest or not. Measured on the live pipeline
+        right after a learning-rate change (lr x10): an honest replica one step ahead of two identical
+        peers was the odd one out at 0.19-0.73 relative, and, recomputed on every microbatch once
+        quarantined, twice in a row (a ban; see docs/sentinel.md)."""
+        cfg = self.config
+        return agreeing <= cfg.rtol and cfg.adaptive_tolerance and self._honest_median() > cfg.rtol
+
     @property
     def calibrated(self) -> bool:
         """Whether the tolerance rests on honest pairs (always, with a fixed tolerance)."""
@@ -259,16 +287,26 @@ class SpotCheckPolicy:
         original_odd = min(first.rel_diff, vs_original.rel_diff) > max(tol, ratio * vs_checker.rel_diff)
         checker_odd = min(first.rel_diff, vs_checker.rel_diff) > max(tol, ratio * vs_original.rel_diff)
         distances = f"o-c {first.rel_diff:.2e}, t-o {vs_original.rel_diff:.2e}, t-c {vs_checker.rel_diff:.2e}"
+        corroborated, marginal = True, False
         if original_odd:
             self._honest_rel.append(vs_checker.rel_diff)
             outcome: Outcome = "original_faulty"
             reason = f"original is the odd one out ({distances}; tolerance {tol:.2e})"
+            corroborated = not self._one_opinion(vs_checker.rel_diff)
+            marginal = min(first.rel_diff, vs_original.rel_diff) < self.config.ban_margin * tol
         elif checker_odd:
             self._honest_rel.append(vs_original.rel_diff)
             outcome = "checker_faulty"
             reason = f"checker is the odd one out ({distances}; tolerance {tol:.2e})"
+            corroborated = not self._one_opinion(vs_original.rel_diff)
+            marginal = min(first.rel_diff, vs_checker.rel_diff) < self.config.ban_margin * tol
         else:
             outcome = "inconclusive"
             reason = f"no odd one out ({distances}; tolerance {tol:.2e})"
+        if not corroborated:
+            reason += "; the two others are identical: one opinion, not ban-grade"
+            marginal = False
+        elif marginal:
+            reason += f"; within {self.config.ban_margin:g} x the tolerance of the others: marginal"
         logger.info("spot check %s: %s", outcome, reason)
-        return SpotCheckVerdict(outcome, reason, first, vs_checker, vs_original)
+        return SpotCheckVerdict(outcome, reason, first, vs_checker, vs_original, corroborated, marginal)

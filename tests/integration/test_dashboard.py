@@ -187,9 +187,10 @@ def test_dashboard_shows_the_attackers_ban(tmp_path: Path) -> None:
     """End to end: one stage replica attacks, the verifier bans it, the page shows the ban and its evidence."""
     if not _has_attack_option():
         pytest.skip("this version has no stage attack option (HIVENODE_UNSAFE_ATTACK)")
-    args = ("--learners", "1", "--stages", "2", "--replicas", "2", "--attack", ATTACK_KIND)
+    # 3 replicas: the demo refuses --attack with fewer (the ban cap never leaves a stage below 2 replicas)
+    args = ("--learners", "1", "--stages", "2", "--replicas", "3", "--attack", ATTACK_KIND)
     with running_demo(tmp_path, *args) as (_demo, url, out):
-        attacker = NodeIdentity.load(out / "state" / "stage0r2" / "identity.key").peer_id
+        attacker = NodeIdentity.load(out / "state" / "stage0r3" / "identity.key").peer_id
         doc = wait_until(
             lambda: _swarm_with(url, lambda d: d["bans"]), BAN_WAIT_S, what="a ban by the verifier"
         )

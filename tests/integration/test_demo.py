@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from node.demo import DemoConfig, plan_nodes, run_toml
+from node.demo import ATTACK_START_AFTER, DemoConfig, attack_line, attack_outcome, plan_nodes, run_toml
 from protocol.identity import NodeIdentity
 from protocol.manifest import parse_run_toml
 from tests.integration.procs import Procs, procs, run_cli, wait_until
@@ -24,7 +24,7 @@ DEMO_BOUND_S = 300.0
 
 
 def test_the_demo_run_authorizes_its_trusted_keys_and_plans_one_liar(tmp_path: Path) -> None:
-    config = DemoConfig(out_dir=tmp_path, learners=1, stages=2, replicas=2, attack="random", chaos=True)
+    config = DemoConfig(out_dir=tmp_path, learners=1, stages=2, replicas=3, attack="random", chaos=True)
     nodes = plan_nodes(config)
     assert [n.name for n in nodes] == [
         "syncer1",
@@ -32,17 +32,37 @@ def test_the_demo_run_authorizes_its_trusted_keys_and_plans_one_liar(tmp_path: P
         "learner1",
         "stage0r1",
         "stage0r2",
+        "stage0r3",
         "stage1r1",
         "stage1r2",
+        "stage1r3",
         "verifier1",
     ]
-    assert [n.name for n in nodes if n.attack] == ["stage0r2"]
+    assert [n.name for n in nodes if n.attack] == ["stage0r3"] == [config.attacker]
     syncers = [NodeIdentity.generate().peer_id for _ in range(2)]
     verifier = NodeIdentity.generate().peer_id
     manifest = parse_run_toml(run_toml(config, syncers, [verifier]))
     assert set(manifest.authorized_syncers) == set(syncers) and manifest.authorized_verifiers == (verifier,)
     assert (manifest.num_stages, manifest.model["num_layers"], manifest.heartbeat_period_s) == (2, 2, 2.0)
-    assert config.planned_workers == 3
+    assert config.planned_workers == 4
+
+
+def test_the_demo_says_whether_the_liar_was_banned(tmp_path: Path) -> None:
+    config = DemoConfig(out_dir=tmp_path, stages=2, replicas=3, attack="random", learners=0)
+    nodes = {"stage0r3": {"role": "stage", "stage": 0, "peer_id": "12D3KooWLiar"}}
+    ban = {"offender": "12D3KooWLiar", "in_effect": True, "first_seen_s": 42.0, "reasons": ["spot check"]}
+    other = {"offender": "12D3KooWHonest", "in_effect": True, "first_seen_s": 50.0, "reasons": ["flags"]}
+    caught = attack_outcome(config, nodes, [ban])
+    assert caught["banned"] and caught["first_seen_s"] == 42.0 and caught["honest_banned"] == []
+    assert "BANNED 42 s into the run" in attack_line(caught) and "stage0r3" in attack_line(caught)
+    missed = attack_outcome(config, nodes, [other])
+    assert not missed["banned"] and missed["honest_banned"] == ["12D3KooWHonest"]
+    line = attack_line(missed)
+    assert (
+        "NOT banned" in line
+        and f"{ATTACK_START_AFTER} honest steps" in line
+        and "honest replicas banned: 1" in line
+    )
 
 
 @pytest.mark.parametrize(
@@ -50,7 +70,9 @@ def test_the_demo_run_authorizes_its_trusted_keys_and_plans_one_liar(tmp_path: P
     [
         ({"learners": 0}, "nothing to train"),
         ({"stages": 1, "verifiers": 0}, "verifier"),
-        ({"stages": 2, "replicas": 1, "attack": "random"}, "2 replicas"),
+        ({"stages": 2, "replicas": 1, "attack": "random"}, "at least 3 replicas"),
+        # 2 replicas: the per-stage ban cap (never below 2 working replicas) would make the liar unbannable
+        ({"stages": 2, "replicas": 2, "attack": "random"}, "--replicas 3"),
         ({"duration_s": 0.0}, "--duration"),
     ],
 )

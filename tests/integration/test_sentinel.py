@@ -15,10 +15,12 @@ banned.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
-from node.pipeline_harness import Arm, HarnessConfig, build_arm, drive
+from node.pipeline_harness import Arm, HarnessConfig, build_arm, drive, set_lr, shift_weights
 from protocol.identity import NodeIdentity
 from verification.sentinel import SentinelConfig
 
@@ -28,6 +30,11 @@ VERIFIER = NodeIdentity.generate()
 REPLICAS = (2, 3, 2)
 ATTACK_START = 50  # the attacker's own steps sent honestly first (monitors warm up, spot checks calibrate)
 BAN_WITHIN = 15  # own attacked microbatches before the ban, at most
+# Noise at half the signal's scale sits at 1.2-1.7 spot-check tolerances from honest replicas, where an honest
+# replica running ahead was also seen (1.2, and banned, about 1 CI run in 7): convictions within
+# SpotCheckConfig.ban_margin (1.5) tolerances are marginal and a ban takes 4 of them instead of 2
+# (LedgerConfig.marginal_convictions_to_ban), so the noise attacker's ban may take longer.
+BAN_WITHIN_BY_KIND = {"noise": 40}
 SYNC_EVERY = 10  # driven microbatches between replica averages (the stand-in syncer)
 
 
@@ -61,11 +68,12 @@ def attack_spec(kind: str) -> str:
     return f"{kind},start_after={ATTACK_START}"
 
 
-def assert_liar_banned_alone(arm: Arm, result: dict[str, object], microbatches: int) -> None:
+def assert_liar_banned_alone(arm: Arm, result: dict[str, object], microbatches: int, kind: str) -> None:
+    within = BAN_WITHIN_BY_KIND.get(kind.split(":")[0], BAN_WITHIN)
     attacker = arm.attacker
     assert attacker is not None
     assert [b["offender"] for b in arm.tap.ban_log] == [attacker], arm.tap.ban_log  # banned, nobody else
-    assert arm.attacked_before_ban is not None and 0 < arm.attacked_before_ban <= BAN_WITHIN, (
+    assert arm.attacked_before_ban is not None and 0 < arm.attacked_before_ban <= within, (
         arm.attacked_before_ban,
         arm.tap.ban_log,
     )
@@ -97,7 +105,7 @@ SLOW_ATTACKS = [
 def test_liar_is_banned_everywhere_traffic_reroutes_and_training_goes_on(kind: str) -> None:
     arm = build(attack=attack_spec(kind), verify=True)
     result = drive(arm, 400)
-    assert_liar_banned_alone(arm, result, 400)
+    assert_liar_banned_alone(arm, result, 400, kind)
     assert arm.tap.stats.skipped_cascade + arm.tap.stats.dropped + arm.tap.stats.replaced > 0
 
 
@@ -108,7 +116,7 @@ def test_liar_is_banned_everywhere_traffic_reroutes_and_training_goes_on(kind: s
 def test_liar_is_banned_for_more_attacks_and_seeds(kind: str, seed: int) -> None:
     arm = build(attack=attack_spec(kind), verify=True, seed=seed)
     result = drive(arm, 400, seed=seed)
-    assert_liar_banned_alone(arm, result, 400)
+    assert_liar_banned_alone(arm, result, 400, kind)
 
 
 @pytest.mark.timeout(300)
@@ -120,6 +128,40 @@ def test_clean_run_bans_nobody() -> None:
     assert result["completed"] >= 400 * 0.9  # false flags cost a few dropped microbatches at most
     losses = [loss for _, loss in result["losses"]]  # type: ignore[union-attr]
     assert losses[-1] < losses[0] - 1.0, result["losses"]
+
+
+@pytest.mark.timeout(300)
+def test_honest_shifts_ban_nobody_and_keep_every_stage() -> None:
+    """The issue's honest shifts on the running pipeline: a learning-rate change (x8 on every replica for 50
+    microbatches, as in benchmarks/sentinel_offline.py, then back) and a new merged version that moved far (every
+    replica of every stage adopts the same weight jump, std 100 % of each tensor's RMS, on top of the regular
+    averages). Both are real: the monitors see them (flags, stage-wide storms and re-warms) and the jump sets the
+    held-out loss back; and nobody is banned and no stage loses a replica. (That cross-replica centring is what
+    keeps such shifts from locking the verifier out: tests/unit/test_sentinel.py, with history-only fences as the
+    control.)"""
+    lr = HARNESS.lr
+    seen: dict[str, tuple[int, int]] = {}
+
+    def note(name: str) -> Callable[[Arm], None]:
+        return lambda a: seen.__setitem__(name, (a.tap.stats.flagged, a.tap.stats.rewarms))
+
+    events = {
+        150: lambda a: (note("before lr")(a), set_lr(a, 8 * lr)),
+        200: lambda a: (note("after lr")(a), set_lr(a, lr)),
+        300: lambda a: (note("before jump")(a), shift_weights(a, 1.0, seed=1)),
+        350: note("after jump"),
+    }
+    arm = build(attack=None, verify=True, seed=1)
+    result = drive(arm, 400, seed=1, eval_every=50, events=events)
+    assert arm.tap.ban_log == [] and arm.watcher.active() == frozenset(), arm.tap.ban_log
+    assert min(arm.min_usable_per_stage.values()) >= 2  # every stage kept all its replicas
+    assert result["completed"] >= 400 * 0.85
+    for before, after in (("before lr", "after lr"), ("before jump", "after jump")):
+        assert seen[after][0] > seen[before][0], seen  # flagged: the shift was visible to the monitors
+    assert seen["after lr"][1] > seen["before lr"][1], seen  # and stage-wide: storms, re-warms
+    losses = dict(result["losses"])  # type: ignore[arg-type]
+    assert losses[300] > losses[250] + 0.1, losses  # the jump set training back ...
+    assert losses[400] < losses[300] - 0.1 and losses[400] < losses[0] - 1.0, losses  # ... and it recovered
 
 
 @pytest.mark.slow

@@ -238,6 +238,44 @@ def test_spot_check_convictions_quarantine_then_ban_and_proofs_ban_at_once() -> 
     assert ledger.record_evidence("c", 2, 6.0, reason="equivocation", bypass_cap=True).action == "ban"
 
 
+def test_uncorroborated_convictions_quarantine_but_never_ban() -> None:
+    # Outvoted by two identical copies of one version (SpotCheckVerdict.corroborated False): distrusted,
+    # never banned, however often; one corroborated conviction later still counts as the first.
+    ledger = ViolationLedger()
+    first = ledger.record_evidence("a", 1, 0.0, reason="one opinion", corroborated=False, replicas=REPLICAS)
+    assert first.action == "quarantine" and ledger.is_quarantined("a")
+    for t in range(1, 6):
+        ledger.record("a", 1, False, float(t), microbatch_id=t, replicas=REPLICAS)
+        decision = ledger.record_evidence(
+            "a", 1, float(t), reason="again", corroborated=False, replicas=REPLICAS
+        )
+        assert decision.action != "ban"
+    assert ledger.record_evidence("a", 1, 7.0, reason="two opinions", replicas=REPLICAS).action != "ban"
+    assert ledger.record_evidence("a", 1, 8.0, reason="two opinions", replicas=REPLICAS).action == "ban"
+
+
+def test_marginal_convictions_take_twice_as_many_to_ban_and_survive_a_restart() -> None:
+    # Convictions near the tolerance (SpotCheckVerdict.marginal) weigh half: 4 ban, or 1 full + 2 marginal.
+    def convict(ledger: ViolationLedger, t: int, *, marginal: bool) -> str:
+        ledger.record("a", 1, False, float(t), microbatch_id=t, replicas=REPLICAS)
+        return ledger.record_evidence(
+            "a", 1, float(t), reason="near", marginal=marginal, replicas=REPLICAS
+        ).action
+
+    ledger = ViolationLedger()
+    assert [convict(ledger, t, marginal=True) for t in range(1, 4)] == ["quarantine", "none", "none"]
+    assert ledger.is_quarantined("a") and not ledger.is_banned("a")
+    restored = ViolationLedger()
+    restored.load_state_dict(ledger.state_dict())  # the marginal ones are kept across a restart
+    assert convict(restored, 4, marginal=True) == "ban"
+    mixed = ViolationLedger()
+    assert convict(mixed, 1, marginal=False) == "quarantine"
+    assert convict(mixed, 2, marginal=True) != "ban"
+    assert convict(mixed, 3, marginal=True) == "ban"
+    with pytest.raises(ValueError):
+        LedgerConfig(convictions_to_ban=3, marginal_convictions_to_ban=2)
+
+
 def test_a_lone_old_conviction_expires_with_the_window() -> None:
     ledger = ViolationLedger()
     ledger.record_evidence("a", 1, 0.0, reason="stale replica", replicas=REPLICAS)

@@ -415,15 +415,44 @@ def test_a_reply_signed_by_another_key_is_rejected_and_retried_elsewhere() -> No
     assert pipe.driver.strikes.count(forger_peer, SignerMismatch.reason) >= 1
 
 
-def test_a_dropped_activation_drops_the_microbatch() -> None:
+def test_an_activation_dropped_by_every_replica_drops_the_microbatch() -> None:
     class DropAll(BoundaryTap):
         def check(self, stage, direction, replica, microbatch_id, tensor, header):  # noqa: ANN001, ANN201
             return Drop("test")
 
-    pipe = build_pipeline(manifest(batch_size=64), tap=DropAll())
+    pipe = build_pipeline(manifest(batch_size=64), replicas_per_stage=2, tap=DropAll())
     outcome = run(pipe.driver.run_microbatch(1, *batch(1)))
-    assert not outcome.completed and "test" in outcome.reason
+    assert not outcome.completed and "no usable replica for stage 0" in outcome.reason
+    assert [f["failure"] for f in outcome.failures] == ["dropped", "dropped"]  # each stage-0 replica once
     assert all(c.counters.microbatches_applied == 0 for s in (0, 1) for c in pipe.cores(s))
+
+
+@pytest.mark.parametrize("retry_dropped", [True, False])
+def test_an_activation_dropped_on_one_replica_is_recomputed_on_another(retry_dropped: bool) -> None:
+    """A flagged forward answer is asked of another replica (nothing applied yet), so one flagged replica does
+    not abandon microbatches. Negative control: without the retry every microbatch it served is lost."""
+    pipe = build_pipeline(
+        manifest(batch_size=64), replicas_per_stage=2, retry=RetryPolicy(retry_dropped_forward=retry_dropped)
+    )
+    flagged = next(p for p, s in pipe.stages.items() if s == 0)
+
+    class DropOne(BoundaryTap):
+        def check(self, stage, direction, replica, microbatch_id, tensor, header):  # noqa: ANN001, ANN201
+            return Drop("flagged") if replica == flagged else tensor
+
+    pipe.driver.tap = DropOne()
+    pipe.driver.rng = random.Random(5)
+    outcomes = drive_all(pipe, range(1, 9))
+    served_by_flagged = [o for o in outcomes if any(f["replica"] == flagged for f in o.failures)]
+    assert served_by_flagged  # the router sent it some (ties are broken at random)
+    if retry_dropped:
+        assert all(o.completed and o.replicas[0] != flagged for o in outcomes)
+        assert pipe.driver.stats.double_applied == 0
+    else:
+        assert all(not o.completed for o in served_by_flagged)
+    assert all(
+        c.counters.microbatches_applied == 0 for c in pipe.cores(0) if c is pipe.services[flagged].core
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- receipts

@@ -109,7 +109,10 @@ def test_retry_policy() -> None:
     policy = RetryPolicy(max_attempts=3, same_replica_retries=1)
     assert policy.retry_elsewhere(HopFailure.UNREACHABLE, 1) and policy.retry_elsewhere(HopFailure.TIMEOUT, 2)
     assert not policy.retry_elsewhere(HopFailure.UNREACHABLE, 3)
-    assert not policy.retry_elsewhere(HopFailure.DROPPED, 1)  # a flagged activation is not re-sent elsewhere
+    assert not policy.retry_elsewhere(HopFailure.DROPPED, 1)  # a dropped gradient: applied where it came from
+    # a dropped activation: nothing applied yet, so another replica is asked
+    assert policy.retry_elsewhere(HopFailure.DROPPED, 1, forward=True)
+    assert not RetryPolicy(retry_dropped_forward=False).retry_elsewhere(HopFailure.DROPPED, 1, forward=True)
     assert policy.ask_same_again(HopFailure.TIMEOUT, 0) and not policy.ask_same_again(HopFailure.TIMEOUT, 1)
     assert not policy.ask_same_again(HopFailure.UNREACHABLE, 0)
     assert not policy.blames_replica(HopFailure.NO_CONTEXT) and policy.blames_replica(HopFailure.BAD_REPLY)

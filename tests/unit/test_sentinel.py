@@ -120,6 +120,10 @@ def test_shape_mismatch_is_flagged() -> None:
     _, stage = warmed()
     y, x = stage.microbatch(0)
     assert not monitor.check(y[:3], "r0", 1, 1.0, context=x[:3]).flagged
+    # nothing to judge: flagged with a reason, never an exception
+    for empty in (torch.ones(0, TOKENS, WIDTH), torch.tensor(1.0)):
+        verdict = monitor.check(empty, "r0", 2, 2.0)
+        assert verdict.flagged and verdict.mode == "invalid", verdict
 
 
 def test_clean_stream_is_almost_never_flagged() -> None:
@@ -296,6 +300,38 @@ def test_fences_have_one_width_per_side_for_skewed_metrics() -> None:
     assert fences.sigma_high[1] == pytest.approx(0.1, rel=0.1)
     low, high = fences.bounds(6.0)
     assert (data[:, 0] >= low[0]).all() and (data[:, 0] <= high[0]).mean() > 0.999
+
+
+def test_fences_from_one_sort_match_the_quantile_definitions() -> None:
+    # _compute_fences takes every quantile from one sort per column (for speed); it must give what
+    # the definitions give: linear-interpolation quantiles over the finite values of each column and,
+    # per side, the median of the deviations on that side (NaN columns: no context was passed).
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        rows = int(rng.integers(1, 200))
+        data = rng.standard_normal((rows, 8)) * rng.gamma(1.0, 1.0, 8)
+        if trial % 3 == 0:
+            data[:, 6:] = np.nan
+        if trial % 4 == 0:
+            data[rng.random(data.shape) < 0.3] = np.nan
+        if trial % 5 == 0:
+            data = np.round(data, 1)  # ties at the median
+        mad = _compute_fences(data, SentinelConfig())
+        tukey = _compute_fences(data, SentinelConfig(fence_kind="tukey"))
+        for j in range(8):
+            column = data[:, j][~np.isnan(data[:, j])]
+            if column.size == 0:
+                assert np.isnan([mad.centre[j], mad.sigma_low[j], mad.sigma_high[j], tukey.q1[j]]).all()
+                continue
+            centre = np.quantile(column, 0.5)
+            deviation = column - centre
+            high = max(np.median(deviation[deviation >= 0]) * 1.4826, 0.01)
+            low = max(np.median(-deviation[deviation <= 0]) * 1.4826, 0.01)
+            assert mad.centre[j] == pytest.approx(centre, abs=1e-12)
+            assert mad.sigma_high[j] == pytest.approx(high, abs=1e-12)
+            assert mad.sigma_low[j] == pytest.approx(low, abs=1e-12)
+            assert tukey.q1[j] == pytest.approx(np.quantile(column, 0.25), abs=1e-12)
+            assert tukey.q3[j] == pytest.approx(np.quantile(column, 0.75), abs=1e-12)
 
 
 def test_tukey_fences_work_too() -> None:

@@ -111,7 +111,9 @@ def test_adaptive_tolerance_follows_honest_divergence_and_stays_capped() -> None
     # rel_diff of these honest pairs is ~0.07: tolerance = 5 x median
     assert 0.25 < policy.tolerance < 0.45
     o, c, t = honest_triplet(0.05, gen)
-    assert policy.adjudicate(o + 0.5 * torch.randn(o.shape, generator=gen), c, t).ban_grade
+    noisy = policy.adjudicate(o + 0.5 * torch.randn(o.shape, generator=gen), c, t)
+    assert noisy.culprit == "original"  # the odd one out at ~6 x the honest median: dropped, quarantined
+    assert policy.adjudicate(-o, c, t).ban_grade  # and a blatant one is ban-grade
     # honest pairs at the new tolerance still match: no false conviction
     for _ in range(50):
         o, c, t = honest_triplet(0.05, gen)
@@ -145,6 +147,60 @@ def test_no_conviction_before_the_tolerance_is_calibrated() -> None:
         o, c, _ = honest_triplet(0.05, gen)
         policy.adjudicate(o, c)
     assert policy.calibrated and policy.adjudicate(-o, c, c.clone()).culprit == "original"
+
+
+def test_two_identical_replicas_are_one_opinion_when_replicas_drift() -> None:
+    # Right after a merge (and measured right after a learning-rate change) two replicas that have not
+    # stepped since are identical, and an honest replica that has stepped once is "the odd one out", by
+    # 0.19-0.73 relative at lr x10. Its tensor is still the odd one (dropped, the replica quarantined), but
+    # two copies of one version are one opinion: not ban-grade. Two distinct replicas still convict, and
+    # replicas that never drift (always identical) keep the plain rule.
+    gen = torch.Generator().manual_seed(6)
+    policy = SpotCheckPolicy()
+    for _ in range(policy.config.tolerance_samples):
+        o, c, _ = honest_triplet(0.05, gen)
+        policy.adjudicate(o, c)
+    tol = policy.tolerance
+    _, c, t = honest_triplet(0.05, gen)
+    for ahead in (c + c.norm() * 4 * tol * _unit(gen, c), -c):  # steps ahead, or a blatant lie
+        alone = policy.adjudicate(ahead, c, c.clone())
+        assert alone.culprit == "original" and not alone.corroborated and not alone.ban_grade
+        assert "one opinion" in alone.reason
+        checker = policy.adjudicate(c.clone(), ahead, c)
+        assert checker.culprit == "checker" and not checker.ban_grade
+        distinct = policy.adjudicate(ahead, c, t)
+        assert distinct.culprit == "original" and distinct.corroborated and distinct.ban_grade
+    synced = SpotCheckPolicy()
+    for _ in range(32):
+        synced.adjudicate(c.clone(), c)
+    verdict = synced.adjudicate(c + c.norm() * 0.01 * _unit(gen, c), c, c.clone())
+    assert verdict.culprit == "original" and verdict.ban_grade
+
+
+def test_an_odd_one_out_near_the_tolerance_is_a_marginal_conviction() -> None:
+    # Measured in test_sentinel: an honest replica a few steps ahead of two others was the odd one out at
+    # 1.2 x the tolerance, twice, and was banned. Within `ban_margin` tolerances a conviction is marginal
+    # (the ledger needs more of them); beyond it, it is a full one. Negative control: margin 1.
+    gen = torch.Generator().manual_seed(7)
+    for margin, marginal_bans in ((1.5, False), (1.0, True)):
+        policy = SpotCheckPolicy(SpotCheckConfig(ban_margin=margin))
+        for _ in range(policy.config.tolerance_samples):
+            o, c, _ = honest_triplet(0.05, gen)
+            policy.adjudicate(o, c)
+        tol = policy.tolerance
+        _, c, t = honest_triplet(0.05, gen)
+        near = policy.adjudicate(c + c.norm() * 1.3 * tol * _unit(gen, c), c, t)
+        assert near.culprit == "original" and near.corroborated and near.marginal is not marginal_bans
+        assert near.ban_grade is marginal_bans
+        if not marginal_bans:
+            assert "marginal" in near.reason
+        far = policy.adjudicate(c + c.norm() * 4 * tol * _unit(gen, c), c, t)
+        assert far.culprit == "original" and far.ban_grade
+
+
+def _unit(gen: torch.Generator, like: torch.Tensor) -> torch.Tensor:
+    direction = torch.randn(like.shape, generator=gen)
+    return direction / direction.norm()
 
 
 def test_identical_pairs_do_not_shrink_the_tolerance_when_replicas_drift() -> None:
@@ -190,6 +246,7 @@ def test_clears_only_typical_honest_matches_and_flagged_tensors_are_always_check
         {"rtol": 0.9},
         {"flagged_tensor_rate": 2.0},
         {"clear_factor": 0.0},
+        {"ban_margin": 0.5},
     ],
 )
 def test_config_validation(kwargs: dict[str, object]) -> None:
