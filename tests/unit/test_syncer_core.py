@@ -563,4 +563,3 @@ def test_a_void_round_publishes_the_parameters_unchanged_so_a_synchronous_round_
     assert record.version == 2 and c.versions[0] == 2 and record.participants == () and record.tokens == 0
     assert all(torch.equal(before[n], t) for n, t in c.fragment_tensors(0).items())
     assert c.tokens_merged == 4 * 64  # only the first round's
-
