@@ -63,9 +63,6 @@ class RoutingConfig:
     # live replica of a stage out (the verifier waits while every replica of a stage cools down). Only this many
     # timeouts in a row (each already given a longer timeout) count as a failure.
     timeouts_before_cooldown: int = 3
-    # after SENTINEL drops a replica's answer (`record_dropped`): short, so a replica flagged by mistake is back
-    # soon and a liar still sends the microbatches its ban needs; a preference, like every cooldown
-    drop_cooldown_s: float = 2.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.prior_throughput) and self.prior_throughput > 0):
@@ -74,8 +71,6 @@ class RoutingConfig:
             raise ValueError(f"measurement_weight must be in (0, 1], got {self.measurement_weight}")
         if not 0 < self.failure_cooldown_s <= self.max_cooldown_s:
             raise ValueError("need 0 < failure_cooldown_s <= max_cooldown_s")
-        if not (math.isfinite(self.drop_cooldown_s) and self.drop_cooldown_s >= 0):
-            raise ValueError(f"drop_cooldown_s must be >= 0, got {self.drop_cooldown_s}")
         if self.max_tracked_peers < 1 or self.timeouts_before_cooldown < 1:
             raise ValueError("max_tracked_peers and timeouts_before_cooldown must be >= 1")
 
@@ -146,20 +141,6 @@ class ReplicaRouter:
         self._failures[peer_id] = state
         self._trim(self._failures)
         return cooldown
-
-    def record_dropped(self, peer_id: str, now: float) -> float:
-        """SENTINEL dropped `peer_id`'s answer: let its peers take the next microbatches for
-        `drop_cooldown_s` (a short, fixed pause; its failures in a row are not counted). Returns the pause.
-
-        Without it, a flagged replica answered fastest (a dropped forward has no backward to run) and drew the
-        next microbatch too: a 3 s run of honest false flags on one replica of a 2-replica stage abandoned 250
-        microbatches (test_pipeline, CI). Halving its throughput estimate instead was not enough: the answer's
-        own fast sample had just raised it."""
-        state = self._failures.pop(peer_id, None) or _Failures()
-        state.blocked_until = max(state.blocked_until, now + self.config.drop_cooldown_s)
-        self._failures[peer_id] = state
-        self._trim(self._failures)
-        return self.config.drop_cooldown_s
 
     def record_timeout(self, peer_id: str, now: float, *, slowdown: float = 2.0) -> float:
         """A request to `peer_id` got no answer in time: it is at least `slowdown` times slower than we thought.
@@ -286,9 +267,9 @@ class RetryPolicy:
     timeout_growth: float = 2.0  # the timeout of a replica is multiplied by this per timeout in a row
     max_hop_timeout_s: float = 120.0
     # Whether a forward answer SENTINEL dropped is asked of another replica of the stage (nothing was applied
-    # yet) rather than dropping the microbatch. Off: in the 3 x 3 real-process test it banned honest replicas
-    # in 2 runs of 3 (0 of 3 without): the flagged replica's microbatches went to its peers, which then trained
-    # on more of them and drifted apart from it. `ReplicaRouter.record_dropped` breaks the loop it was for.
+    # yet) rather than dropping its microbatch. Off: in the 3 x 3 real-process test (test_sentinel_procs) it
+    # banned an honest replica in 2 runs of 3 (0 of 5 without), likely because the flagged replica's
+    # microbatches went to its peers, which then drifted apart from it.
     retry_dropped_forward: bool = False
 
     def __post_init__(self) -> None:

@@ -949,11 +949,10 @@ class PipelineDriver:
         failures = self.stats.failures
         failures[error.failure.value] = failures.get(error.failure.value, 0) + 1
         self.stats.retries += 1
-        cooldown = 0.0
-        if error.failure is HopFailure.DROPPED:
-            cooldown = self.router.record_dropped(replica, self.clock())
-        elif self.retry.blames_replica(error.failure):
+        if self.retry.blames_replica(error.failure) and error.failure is not HopFailure.DROPPED:
             cooldown = self.router.record_failure(replica, self.clock())
+        else:
+            cooldown = 0.0
         if isinstance(self.transport, FramedTransport) and error.failure is HopFailure.UNREACHABLE:
             self.transport.forget(replica)
         outcome.failures.append(

@@ -432,35 +432,6 @@ def test_an_activation_dropped_by_every_replica_drops_the_microbatch() -> None:
     assert all(c.counters.microbatches_applied == 0 for s in (0, 1) for c in pipe.cores(s))
 
 
-@pytest.mark.parametrize("penalised", [True, False])
-def test_a_replica_whose_answers_are_dropped_stops_drawing_the_microbatches(
-    penalised: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A flagged replica answers fastest (no backward to run) and, by least projected time, drew the next
-    microbatch too: a 3 s run of honest false flags abandoned 250 microbatches in CI. Each drop now pauses it
-    for `drop_cooldown_s` (`ReplicaRouter.record_dropped`). Negative control: without it, it keeps drawing them."""
-    pipe = build_pipeline(manifest(batch_size=64), replicas_per_stage=2)
-    flagged = next(p for p, s in pipe.stages.items() if s == 0)
-
-    class DropOne(BoundaryTap):
-        def check(self, stage, direction, replica, microbatch_id, tensor, header):  # noqa: ANN001, ANN201
-            return Drop("flagged") if replica == flagged else tensor
-
-    if not penalised:
-        monkeypatch.setattr(ReplicaRouter, "record_dropped", lambda self, peer_id, now: 0.0)
-    pipe.driver.tap = DropOne()
-    router = pipe.driver.router
-    for peer in pipe.stages:  # the flagged replica measured fastest, as it was live
-        router.record_success(peer, tokens=1000 if peer == flagged else 100, seconds=1.0)
-    outcomes = [run(pipe.driver.run_microbatch(i, *batch(i))) for i in range(1, 13)]
-    abandoned = sum(not o.completed for o in outcomes)
-    if penalised:
-        assert 1 <= abandoned <= 4, abandoned
-        assert sum(o.completed for o in outcomes) >= 8
-    else:
-        assert abandoned >= 10, abandoned
-
-
 @pytest.mark.parametrize("retry_dropped", [True, False])
 def test_an_activation_dropped_on_one_replica_is_recomputed_on_another(retry_dropped: bool) -> None:
     """With `retry_dropped_forward` (off by default, see RetryPolicy) a flagged forward answer is asked of

@@ -110,7 +110,7 @@ def test_retry_policy() -> None:
     assert policy.retry_elsewhere(HopFailure.UNREACHABLE, 1) and policy.retry_elsewhere(HopFailure.TIMEOUT, 2)
     assert not policy.retry_elsewhere(HopFailure.UNREACHABLE, 3)
     assert not policy.retry_elsewhere(HopFailure.DROPPED, 1)  # a dropped gradient: applied where it came from
-    # a dropped activation: by default the microbatch is dropped; optionally another replica is asked
+    # a dropped activation: by default its microbatch is dropped; optionally another replica is asked
     assert not policy.retry_elsewhere(HopFailure.DROPPED, 1, forward=True)
     assert RetryPolicy(retry_dropped_forward=True).retry_elsewhere(HopFailure.DROPPED, 1, forward=True)
     assert policy.ask_same_again(HopFailure.TIMEOUT, 0) and not policy.ask_same_again(HopFailure.TIMEOUT, 1)
