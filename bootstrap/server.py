@@ -45,17 +45,11 @@ from node.swarm import (
     start_dht,
 )
 from node.swarm_view import SwarmHistory, ViewConfig
+from protocol.dht_io import SwarmRecords, publish_discovery
 from protocol.errors import HivenodeError
 from protocol.identity import IdentityLock, NodeIdentity
 from protocol.manifest import RunManifest, SignedManifest, authorize, default_manifest, load_run_toml
-from protocol.records import (
-    Heartbeat,
-    HivenodeRecordValidator,
-    RecordLimits,
-    RunRules,
-    SwarmRecords,
-    publish_discovery,
-)
+from protocol.records import Heartbeat, HivenodeRecordValidator, RecordLimits, RunRules
 from protocol.rpc import FramedServer
 
 logger = logging.getLogger(__name__)

@@ -87,7 +87,7 @@ class HarnessConfig:
 
 
 class MemoryBanRecords:
-    """The two calls BanWatcher makes on protocol.records.SwarmRecords, kept in memory (one verifier signs)."""
+    """The two calls BanWatcher makes on protocol.dht_io.SwarmRecords, kept in memory (one verifier signs)."""
 
     def __init__(self, signer: str) -> None:
         self.signer = signer

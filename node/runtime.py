@@ -22,10 +22,10 @@ from typing import IO, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
 from node.config import NodeConfig
+from protocol.dht_io import SwarmRecords
 from protocol.errors import ConfigError, HivenodeError
 from protocol.identity import IdentityLock, NodeIdentity
 from protocol.manifest import RunManifest, SignedManifest
-from protocol.records import SwarmRecords
 
 logger = logging.getLogger(__name__)
 EVENTS_FILENAME = "events.jsonl"

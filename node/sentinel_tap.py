@@ -465,7 +465,7 @@ class BanWatcher:
 
     def __init__(
         self,
-        records: Any,  # protocol.records.SwarmRecords
+        records: Any,  # protocol.dht_io.SwarmRecords
         *,
         authorized_verifiers: Collection[str],
         bans_required: int,

@@ -17,9 +17,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, gen
 
 from node.config import NetworkConfig
 from node.runtime import VERSION, NodeContext, short_id
+from protocol.dht_io import SwarmRecords, fetch_discovery
 from protocol.errors import ConfigError, HivenodeError
 from protocol.identity import NodeIdentity
-from protocol.records import BanRecord, HivenodeRecordValidator, RunRules, SwarmRecords, fetch_discovery
+from protocol.records import BanRecord, HivenodeRecordValidator, RunRules
 
 logger = logging.getLogger(__name__)
 

@@ -555,18 +555,3 @@ class BanRecord:
         body = self.notice.to_body()
         body["evidence"] = body["evidence"].hex()
         return {"verifier": self.verifier, **body, "expires_at": self.expires_at}
-
-
-# The async DHT client, re-exported so `from protocol.records import SwarmRecords` keeps working. Lazily (PEP 562):
-# `protocol.dht_io` imports this module, so an eager import here would fail whenever dht_io is imported first.
-_DHT_IO_NAMES = frozenset(
-    {"SwarmRecords", "fetch_discovery", "fetch_manifest", "manifest_rejections", "publish_discovery"}
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _DHT_IO_NAMES:
-        from protocol import dht_io
-
-        return getattr(dht_io, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

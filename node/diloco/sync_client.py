@@ -99,10 +99,11 @@ if TYPE_CHECKING:
     from hivemind.p2p import P2P
 
     from protocol.codec import TensorLimits
+    from protocol.dht_io import SwarmRecords
     from protocol.envelope import Opened
     from protocol.identity import NodeIdentity
     from protocol.manifest import DilocoSpec, RunManifest
-    from protocol.records import SwarmRecords, SyncerRecord
+    from protocol.records import SyncerRecord
 
 logger = logging.getLogger(__name__)
 

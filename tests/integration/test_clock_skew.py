@@ -26,11 +26,12 @@ from hivemind.utils import get_dht_time
 from node.config import NetworkConfig
 from node.swarm import start_dht
 from protocol.codec import TensorLimits
+from protocol.dht_io import SwarmRecords
 from protocol.envelope import Context, Direction, Kind, max_frame_bytes, open_frame, seal
 from protocol.errors import RemoteRefused
 from protocol.identity import NodeIdentity
 from protocol.manifest import RunManifest, SignedManifest
-from protocol.records import Heartbeat, HivenodeRecordValidator, RunRules, SwarmRecords
+from protocol.records import Heartbeat, HivenodeRecordValidator, RunRules
 from protocol.replay import ReplayGuard
 from protocol.rpc import FramedServer, PeerStrikes, Route, call_framed
 

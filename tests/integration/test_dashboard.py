@@ -91,7 +91,8 @@ def _publish_ban(maddr: str, verifier_key: Path, offender: str, stage: int) -> b
 
     from node.config import NetworkConfig
     from node.swarm import start_dht
-    from protocol.records import BanNotice, HivenodeRecordValidator, RunRules, SwarmRecords, fetch_discovery
+    from protocol.dht_io import SwarmRecords, fetch_discovery
+    from protocol.records import BanNotice, HivenodeRecordValidator, RunRules
 
     async def publish() -> bool:
         with tempfile.TemporaryDirectory() as tmp:

@@ -36,6 +36,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from node.config import NetworkConfig
 from node.swarm import dht_quota_stats, dht_store_quota, start_dht
 from protocol import keys
+from protocol.dht_io import SwarmRecords
 from protocol.identity import NodeIdentity
 from protocol.limits import (
     EXPIRATION_TOO_FAR,
@@ -45,7 +46,7 @@ from protocol.limits import (
     QuotaStats,
 )
 from protocol.manifest import RunManifest, SignedManifest
-from protocol.records import Heartbeat, HivenodeRecordValidator, RunRules, SwarmRecords, make_envelope
+from protocol.records import Heartbeat, HivenodeRecordValidator, RunRules, make_envelope
 
 logger = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from hivemind.utils import get_dht_time
 from node.config import NetworkConfig
 from node.swarm import start_dht
 from protocol import keys
+from protocol.dht_io import SwarmRecords, fetch_discovery, fetch_manifest, publish_discovery
 from protocol.identity import NodeIdentity
 from protocol.manifest import RunManifest, SignedManifest, authorize
 from protocol.records import (
@@ -24,12 +25,8 @@ from protocol.records import (
     Heartbeat,
     HivenodeRecordValidator,
     RunRules,
-    SwarmRecords,
     SyncerState,
-    fetch_discovery,
-    fetch_manifest,
     make_envelope,
-    publish_discovery,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
