@@ -209,6 +209,7 @@ class _Round:
 class Admission:
     target_version: int
     capped: bool  # the counters were reduced (count it against the sender)
+    late: bool = False  # lock-step modes: its round merged without it (its learner realigns, see accept)
     receipt_capped: bool = False  # tokens were cut to what verifier receipts show (receipts lag: no strike)
 
 
@@ -255,6 +256,19 @@ class MergeRecord:
         data["participants"] = list(self.participants)
         data["weights"] = {peer: round(w, 6) for peer, w in self.weights.items()}
         return data
+
+
+Expected = int | Collection[str]  # the live peers that hold a fragment, or only their number
+
+
+def _num_expected(round_: _Round, expected: Expected) -> int:
+    """How many contributions make the round complete. Given the live holders, those still missing plus
+    what is in: a contribution from a peer outside them (its heartbeat expired while it was stopped) counts
+    towards K but never stands in for a live holder that has not sent yet (counted, it let an elastic round
+    merge without a live learner). Given only a count, every contribution in counts."""
+    if isinstance(expected, int):
+        return max(expected, len(round_.entries))
+    return len(round_.entries) + len(set(expected) - round_.entries.keys())
 
 
 class SyncerCore:
@@ -399,7 +413,18 @@ class SyncerCore:
         self._clocks[peer] = (sched_step, now)
         while len(self._clocks) > self._max_merged_keys:
             self._clocks.popitem(last=False)
-        return Admission(target_version=current + 1, capped=capped, receipt_capped=receipt_capped)
+        # A late contribution in a lock-step mode (its round merged without its learner, e.g. one whose
+        # heartbeat expired while it was stopped) goes into the next round, but its learner must not wait for
+        # that round: the others send theirs only after rounds of other fragments that wait for this learner,
+        # and neither side would move. Told `late`, it loads the versions that exist now and realigns its
+        # schedule to the earliest open round, as a restarted learner does (FragmentSync._rejoin).
+        late = not self.policy.config.drop_stale and base_version < current
+        return Admission(
+            target_version=current if late else current + 1,
+            capped=capped,
+            receipt_capped=receipt_capped,
+            late=late,
+        )
 
     def check_contribution(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
         """Raise MalformedFrame unless `params` are exactly the fragment's tensors, shapes and float dtypes."""
@@ -418,14 +443,16 @@ class SyncerCore:
 
     # ---- decisions ----
 
-    def due(self, now: float, expected: Callable[[int], int]) -> tuple[list[int], float | None]:
-        """Fragments whose round should merge now, and the earliest grace deadline among the others."""
+    def due(self, now: float, expected: Callable[[int], Expected]) -> tuple[list[int], float | None]:
+        """Fragments whose round should merge now, and the earliest grace deadline among the others.
+
+        `expected(fragment)`: the live peers that hold it, or just how many there are (see `_num_expected`)."""
         ready, deadline = [], None
         for fragment, round_ in self.rounds.items():
             if round_.opened_at is None:
                 continue
             received = len(round_.entries)
-            num_expected = max(expected(fragment), received)
+            num_expected = _num_expected(round_, expected(fragment))
             required = self.policy.required(num_expected)
             if received >= required and round_.quorum_reached_at is None:
                 # when the required-th contribution arrived, not when we got to look (a merge of another
@@ -448,11 +475,11 @@ class SyncerCore:
 
     # ---- the merge ----
 
-    def take_round(self, fragment: int, expected: int, now: float) -> tuple[_Round, int, int] | None:
+    def take_round(self, fragment: int, expected: Expected, now: float) -> tuple[_Round, int, int] | None:
         round_ = self.rounds.pop(fragment, None)
         if round_ is None:
             return None
-        num_expected = max(expected, len(round_.entries))
+        num_expected = _num_expected(round_, expected)
         return round_, num_expected, self.policy.required(num_expected)
 
     def compute_merge(
@@ -717,8 +744,17 @@ class SyncerCore:
                 out[name] = buf.clone()
         return out
 
-    def adopt(self, fragment: int, version: int, params: Mapping[str, torch.Tensor], now: float) -> bool:
-        """Take a newer version of `fragment` published by an earlier syncer; momentum is kept as it is."""
+    def adopt(
+        self,
+        fragment: int,
+        version: int,
+        params: Mapping[str, torch.Tensor],
+        now: float,
+        *,
+        published_at: float | None = None,
+    ) -> bool:
+        """Take a newer version of `fragment` published by an earlier syncer; momentum is kept as it is.
+        `published_at` (this core's clock; at most `now`): when it was published, if known."""
         if version <= self.versions[fragment]:
             return False
         self._check_shape(fragment, params)
@@ -727,14 +763,16 @@ class SyncerCore:
         for name, tensor in params.items():
             self.params[name] = tensor.detach().to(torch.float32).clone()
         self.versions[fragment] = version
-        self._published_at[(fragment, version)] = now
+        self._published_at[(fragment, version)] = now if published_at is None else min(now, published_at)
         self.rounds.pop(fragment, None)  # its contributions were built on older versions
         self._history[fragment] = {version: {n: self.params[n] for n in self.plan.fragments[fragment].names}}
         self._merged_here[fragment] = False
         self._dated[fragment] = False
         return True
 
-    def snapshot(self, run_id: str, term: int) -> SyncerSnapshot:
+    def snapshot(self, run_id: str, term: int, *, wall_offset: float | None = None) -> SyncerSnapshot:
+        """`wall_offset`: wall clock minus the clock this core is driven by, to date the versions (absent:
+        undated, and a successor caps work on them from its own start)."""
         return SyncerSnapshot(
             run_id=run_id,
             term=term,
@@ -744,9 +782,17 @@ class SyncerCore:
             merges=self.merges,
             tokens_merged=self.tokens_merged,
             merged=self.merged_ledger(),
+            published_wall=tuple(self.published_wall(f, wall_offset) for f in range(self.plan.num_fragments))
+            if wall_offset is not None
+            else (),
         )
 
-    def restore(self, snapshot: SyncerSnapshot, now: float) -> None:
+    def published_wall(self, fragment: int, wall_offset: float | None) -> float:
+        """When the fragment's current version was published, on the wall clock; 0.0 if unknown."""
+        at = self._published_at.get((fragment, self.versions[fragment]))
+        return at + wall_offset if at is not None and wall_offset is not None else 0.0
+
+    def restore(self, snapshot: SyncerSnapshot, now: float, *, wall_offset: float | None = None) -> None:
         if len(snapshot.versions) != self.plan.num_fragments or set(snapshot.params) != set(self.params):
             raise ValueError("snapshot does not fit this run's plan")
         self.params = {n: t.detach().to(torch.float32).clone() for n, t in snapshot.params.items()}
@@ -758,6 +804,13 @@ class SyncerCore:
         self._merged.clear()
         self.load_ledger(snapshot.merged, now)
         self._restored_at = now
+        if wall_offset is not None and len(snapshot.published_wall) == self.plan.num_fragments:
+            # the counters cap of work built on a restored version runs from its publication, not from now:
+            # a learner that stepped through the outage did that work (capped from now, an outage of 27 steps
+            # was cut to the 5 steps since the takeover, and struck)
+            for fragment, wall in enumerate(snapshot.published_wall):
+                if wall > 0:
+                    self._published_at[(fragment, self.versions[fragment])] = min(now, wall - wall_offset)
         self._reset_history()
         self._merged_here = [False] * self.plan.num_fragments
         self._dated = [False] * self.plan.num_fragments
@@ -850,6 +903,7 @@ class SyncerRole:
         self.term = 0
         self.primary: str | None = None
         self.recovering_until = 0.0
+        self._fresh: set[tuple[str, int]] = set()  # in recovery: (peer, fragment) that sent a snapshot for us
         self.held_out_loss: float | None = None
         self.last_checkpoint_at: float | None = None
         self.takeover_source = ""
@@ -1095,6 +1149,7 @@ class SyncerRole:
             self.active = True
             self.primary = None
             self.recovering_until = time.monotonic() + self.config.recovery_s
+            self._fresh = set()
             self.takeover_source = source
         await self._publish_lease()
         self.ctx.events.emit("syncer_takeover", term=term, source=source, versions=list(self.core.versions))
@@ -1133,7 +1188,7 @@ class SyncerRole:
         best = max(candidates, key=lambda c: (c[0], c[1] == "checkpoint"), default=None)
         if best is None or best[0] < current:
             return ("memory" if current else "seed"), seen_term
-        self.core.restore(best[2], time.monotonic())
+        self.core.restore(best[2], time.monotonic(), wall_offset=_wall_offset())
         return best[1], seen_term
 
     async def _step_down(self, winner: str | None, term: int) -> None:
@@ -1173,9 +1228,10 @@ class SyncerRole:
             horizon = self._lease_seen_at - self._quorum_memory_s()
             self._holders_seen = {p: t for p, t in self._holders_seen.items() if t >= horizon}
 
-    def _expected(self, fragment: int) -> int:
+    def _holders(self, fragment: int) -> set[str]:
+        """Live peers that hold the fragment: every learner, and the replicas of its pipeline stage."""
         stage = self.fragment_stage[fragment]
-        return sum(1 for hb in self._live.values() if hb.role == "learner" or hb.stage == stage)
+        return {peer for peer, hb in self._live.items() if hb.role == "learner" or hb.stage == stage}
 
     async def _check_known(self, peer: str) -> None:
         if self.is_banned(peer):
@@ -1194,7 +1250,7 @@ class SyncerRole:
             timeout = 1.0
             if self._lease_valid() and time.monotonic() >= self.recovering_until:
                 assert self.core is not None
-                ready, deadline = self.core.due(time.monotonic(), self._expected)
+                ready, deadline = self.core.due(time.monotonic(), self._holders)
                 for fragment in ready:
                     await self._merge(fragment)
                 if deadline is not None:
@@ -1214,7 +1270,7 @@ class SyncerRole:
             if not self._lease_valid():
                 return
             started = time.monotonic()
-            taken = core.take_round(fragment, self._expected(fragment), started)
+            taken = core.take_round(fragment, self._holders(fragment), started)
             if taken is None:
                 return
             round_, expected, required = taken
@@ -1266,7 +1322,7 @@ class SyncerRole:
         if core is None:
             return
         async with self._merge_lock:
-            snapshot = core.snapshot(self.ctx.run_id, self.term)
+            snapshot = core.snapshot(self.ctx.run_id, self.term, wall_offset=_wall_offset())
         await asyncio.to_thread(save_checkpoint, self.checkpoint_file, snapshot)
         self._merges_since_checkpoint = 0
         self.last_checkpoint_at = time.time()
@@ -1325,13 +1381,14 @@ class SyncerRole:
                 authorized_syncers=self.ctx.manifest.authorized_syncers,
             )
         transport = self._mirror_transport
-        base = self._mirror or self.core.snapshot(self.ctx.run_id, self.term)
+        base = self._mirror or self.core.snapshot(self.ctx.run_id, self.term, wall_offset=_wall_offset())
         view = await transport.versions(list(base.versions), 0.0)
         changed = [f for f, v in enumerate(view.versions) if v > base.versions[f]]
         if not changed:
             return
         params, momentum, versions = dict(base.params), dict(base.momentum), list(base.versions)
         ledger = list(base.merged)
+        published = list(base.published_wall) or [0.0] * self.plan.num_fragments
         state_limits = fragment_limits(self.plan, factor=2)
         for fragment in changed:
             frame = seal(
@@ -1360,6 +1417,10 @@ class SyncerRole:
                 if f"momentum/{name}" in opened.tensors:
                     momentum[STATE_PREFIX + name] = opened.tensors[f"momentum/{name}"]
             versions[fragment] = opened.header.step
+            wall = opened.meta.get("published_wall")
+            published[fragment] = (
+                float(wall) if type(wall) is float and math.isfinite(wall) and wall > 0 else 0.0
+            )
             with contextlib.suppress(ValueError, TypeError):
                 entries = ledger_from_json(str(opened.meta.get("merged", "[]")))
                 ledger = [e for e in ledger if e[1] != fragment] + [e for e in entries if e[1] == fragment]
@@ -1372,6 +1433,7 @@ class SyncerRole:
             merges=base.merges,
             tokens_merged=base.tokens_merged,
             merged=tuple(ledger),
+            published_wall=tuple(published),
         )
 
     # ---- RPC handlers ----
@@ -1439,8 +1501,25 @@ class SyncerRole:
         if admission.capped:
             self.strikes.record(remote, "counters capped")
         self.receipt_capped += admission.receipt_capped
+        if recovering and fields["seen_term"] == self.term:
+            self._fresh.add((remote, fields["fragment"]))
+            if self._every_round_fresh():
+                # every live holder sent every fragment's work through the outage, snapshotted once it knew
+                # us, so none has a version to offer that we lack (a contribution on a base we lack is
+                # deferred) nor progress still to send: waiting out recovery_s would only let their steps
+                # since pile up, to be overwritten by the merge
+                self.recovering_until = time.monotonic()
+                logger.info("recovery complete: every live holder sent every fragment's outage work")
         self._wake.set()
-        return self._answer(Kind.CONTROL, remote, meta={"target_version": admission.target_version})
+        meta = {"target_version": admission.target_version, "late": admission.late}
+        return self._answer(Kind.CONTROL, remote, meta=meta)
+
+    def _every_round_fresh(self) -> bool:
+        for fragment in range(self.plan.num_fragments):
+            holders = self._holders(fragment)
+            if not holders or any((peer, fragment) not in self._fresh for peer in holders):
+                return False
+        return True
 
     def _verified_receipts(self, remote: str, fragment: int, frames: list[bytes]) -> list[TokenReceipt]:
         """The receipts that verify for `remote` on the fragment's stage; the others are counted (and struck when
@@ -1530,13 +1609,14 @@ class SyncerRole:
             tensors.update({f"momentum/{n}": t for n, t in core.fragment_momentum(fragment).items()})
             version = core.versions[fragment]
             ledger = _ledger_json([e for e in core.merged_ledger() if e[1] == fragment])
+            published = core.published_wall(fragment, _wall_offset())
         return self._answer(
             Kind.VERSION,
             remote,
             microbatch=fragment,
             step=version,
             tensors=tensors,
-            meta={"term": self.term, "merged": ledger},
+            meta={"term": self.term, "merged": ledger, "published_wall": published},
         )
 
     async def _handle_offer(self, frame: bytearray, remote: str) -> bytes:
@@ -1567,8 +1647,12 @@ class SyncerRole:
             fragment = inner.header.microbatch
             if name != f"{OFFER_PREFIX}{fragment}" or not 0 <= fragment < self.plan.num_fragments:
                 raise MalformedFrame("offered version names another fragment", reason="bad offer")
+            # sealed by the old syncer when the learner fetched it, just after its publication
+            fetched_at = time.monotonic() - max(0.0, time.time() - inner.header.timestamp)
             async with self._merge_lock:
-                if core.adopt(fragment, inner.header.step, inner.tensors, time.monotonic()):
+                if core.adopt(
+                    fragment, inner.header.step, inner.tensors, time.monotonic(), published_at=fetched_at
+                ):
                     adopted += 1
                     self.adopted += 1
                     self.ctx.events.emit(
@@ -1654,7 +1738,18 @@ def _contribution_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
             "contribution meta step_time_s must be a float >= 0", reason="malformed contribution"
         )
     out["step_time_s"] = step_time
+    seen_term = meta.get("seen_term", 0)  # absent from an older learner: never counts as fresh
+    if type(seen_term) is not int or seen_term < 0:
+        raise MalformedFrame(
+            "contribution meta seen_term must be an int >= 0", reason="malformed contribution"
+        )
+    out["seen_term"] = seen_term
     return out
+
+
+def _wall_offset() -> float:
+    """Wall clock minus the monotonic clock the syncer core runs on: dates versions across syncers."""
+    return time.time() - time.monotonic()
 
 
 def _fragment_stages(manifest: Any, plan: FragmentPlan) -> list[int]:

@@ -2,7 +2,8 @@
 
 Layout: tensors `param/<name>` (the global parameters, float32) and `outer_momentum/<name>` (the Nesterov
 buffers, as `OuterNesterov.state_dict` names them), plus string metadata: `format`, `run_id`, `term`,
-`versions` (JSON list, one per fragment of the run plan), `merges` and `tokens_merged`. Files are written
+`versions` (JSON list, one per fragment of the run plan), `merges`, `tokens_merged`, `merged` (the ledger) and
+`published_wall` (JSON list: when each fragment's version was published, wall clock). Files are written
 to a temporary name and renamed, so a reader (a standby syncer sharing the directory, or this syncer after
 a crash) sees either the previous checkpoint or the new one, never half of one. Nothing is unpickled.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,6 +43,9 @@ class SyncerSnapshot:
     tokens_merged: int = 0
     # (peer, fragment, base version, steps, tokens) already merged: see SyncerCore.merged_ledger
     merged: tuple[tuple[str, int, int, int, int], ...] = ()
+    # per fragment, when its current version was published (wall clock, 0 if unknown): a successor caps the
+    # counters of work built on it by the time since then, not since it restored
+    published_wall: tuple[float, ...] = ()
 
 
 class CheckpointError(ValueError):
@@ -70,6 +75,7 @@ def save_checkpoint(path: Path, snapshot: SyncerSnapshot) -> None:
         "merges": str(snapshot.merges),
         "tokens_merged": str(snapshot.tokens_merged),
         "merged": json.dumps([list(entry) for entry in snapshot.merged]),
+        "published_wall": json.dumps([float(t) for t in snapshot.published_wall]),
     }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(tensors, str(tmp), metadata=metadata)
@@ -107,6 +113,7 @@ def load_checkpoint(
         and all(type(v) is int and v >= 0 for v in versions)
     ):
         raise CheckpointError(f"{path}: versions do not fit {num_fragments} fragments")
+    published = _published_wall(metadata.get("published_wall"), num_fragments)
     params = {k[len(PARAM_PREFIX) :]: v for k, v in tensors.items() if k.startswith(PARAM_PREFIX)}
     momentum = {k: v for k, v in tensors.items() if k.startswith(STATE_PREFIX)}
     if set(params) != set(expected):
@@ -130,7 +137,22 @@ def load_checkpoint(
         merges=merges,
         tokens_merged=tokens,
         merged=merged,
+        published_wall=published,
     )
+
+
+def _published_wall(text: str | None, num_fragments: int) -> tuple[float, ...]:
+    """Optional metadata (older checkpoints lack it): unknown or malformed reads as no publication times."""
+    try:
+        values = json.loads(text) if text else []
+    except ValueError:
+        return ()
+    ok = (
+        isinstance(values, list)
+        and len(values) == num_fragments
+        and all(type(v) in (int, float) and math.isfinite(v) and v >= 0 for v in values)
+    )
+    return tuple(float(v) for v in values) if ok else ()
 
 
 def ledger_from_json(text: str) -> list[tuple[str, int, int, int, int]]:

@@ -169,11 +169,16 @@ class OutgoingContribution:
     step_time_s: float  # the holder's recent mean inner-step time (the syncer's xi_step estimate)
     # verifier token receipts (stage replicas), the newest, added at push time
     receipts: tuple[bytes, ...] = ()
+    # term of the syncer we knew when the snapshot was taken: a syncer just taken over ends its recovery
+    # early only on snapshots taken for it (everything its holders did through the outage), see the syncer
+    seen_term: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PushReceipt:
     target_version: int  # the version that will include the contribution
+    term: int | None = None  # term of the syncer that took it (None: unknown, the watcher's view is assumed)
+    late: bool = False  # lock-step modes: its round merged without us; load the current versions and realign
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -205,6 +210,15 @@ class VersionsView:
 
 class SyncUnavailable(Exception):  # noqa: N818 - reads as the condition
     """No syncer answered (none holds the lease, timeout, connection failure); retry later."""
+
+
+class SyncDeferred(SyncUnavailable):
+    """The syncer answered "not now" (recovering after a takeover, a base version it has yet to adopt, busy):
+    the contribution is kept and sent again soon; the other fragments' contributions may go through."""
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class ContributionRefused(Exception):  # noqa: N818
@@ -243,6 +257,7 @@ class SyncClientConfig:
     poll_wait_s: float = 5.0  # bound of one versions long-poll
     retry_min_s: float = 0.2  # first pause after the syncer did not answer
     retry_max_s: float = 3.0  # longest pause between retries
+    deferred_retry_s: float = 0.5  # pause before re-sending what a syncer deferred (it is there, not ready)
     barrier: bool = False  # synchronous baselines: wait at send step + tau for the round's version
     join_timeout_s: float = 30.0  # how long join_global looks for a syncer before starting from the seed
     step_time_ema: float = 0.2  # weight of a new step time in the reported xi_step
@@ -252,7 +267,7 @@ class SyncClientConfig:
     anchor_lead_steps: float = 1.0  # step times from a round's first send to its publication (~ the grace)
 
     def __post_init__(self) -> None:
-        for name in ("poll_wait_s", "retry_min_s", "retry_max_s", "join_timeout_s"):
+        for name in ("poll_wait_s", "retry_min_s", "retry_max_s", "deferred_retry_s", "join_timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"SyncClientConfig.{name} must be finite and > 0, got {value!r}")
@@ -285,6 +300,7 @@ class _Stats:
     skipped: int = 0  # due sends skipped right after a version overwrote unsent progress
     anchored: int = 0  # fragment send times re-anchored to a published round
     phase_skips: int = 0  # anchored sends skipped because we were a period or more behind them (a stall)
+    rejoins: int = 0  # lock-step modes: realigned after a round merged without us (see _rejoin)
     offered: int = 0
     adopted_by_syncer: int = 0
     fetched: int = 0
@@ -351,6 +367,12 @@ class FragmentSync:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox_ready: asyncio.Event | None = None
         self._arrived: asyncio.Event | None = None
+        # failover hand-offs between the two loops, so that neither sits out its backoff while the other has
+        # found the new syncer: the watcher saw a new syncer or term (the sender retries now), the sender got
+        # an answer after failures or a deferral (the watcher polls now and offers what the syncer lacks)
+        self._reconnected: asyncio.Event | None = None
+        self._kick: asyncio.Event | None = None
+        self._rejoin_due = False  # lock-step modes: a round merged without us; the watcher realigns us
 
     @classmethod
     def create(
@@ -444,10 +466,13 @@ class FragmentSync:
         In the synchronous modes every round of fragment p merges exactly one send of each learner, so
         version v means sends 1..v were merged and the next send is number v+1."""
         with self._lock:
-            nexts = [
-                self.schedule.next_send(i, 0) + self._versions[i] * self.schedule.sync_every_steps
-                for i in range(len(self.fragment_ids))
-            ]
+            return self._align_to_rounds_locked()
+
+    def _align_to_rounds_locked(self) -> int:
+        nexts = [
+            self.schedule.next_send(i, 0) + self._versions[i] * self.schedule.sync_every_steps
+            for i in range(len(self.fragment_ids))
+        ]
         return max(0, min(nexts) - 1)
 
     # ---- internals under the lock ----
@@ -461,6 +486,7 @@ class FragmentSync:
 
     def _apply_due_locked(self, step: int) -> int:
         applied = 0
+        missed = False
         for index in list(self._inbox):
             version = self._inbox[index]
             if version.version <= self._versions[index]:
@@ -474,13 +500,34 @@ class FragmentSync:
                 # we were behind the learners of that round (the paper's weight 0): our steps since our last
                 # overwrite are lost; do not follow up with a near-empty send that would start another round
                 self._overwritten_at[index] = step
+            missed |= pending is None and self.config.barrier
             self._overwrite_locked(index, version)
             applied += 1
             if pending is not None and (
                 pending.target_version is None or version.version >= pending.target_version
             ):
                 del self._pending[index]
+        if missed and not self._pending:
+            # lock-step: a round merged without us while we had nothing in flight (we were stopped and our
+            # heartbeat expired); our place in the fragment cycle is now off the others', who wait on a round
+            # that needs us while we would wait on another that needs them
+            self._realign_locked(step, "a round merged without us")
         return applied
+
+    def _realign_locked(self, step: int, why: str) -> None:
+        """Lock-step modes: drop what was built on versions we have since replaced (each would be late in
+        turn) and move our schedule to the earliest open round (the held versions say which), as a restarted
+        learner does."""
+        for index in list(self._pending):
+            if self._pending[index].base_version < self._versions[index]:
+                del self._pending[index]
+        for index in list(self._outbox):
+            if self._outbox[index].base_version < self._versions[index]:
+                del self._outbox[index]
+        clock = self._align_to_rounds_locked()
+        self._sched_offset = clock - step  # the next step is the open round's send, either way
+        self._stats.rejoins += 1
+        logger.info("%s: schedule realigned to the earliest open round (step %d)", why, clock + 1)
 
     def _overwrite_locked(self, index: int, version: FragmentVersion) -> None:
         with torch.no_grad():
@@ -581,6 +628,7 @@ class FragmentSync:
             sent_step=step,
             sched_step=sched_step,
             step_time_s=self._step_time_s,
+            seen_term=self._view.term if self._view is not None else 0,
         )
         self._pending[index] = _Pending(
             base_version=self._versions[index], apply_at=self.schedule.apply_at(step)
@@ -593,6 +641,8 @@ class FragmentSync:
             self._loop = asyncio.get_running_loop()
             self._outbox_ready = asyncio.Event()
             self._arrived = asyncio.Event()
+            self._reconnected = asyncio.Event()
+            self._kick = asyncio.Event()
             if self._outbox:
                 self._outbox_ready.set()
 
@@ -610,7 +660,11 @@ class FragmentSync:
             loop.call_soon_threadsafe(event.set)
 
     async def run_sender(self, stop: asyncio.Event) -> None:
-        """Push snapshots until `stop`; newest per fragment wins; retry with backoff while the syncer is away."""
+        """Push snapshots until `stop`; newest per fragment wins; retry with backoff while the syncer is away.
+
+        A contribution the syncer defers (`SyncDeferred`) does not hold back the other fragments' ones, and is
+        re-sent after `deferred_retry_s`: after a takeover the new syncer defers a contribution built on a
+        version it has yet to adopt, and its recovery window is short."""
         self._bind_loop()
         assert self._outbox_ready is not None
         backoff = self.config.retry_min_s
@@ -624,23 +678,41 @@ class FragmentSync:
                 if empty:
                     await _first(self._outbox_ready, stop)
                 continue
-            failed = False
+            outcomes = []
             for index, contribution in batch:
                 if stop.is_set():
                     return
-                if not await self._push_one(index, contribution):
-                    failed = True
+                outcome = await self._push_one(index, contribution)
+                outcomes.append(outcome)
+                if outcome == "unreachable":
                     break
-            if failed:
+            if "unreachable" in outcomes:
                 self._stats.retries += 1
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
+                await self._pause(stop, self._reconnected, backoff)
                 backoff = min(backoff * 2, self.config.retry_max_s)
-            else:
-                backoff = self.config.retry_min_s
+                continue
+            if backoff > self.config.retry_min_s or "deferred" in outcomes:
+                self._wake(
+                    self._kick
+                )  # a syncer answers again, or lacks a version we hold: poll and offer now
+            backoff = self.config.retry_min_s
+            if "deferred" in outcomes:
+                self._stats.retries += 1
+                await self._pause(stop, self._reconnected, self.config.deferred_retry_s)
 
-    async def _push_one(self, index: int, contribution: OutgoingContribution) -> bool:
-        """True when the contribution is settled (acked or refused for good); False: retry later."""
+    @staticmethod
+    async def _pause(stop: asyncio.Event, wake: asyncio.Event | None, seconds: float) -> None:
+        """Wait `seconds`, less if `stop` or `wake` is set first (`wake` is cleared before waiting)."""
+        if wake is None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), seconds)
+            return
+        wake.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(_first(wake, stop), seconds)
+
+    async def _push_one(self, index: int, contribution: OutgoingContribution) -> str:
+        """ "settled" (acked or refused for good), "deferred" (the syncer said not now) or "unreachable"."""
         self._stats.sent += 1
         with self._lock:
             now_step = self._step + self._sched_offset
@@ -660,22 +732,27 @@ class FragmentSync:
             self._stats.refusals[e.reason] = self._stats.refusals.get(e.reason, 0) + 1
             logger.info("fragment %d contribution refused: %s", contribution.fragment, e)
             self._wake(self._arrived)
-            return True
+            return "settled"
         except SyncUnavailable as e:
             self._stats.last_error = str(e)[:200]
             logger.debug("fragment %d push deferred: %s", contribution.fragment, e)
-            return False
+            return "deferred" if isinstance(e, SyncDeferred) else "unreachable"
         view = self._view
         with self._lock:
             if self._outbox.get(index) is contribution:
                 del self._outbox[index]
+            if receipt.late and self.config.barrier:
+                self._rejoin_due = True
+                self._wake(self._kick)
             pending = self._pending.get(index)
             if pending is not None and pending.base_version == contribution.base_version:
                 pending.target_version = receipt.target_version
                 pending.contribution = contribution
-                pending.term = view.term if view is not None else None
+                # the term of the syncer that took it, not the one the watcher last saw: after a takeover the
+                # sender may reach the new syncer first, and what it took must not be re-sent on the switch
+                pending.term = receipt.term if receipt.term is not None else (view.term if view else None)
         self._stats.acked += 1
-        return True
+        return "settled"
 
     def _receipts_now(self) -> tuple[bytes, ...]:
         if self.receipts is None:
@@ -687,20 +764,47 @@ class FragmentSync:
             return ()
 
     async def run_watcher(self, stop: asyncio.Event) -> None:
-        """Long-poll versions, fetch newer fragments into the inbox, offer held versions to a lagging syncer."""
+        """Long-poll versions, fetch newer fragments into the inbox, offer held versions to a lagging syncer.
+
+        After a failed poll the next one does not wait: the syncer may have changed, and a new one that
+        lacks a version we hold would otherwise keep the poll open (nothing newer than ours) while its
+        recovery window, in which it adopts offered versions, runs out."""
         self._bind_loop()
         backoff = self.config.retry_min_s
+        wait_s = self.config.poll_wait_s
         while not stop.is_set():
             try:
-                view = await self.transport.versions(self._known(), self.config.poll_wait_s)
+                if self._rejoin_due:
+                    await self._rejoin()
+                view = await self.transport.versions(self._known(), wait_s)
+                wait_s = self.config.poll_wait_s
                 await self._absorb(view)
                 backoff = self.config.retry_min_s
                 await asyncio.sleep(0)  # a transport that answers without suspending must not starve the loop
             except SyncUnavailable as e:
                 self._stats.last_error = str(e)[:200]
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
+                wait_s = 0.0
+                await self._pause(stop, self._kick, backoff)
                 backoff = min(backoff * 2, self.config.retry_max_s)
+
+    async def _rejoin(self) -> None:
+        """Lock-step modes, after the syncer said a contribution of ours was late (its round merged without
+        us, say while we were stopped and our heartbeat expired): load every current version and realign the
+        schedule to the earliest open round, as a restarted learner does. Waiting for our fragment's next
+        round instead deadlocks: the others send to it only after rounds of other fragments that wait for us.
+        What we computed since our last overwrites is dropped; the late contributions are merged."""
+        view = await self.transport.versions([0] * self.plan.num_fragments, 0.0)
+        fetched = [await self.transport.fetch(fid) for fid in self.fragment_ids if view.versions[fid] > 0]
+        with self._lock:
+            for version in fetched:
+                index = self._local.get(version.fragment)
+                if index is None or not self._fits(version) or version.version < self._versions[index]:
+                    continue
+                self._overwrite_locked(index, version)
+            self._inbox.clear()
+            self._rejoin_due = False
+            self._realign_locked(self._step, "a contribution of ours was late")
+        self._wake(self._arrived)
 
     def _known(self) -> list[int]:
         """What we already hold or have fetched, as a run-wide vector (unsynced fragments: the syncer's)."""
@@ -726,6 +830,7 @@ class FragmentSync:
             self._align(view.clock)
         if previous is not None and (previous.syncer, previous.term) != (view.syncer, view.term):
             self._resend_unanswered(view)
+            self._wake(self._reconnected)
         known = self._known()
         newer = [fid for fid in self.fragment_ids if view.versions[fid] > known[fid]]
         behind = [fid for fid in self.fragment_ids if view.versions[fid] < known[fid]]
@@ -765,21 +870,33 @@ class FragmentSync:
                 logger.info("schedule re-aligned by %+d steps to the run's clock %d", shift, clock)
 
     def _resend_unanswered(self, view: VersionsView) -> None:
-        """A new syncer does not have the rounds of the old one: queue again what it acknowledged but never
-        answered (unless a newer snapshot of that fragment is already queued)."""
-        requeued = 0
+        """A new syncer does not have the rounds of the old one. Decoupled: send it a fresh snapshot of every
+        fragment we made progress on (all of it since our last overwrite, the outage included; a snapshot
+        queued at a due time in the outage, or one the old syncer took and never answered, lacks the steps
+        since, which the merge's overwrite would then discard). Else, and for a fragment without progress,
+        queue again what the old syncer acknowledged but never answered (unless a newer snapshot is queued)."""
+        fresh = requeued = 0
         with self._lock:
-            for index, pending in self._pending.items():
-                if pending.contribution is None or pending.term == view.term or index in self._outbox:
+            now = self.clock()
+            for index in range(len(self.fragment_ids)):
+                if not self.config.barrier and self._counters[index].steps > 0:
+                    self._snapshot_locked(index, self._step, self._step + self._sched_offset, now)
+                    fresh += 1
+                    continue
+                pending = self._pending.get(index)
+                if pending is None or pending.contribution is None or pending.term == view.term:
+                    continue
+                if index in self._outbox:
                     continue
                 self._outbox[index] = pending.contribution
                 pending.target_version = None
                 requeued += 1
-        if requeued:
+        if fresh or requeued:
             logger.info(
-                "syncer changed to %s (term %d): re-sending %d contributions",
+                "syncer changed to %s (term %d): sending %d fresh snapshots, re-sending %d contributions",
                 view.syncer[-8:],
                 view.term,
+                fresh,
                 requeued,
             )
             self._wake(self._outbox_ready)
@@ -878,6 +995,7 @@ class FragmentSync:
                 "sends_skipped": self._stats.skipped,
                 "phase_anchors": self._stats.anchored,
                 "phase_skips": self._stats.phase_skips,
+                "rejoins": self._stats.rejoins,
                 "fetched": self._stats.fetched,
                 "offered": self._stats.offered,
                 "in_flight": len(self._outbox),
@@ -1082,7 +1200,7 @@ class FramedSyncTransport:
         from protocol.envelope import Kind, max_frame_bytes
         from protocol.errors import RemoteRefused
 
-        peer, _ = await self.current_syncer()
+        peer, term = await self.current_syncer()
         frame = self._seal(
             Kind.FRAGMENT,
             peer,
@@ -1095,13 +1213,13 @@ class FramedSyncTransport:
             peer, answer = await self._call(PUSH_ROUTE, frame, max_frame_bytes(control_limits()))
         except RemoteRefused as e:
             if e.reason in RETRYABLE_REFUSALS:
-                raise SyncUnavailable(f"push deferred by the syncer: {e.reason}") from None
+                raise SyncDeferred(f"push deferred by the syncer: {e.reason}", reason=e.reason) from None
             raise ContributionRefused(str(e), reason=e.reason) from None
         opened = self._open(answer, peer, Kind.CONTROL, control_limits())
         target = opened.meta.get("target_version")
         if type(target) is not int or target < 0:
             raise SyncUnavailable("push answer lacks target_version")
-        return PushReceipt(target_version=target)
+        return PushReceipt(target_version=target, term=term, late=opened.meta.get("late") is True)
 
     async def versions(self, known: Sequence[int], wait_s: float) -> VersionsView:
         from protocol.envelope import Kind, max_frame_bytes
@@ -1190,6 +1308,7 @@ def contribution_meta(contribution: OutgoingContribution) -> dict[str, Any]:
         "tokens": contribution.tokens,
         "sched_step": contribution.sched_step,
         "step_time_s": float(contribution.step_time_s),
+        "seen_term": contribution.seen_term,
     }
     if contribution.receipts:
         meta[RECEIPTS_META] = receipts_meta(contribution.receipts)

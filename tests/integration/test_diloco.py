@@ -338,3 +338,65 @@ def test_syncer_failover(tmp_path: Path) -> None:
                 what="learners apply new versions",
             )
             assert all(now_held[f] >= v for f, v in held.items())
+        # the first merge of every fragment under the new term takes both learners' outage work: their
+        # deferred pushes hold nothing back, and recovery ends once both are in every round
+        firsts: dict[int, dict] = {}
+        for merge in read_events(tmp_path / "syncer-b", "merge"):
+            if merge["term"] == 2:
+                firsts.setdefault(merge["fragment"], merge)
+        ids = {learner.try_status()["peer_id"] for learner in learners}
+        print(
+            "first merges after the takeover: "
+            + ", ".join(
+                f"fragment {f} at +{m['t'] - takeover[-1]['t']:.1f} s with {len(m['participants'])}"
+                for f, m in sorted(firsts.items())
+            )
+        )
+        assert all(set(m["participants"]) == ids for m in firsts.values()), firsts
+
+
+def test_elastic_rounds_go_on_after_a_straggler_whose_heartbeat_expired(tmp_path: Path) -> None:
+    """Elastic synchronous DiLoCo: a learner stopped past its heartbeat's expiry is left out of the rounds that
+    close meanwhile. When it resumes, its late contribution must not leave it waiting on one fragment's next
+    round while the others wait on another fragment's round that needs it (it loads the current versions
+    and realigns to the earliest open round; before, the elastic goodput arm stopped merging for good)."""
+    key = tmp_path / "syncer.key"
+    run = replace(RUN, mode="elastic_sync", authorized_syncers=(NodeIdentity.load_or_create(key).peer_id,))
+    run_path = run.write_run_toml(tmp_path / "run.toml")
+    node_toml = write_node_toml(tmp_path / "node.toml", learner=LEARNER, syncer=SYNCER)
+    with procs(tmp_path) as group:
+        bootstrap = group.start_bootstrap("--run", str(run_path))
+        join = partial(group.join_node, bootstrap, config=node_toml, max_steps=MAX_STEPS)
+        syncer = join("syncer", identity=key, state="syncer")
+        learners = [join("learner", state=f"l{i}", wait=False) for i in range(3)]
+        for learner in learners:
+            group.wait_node(learner)
+        wait_until(lambda: syncer.try_status()["merges"] >= 6, 60, what="lock-step merges")
+        straggler = learners[1]
+        straggler_id = straggler.try_status()["peer_id"]
+        stopped_at = time.time()
+        straggler.signal(signal.SIGSTOP)
+        try:
+            wait_until(
+                lambda: any(
+                    straggler_id not in m["participants"]
+                    for m in merges_after(tmp_path, "syncer", stopped_at)
+                ),
+                30,
+                what="a round merged without the stopped learner",
+            )
+        finally:
+            straggler.signal(signal.SIGCONT)
+        resumed_at = time.time()
+        wait_until(
+            lambda: (
+                sum(
+                    len(m["participants"]) == len(learners)
+                    for m in merges_after(tmp_path, "syncer", resumed_at)
+                )
+                >= 6
+            ),
+            60,
+            what="lock-step rounds with every learner again",
+        )
+        print(f"\nthe straggler realigned {straggler.try_status()['sync']['rejoins']} time(s)")

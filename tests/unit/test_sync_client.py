@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Sequence
 
@@ -19,6 +20,7 @@ from node.diloco.sync_client import (
     OutgoingContribution,
     PushReceipt,
     SyncClientConfig,
+    SyncDeferred,
     SyncUnavailable,
     VersionsView,
     contribution_meta,
@@ -73,7 +75,7 @@ class FakeSyncer:
         if self.refuse:
             raise ContributionRefused("no", reason=self.refuse)
         self.pushed.append(contribution)
-        return PushReceipt(target_version=self.current[contribution.fragment] + 1)
+        return PushReceipt(target_version=self.current[contribution.fragment] + 1, term=self.term)
 
     async def versions(self, known: Sequence[int], wait_s: float) -> VersionsView:
         self._check()
@@ -350,6 +352,149 @@ def test_after_a_failover_held_signed_versions_are_offered_to_a_syncer_that_is_b
     asyncio.run(scenario())
 
 
+class RecoveringSyncer(FakeSyncer):
+    """A syncer just taken over: it defers a push built on a version it lacks until a learner offers that
+    version (then adopts it); its versions route can be made to fail on its own."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.versions_down = False
+        self.deferred: list[int] = []
+
+    async def push(self, contribution: OutgoingContribution) -> PushReceipt:
+        if contribution.base_version > self.current[contribution.fragment]:
+            self.deferred.append(contribution.fragment)
+            raise SyncDeferred("ahead of syncer", reason="ahead of syncer")
+        return await super().push(contribution)
+
+    async def versions(self, known: Sequence[int], wait_s: float) -> VersionsView:
+        if self.versions_down:
+            raise SyncUnavailable("versions down")
+        return await super().versions(known, wait_s)
+
+    async def offer(self, held: Sequence[FragmentVersion]) -> int:
+        for version in held:
+            self.current[version.fragment] = max(self.current[version.fragment], version.version)
+        return await super().offer(held)
+
+
+def test_after_a_takeover_a_deferred_push_holds_back_nothing_and_the_watcher_offers_at_once() -> None:
+    """The new syncer lacks the version one fragment's contribution is built on. The other fragments go
+    through at once, and the deferral wakes the watcher (in a 30 s backoff after a failed poll) to offer the
+    held version, so the deferred contribution is taken seconds before either backoff would have ended; on
+    the new term every fragment's progress goes out afresh."""
+
+    async def scenario() -> None:
+        sync, model, old = learner_sync()
+        sync.config = dataclasses.replace(
+            sync.config, retry_min_s=30.0, retry_max_s=30.0, deferred_retry_s=0.05
+        )
+        fid = sync.fragment_ids[0]
+        names = sync.plan.fragments[fid].names
+        old.publish(fid, {n: dict(model.named_parameters())[n].detach().clone() for n in names})
+        assert await sync.join_global(asyncio.Event())
+        new = RecoveringSyncer(sync.plan.num_fragments, peer="syncer-b", term=2)  # fid is at 0 there
+        new.versions_down = True
+        sync.transport = new
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(sync.run_watcher(stop))
+        await until(lambda: sync.status()["last_error"] == "versions down")  # the watcher now backs off 30 s
+        new.versions_down = False
+        sender = asyncio.create_task(sync.run_sender(stop))
+        for step in range(1, sync.schedule.sync_every_steps + 1):  # every fragment falls due once
+            bump(model)
+            sync.after_inner_step(step, tokens=4)
+        await until(lambda: {c.fragment for c in new.pushed} == set(sync.fragment_ids), timeout_s=5.0)
+        assert new.deferred and set(new.deferred) == {fid}
+        assert [(v.fragment, v.version) for v in new.offers] == [(fid, 1)]
+        order = [c.fragment for c in new.pushed]
+        assert all(order.index(f) < order.index(fid) for f in set(order) - {fid})  # none held behind it
+        # seeing the new term, the learner sent every fragment's progress afresh, snapshotted for term 2
+        latest = {c.fragment: c for c in new.pushed}
+        assert {f: c.seen_term for f, c in latest.items()} == dict.fromkeys(sync.fragment_ids, 2)
+        stop.set()
+        await asyncio.gather(watcher, sender)
+
+    asyncio.run(scenario())
+
+
+class LockStepSyncer(FakeSyncer):
+    """A lock-step syncer whose rounds went on without us: a push on an older base is taken, `late`."""
+
+    async def push(self, contribution: OutgoingContribution) -> PushReceipt:
+        self._check()
+        self.pushed.append(contribution)
+        current = self.current[contribution.fragment]
+        late = contribution.base_version < current
+        return PushReceipt(target_version=current if late else current + 1, term=self.term, late=late)
+
+
+def test_a_lock_step_learner_told_it_was_late_loads_the_current_versions_and_sends_to_the_open_round() -> (
+    None
+):
+    """While we were stopped every fragment's rounds 1 and 2 merged without us. Our next send is late; we must
+    not wait at the barrier for that fragment's round 3 (the others reach it only after rounds that need us):
+    we load version 2 of everything and our next send is the earliest open round's, on the current base."""
+
+    async def scenario() -> None:
+        run = manifest()
+        plan = run_fragment_plan(run)
+        syncer = LockStepSyncer(plan.num_fragments, barrier=True)
+        sync, model, _ = learner_sync(syncer, barrier=True)
+        params = dict(model.named_parameters())
+        for fid in sync.fragment_ids:
+            for _ in range(2):
+                syncer.publish(fid, {n: params[n].detach() + 1.0 for n in plan.fragments[fid].names})
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(sync.run_sender(stop)), asyncio.create_task(sync.run_watcher(stop))]
+        step = 1
+        while not syncer.pushed:
+            bump(model)
+            sync.after_inner_step(step, tokens=4)
+            step += 1
+            await asyncio.sleep(0.01)
+        assert syncer.pushed[0].base_version == 0  # late: its round merged without us
+        await until(lambda: sync.status()["rejoins"] == 1)
+        assert set(sync.versions().values()) == {2}
+        await asyncio.wait_for(sync.wait_barrier(step + sync.schedule.sync_every_steps, stop), 2.0)
+        first_open = min(range(len(sync.fragment_ids)), key=lambda i: sync.schedule.next_send(i, 0))
+        while len(syncer.pushed) < 2:
+            bump(model)
+            sync.after_inner_step(step, tokens=4)
+            step += 1
+            await asyncio.sleep(0.01)
+        nxt = syncer.pushed[1]
+        # the earliest open round (every fragment is at version 2: the first fragment of the cycle), on time
+        assert nxt.base_version == 2 and nxt.fragment == sync.fragment_ids[first_open]
+        assert sync.status()["rejoins"] == 1
+        stop.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+
+
+def test_a_lock_step_learner_with_nothing_in_flight_realigns_when_rounds_merged_without_it() -> None:
+    """Stopped between rounds, we come back to versions of rounds merged without us. The others wait on the
+    earliest round still open; our next send must be that round's, not the next one by our own step count."""
+    sync, model, syncer = learner_sync(barrier=True)  # H = 4
+    params = dict(model.named_parameters())
+    ahead = sync.fragment_ids[:2]  # the rounds of the first two fragments of the cycle merged without us
+    for fid in ahead:
+        syncer.publish(fid, {n: params[n].detach() + 1.0 for n in sync.plan.fragments[fid].names})
+        sync._inbox[sync._local[fid]] = syncer.store[fid]
+    assert not sync._pending
+    sync.after_inner_step(1, tokens=4)
+    assert sync.status()["rejoins"] == 1
+    step, first = 1, None
+    while first is None:
+        step += 1
+        bump(model)
+        sync.after_inner_step(step, tokens=4)
+        first = next(iter(sync._outbox.values()), None)
+    # the open round that comes first: the third fragment's first (the two before it are at version 1)
+    assert first.fragment == sync.fragment_ids[2] and first.base_version == 0
+
+
 def test_versions_only_move_forward() -> None:
     sync, model, _ = learner_sync()
     fid = sync.fragment_ids[0]
@@ -492,7 +637,8 @@ def test_a_round_we_were_late_for_overwrites_and_the_near_empty_send_after_it_is
     assert torch.equal(params[names[0]].detach(), merged[names[0]])  # the paper's overwrite: weight 0
     bump(model)
     sync.after_inner_step(3, tokens=8)  # our scheduled send, one step after the overwrite
-    if barrier:  # the lock-step baselines send whatever is due
+    if barrier:  # the lock-step baselines send whatever is due (with a send in flight, no realignment)
+        assert sync._pending and sync.status()["rejoins"] == 0
         assert sync._outbox[index].steps == 1
         return
     assert index not in sync._outbox and sync.status()["sends_skipped"] == 1  # no round for one step

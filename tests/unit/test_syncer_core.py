@@ -124,6 +124,22 @@ def test_elastic_synchronous_mode_waits_for_every_live_learner() -> None:
     assert c.due(100.0, lambda _f: 1)[0] == [0]  # the other one's heartbeat expired
 
 
+def test_a_contribution_from_a_peer_outside_the_live_set_never_stands_in_for_a_live_one() -> None:
+    """An elastic round with live learners a, b, c: b stopped long enough for its heartbeat to expire, then
+    sent; its contribution must not complete the round while the live c has not sent yet."""
+    c = core(quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0))
+    live = {"a", "c", "d"}  # b's heartbeat expired
+    push(c, "a")
+    push(c, "b")
+    push(c, "d")
+    assert c.due(100.0, lambda _f: live)[0] == []  # c is live and missing
+    assert c.due(100.0, lambda _f: len(live))[0] == [0]  # negative control: by count, b stands in for c
+    push(c, "c")
+    assert c.due(100.0, lambda _f: live)[0] == [0]
+    taken = c.take_round(0, live, 100.0)
+    assert taken is not None and taken[1:] == (4, 4)  # every one in counts, the round waited for all live
+
+
 def test_counters_are_capped_by_elapsed_time_and_batch_size() -> None:
     c = core(now=0.0)
     admission = c.accept(
@@ -237,6 +253,33 @@ def test_adopt_moves_versions_forward_only_and_snapshots_round_trip(tmp_path: Pa
     assert all(torch.equal(fresh.params[n], c.params[n]) for n in c.params)
     with pytest.raises(CheckpointError):
         load_checkpoint(path, run_id="cd" * 20, expected=c.shapes, num_fragments=PLAN.num_fragments)
+
+
+def test_work_on_a_restored_or_adopted_version_is_capped_from_its_publication_not_from_the_takeover(
+    tmp_path: Path,
+) -> None:
+    """Max 10 steps/s. Version 1 of fragment 0 was published at t = 10 (wall 1010); the primary died and a
+    successor restored at t = 60 (wall 1060). A learner that stepped 40 times on it through the outage claims
+    40 steps at t = 61: 51 s since the publication allow it, the 1 s since the restore would allow 10."""
+    primary = core(now=0.0)
+    push(primary, "a", now=10.0)
+    primary.merge_now(0, 1, 10.0)
+    path = checkpoint_path(tmp_path, "ab" * 20)
+    save_checkpoint(path, primary.snapshot("ab" * 20, term=1, wall_offset=1000.0))
+    loaded = load_checkpoint(
+        path, run_id="ab" * 20, expected=primary.shapes, num_fragments=PLAN.num_fragments
+    )
+    assert loaded.published_wall[0] == pytest.approx(1010.0)
+    dated, undated = core(now=0.0), core(now=0.0)
+    dated.restore(loaded, 60.0, wall_offset=1000.0)
+    undated.restore(loaded, 60.0)  # negative control: no dates, capped from the restore
+    assert not push(dated, "b", base=1, steps=40, now=61.0).capped
+    assert push(undated, "b", base=1, steps=40, now=61.0).capped
+    assert undated.rounds[0].entries["b"].contribution.steps == 10
+    # adopted: dated by the envelope the learner fetched it in
+    newer = {n: torch.full_like(t, 0.5) for n, t in dated.fragment_tensors(1).items()}
+    assert dated.adopt(1, 3, newer, 62.0, published_at=30.0)
+    assert not push(dated, "b", 1, base=3, steps=300, now=62.5).capped
 
 
 def _record(peer: str, term: int, *, active: bool = True, lease_until: float = 100.0) -> SyncerRecord:
@@ -379,6 +422,19 @@ def test_the_synchronous_modes_count_a_stale_contribution() -> None:
     c.merge_now(0, 1, 10.0)
     accept(c, "b", params_with_delta(c, 0, 2), base=0, steps=4, now=10.2)
     assert c.due(10.3, lambda _f: 1)[0] == [0]  # a lock-step round never waits on its own waiters
+
+
+def test_a_late_lock_step_contribution_is_told_to_apply_the_version_that_exists() -> None:
+    """b's round of fragment 0 merged without it. Its late contribution goes into the next round, but b must
+    apply version 1 now: the next round of fragment 0 needs a, which first waits on rounds that need b."""
+    c = core(quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0))
+    accept(c, "a", params_with_delta(c, 0, 1), base=0, steps=4, now=10.0)
+    c.merge_now(0, 1, 10.0)
+    assert c.versions[0] == 1
+    on_time = accept(c, "a", params_with_delta(c, 0, 1), base=1, steps=4, now=10.1)
+    late = accept(c, "b", params_with_delta(c, 0, 2), base=0, steps=4, now=10.2)
+    assert on_time.target_version == 2 and late.target_version == 1
+    assert set(c.rounds[0].entries) == {"a", "b"}  # its work is still merged, with the next round
 
 
 def test_the_grace_formulas_tau_is_at_most_the_learners_overlap() -> None:
