@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         # the decoupled arm, so learner faults alone cannot put the synchronous baseline under 0.6 without
         # costing the decoupled arm a quarter as much, close to its 0.1 budget; a syncer outage (lease lapse +
         # recovery, ~7 s) stalls the synchronous arms and costs the decoupled learners nothing (they keep
-        # stepping; their work is merged after the takeover). Runs 1-11 had two stragglers and two syncer
+        # stepping; their work is merged after the takeover). Runs 6 to 11 had two stragglers and two syncer
         # kills; once the takeover hand-off lost nothing (run 11) the synchronous arm was at 0.60, on the goal's
         # edge, so one straggler became a third syncer kill (docs/diloco.md).
         chaos = ChaosConfig(
