@@ -160,6 +160,14 @@ def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: 
     failed = {
         e["microbatch"] for e in since_kill() if e["event"] == "hop_failed" and e["replica"] == victim_id
     }
+
+    def settled() -> bool:
+        # a microbatch whose backward failed on the victim is recomputed on the survivor, which can take a
+        # while on a loaded box: wait for every one to end, recovered or abandoned
+        ended = {e["microbatch"] for e in since_kill() if e["event"].startswith("microbatch_")}
+        return failed <= ended
+
+    wait_until(settled, 30, what="every microbatch that failed on the victim to end", interval_s=0.2)
     abandoned = [e for e in since_kill() if e["event"] == "microbatch_abandoned"]
     assert not abandoned, abandoned
     recovered_ids = {e["microbatch"] for e in recovered()}
