@@ -692,9 +692,8 @@ class FragmentSync:
                 backoff = min(backoff * 2, self.config.retry_max_s)
                 continue
             if backoff > self.config.retry_min_s or "deferred" in outcomes:
-                self._wake(
-                    self._kick
-                )  # a syncer answers again, or lacks a version we hold: poll and offer now
+                # a syncer answers again, or lacks a version we hold: the watcher polls and offers now
+                self._wake(self._kick)
             backoff = self.config.retry_min_s
             if "deferred" in outcomes:
                 self._stats.retries += 1
@@ -712,7 +711,8 @@ class FragmentSync:
             await asyncio.wait_for(_first(wake, stop), seconds)
 
     async def _push_one(self, index: int, contribution: OutgoingContribution) -> str:
-        """ "settled" (acked or refused for good), "deferred" (the syncer said not now) or "unreachable"."""
+        """The outcome: settled (acked, or refused for good), deferred (the syncer said not now) or
+        unreachable (no syncer answered)."""
         self._stats.sent += 1
         with self._lock:
             now_step = self._step + self._sched_offset
