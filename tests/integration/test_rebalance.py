@@ -96,8 +96,10 @@ def test_a_starved_stage_gets_exactly_one_replica_which_serves_the_global_versio
 
         # the moved replica serves the new span and the pipeline keeps training
         completed = verifier.status()["microbatches_completed"]
+        # SENTINEL drops the mover's answers while its weights and its new peer's differ, until a merge
+        # brings them together: on a loaded 2-core box that took more than 60 s in 2 of 4 runs
         wait_until(
-            lambda: mover.status()["microbatches_applied"] >= 5, 60, what="the mover applying microbatches"
+            lambda: mover.status()["microbatches_applied"] >= 5, 150, what="the mover applying microbatches"
         )
         wait_until(
             lambda: verifier.status()["microbatches_completed"] >= completed + 20,
