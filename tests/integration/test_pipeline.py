@@ -94,7 +94,7 @@ def test_training_lowers_held_out_loss_and_uses_every_replica(swarm: Swarm) -> N
     def trained() -> list[dict[str, Any]] | None:
         # An evaluation after 100 microbatches or more, 1.0 nat below the untrained model's. Not necessarily
         # the newest: the first merges of single-replica rounds (outer Nesterov) can spike the held-out loss
-        # for one or two evaluations (seen up to 9.0 at 234 microbatches, back to 3.0 after; docs/pipeline.md)
+        # for one or two evaluations (seen up to 9.0 at 234 microbatches, back to 3.0 after; docs/diloco.md, "Known")
         history = swarm.verifier.status()["val_history"]
         first = history[0] if history else None
         if first is None or len(history) < 3:
