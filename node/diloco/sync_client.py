@@ -666,7 +666,7 @@ class FragmentSync:
         re-sent after `deferred_retry_s`: after a takeover the new syncer defers a contribution built on a
         version it has yet to adopt, and its recovery window is short."""
         self._bind_loop()
-        assert self._outbox_ready is not None
+        assert self._outbox_ready is not None and self._reconnected is not None
         backoff = self.config.retry_min_s
         while not stop.is_set():
             with self._lock:
@@ -700,12 +700,8 @@ class FragmentSync:
                 await self._pause(stop, self._reconnected, self.config.deferred_retry_s)
 
     @staticmethod
-    async def _pause(stop: asyncio.Event, wake: asyncio.Event | None, seconds: float) -> None:
+    async def _pause(stop: asyncio.Event, wake: asyncio.Event, seconds: float) -> None:
         """Wait `seconds`, less if `stop` or `wake` is set first (`wake` is cleared before waiting)."""
-        if wake is None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), seconds)
-            return
         wake.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(_first(wake, stop), seconds)
@@ -770,6 +766,7 @@ class FragmentSync:
         lacks a version we hold would otherwise keep the poll open (nothing newer than ours) while its
         recovery window, in which it adopts offered versions, runs out."""
         self._bind_loop()
+        assert self._kick is not None
         backoff = self.config.retry_min_s
         wait_s = self.config.poll_wait_s
         while not stop.is_set():

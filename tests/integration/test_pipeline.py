@@ -144,7 +144,7 @@ def test_training_lowers_held_out_loss_and_uses_every_replica(swarm: Swarm) -> N
 
 def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: Swarm) -> None:
     replicas = swarm.stages[:2]  # both serve stage 0
-    peer_ids = {id(node): node.status()["peer_id"] for node in replicas}
+    peer_ids = [node.status()["peer_id"] for node in replicas]
     before = swarm.verifier.status()["microbatches_completed"]
 
     def holding() -> Node | None:
@@ -153,8 +153,8 @@ def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: 
         return next((node for node in replicas if node.status()["contexts"] > 0), None)
 
     victim = wait_until(holding, 20, what="a stage-0 replica holding a context", interval_s=0.02)
-    survivor = replicas[1] if victim is replicas[0] else replicas[0]
-    victim_id = peer_ids[id(victim)]
+    index = 0 if victim is replicas[0] else 1
+    survivor, victim_id = replicas[1 - index], peer_ids[index]
     victim.signal(signal.SIGKILL)
     killed_at = time.time()  # event times are wall-clock
 
