@@ -52,7 +52,7 @@ from verification.bans import (
 )
 from verification.equivocation import EquivocationDetector, SignedHeader, Slot
 from verification.ledger import LedgerConfig, LedgerDecision, ViolationLedger
-from verification.sentinel import SentinelConfig, SentinelMonitor, Verdict
+from verification.sentinel import SentinelConfig, SentinelMonitor, StageTurnover, Verdict
 from verification.spotcheck import SpotCheckConfig, SpotCheckPolicy, SpotCheckVerdict
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class TapStats:
     skipped_cascade: int = 0
     bans: int = 0
     rewarms: int = 0
+    resets: int = 0  # stages whose history was dropped: every replica replaced (StageTurnover)
     quarantines: int = 0
     equivocations: int = 0
     spot_checks: int = 0  # recomputations started (a third replica's is not counted again)
@@ -134,6 +135,7 @@ class SentinelTap:
         self.clock = clock
         self.wall_clock = wall_clock
         self.monitor = SentinelMonitor(self.config.sentinel)
+        self.turnover = StageTurnover()
         self.ledger = ViolationLedger(self.config.ledger)
         self.equivocation = EquivocationDetector()
         self.stats = TapStats()
@@ -313,6 +315,17 @@ class SentinelTap:
 
     # ---- queries
 
+    def observe_replicas(self, members: Mapping[int, Collection[str]]) -> None:
+        """The live replicas of every stage, after each refresh: a stage whose replicas were all replaced
+        starts a fresh history (StageTurnover says why)."""
+        for stage in self.turnover.observe(members):
+            self.monitor.reset_stage(stage)
+            self.stats.resets += 1
+            logger.warning(
+                "stage %d: every replica replaced; SENTINEL history of the stage starts again", stage
+            )
+            self.emit("sentinel_reset", stage=stage, replicas=sorted(members[stage]))
+
     def banned(self) -> frozenset[str]:
         return frozenset(self.banned_locally)
 
@@ -327,6 +340,7 @@ class SentinelTap:
             "skipped_cascade": s.skipped_cascade,
             "bans": s.bans,
             "rewarms": s.rewarms,
+            "resets": s.resets,
             "quarantines": s.quarantines,
             "equivocations": s.equivocations,
             "spot_checks": s.spot_checks,

@@ -1221,6 +1221,11 @@ class VerifierRole:
         self._replicas = replicas_from_peers(peers, get_dht_time())
         for replica in self._replicas:
             self._transport.maddrs[replica.peer_id] = replica.maddrs
+        if self.tap is not None:
+            members: dict[int, list[str]] = {stage: [] for stage in range(self.manifest.num_stages)}
+            for replica in self._replicas:
+                members.setdefault(replica.stage, []).append(replica.peer_id)
+            self.tap.observe_replicas(members)
 
     async def _refresh_loop(self, stop: asyncio.Event) -> None:
         period = self.config.replica_refresh_s or self.manifest.heartbeat_period_s

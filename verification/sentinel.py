@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -683,6 +684,36 @@ class BoundaryMonitor:
             )
 
 
+class StageTurnover:
+    """Which stages had every replica replaced since their SENTINEL history was built.
+
+    A stage's history (EMA, fences, peer summaries) describes the replicas that sent its traffic. When none of
+    them is left and others serve the stage (its only replica killed and another moved in from a neighbour
+    stage, holding the global version rather than the dead one's local weights), judging the newcomers against
+    it flags nearly every tensor they send, and with fewer than `min_peer_replicas` there is no cross-replica
+    centre to re-anchor it: the stage is locked out for good (seen: 5,351 microbatches dropped in a row, the
+    pipeline stalled). Such a stage starts a fresh history instead (`SentinelMonitor.reset_stage`).
+
+    Feed it the live replicas of every stage after each refresh; a stage that is empty for a while keeps the
+    replicas it last had."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, frozenset[str]] = {}
+
+    def observe(self, members: Mapping[int, Collection[str]]) -> list[int]:
+        """Stages whose replicas now share none with the ones they last had (not on first sight)."""
+        replaced = []
+        for stage, peers in members.items():
+            now = frozenset(peers)
+            if not now:
+                continue
+            before = self._last.get(stage)
+            if before is not None and not before & now:
+                replaced.append(stage)
+            self._last[stage] = now
+        return replaced
+
+
 class SentinelMonitor:
     """All boundaries one verifier watches, created on first use: the integration entry point."""
 
@@ -718,6 +749,11 @@ class SentinelMonitor:
         for direction in ("forward", "backward"):
             if (stage, direction) in self._boundaries:
                 self._boundaries[(stage, direction)].rewarm()
+
+    def reset_stage(self, stage: int) -> None:
+        """Drop both directions' history of a stage: the next checks warm up a fresh one (see StageTurnover)."""
+        for direction in ("forward", "backward"):
+            self._boundaries.pop((stage, direction), None)
 
     def forget_replica(self, signer: str) -> None:
         for monitor in self._boundaries.values():

@@ -12,9 +12,9 @@ slower per replica than the first, and the announced throughputs of processes sh
 2-5x, so at 0.5 the rebalancer would (rightly, by its measurements) move replicas at times the test cannot
 control. An empty stage is starved at any ratio: the kill is what triggers the move.
 
-The inner learning rate is small (3e-4) so that the replicas' weights stay close: the verifier's SENTINEL judges
-the mover's stage-0 outputs against the history the killed replica built, and a mover holding the global version
-while the killed replica had trained far past it would be flagged as an outlier (a SENTINEL matter, not this one).
+The inner learning rate is small (3e-4) so that the replicas' weights stay close. The verifier's SENTINEL starts
+a fresh history for stage 0 when the mover arrives (every replica of the stage replaced: `StageTurnover`);
+before, it judged the mover against the killed replica's history and could drop everything it sent for good.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from verification.sentinel import (
     BoundaryMonitor,
     SentinelConfig,
     SentinelMonitor,
+    StageTurnover,
     Verdict,
     _compute_fences,
 )
@@ -235,6 +236,37 @@ def test_a_single_replica_that_shifts_stays_flagged_and_is_not_absorbed() -> Non
     odd = [v for v in verdicts if v.signer == "r0"]
     assert flag_rate(odd[:10]) > 0.9 and flag_rate(odd[-10:]) > 0.9
     assert flag_rate([v for v in verdicts if v.signer != "r0"]) < 0.02
+
+
+def test_stage_turnover_reports_a_stage_whose_replicas_were_all_replaced() -> None:
+    turnover = StageTurnover()
+    assert turnover.observe({0: ["a"], 1: ["b", "c"]}) == []  # first sight: nothing to compare with
+    assert turnover.observe({0: [], 1: ["c", "d"]}) == []  # stage 0 empty (keeps "a"); stage 1 kept "c"
+    assert turnover.observe({0: ["m"], 1: ["d"]}) == [0]  # "a" gone, "m" moved in; "d" was seen beside "c"
+    assert turnover.observe({0: ["m", "n"], 1: ["d"]}) == []  # reported once: "m" is stage 0's now
+
+
+def test_a_stage_whose_replicas_were_all_replaced_is_not_locked_out_after_a_reset() -> None:
+    """Stage 0's replicas built its history; then they are gone and one newcomer serves it, on weights that
+    differ (the global version, not their local ones). Fewer than two replicas: history-only fences. Kept,
+    that history flags the newcomer to the end (negative control); reset, a fresh one judges it."""
+    results = {}
+    for reset in (False, True):
+        monitor = SentinelMonitor(FAST)
+        stage = SyntheticStage(8)
+        for i in range(300):
+            y, x = stage.microbatch(i % 3)
+            monitor.check(0, "forward", stage.names[i % 3], i, y, float(i), context=x)
+        stage.shift_all(1.0)
+        if reset:
+            monitor.reset_stage(0)
+        verdicts = []
+        for i in range(300, 600):
+            y, x = stage.microbatch(0)
+            verdicts.append(monitor.check(0, "forward", "newcomer", i, y, float(i), context=x))
+        results[reset] = flag_rate(verdicts[-150:])
+    assert results[False] > 0.9  # locked out: every tensor the stage's only replica sends is dropped
+    assert results[True] < 0.02
 
 
 def test_rewarm_flags_only_blatant_deviations_for_a_while() -> None:
