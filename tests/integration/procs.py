@@ -466,6 +466,30 @@ class RunSpec:
         return run.write_run_toml(root / "run.toml")
 
 
+async def call_framed_once_found(
+    p2p: Any, peer_id: str, route: str, frame: bytes, *, max_response_bytes: int, find_s: float = 30.0
+) -> bytes:
+    """`protocol.rpc.call_framed` from a test's own daemon, started a moment ago on the bootstrap alone: it finds
+    `peer_id` through the DHT, and until it has, opening the stream fails ("failed to find any peer in table";
+    CI, once). Nothing reached the peer then, so the call is made again, for up to `find_s`."""
+    import asyncio
+
+    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+
+    from protocol.rpc import call_framed
+
+    deadline = time.monotonic() + find_s
+    while True:
+        try:
+            return await call_framed(
+                p2p, peer_id, route, frame, max_response_bytes=max_response_bytes, timeout_s=20
+            )
+        except ControlFailure:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
 # Stage replicas and a verifier: layers 64 wide, microbatches of up to 8, a stage's syncs every 20 steps and at
 # most every 2 s; fragments and overlap at the manifest's defaults.
 PIPELINE_RUN = RunSpec(

@@ -34,6 +34,7 @@ from tests.integration.procs import (
     Node,
     Procs,
     RunSpec,
+    call_framed_once_found,
     procs,
     read_events,
     wait_until,
@@ -129,8 +130,6 @@ class TestSwarm:
     ) -> None:
         from hivemind.p2p import P2P
 
-        from protocol.rpc import call_framed
-
         plan = run_fragment_plan(parse_run_toml(swarm.run_path.read_text()))
         run_id = swarm.syncer.try_status()["run_id"]
         attacker = NodeIdentity.load_or_create(swarm.root / "attacker.key")
@@ -168,8 +167,8 @@ class TestSwarm:
             try:
                 for label, frame in frames.items():
                     try:
-                        await call_framed(
-                            p2p, swarm.syncer_id, PUSH_ROUTE, frame, max_response_bytes=1 << 16, timeout_s=20
+                        await call_framed_once_found(
+                            p2p, swarm.syncer_id, PUSH_ROUTE, frame, max_response_bytes=1 << 16
                         )
                         reasons[label] = "accepted"
                     except RemoteRefused as e:

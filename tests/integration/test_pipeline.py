@@ -8,7 +8,6 @@ Tiny model (2 layers x 64, context 32), microbatches of 4: the module runs in ab
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import random
 import signal
@@ -21,7 +20,6 @@ from typing import Any
 import pytest
 import torch
 from hivemind.p2p import P2P
-from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from node.routing import ReplicaInfo
 from node.stage import FORWARD_RPC, RECEIPT_RPC, UNAUTHORIZED, BoundaryShape
@@ -30,12 +28,13 @@ from protocol.envelope import Context, Direction, Kind, max_frame_bytes, seal
 from protocol.errors import RemoteRefused, SignerMismatch
 from protocol.identity import NodeIdentity
 from protocol.manifest import RunManifest
-from protocol.rpc import FramedServer, Route, call_framed
+from protocol.rpc import FramedServer, Route
 from tests.integration.procs import (
     PIPELINE_RUN,
     Bootstrap,
     Node,
     Procs,
+    call_framed_once_found,
     environment,
     free_port,
     get_text,
@@ -147,12 +146,15 @@ def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: 
     peer_ids = [node.status()["peer_id"] for node in replicas]
     before = swarm.verifier.status()["microbatches_completed"]
 
-    def holding() -> Node | None:
-        # The victim is whichever replica holds a context now: one that SENTINEL just dropped an answer of sits
-        # out a routing cooldown (30 s here) and may hold none for the whole wait (CI, once).
-        return next((node for node in replicas if node.status()["contexts"] > 0), None)
+    def busy() -> Node | None:
+        # The victim is a replica the verifier has a hop in flight on now: its microbatch comes back to stage 0
+        # for its backward, so it fails there. Not a fixed one: a replica that SENTINEL just dropped an answer
+        # of sits out a routing cooldown (30 s here); nor one holding contexts, which may be of microbatches
+        # dropped later on (CI, once each).
+        in_flight = {r["peer_id"] for r in swarm.verifier.status()["replicas"]["0"] if r["in_flight"] > 0}
+        return next((node for node, peer in zip(replicas, peer_ids, strict=True) if peer in in_flight), None)
 
-    victim = wait_until(holding, 20, what="a stage-0 replica holding a context", interval_s=0.02)
+    victim = wait_until(busy, 20, what="a hop in flight on a stage-0 replica", interval_s=0.02)
     index = 0 if victim is replicas[0] else 1
     survivor, victim_id = replicas[1 - index], peer_ids[index]
     victim.signal(signal.SIGKILL)
@@ -292,8 +294,8 @@ def test_a_request_from_a_non_verifier_is_refused(swarm: Swarm, loop_thread, tmp
             )
             frame = seal(stranger, ctx, microbatch=1, step=0, now=time.time(), tensor=activation)
             try:
-                await call_framed(
-                    p2p, target["peer_id"], FORWARD_RPC, frame, max_response_bytes=4096, timeout_s=20
+                await call_framed_once_found(
+                    p2p, target["peer_id"], FORWARD_RPC, frame, max_response_bytes=4096
                 )
             except RemoteRefused as e:
                 return e.reason
@@ -324,25 +326,9 @@ def test_a_caller_over_a_stage_routes_rate_is_throttled_and_counted(
         )
         reasons = []
         try:
-            # the flooder's daemon finds the target through the DHT: a moment after it starts, it may not yet
-            deadline = time.monotonic() + 30
-            while True:
+            for _ in range(40):
                 try:
-                    await call_framed(
-                        p2p, target_id, RECEIPT_RPC, b"x", max_response_bytes=4096, timeout_s=20
-                    )
-                except RemoteRefused as e:
-                    reasons.append(e.reason)
-                    break
-                except ControlFailure:  # "failed to find any peer in table"
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.5)
-            for _ in range(39):
-                try:
-                    await call_framed(
-                        p2p, target_id, RECEIPT_RPC, b"x", max_response_bytes=4096, timeout_s=20
-                    )
+                    await call_framed_once_found(p2p, target_id, RECEIPT_RPC, b"x", max_response_bytes=4096)
                     reasons.append("accepted")
                 except RemoteRefused as e:
                     reasons.append(e.reason)
