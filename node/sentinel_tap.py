@@ -99,7 +99,8 @@ class TapStats:
     spot_matches: int = 0
     spot_thirds: int = 0  # mismatches that asked a third replica
     spot_convictions: int = 0
-    spot_uncorroborated: int = 0  # convictions by two identical replicas: quarantine, never a ban
+    spot_uncorroborated: int = 0  # convictions by two identical replicas or while turbulent: never a ban
+    spot_turbulent: int = 0  # of those, convictions while no two replicas agreed in a recent three-way check
     spot_marginal: int = 0  # convictions near the tolerance: each a fraction of a full one
     spot_inconclusive: int = 0
     spot_exonerated: int = 0  # flagged microbatches whose recomputation matched: flag taken back
@@ -243,7 +244,13 @@ class SentinelTap:
         `need_third`), and act on it: a conviction goes to the ledger as evidence, a match takes back a
         flag of that microbatch."""
         policy = self._spot_policy(stage, direction)
-        verdict = policy.adjudicate(original, checker_output, third_output)
+        other = Direction.BACKWARD if direction is Direction.FORWARD else Direction.FORWARD
+        verdict = policy.adjudicate(
+            original,
+            checker_output,
+            third_output,
+            turbulent_elsewhere=self._spot_policy(stage, other).turbulent,
+        )
         stats = self.stats
         if third_output is None:
             stats.spot_checks += 1
@@ -268,6 +275,7 @@ class SentinelTap:
             dir_name = "forward" if direction is Direction.FORWARD else "backward"
             reason = f"spot check of microbatch {microbatch_id} at stage {stage} {dir_name}: {verdict.reason}"
             stats.spot_uncorroborated += int(not verdict.corroborated)
+            stats.spot_turbulent += int(verdict.turbulent)
             stats.spot_marginal += int(verdict.marginal)
             decision = self.ledger.record_evidence(
                 culprit,

@@ -13,8 +13,10 @@ verifier's job.
 Adjudication: a mismatch between the original and the checker is not yet proof (either may be the liar).
 A third replica recomputes; if the original is the odd one out (far from both others, which are close to
 each other) that is ban-grade evidence against it; if the checker is the odd one out, the checker is the
-suspect; otherwise nothing is concluded. Replicas are DiLoCo learners whose weights differ between
-syncs, so "close" is calibrated on the honest divergence this stage actually shows.
+suspect (a marginal conviction: see `adjudicate`); otherwise nothing is concluded. Replicas are DiLoCo
+learners whose weights differ between syncs, so "close" is calibrated on the honest divergence this stage
+actually shows, and convictions carry no ban weight while the stage's replicas are seen not to agree at
+all (`SpotCheckConfig.turbulence_checks`).
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ class SpotCheckConfig:
     # one out at 1.2 x the tolerance (0.18 vs 0.15) twice and was banned, about 1 run in 7. The attacks
     # of the table differ from honest replicas by 0.45 (noise at strength 0.5) to 2 (scaling by -1).
     ban_margin: float = 1.5
+    # Two replicas agreeing is evidence only while honest replicas of the stage agree at all. After a
+    # three-way check in which no two of the three were within the tolerance (honest spread has outgrown
+    # the calibrated tolerance: an lr change, a merge that moved far), this many further checks of the
+    # same stage and direction convict without ban weight (tensor dropped, replica quarantined). Measured
+    # in test_sentinel's lr x8 window: honest pairs at up to 5.5 tolerances, and an honest replica ahead
+    # of two peers by 4.2x their distance (4 tolerances) convicted three times and banned.
+    turbulence_checks: int = 8
 
     def __post_init__(self) -> None:
         for name in ("base_rate", "new_peer_rate", "flagged_rate", "flagged_tensor_rate", "quarantined_rate"):
@@ -84,6 +93,8 @@ class SpotCheckConfig:
             raise ValueError(f"ban_margin must be >= 1, got {self.ban_margin}")
         if not 1 <= self.tolerance_samples <= self.tolerance_window:
             raise ValueError("need 1 <= tolerance_samples <= tolerance_window")
+        if self.turbulence_checks < 0:
+            raise ValueError(f"turbulence_checks must be >= 0, got {self.turbulence_checks}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +118,17 @@ class SpotCheckVerdict:
     original_vs_checker: SpotCheckResult
     third_vs_checker: SpotCheckResult | None = None
     third_vs_original: SpotCheckResult | None = None
-    # False when the two replicas that agree are identical copies of one version while replicas normally
-    # drift (SpotCheckPolicy._one_opinion): the culprit's tensor is still distrusted (dropped, and the
-    # replica quarantined) but the conviction does not count towards a ban.
+    # False when the agreement of the two others is no evidence: they are identical copies of one version
+    # while replicas normally drift (SpotCheckPolicy._one_opinion), or the stage is turbulent (`turbulent`).
+    # The culprit's tensor is still distrusted (dropped, and the replica quarantined) but the conviction
+    # does not count towards a ban.
     corroborated: bool = True
     # True when the culprit is within `ban_margin` tolerances of the two others: a conviction, but one of
     # several that a ban takes (LedgerConfig.marginal_convictions_to_ban).
     marginal: bool = False
+    # True when a recent three-way check of this stage and direction found no two replicas within the
+    # tolerance (SpotCheckConfig.turbulence_checks); such a conviction is not corroborated.
+    turbulent: bool = False
 
     @property
     def culprit(self) -> Literal["original", "checker"] | None:
@@ -159,6 +174,8 @@ class SpotCheckPolicy:
     def __init__(self, config: SpotCheckConfig | None = None) -> None:
         self.config = config or SpotCheckConfig()
         self._honest_rel: deque[float] = deque(maxlen=self.config.tolerance_window)
+        # Checks concluded since the last three-way check in which no two replicas agreed (None: never).
+        self._since_spread: int | None = None
 
     def rate(
         self, *, microbatches_seen: int, recent_flags: int, quarantined: bool, flagged_now: bool = False
@@ -253,15 +270,23 @@ class SpotCheckPolicy:
         return compare_outputs(a, b, self.tolerance, self.config.atol)
 
     def adjudicate(
-        self, original: torch.Tensor, checker: torch.Tensor, third: torch.Tensor | None = None
+        self,
+        original: torch.Tensor,
+        checker: torch.Tensor,
+        third: torch.Tensor | None = None,
+        *,
+        turbulent_elsewhere: bool = False,
     ) -> SpotCheckVerdict:
-        """Judge a spot check; pass `third` (a third replica's recomputation) after a `need_third`.
+        """Judge a spot check; pass `third` (a third replica's recomputation) after a `need_third`, and
+        `turbulent_elsewhere` when the policy of the stage's other direction is `turbulent` (the same
+        replicas' weights have spread: their activations and their gradients are judged apart).
 
         With three opinions, a replica is the odd one out when it differs from both others by more
         than the tolerance AND by more than `odd_one_out_ratio` times their difference to each other."""
         tol = self.tolerance
         first = self.compare(original, checker)
         if first.match:
+            self._count_check()
             self._honest_rel.append(first.rel_diff)
             return SpotCheckVerdict("match", f"rel_diff {first.rel_diff:.2e} within {tol:.2e}", first)
         if third is None:
@@ -270,6 +295,8 @@ class SpotCheckPolicy:
             )
         vs_checker = self.compare(third, checker)
         vs_original = self.compare(third, original)
+        turbulent = self.turbulent or turbulent_elsewhere
+        self._count_check()
         if not self.calibrated:
             # Until the tolerance has adapted, "far" only means "beyond the maximum tolerance", and early
             # in training honest replicas are that far apart: measured from scratch, one replica's first
@@ -295,18 +322,47 @@ class SpotCheckPolicy:
             corroborated = not self._one_opinion(vs_checker.rel_diff)
             marginal = min(first.rel_diff, vs_original.rel_diff) < self.config.ban_margin * tol
         elif checker_odd:
+            # Always marginal: the checker answered a recomputation on its current weights, the original on
+            # the weights stashed at its forward, earlier, so an honest checker that stepped since is the
+            # odd one out against an original and a third that did not (measured, lr x8 runs: 15 of 20
+            # honest convictions were of checkers, none of 52 attacker convictions). And a lying checker
+            # drops nothing by itself (the third sides with the original); it costs a recomputation.
             self._honest_rel.append(vs_original.rel_diff)
             outcome = "checker_faulty"
             reason = f"checker is the odd one out ({distances}; tolerance {tol:.2e})"
             corroborated = not self._one_opinion(vs_original.rel_diff)
-            marginal = min(first.rel_diff, vs_checker.rel_diff) < self.config.ban_margin * tol
+            marginal = True
         else:
             outcome = "inconclusive"
             reason = f"no odd one out ({distances}; tolerance {tol:.2e})"
-        if not corroborated:
+            if min(first.rel_diff, vs_original.rel_diff, vs_checker.rel_diff) > tol:
+                self._since_spread = 0  # no two replicas agree: honest spread beyond the tolerance
+        turbulent = turbulent and outcome != "inconclusive"
+        if turbulent:
+            reason += (
+                "; no two replicas agreed in a recent three-way check of this stage: honest spread beyond"
+                " the tolerance, not ban-grade"
+            )
+            corroborated, marginal = False, False
+        elif not corroborated:
             reason += "; the two others are identical: one opinion, not ban-grade"
             marginal = False
+        elif marginal and outcome == "checker_faulty":
+            reason += "; a checker's recomputation: marginal"
         elif marginal:
             reason += f"; within {self.config.ban_margin:g} x the tolerance of the others: marginal"
         logger.info("spot check %s: %s", outcome, reason)
-        return SpotCheckVerdict(outcome, reason, first, vs_checker, vs_original, corroborated, marginal)
+        return SpotCheckVerdict(
+            outcome, reason, first, vs_checker, vs_original, corroborated, marginal, turbulent
+        )
+
+    @property
+    def turbulent(self) -> bool:
+        """Whether a three-way check found no two replicas within the tolerance in the last
+        `turbulence_checks` concluded checks: convictions are then not ban-grade."""
+        since = self._since_spread
+        return since is not None and since < self.config.turbulence_checks
+
+    def _count_check(self) -> None:
+        if self._since_spread is not None:
+            self._since_spread += 1

@@ -198,6 +198,58 @@ def test_an_odd_one_out_near_the_tolerance_is_a_marginal_conviction() -> None:
         assert far.culprit == "original" and far.ban_grade
 
 
+def test_convictions_while_no_two_replicas_agree_are_not_ban_grade() -> None:
+    # CI, lr x8 on every replica: honest pairs spread to 5.5 tolerances, and an honest replica one step ahead
+    # of two peers was the odd one out at 4 tolerances (4.2 x their distance), three times, and was banned.
+    # A three-way check where no two replicas agree shows the calibrated tolerance no longer describes the
+    # honest spread: for `turbulence_checks` checks a conviction drops the tensor but is not ban-grade.
+    # Negative control: turbulence_checks=0 bans on the same checks.
+    gen = torch.Generator().manual_seed(8)
+    for window, guarded in ((8, True), (0, False)):
+        policy = SpotCheckPolicy(SpotCheckConfig(turbulence_checks=window))
+        for _ in range(policy.config.tolerance_samples):
+            o, c, _ = honest_triplet(0.05, gen)
+            policy.adjudicate(o, c)
+        tol = policy.tolerance
+        _, c, t = honest_triplet(0.05, gen)
+        spread = [c + c.norm() * 3 * tol * _unit(gen, c) for _ in range(3)]
+        verdict = policy.adjudicate(*spread)
+        assert verdict.outcome == "inconclusive" and policy.turbulent is guarded
+        ahead = c + c.norm() * 4 * tol * _unit(gen, c)
+        convicted = policy.adjudicate(ahead, c, t)
+        assert convicted.culprit == "original" and convicted.turbulent is guarded
+        assert convicted.ban_grade is not guarded
+        if guarded:
+            assert not convicted.corroborated and "honest spread beyond the tolerance" in convicted.reason
+            for _ in range(window - 1):  # checks that agree: the stage calms down
+                o, c, t = honest_triplet(0.05, gen)
+                policy.adjudicate(o, c)
+            assert not policy.turbulent
+            again = policy.adjudicate(c + c.norm() * 4 * tol * _unit(gen, c), c, t)
+            assert again.culprit == "original" and again.ban_grade and not again.turbulent
+            # the stage's other direction (the same replicas' weights) can say it is turbulent
+            elsewhere = policy.adjudicate(ahead, c, t, turbulent_elsewhere=True)
+            assert elsewhere.culprit == "original" and elsewhere.turbulent and not elsewhere.ban_grade
+
+
+def test_a_checker_odd_one_out_is_a_marginal_conviction() -> None:
+    # The checker recomputes on its current weights, the original answered on those stashed at its forward:
+    # an honest checker that stepped since is the odd one out (15 of 20 honest convictions in the lr x8
+    # runs). Its conviction is marginal however far it is (the ledger bans a persistent liar after more of
+    # them); the original's, far from both others, stays a full one.
+    gen = torch.Generator().manual_seed(9)
+    policy = SpotCheckPolicy()
+    for _ in range(policy.config.tolerance_samples):
+        o, c, _ = honest_triplet(0.05, gen)
+        policy.adjudicate(o, c)
+    o, c, t = honest_triplet(0.05, gen)
+    lying_checker = policy.adjudicate(o, -c, t)
+    assert lying_checker.culprit == "checker" and lying_checker.corroborated and lying_checker.marginal
+    assert not lying_checker.ban_grade and "checker's recomputation" in lying_checker.reason
+    lying_original = policy.adjudicate(-o, c, t)
+    assert lying_original.culprit == "original" and lying_original.ban_grade
+
+
 def _unit(gen: torch.Generator, like: torch.Tensor) -> torch.Tensor:
     direction = torch.randn(like.shape, generator=gen)
     return direction / direction.norm()
@@ -247,6 +299,7 @@ def test_clears_only_typical_honest_matches_and_flagged_tensors_are_always_check
         {"flagged_tensor_rate": 2.0},
         {"clear_factor": 0.0},
         {"ban_margin": 0.5},
+        {"turbulence_checks": -1},
     ],
 )
 def test_config_validation(kwargs: dict[str, object]) -> None:
