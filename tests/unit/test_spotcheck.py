@@ -84,6 +84,13 @@ def honest_triplet(
     return tuple(base + divergence * torch.randn(base.shape, generator=gen) for _ in range(3))  # type: ignore[return-value]
 
 
+def calibrate(policy: SpotCheckPolicy, gen: torch.Generator) -> None:
+    """Feed the policy the honest matches its adaptive tolerance needs (replicas drifted by 0.05)."""
+    for _ in range(policy.config.tolerance_samples):
+        o, c, _ = honest_triplet(0.05, gen)
+        policy.adjudicate(o, c)
+
+
 def test_adjudication_two_against_one() -> None:
     policy = SpotCheckPolicy(SpotCheckConfig(adaptive_tolerance=False, rtol=0.05))
     gen = torch.Generator().manual_seed(0)
@@ -157,9 +164,7 @@ def test_two_identical_replicas_are_one_opinion_when_replicas_drift() -> None:
     # replicas that never drift (always identical) keep the plain rule.
     gen = torch.Generator().manual_seed(6)
     policy = SpotCheckPolicy()
-    for _ in range(policy.config.tolerance_samples):
-        o, c, _ = honest_triplet(0.05, gen)
-        policy.adjudicate(o, c)
+    calibrate(policy, gen)
     tol = policy.tolerance
     _, c, t = honest_triplet(0.05, gen)
     for ahead in (c + c.norm() * 4 * tol * _unit(gen, c), -c):  # steps ahead, or a blatant lie
@@ -184,9 +189,7 @@ def test_an_odd_one_out_near_the_tolerance_is_a_marginal_conviction() -> None:
     gen = torch.Generator().manual_seed(7)
     for margin, marginal_bans in ((1.5, False), (1.0, True)):
         policy = SpotCheckPolicy(SpotCheckConfig(ban_margin=margin))
-        for _ in range(policy.config.tolerance_samples):
-            o, c, _ = honest_triplet(0.05, gen)
-            policy.adjudicate(o, c)
+        calibrate(policy, gen)
         tol = policy.tolerance
         _, c, t = honest_triplet(0.05, gen)
         near = policy.adjudicate(c + c.norm() * 1.3 * tol * _unit(gen, c), c, t)
@@ -207,9 +210,7 @@ def test_convictions_while_no_two_replicas_agree_are_not_ban_grade() -> None:
     gen = torch.Generator().manual_seed(8)
     for window, guarded in ((8, True), (0, False)):
         policy = SpotCheckPolicy(SpotCheckConfig(turbulence_checks=window))
-        for _ in range(policy.config.tolerance_samples):
-            o, c, _ = honest_triplet(0.05, gen)
-            policy.adjudicate(o, c)
+        calibrate(policy, gen)
         tol = policy.tolerance
         _, c, t = honest_triplet(0.05, gen)
         spread = [c + c.norm() * 3 * tol * _unit(gen, c) for _ in range(3)]
@@ -239,9 +240,7 @@ def test_a_checker_odd_one_out_is_a_marginal_conviction() -> None:
     # them); the original's, far from both others, stays a full one.
     gen = torch.Generator().manual_seed(9)
     policy = SpotCheckPolicy()
-    for _ in range(policy.config.tolerance_samples):
-        o, c, _ = honest_triplet(0.05, gen)
-        policy.adjudicate(o, c)
+    calibrate(policy, gen)
     o, c, t = honest_triplet(0.05, gen)
     lying_checker = policy.adjudicate(o, -c, t)
     assert lying_checker.culprit == "checker" and lying_checker.corroborated and lying_checker.marginal
