@@ -93,6 +93,7 @@ class TapStats:
     bans: int = 0
     rewarms: int = 0
     resets: int = 0  # stages whose history was dropped: every replica replaced (StageTurnover)
+    reanchors: int = 0  # boundaries whose history started again: locked out (SentinelConfig.lockout_checks)
     quarantines: int = 0
     equivocations: int = 0
     spot_checks: int = 0  # recomputations started (a third replica's is not counted again)
@@ -188,6 +189,8 @@ class SentinelTap:
             paired = context if context is not None and tuple(context.shape) == tuple(tensor.shape) else None
             verdict = self.monitor.check(stage, dir_name, replica, microbatch_id, tensor, now, context=paired)
             self.stats.checked += 1
+            if verdict.reanchored:
+                self._reanchored(stage, dir_name, replica)
             replicas = self._replicas(stage, replica)
             decision = self.ledger.record(
                 replica, stage, verdict.flagged, now, microbatch_id=microbatch_id, replicas=replicas
@@ -332,7 +335,13 @@ class SentinelTap:
             logger.warning(
                 "stage %d: every replica replaced; SENTINEL history of the stage starts again", stage
             )
-            self.emit("sentinel_reset", stage=stage, replicas=sorted(members[stage]))
+            self.emit(
+                "sentinel_reset", stage=stage, replicas=sorted(members[stage]), why="every replica replaced"
+            )
+
+    def _reanchored(self, stage: int, direction: str, replica: str) -> None:
+        self.stats.reanchors += 1  # the monitor logged why
+        self.emit("sentinel_reset", stage=stage, direction=direction, replicas=[replica], why="locked out")
 
     def banned(self) -> frozenset[str]:
         return frozenset(self.banned_locally)
@@ -349,6 +358,7 @@ class SentinelTap:
             "bans": s.bans,
             "rewarms": s.rewarms,
             "resets": s.resets,
+            "reanchors": s.reanchors,
             "quarantines": s.quarantines,
             "equivocations": s.equivocations,
             "spot_checks": s.spot_checks,
@@ -356,6 +366,7 @@ class SentinelTap:
             "spot_exonerated": s.spot_exonerated,
             "check_ms_mean": round(1000 * s.check_s / max(s.checked, 1), 3),
             "banned": sorted(self.banned_locally),
+            "quarantined": self.ledger.quarantined(),
         }
 
     # ---- pieces

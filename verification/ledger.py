@@ -171,6 +171,9 @@ class ViolationLedger:
         st = self._signers.get(signer)
         return bool(st and st.quarantined and not st.banned)
 
+    def quarantined(self) -> list[str]:
+        return sorted(signer for signer, st in self._signers.items() if st.quarantined and not st.banned)
+
     def banned(self, stage: int) -> frozenset[str]:
         return frozenset(self._stages[stage].banned) if stage in self._stages else frozenset()
 

@@ -27,6 +27,8 @@ How a tensor is judged (docs/sentinel.md has the measurements behind every numbe
    request), over a window of the residuals (raw scores while fewer than two replicas are known) of
    accepted tensors only. Two-sided, so a tensor that is too close to the baseline is flagged too.
 5. Combination: a tensor is flagged when any metric is outside its fence (k = 6 by default).
+6. Lock-out: judged against history alone, a boundary that refuses nearly every check for `lockout_s`, sent by
+   replicas that wrote little of that history (their peers who wrote it left), starts a new one.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -73,6 +75,15 @@ class SentinelConfig:
     peer_recent_checks: int = 3  # each replica is summarised by the median of its last N scores
     peer_horizon_checks: int = 64  # a replica counts as current if seen within the last N checks here
     min_peer_replicas: int = 2  # replicas needed for the cross-replica centre (else: history only)
+    # Lock-out: at least `lockout_fraction` of a boundary's last `lockout_checks` checks flagged against its
+    # history (no cross-replica centre), continuously for `lockout_s` (in the caller's clock units: longer
+    # than a routing cooldown, so a peer that sits one out is not taken for gone), sent by replicas that wrote
+    # less than `lockout_max_share` of the history's recent accepted tensors (its writers left): the history
+    # starts again on them. 0 checks turns the rule off.
+    lockout_checks: int = 64
+    lockout_fraction: float = 0.9
+    lockout_s: float = 10.0
+    lockout_max_share: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("ema_beta_forward", "ema_beta_backward"):
@@ -99,6 +110,10 @@ class SentinelConfig:
             raise ValueError("peer_recent_checks and peer_horizon_checks must be >= 1")
         if self.min_peer_replicas < 2:
             raise ValueError("min_peer_replicas must be >= 2: one replica has no peers to compare with")
+        if self.lockout_checks < 0 or self.lockout_s < 0:
+            raise ValueError("need lockout_checks >= 0 and lockout_s >= 0")
+        if not (0.0 < self.lockout_fraction <= 1.0 and 0.0 <= self.lockout_max_share <= 1.0):
+            raise ValueError("need 0 < lockout_fraction <= 1 and 0 <= lockout_max_share <= 1")
 
     def beta(self, direction: Direction) -> float:
         return self.ema_beta_forward if direction == "forward" else self.ema_beta_backward
@@ -128,6 +143,7 @@ class Verdict:
     deviations: dict[str, float]  # robust z of the fenced value per metric (absent when not judged)
     fences: dict[str, tuple[float, float]]  # (low, high) per metric in the fenced value's domain
     _summary: _Summary | None = field(default=None, repr=False, compare=False)
+    reanchored: bool = False  # this check found the boundary locked out: its history starts again after it
 
 
 def _as_batch_tokens_features(tensor: torch.Tensor) -> torch.Tensor:
@@ -317,20 +333,30 @@ class BoundaryMonitor:
         self._beta = config.beta(direction)
         self._metric_index = np.array([METRICS.index(m) for m in config.metrics], dtype=np.intp)
         self._metric_names = [METRICS[i] for i in self._metric_index.tolist()]
-        width = len(METRICS)
-        self._raw_window = _ScoreWindow(config.window_checks, width)
-        self._residual_window = _ScoreWindow(config.window_checks, width)
-        self._ema: np.ndarray | None = None  # [tokens, features] float32
-        self._log_scale: float = 0.0  # EMA of log RMS of accepted tensors
         self._projections: torch.Tensor | None = None  # [sw_projections, features]
-        self._ema_projected: np.ndarray | None = None  # EMA @ projections, kept by linearity
         self._scratch: np.ndarray | None = None  # see _work_buffer
-        self._accepted = 0
         self._checks = 0
-        self._rewarm_left = 0
-        self._replicas: dict[str, _Replica] = {}
+        self.reanchors = 0  # histories started again after a lock-out (see SentinelConfig.lockout_checks)
         # Windows only collect once the EMA has had time to settle on real traffic.
         self._settle_checks = math.ceil(3.0 / (1.0 - self._beta)) if self._beta > 0 else 1
+        self._start_history()
+
+    def _start_history(self) -> None:
+        """Everything learnt from traffic: empty at first, and again after a lock-out."""
+        width = len(METRICS)
+        self._raw_window = _ScoreWindow(self.config.window_checks, width)
+        self._residual_window = _ScoreWindow(self.config.window_checks, width)
+        self._ema: np.ndarray | None = None  # [tokens, features] float32
+        self._log_scale: float = 0.0  # EMA of log RMS of accepted tensors
+        self._ema_projected: np.ndarray | None = None  # EMA @ projections, kept by linearity
+        self._accepted = 0
+        self._rewarm_left = 0
+        self._replicas: dict[str, _Replica] = {}
+        self._writers: deque[str] = deque(maxlen=self.config.window_checks)  # signers of accepted tensors
+        # the last lockout_checks checks: the signer of each one flagged against the history alone, else None
+        self._recent_refusals: deque[str | None] = deque(maxlen=max(1, self.config.lockout_checks))
+        self._refusals = 0  # how many of them are not None
+        self._lockout_since: float | None = None  # since when they have been a lock-out's share
 
     # ----------------------------------------------------------------- queries
 
@@ -377,7 +403,7 @@ class BoundaryMonitor:
         input activation; backward, the output gradient it was given. When it has the tensor's shape
         (residual stages) the paired metrics compare the tensor with it, which removes the data
         variation that hides replay, random-but-matched-scale, sign and free-riding attacks."""
-        del now  # the monitor counts checks, not seconds; kept in the signature for callers' logs
+        del now  # scoring counts checks, not seconds (only the lock-out rule in accept() looks at time)
         # No torch.no_grad() needed: both tensors are detached and the rest is numpy.
         return self._score(tensor, signer, microbatch_id, context)
 
@@ -548,27 +574,85 @@ class BoundaryMonitor:
 
     # ----------------------------------------------------------------- updates
 
-    def accept(self, tensor: torch.Tensor, verdict: Verdict) -> None:
+    def accept(self, tensor: torch.Tensor, verdict: Verdict, now: float) -> bool:
         """Fold a scored tensor into the state: the replica's recent scores always, the EMA and the
-        fence windows only when the verdict was not flagged."""
+        fence windows only when the verdict was not flagged. True when this check found the boundary
+        locked out and its history was started again (the next checks warm up a new one)."""
         del tensor  # everything needed was summarised by score()
         summary = verdict._summary
         self._checks += 1
+        if self._locked_out(verdict, now):
+            self.reanchors += 1
+            logger.warning(
+                "boundary %s/%s: %d of the last %d checks refused for %.0f s against a history that %s did not "
+                "write; it starts again on their traffic",
+                self.stage,
+                self.direction,
+                self._refusals,
+                len(self._recent_refusals),
+                now - self._lockout_since if self._lockout_since is not None else 0.0,
+                ", ".join(sorted(s[-8:] for s in self._refused_signers())),
+            )
+            self._start_history()
+            return True
         if self._rewarm_left > 0:
             self._rewarm_left -= 1
         if summary is None:
             if verdict.flagged and verdict.signer in self._replicas:
                 self._replicas[verdict.signer].flagged = True
-            return
+            return False
         if summary.scores is not None:
             self._remember_replica(verdict.signer, summary.scores, verdict.flagged)
         if verdict.flagged:
-            return
+            return False
+        self._writers.append(verdict.signer)
         self._update_baseline(summary)
         if summary.scores is not None and verdict.mode != "rewarm" and self._accepted > self._settle_checks:
             self._raw_window.append(summary.scores)
             if summary.residual is not None:
                 self._residual_window.append(summary.residual)
+        return False
+
+    def _locked_out(self, verdict: Verdict, now: float) -> bool:
+        """Whether the boundary is locked out after `verdict`: `lockout_fraction` of its last `lockout_checks`
+        checks flagged against the history alone, continuously for `lockout_s`, by replicas that wrote under
+        `lockout_max_share` of its recent accepted tensors.
+
+        With a cross-replica centre a shift shared by the replicas re-anchors by itself. Without one (a
+        replica left alone on its stage) only accepted tensors move the history, so a survivor whose
+        outputs differ from those of the replicas that wrote it (it sat out a routing cooldown, or was the
+        odd one of two, while they trained on; then they died) is refused for good, or nearly: the odd
+        tensor it gets accepted moves the EMA very little (test_pipeline: 97-99 % of its microbatches dropped
+        for 21 s in one run; in another every one for 18 s, until the test gave up). Replicas that wrote the
+        history themselves are not helped: a sudden change of their own outputs is what it is there to
+        catch."""
+        if self.config.lockout_checks == 0:
+            return False
+        refused = verdict.flagged and verdict.mode in ("solo", "rewarm")
+        if (
+            len(self._recent_refusals) == self._recent_refusals.maxlen
+            and self._recent_refusals[0] is not None
+        ):
+            self._refusals -= 1
+        self._recent_refusals.append(verdict.signer if refused else None)
+        self._refusals += refused
+        full = len(self._recent_refusals) == self._recent_refusals.maxlen
+        if not (full and self._refusals >= self.config.lockout_fraction * len(self._recent_refusals)):
+            self._lockout_since = None
+            return False
+        if self._lockout_since is None:
+            self._lockout_since = now
+        if now - self._lockout_since < self.config.lockout_s:
+            return False
+        signers = self._refused_signers()
+        written = sum(1 for w in self._writers if w in signers)
+        if not self._writers or written < self.config.lockout_max_share * len(self._writers):
+            return True
+        self._lockout_since = now  # their own history: judged again after another lockout_s
+        return False
+
+    def _refused_signers(self) -> set[str]:
+        return {s for s in self._recent_refusals if s is not None}
 
     def check(
         self,
@@ -581,7 +665,10 @@ class BoundaryMonitor:
     ) -> Verdict:
         """score() then accept(): the call a verifier makes once per boundary tensor."""
         verdict = self.score(tensor, signer, microbatch_id, now, context=context)
-        self.accept(tensor, verdict)
+        if self.accept(tensor, verdict, now):
+            verdict = replace(
+                verdict, reanchored=True, reason=f"{verdict.reason}; locked out: history starts again"
+            )
         if verdict.flagged:
             logger.info(
                 "boundary %s/%s flagged %s mb=%s: %s",
@@ -675,6 +762,11 @@ class BoundaryMonitor:
         self._rewarm_left = int(state["rewarm_left"])
         self._raw_window.load(state["raw_window"])
         self._residual_window.load(state["residual_window"])
+        # Who wrote the history is not saved: a restored one counts as written by others (lock-out rule).
+        self._writers.clear()
+        self._recent_refusals.clear()
+        self._refusals = 0
+        self._lockout_since = None
         self._replicas = {}
         for signer, entry in state["replicas"].items():
             rows = entry["recent"].detach().cpu().numpy().astype(np.float64)

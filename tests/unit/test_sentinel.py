@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ def _one_thread() -> Iterator[None]:
 
 
 FAST = SentinelConfig(warmup_checks=60, min_window_checks=24, window_checks=128)
+NO_LOCKOUT = dataclasses.replace(FAST, lockout_checks=0)
 
 
 class SyntheticStage:
@@ -222,6 +224,7 @@ def test_stage_wide_shift_re_anchors_instead_of_locking_out() -> None:
             decisions = [ledger.record(v.signer, 1, v.flagged, float(i)) for i, v in enumerate(after)]
             assert not any(d.action == "ban" for dec in decisions for d in dec.all())
     assert results["history only"][1] > 0.9  # locked out: the baseline never learns the new normal
+    # (the lock-out rule leaves it: the shifted replicas wrote that history themselves)
     assert results["peer"][1] < 0.02  # re-anchored: the EMA learned the shifted traffic
     assert results["peer"][0] < 0.35  # a few checks per replica until the centre has moved
 
@@ -252,7 +255,7 @@ def test_a_stage_whose_replicas_were_all_replaced_is_not_locked_out_after_a_rese
     that history flags the newcomer to the end (negative control); reset, a fresh one judges it."""
     results = {}
     for reset in (False, True):
-        monitor = SentinelMonitor(FAST)
+        monitor = SentinelMonitor(NO_LOCKOUT)  # the lock-out rule would re-anchor it too (test below)
         stage = SyntheticStage(8)
         for i in range(300):
             y, x = stage.microbatch(i % 3)
@@ -267,6 +270,103 @@ def test_a_stage_whose_replicas_were_all_replaced_is_not_locked_out_after_a_rese
         results[reset] = flag_rate(verdicts[-150:])
     assert results[False] > 0.9  # locked out: every tensor the stage's only replica sends is dropped
     assert results[True] < 0.02
+
+
+def _survivor_run(
+    config: SentinelConfig, *, seconds_per_check: float = 1.0, passes_every: int = 0
+) -> tuple[BoundaryMonitor, list[Verdict]]:
+    """Two replicas of a stage; r0 takes nearly all the traffic (r1 sits out a routing cooldown), so r0 writes
+    the history. Then r0 dies and r1, whose outputs moved apart meanwhile, is the stage's only replica;
+    with `passes_every` = k, every k-th of its tensors is like r0's and passes."""
+    monitor = BoundaryMonitor(config, stage=0, direction="forward")
+    stage = SyntheticStage(9, replicas=2)
+    for i in range(400):
+        replica = 1 if i % 40 == 0 else 0
+        y, x = stage.microbatch(replica)
+        monitor.check(y, stage.names[replica], i, i * seconds_per_check, context=x)
+    offset = 0.6  # a level r0 never had (in test_pipeline: level z=-11, sign flips z=+27 against the history)
+    verdicts = []
+    for i in range(400, 800):
+        y, x = stage.microbatch(1)
+        if not (passes_every and i % passes_every == 0):
+            y = y + offset
+        verdicts.append(monitor.check(y, "r1", i, i * seconds_per_check, context=x))
+    return monitor, verdicts
+
+
+@pytest.mark.parametrize("passes_every", [0, 20], ids=["all refused", "1 in 20 passes"])
+def test_a_survivor_judged_against_its_departed_peers_history_is_not_locked_out(passes_every: int) -> None:
+    """The test_pipeline lock-out: after its peer's SIGKILL the survivor's forwards were refused, every one for 18 s
+    (training stopped) in one run, 97-99 % for 21 s in another. Without the rule (negative control) the survivor is
+    flagged to the end; with it the history starts again on the survivor once `lockout_fraction` of the last
+    `lockout_checks` checks were refused for `lockout_s`, and it is judged against the new one."""
+    _, kept = _survivor_run(NO_LOCKOUT, passes_every=passes_every)
+    assert flag_rate(kept[-150:]) > 0.9
+    monitor, verdicts = _survivor_run(FAST, passes_every=passes_every)
+    first = next(i for i, v in enumerate(verdicts) if v.reanchored)
+    assert monitor.reanchors == 1 and verdicts[first].flagged and "locked out" in verdicts[first].reason
+    refused = verdicts[first - FAST.lockout_checks + 1 : first + 1]
+    assert flag_rate(refused) >= FAST.lockout_fraction
+    assert verdicts[first].microbatch_id - refused[0].microbatch_id >= FAST.lockout_s  # 1 s per check here
+    usual = [v for v in verdicts[-150:] if not (passes_every and v.microbatch_id % passes_every == 0)]
+    assert flag_rate(usual) < 0.02  # (the odd one in 20 that passed before is the odd one now)
+    warming = verdicts[first + 1 : first + 1 + FAST.warmup_checks]
+    assert not any(v.flagged for v in warming)
+
+
+def test_the_tap_drops_until_the_lock_out_then_reports_it_and_passes_the_survivor() -> None:
+    """The verifier's seam around the same scenario: the survivor's forwards are dropped (never banned: its
+    peer sends nothing clean meanwhile), the re-anchor is counted and put on the event tape, and after it
+    the survivor's tensors pass."""
+    from node.sentinel_tap import SentinelTap, SentinelTapConfig
+    from node.verifier import Drop
+    from protocol.envelope import Direction
+
+    events: list[tuple[str, dict[str, object]]] = []
+    clock = [0.0]
+    tap = SentinelTap(
+        verifier="v",
+        run_id="run",
+        config=SentinelTapConfig(sentinel=FAST, spot=None),
+        stage_replicas=lambda _stage: ("r0", "r1"),
+        emit=lambda event, **fields: events.append((event, fields)),
+        clock=lambda: clock[0],
+        wall_clock=lambda: clock[0],
+    )
+    stage = SyntheticStage(9, replicas=2)
+    results = []
+    for i in range(800):
+        replica = 1 if i >= 400 or i % 40 == 0 else 0
+        y, x = stage.microbatch(replica)
+        y = y + (0.6 if i >= 400 else 0.0)
+        clock[0] = float(i)
+        out = tap.check(0, Direction.FORWARD, stage.names[replica], i, y, None, context=x)  # type: ignore[arg-type]
+        results.append(isinstance(out, Drop))
+    resets = [fields for event, fields in events if event == "sentinel_reset"]
+    assert resets == [{"stage": 0, "direction": "forward", "replicas": ["r1"], "why": "locked out"}]
+    assert tap.status()["reanchors"] == 1 and tap.banned() == frozenset()
+    assert sum(results[400:480]) >= FAST.lockout_checks  # dropped until then...
+    assert not any(results[-200:])  # ...and its traffic passes after
+
+
+def test_a_refusal_streak_shorter_than_lockout_s_is_not_a_lock_out() -> None:
+    """The writer may only be sitting out a routing cooldown (seconds): a streak of refusals must also last
+    `lockout_s` before the survivor is taken for the stage's only replica. Here 400 checks take 4 s."""
+    monitor, verdicts = _survivor_run(FAST, seconds_per_check=0.01)
+    assert monitor.reanchors == 0 and flag_rate(verdicts[-150:]) > 0.9
+
+
+def test_the_lock_out_rule_never_re_anchors_a_replica_on_a_history_it_wrote() -> None:
+    """A lone replica that wrote its stage's history and then sends something else (here a scaling attack) is
+    what the history is there to catch: flagged to the end, no re-anchor."""
+    monitor = BoundaryMonitor(FAST, stage=0, direction="forward")
+    stage = SyntheticStage(10, replicas=1)
+    drive(monitor, stage, 300)
+    verdicts = drive(
+        monitor, stage, 400, start=300, attack=Attack(AttackConfig(kind="scaling", strength=1.5))
+    )
+    assert monitor.reanchors == 0
+    assert flag_rate(verdicts) > 0.95 and not any(v.reanchored for v in verdicts)
 
 
 def test_rewarm_flags_only_blatant_deviations_for_a_while() -> None:
@@ -417,6 +517,10 @@ def test_check_cost_is_small_for_pipeline_sized_tensors() -> None:
         {"fence_k": 10.0, "blatant_k": 5.0},
         {"min_window_checks": 1000},
         {"min_peer_replicas": 1},
+        {"lockout_checks": -1},
+        {"lockout_max_share": 1.5},
+        {"lockout_s": -1.0},
+        {"lockout_fraction": 0.0},
     ],
 )
 def test_config_validation(kwargs: dict[str, object]) -> None:
