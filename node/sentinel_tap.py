@@ -367,6 +367,7 @@ class SentinelTap:
             "check_ms_mean": round(1000 * s.check_s / max(s.checked, 1), 3),
             "banned": sorted(self.banned_locally),
             "quarantined": self.ledger.quarantined(),
+            "flags_in_window": self.ledger.flagged(),
         }
 
     # ---- pieces

@@ -413,10 +413,16 @@ class PipelineDriver:
         self.stats = DriverStats()
         self.step = 0  # the verifier's step (sequences driven / inner batch), stamped on requests
         self.last_route: list[str | None] = [None] * num_stages
+        # microbatch -> the replica holding its context at each stage passed so far (their backward is due there)
+        self._holders: dict[int, list[str]] = {}
         self.on_failure: Callable[[int, int, str, HopError], None] | None = None
         # (microbatch, stage, direction) -> the signed header of the answer just opened, for the tap (evidence,
         # equivocation); popped by the tap call that follows the hop without an await in between.
         self._signed: dict[tuple[int, int, str], SignedBoundaryHeader] = {}
+
+    def holding(self, peer_id: str) -> int:
+        """Training microbatches in flight whose context `peer_id` holds: their backward is due there."""
+        return sum(holders.count(peer_id) for holders in self._holders.values())
 
     # ---- readiness
 
@@ -441,6 +447,7 @@ class PipelineDriver:
         last = self.num_stages - 1
         inputs: list[torch.Tensor] = [tokens]
         holders: list[str] = []
+        self._holders[microbatch] = holders
         try:
             for stage in range(last):
                 holder, out = await self._forward(microbatch, stage, inputs[stage], outcome, tried=set())
@@ -461,6 +468,8 @@ class PipelineDriver:
             self.stats.abandoned += 1
             logger.info("microbatch %d abandoned: %s", microbatch, e)
             return outcome
+        finally:
+            self._holders.pop(microbatch, None)
         outcome.completed = True
         outcome.loss = loss
         outcome.tokens = int(tokens.numel())
@@ -1308,7 +1317,8 @@ class VerifierRole:
                         "announced_throughput": r.throughput,
                         "queue": r.queue,
                         "measured_throughput": router.measured_throughput(r.peer_id),
-                        "in_flight": router.in_flight(r.peer_id),
+                        "in_flight": router.in_flight(r.peer_id),  # hops of any kind, spot checks too
+                        "holding": driver.holding(r.peer_id),
                         "blocked": router.is_blocked(r.peer_id, now),
                     }
                     for r in self._replicas

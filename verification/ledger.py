@@ -174,6 +174,11 @@ class ViolationLedger:
     def quarantined(self) -> list[str]:
         return sorted(signer for signer, st in self._signers.items() if st.quarantined and not st.banned)
 
+    def flagged(self) -> dict[str, int]:
+        """Unbanned signers with flags in their window, and how many."""
+        counts = {signer: st.flags() for signer, st in self._signers.items() if not st.banned}
+        return {signer: n for signer, n in sorted(counts.items()) if n}
+
     def banned(self, stage: int) -> frozenset[str]:
         return frozenset(self._stages[stage].banned) if stage in self._stages else frozenset()
 

@@ -147,24 +147,26 @@ def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: 
     before = swarm.verifier.status()["microbatches_completed"]
 
     def busy() -> Node | None:
-        # The victim is a replica the verifier has a hop in flight on now: its microbatch comes back to stage 0
-        # for its backward, so it fails there. Not a fixed one, nor one holding contexts, which may be of
-        # microbatches dropped later on (CI, once each). And only while neither replica sits out a routing
-        # cooldown (30 s here, after a failed hop) or a SENTINEL quarantine: a survivor that sat one out, or was
-        # the odd one of the two, while the victim trained on answers far from the history the victim wrote,
-        # and SENTINEL drops the victim's microbatches on it until that history starts again (the lock-out
-        # rule, docs/sentinel.md; CI once, and 2 runs in 9 here).
+        # The victim holds the context of a training microbatch in flight (`holding`): its backward is due
+        # there, so it fails and is recomputed on the other replica. Not a fixed replica, nor one with any hop in
+        # flight (CI: a spot-check recomputation, whose failure ends no microbatch), nor one holding stage
+        # contexts, which may be of microbatches dropped later on. And only while neither replica sits out a
+        # routing cooldown (30 s here, after a failed hop) or has SENTINEL flags in its window: a survivor that
+        # sat one out, or was the odd one of the two, while the victim trained on answers far from the history
+        # the victim wrote, and SENTINEL drops the recomputations on it (the lock-out rule, docs/sentinel.md,
+        # bounds how long; CI once, and 2 runs in 9 here).
         status = swarm.verifier.status()
-        stage0, quarantined = status["replicas"]["0"], status["sentinel"]["quarantined"]
-        if len(stage0) != 2 or any(r["blocked"] or r["peer_id"] in quarantined for r in stage0):
+        stage0, sentinel = status["replicas"]["0"], status["sentinel"]
+        suspect = set(sentinel["quarantined"]) | set(sentinel["flags_in_window"])
+        if len(stage0) != 2 or any(r["blocked"] or r["peer_id"] in suspect for r in stage0):
             return None
-        in_flight = {r["peer_id"] for r in stage0 if r["in_flight"] > 0}
-        return next((node for node, peer in zip(replicas, peer_ids, strict=True) if peer in in_flight), None)
+        holding = {r["peer_id"] for r in stage0 if r["holding"] > 0}
+        return next((node for node, peer in zip(replicas, peer_ids, strict=True) if peer in holding), None)
 
     victim = wait_until(
         busy,
         60,
-        what="a hop in flight on a stage-0 replica, neither cooling down nor quarantined",
+        what="a stage-0 replica holding a microbatch in flight, neither suspect nor cooling down",
         interval_s=0.02,
     )
     index = 0 if victim is replicas[0] else 1

@@ -40,6 +40,14 @@ def test_persistent_offender_quarantined_then_banned_on_its_third_flag() -> None
     assert ledger.banned(1) == {"a"}
 
 
+def test_quarantined_and_flagged_list_suspects_but_not_the_banned() -> None:
+    ledger = ViolationLedger(PROMPT)
+    feed(ledger, round_robin(2, {"a": [True, True]}))
+    assert ledger.quarantined() == ["a"] and ledger.flagged() == {"a": 2}
+    feed(ledger, round_robin(1, {"a": [True]}), start=6)
+    assert ledger.is_banned("a") and ledger.quarantined() == [] and ledger.flagged() == {}
+
+
 def test_ban_decision_carries_a_reason() -> None:
     ledger = ViolationLedger(PROMPT)
     bans = [d for d in feed(ledger, round_robin(3, {"a": [True] * 3})) if d.action == "ban"]

@@ -344,6 +344,7 @@ def test_a_dead_context_holder_is_replaced_and_nothing_is_applied_twice() -> Non
     pipe = build_pipeline(manifest(batch_size=64), replicas_per_stage=2)
     stage0 = [p for p, s in pipe.stages.items() if s == 0]
     victim_and_kill: dict[str, Callable[[], None]] = {}
+    held: list[int] = []
 
     class KillAfterLoss(BoundaryTap):
         """Kill the stage-0 replica that served a microbatch once the last stage answered it."""
@@ -351,6 +352,7 @@ def test_a_dead_context_holder_is_replaced_and_nothing_is_applied_twice() -> Non
         def check(self, stage, direction, replica, microbatch_id, tensor, header):  # noqa: ANN001, ANN201
             if stage == 1 and direction is Direction.BACKWARD and not victim_and_kill:
                 holder = pipe.driver.last_route[0]
+                held.append(pipe.driver.holding(holder))  # its backward is due there (status "holding")
                 victim_and_kill[holder] = lambda: None
                 pipe.services.pop(holder)
             return tensor
@@ -358,6 +360,7 @@ def test_a_dead_context_holder_is_replaced_and_nothing_is_applied_twice() -> Non
     pipe.driver.tap = KillAfterLoss()
     outcomes = drive_all(pipe, range(1, 7))
     assert all(o.completed for o in outcomes)
+    assert held and held[0] >= 1 and all(pipe.driver.holding(p) == 0 for p in stage0)
     (victim,) = victim_and_kill
     survivor = next(p for p in stage0 if p != victim)
     recovered = [o for o in outcomes if o.retries]
