@@ -1174,7 +1174,8 @@ class VerifierRole:
             progress.window.append((now, outcome.tokens))
             while progress.window and now - progress.window[0][0] > 30.0:
                 progress.window.popleft()
-        if outcome.retries or outcome.failures:  # every microbatch with a hop_failed gets an end on the tape
+        # every microbatch with a hop_failed (every retried one has one) gets an end on the tape
+        if outcome.failures:
             self.ctx.events.emit(
                 "microbatch_recovered" if outcome.completed else "microbatch_abandoned",
                 microbatch=outcome.microbatch,

@@ -172,12 +172,11 @@ class ViolationLedger:
         return bool(st and st.quarantined and not st.banned)
 
     def quarantined(self) -> list[str]:
-        return sorted(signer for signer, st in self._signers.items() if st.quarantined and not st.banned)
+        return sorted(signer for signer in self._signers if self.is_quarantined(signer))
 
     def flagged(self) -> dict[str, int]:
         """Unbanned signers with flags in their window, and how many."""
-        counts = {signer: st.flags() for signer, st in self._signers.items() if not st.banned}
-        return {signer: n for signer, n in sorted(counts.items()) if n}
+        return {s: n for s, st in sorted(self._signers.items()) if not st.banned and (n := st.flags())}
 
     def banned(self, stage: int) -> frozenset[str]:
         return frozenset(self._stages[stage].banned) if stage in self._stages else frozenset()
