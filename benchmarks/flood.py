@@ -1,6 +1,6 @@
 """An RPC flood from ONE peer identity against a node's framed route, with and without the per-peer limiter.
 
-The experiment of `tests/integration/test_flood.py` (three processes with their own p2pd on loopback: a victim
+The experiment of `tools/flood.py` (three processes with their own p2pd on loopback: a victim
 serving a ~4 ms route, an honest peer at 40 req/s, a flooder), at the issue's rate: the flooder asks for 10,000
 requests a second for `--flood-s` seconds from one identity (one p2pd), pinned to one core ("the attacker's
 machine"), all three peers at a raised priority on the shared box. Two engines (see the test's docstring): "answered" (hivemind's client,
@@ -26,7 +26,7 @@ import statistics
 from typing import Any
 
 from benchmarks.common import plot_path, write_result
-from tests.integration.test_flood import FLOOD_RATE_PER_S, run_flood
+from tools.flood import FLOOD_RATE_PER_S, run_flood
 
 NAME = "flood"
 

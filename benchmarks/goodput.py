@@ -2,7 +2,7 @@
 
 Four arms run one after another, each a fresh swarm of real processes on loopback: a bootstrap, a primary and
 a standby syncer, and M = 4 learners stepping at a fixed speed (`min_step_s`, well inside what two cores do
-with this tiny model). The chaos arms share one seeded fault schedule (`node.chaos`): SIGKILL + restart of a
+with this tiny model). The chaos arms share one seeded fault schedule (`tools.chaos`): SIGKILL + restart of a
 learner, a SIGSTOP straggler of 6 s, three SIGKILLs of the active syncer (the standby takes over; see main()
 for why). Each arm's window opens once the swarm has formed (`Swarm.warm_up`). DiLoCo: H = 12, P = 2 plus
 the embedding fragment, tau = 2 (the paper's; the grace window is bounded by the learners' overlap, and with
@@ -59,8 +59,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import plot_path, write_result
-from node.chaos import ChaosConfig, ChaosRunner, Fault, ProcessGroup, plan_faults
 from protocol.identity import NodeIdentity
+from tools.chaos import ChaosConfig, ChaosRunner, Fault, ProcessGroup, plan_faults
 
 logger = logging.getLogger("benchmarks.goodput")
 

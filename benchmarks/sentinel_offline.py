@@ -446,7 +446,7 @@ class Lane:
     def _spot_check(
         self, mb: Microbatch, direction: str, signer: str, sent: torch.Tensor, attacked: bool, flagged: bool
     ) -> bool:
-        """As node.sentinel_tap does live; True when the recomputation cleared a flagged tensor."""
+        """As verification.tap does live; True when the recomputation cleared a flagged tensor."""
         if self.spot is None or len(mb.recomputed[direction]) < 2:
             return False
         decision = self.spot.should_check(

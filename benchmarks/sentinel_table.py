@@ -1,6 +1,6 @@
 """SENTINEL's Table 1 on the running pipeline: every attack, three arms, bans scored and the held-out loss.
 
-The pipeline is the production one, in process (`node.pipeline_harness`): one verifier's `PipelineDriver`
+The pipeline is the production one, in process (`tools.pipeline_harness`): one verifier's `PipelineDriver`
 calls `StageService`s through `DirectTransport` with a `SentinelTap` at every boundary, bans go through
 `BanWatcher` and are enforced by the driver and by every stage. An attack that is not stopped therefore
 feeds back into training: stage 2 learns from corrupted activations, stage 0 from corrupted gradients, and
@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from node.pipeline_harness import Arm, Checkpoint, HarnessConfig, build_arm, drive, pretrained_state
+from tools.pipeline_harness import Arm, Checkpoint, HarnessConfig, build_arm, drive, pretrained_state
 
 # name -> (attack spec without direction and start, adaptive?). The adaptive ones are the issue's: on/off,
 # slow drift, the free-riding mimic; "{start}" is the attackers' honest prefix (delay replays that far back).

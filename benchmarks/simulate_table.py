@@ -1,6 +1,6 @@
 """Goodput grid of the paper's Table 1 from our discrete-event simulator, next to the paper's.
 
-Runs `node.simulate` over data parallel, elastic data parallel and Decoupled DiLoCo with M = 2, 4, 8, 16
+Runs `tools.simulate` over data parallel, elastic data parallel and Decoupled DiLoCo with M = 2, 4, 8, 16
 learners at 150k ... 2.4M chips (MTBI_chip = 1 year), writes benchmarks/results/simulate_table.json
 (`grid`, `paper_grid`, `headline`) and a plot, and prints both grids.
 
@@ -9,7 +9,7 @@ the data-parallel and elastic data-parallel rows only (10 cells), so the Decoupl
 cells) stay predictions. Fitted: the mean return time of failed chips, one reconfiguration time (used
 for the elastic downscale, the elastic upscale and the non-elastic restart: all three are "rebuild the
 job around a changed set of chips"), and the elastic slice size. The defaults of
-`node.simulate.FailureModel` are the result of this fit, rounded; the exponentiated-Weibull shape
+`tools.simulate.FailureModel` are the result of this fit, rounded; the exponentiated-Weibull shape
 (k = 1.5, a = 2) is assumed, not fitted (only the mean matters to first order).
 
 Known misses (about 3.3 to 3.4 points, 2 of 30 cells): the paper's dp row is not consistent with any
@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 
 from benchmarks.common import plot_path, write_result
-from node.simulate import (
+from tools.simulate import (
     CHIP_COUNTS,
     HETERO_PAPER,
     PAPER_TABLE1,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bootstrap.server import Bootstrap, BootstrapConfig, announce_lines, run_bootstrap
 from node.config import LOG_LEVELS, default_state_dir, parse_host_port
-from node.runtime import LogContext, setup_logging
+from node.context import LogContext, setup_logging
 from protocol.errors import ConfigError, HivenodeError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

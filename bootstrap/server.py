@@ -5,7 +5,7 @@ multiaddr across restarts), signs the run manifest with the owner key, publishes
 and the well-known discovery key (and re-publishes it before it expires), heartbeats as role `bootstrap`, and
 serves `GET /api/status`, `GET /api/swarm`, `GET /metrics` and `/` (static files under bootstrap/static/).
 
-The bootstrap keeps the swarm's history itself (`node.swarm_view.SwarmHistory`): every snapshot of the records
+The bootstrap keeps the swarm's history itself (`node.status.swarm_view.SwarmHistory`): every snapshot of the records
 (taken each heartbeat period even when nobody polls) is fed to it, with the merge details the active syncer lists
 in its own `/api/status` when it serves one. `/api/swarm` then carries `history` (time series, merges, bans),
 `events` (newest first) and `map` (peers by stage, role and health) for the dashboard; every event is also appended
@@ -33,8 +33,9 @@ from hivemind.utils import get_dht_time
 from prometheus_client import Counter, Gauge
 
 from node.config import DEFAULT_LISTEN, NetworkConfig, default_state_dir
-from node.runtime import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
-from node.status import metrics_response, start_site, summarize_bans
+from node.context import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
+from node.status.http import metrics_response, start_site, summarize_bans
+from node.status.swarm_view import SwarmHistory, ViewConfig
 from node.swarm import (
     REACH_ROUTE,
     Membership,
@@ -44,7 +45,6 @@ from node.swarm import (
     reach_limits,
     start_dht,
 )
-from node.swarm_view import SwarmHistory, ViewConfig
 from protocol.dht_io import SwarmRecords, publish_discovery
 from protocol.errors import HivenodeError
 from protocol.identity import IdentityLock, NodeIdentity

@@ -11,9 +11,9 @@ Example node.toml (every key optional; flags win over the file):
     identity = "~/.local/state/hivenode/node/identity.key"
     data = "corpus/"
     max_steps = 1000
-    [learner]                # node.learner.LearnerConfig
+    [learner]                # node.roles.learner.LearnerConfig
     min_step_s = 0.25
-    [syncer]                 # node.syncer.SyncerConfig
+    [syncer]                 # node.roles.syncer.SyncerConfig
     lease_s = 6.0
     run_id = "..."           # only when the DHT hosts several runs
     log_level = "INFO"
@@ -37,10 +37,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from protocol.errors import ConfigError
 from protocol.keys import is_run_id
+
+if TYPE_CHECKING:
+    pass
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -127,7 +130,7 @@ class NodeConfig:
 
     join: tuple[str, ...]  # multiaddrs (with /p2p/<peer id>) or http(s) URLs of a bootstrap's /api/swarm
     state_dir: Path  # identity, pinned owners, event log
-    role: str = "auto"  # see node.roles.choose_role for what `auto` picks
+    role: str = "auto"  # see node.roles.registry.choose_role for what `auto` picks
     stage: int | None = None  # pipeline stage for role `stage`; None = least served
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     identity_path: Path | None = None  # None = <state_dir>/identity.key
@@ -138,7 +141,7 @@ class NodeConfig:
     shutdown_timeout_s: float = 5.0  # bounds: announcing leave, cancelling tasks, stopping the DHT
     network: NetworkConfig = field(default_factory=NetworkConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
-    # role options, checked by the role itself (node.learner.LearnerConfig, node.syncer.SyncerConfig)
+    # role options, checked by the role itself (node.roles.learner.LearnerConfig, node.roles.syncer.SyncerConfig)
     learner: dict[str, Any] = field(default_factory=dict)
     syncer: dict[str, Any] = field(default_factory=dict)
 
@@ -282,3 +285,77 @@ def load_node_config(argv: Sequence[str]) -> NodeConfig:
             raise ConfigError("[network] must be a table")
         data["network"] = {**table, **{k: v for k, v in network.items() if v is not None}}
     return config_from_mapping(data)
+
+
+
+
+T = TypeVar("T")
+
+
+def apply_overrides(config: T, text: str) -> T:
+    """`config` with "key=value,..." applied (nested fields as `rebalance.dwell_s=5`); ValueError on typos.
+
+    Values are parsed by the type of the field's current value (int, float, bool, str)."""
+    for item in filter(None, (part.strip() for part in text.replace(";", ",").split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} is not key=value")
+        config = _replace_path(config, key.strip().split("."), raw.strip())
+    return config
+
+
+def load_role_config(
+    default: T, *, table: Mapping[str, Any] | None, env: str, environ: Mapping[str, str]
+) -> T:
+    """A role's settings: `default`, then a node.toml table (nested tables for nested settings), then the
+    `env` variable's "key=value,..." overrides. Raises ConfigError naming the bad setting."""
+    try:
+        config = default
+        for key, value in _flatten(table or {}):
+            config = _replace_path(config, key.split("."), value)
+        return apply_overrides(config, environ.get(env, ""))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{type(default).__name__}: {e}") from None
+
+
+def _flatten(table: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in table.items():
+        if isinstance(value, Mapping):
+            out.extend(_flatten(value, f"{prefix}{key}."))
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+def _replace_path(obj: T, path: list[str], raw: object) -> T:
+    name = path[0]
+    names = {f.name for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
+    if name not in names:
+        raise ValueError(f"unknown setting {name!r} of {type(obj).__name__} (known: {sorted(names)})")
+    current = getattr(obj, name)
+    value = _replace_path(current, path[1:], raw) if len(path) > 1 else _coerce(name, current, raw)
+    return dataclasses.replace(obj, **{name: value})  # type: ignore[type-var]
+
+
+def _coerce(name: str, current: object, raw: object) -> object:
+    """`raw` (text from the environment, or a TOML value) as the type of the setting's current value."""
+    if isinstance(current, bool):
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{name} must be true or false, got {raw!r}")
+        return str(raw).lower() in ("true", "1")
+    if isinstance(current, int) and not isinstance(raw, bool):
+        return int(raw) if isinstance(raw, (int, str)) else _bad(name, raw)
+    if isinstance(current, float) and not isinstance(raw, bool):
+        return float(raw) if isinstance(raw, (int, float, str)) else _bad(name, raw)
+    if isinstance(current, str) and isinstance(raw, str):
+        return raw
+    return _bad(name, raw)
+
+
+def _bad(name: str, raw: object) -> object:
+    raise ValueError(f"{name} cannot be set to {raw!r}")
+
+

@@ -175,7 +175,7 @@ class RunManifest:
 
     name: str = DEFAULT_RUN_NAME  # human name; the owner key is pinned per name
     seed: int = 0  # model init and data sharding seed
-    model: dict[str, Any] = field(default_factory=_default_model)  # node.model.ModelConfig fields
+    model: dict[str, Any] = field(default_factory=_default_model)  # node.ml.model.ModelConfig fields
     num_stages: int = 2  # pipeline stages the layers are cut into
     inner: InnerOptimizerSpec = field(default_factory=InnerOptimizerSpec)
     diloco: DilocoSpec = field(default_factory=DilocoSpec)

@@ -11,14 +11,20 @@ setting means the same thing for activations and for gradients, whose scales dif
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+
+    pass
+
 
 AttackDirection = Literal["forward", "backward", "both"]
 
@@ -254,3 +260,30 @@ def parse_attack(spec: str) -> AttackConfig:
         except ValueError as exc:
             raise ValueError(f"bad value for {key} in {spec!r}: {value!r}") from exc
     return AttackConfig(**kwargs)  # type: ignore[arg-type]
+
+
+
+
+
+UNSAFE_ATTACK_ENV = "HIVENODE_UNSAFE_ATTACK"
+
+
+def attack_from_env(environ: Mapping[str, str] | None = None) -> Attack | None:
+    """The attack a stage applies to its outputs, only when `HIVENODE_UNSAFE_ATTACK` names one."""
+    spec = (os.environ if environ is None else environ).get(UNSAFE_ATTACK_ENV, "").strip()
+    if not spec:
+        return None
+    config = parse_attack(spec)
+    banner = "!" * 78
+    logger.warning(
+        "%s\nUNSAFE: this replica ATTACKS the run (%s=%s): it corrupts its %s outputs. Tests and benchmarks "
+        "only.\n%s",
+        banner,
+        UNSAFE_ATTACK_ENV,
+        spec,
+        config.direction,
+        banner,
+    )
+    return Attack(config)
+
+

@@ -1,7 +1,7 @@
 """Verifier token receipts as the syncer's measure of a pipeline stage replica's work.
 
 A stage replica's fragment counters are self-reported, and merge weights are quadratic in tokens. Verifiers
-sign cumulative token receipts per replica and verifier session (`node.stage.TokenReceipt`); the replica
+sign cumulative token receipts per replica and verifier session (`node.roles.stage.TokenReceipt`); the replica
 keeps the newest of each session and relays them with its fragment contributions (`FragmentSync`'s
 `receipts` provider, meta `receipts`: the raw frames, hex). The syncer checks each one (`verify_receipts`:
 signed by an authorized verifier, for this run, naming this replica and the fragment's stage, not too old)
@@ -24,91 +24,24 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from protocol.errors import MalformedFrame, ProtocolError
+from protocol.receipts import SessionKey
 
 if TYPE_CHECKING:
-    from node.stage import TokenReceipt
+    from protocol.receipts import TokenReceipt
 
 logger = logging.getLogger(__name__)
 
-RECEIPTS_META = "receipts"  # contribution meta key: a list of hex-encoded receipt frames
-MAX_RECEIPTS = 16  # receipts one contribution may carry (the newest)
-MAX_RECEIPT_BYTES = 2000  # a receipt is one small metadata-only envelope (hex: twice that, < meta's 4096)
-RECEIPT_MAX_AGE_S = 3600.0
-# reasons that mean someone forged or garbled a receipt: the relaying replica is struck for them; others (old,
-# another stage or replica, a replay) can be honest and are only counted
-FORGERY_REASONS = frozenset(
-    {"bad signature", "digest mismatch", "malformed", "bad receipt", "not an authorized verifier"}
-)  # the last is node.stage.UNAUTHORIZED
-
-SessionKey = tuple[str, str]  # (verifier, session)
 
 
-class BadReceipt(ProtocolError):
-    reason = "bad receipt"
 
 
-def receipts_meta(frames: Sequence[bytes]) -> list[str]:
-    """The wire form of the newest `MAX_RECEIPTS` frames (callers pass them oldest first)."""
-    kept = [bytes(f) for f in frames if 0 < len(f) <= MAX_RECEIPT_BYTES][-MAX_RECEIPTS:]
-    return [f.hex() for f in kept]
 
 
-def parse_receipts_meta(meta: Mapping[str, Any]) -> list[bytes]:
-    """Receipt frames from a contribution's meta; [] if absent. MalformedFrame if the field is not a short list
-    of hex strings (that is the sender's fault)."""
-    value = meta.get(RECEIPTS_META)
-    if value is None:
-        return []
-    if type(value) is not list or len(value) > MAX_RECEIPTS:
-        raise MalformedFrame("receipts must be a list of at most 16 hex strings", reason="bad receipt")
-    frames = []
-    for item in value:
-        if type(item) is not str or not 0 < len(item) <= 2 * MAX_RECEIPT_BYTES:
-            raise MalformedFrame("a receipt is a hex string", reason="bad receipt")
-        try:
-            frames.append(bytes.fromhex(item))
-        except ValueError:
-            raise MalformedFrame("a receipt is a hex string", reason="bad receipt") from None
-    return frames
 
 
-def verify_receipts(
-    frames: Sequence[bytes],
-    *,
-    run_id: str,
-    replica: str,
-    stage: int,
-    authorized_verifiers: Sequence[str],
-    now: float,
-    max_age_s: float = RECEIPT_MAX_AGE_S,
-) -> tuple[list[TokenReceipt], list[ProtocolError]]:
-    """Open every frame with `node.stage.open_receipt`; returns (valid receipts, one error per rejected frame)."""
-    from node.stage import open_receipt
 
-    valid, errors = [], []
-    for frame in frames:
-        try:
-            valid.append(
-                open_receipt(
-                    frame,
-                    run_id=run_id,
-                    replica=replica,
-                    stage=stage,
-                    authorized_verifiers=authorized_verifiers,
-                    now=now,
-                    max_age_s=max_age_s,
-                )
-            )
-        except ProtocolError as e:
-            errors.append(e)
-        except (
-            Exception
-        ) as e:  # remote bytes: whatever the parser raises is the sender's problem, not a crash
-            errors.append(BadReceipt(f"receipt does not parse: {type(e).__name__}"))
-    return valid, errors
 
 
 def newest_per_session(receipts: Sequence[TokenReceipt]) -> dict[SessionKey, int]:
@@ -160,13 +93,6 @@ class ReceiptLedger:
 
 
 __all__ = [
-    "FORGERY_REASONS",
-    "MAX_RECEIPTS",
-    "RECEIPTS_META",
-    "BadReceipt",
     "ReceiptLedger",
     "newest_per_session",
-    "parse_receipts_meta",
-    "receipts_meta",
-    "verify_receipts",
 ]

@@ -67,7 +67,7 @@ API
 `SyncTransport` is the async interface the background loops use; `FramedSyncTransport` implements it
 over signed envelopes on `protocol.rpc` framed streams to the syncer that holds the lease in the DHT.
 Tests use a fake. The wire helpers at the end of this module (route names, caps, meta keys) are shared
-with `node.syncer`, the serving side.
+with `node.roles.syncer`, the serving side.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def run_fragment_plan(manifest: RunManifest) -> FragmentPlan:
     """The run-wide plan: per pipeline stage, its tensors packed into `diloco.num_fragments` fragments
     (the embedding apart, on stage 0), renumbered stage by stage. Shapes come from meta-device modules,
     so this allocates nothing."""
-    from node.model import ModelConfig, StageModule, embedding_param_names, stage_spans
+    from node.ml.model import ModelConfig, StageModule, embedding_param_names, stage_spans
 
     cfg = ModelConfig.from_dict(manifest.model)
     spans = stage_spans(cfg.num_layers, manifest.num_stages)
@@ -1296,7 +1296,7 @@ def choose_syncer(
 
 
 def contribution_meta(contribution: OutgoingContribution) -> dict[str, Any]:
-    from node.diloco.receipts import RECEIPTS_META, receipts_meta
+    from protocol.receipts import RECEIPTS_META, receipts_meta
 
     meta: dict[str, Any] = {
         "fragment": contribution.fragment,

@@ -17,7 +17,7 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from node.runtime import VERSION, NodeContext, NodeMetrics, wait_or_stop
+from node.context import VERSION, NodeContext, NodeMetrics, wait_or_stop
 from protocol.dht_io import SwarmRecords
 from protocol.errors import HivenodeError
 from protocol.records import PEER_STATES, Heartbeat, PeerRecord

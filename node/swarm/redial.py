@@ -15,7 +15,7 @@ import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
 from node.config import NetworkConfig
-from node.runtime import wait_or_stop
+from node.context import wait_or_stop
 from node.swarm.reachability import _maddr_part, _without_peer_id
 
 logger = logging.getLogger(__name__)

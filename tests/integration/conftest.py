@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from node.proctree import cmdline, comm, descendants, reap, set_subreaper, terminate, wait_gone
+from tools.proctree import cmdline, comm, descendants, reap, set_subreaper, terminate, wait_gone
 
 T = TypeVar("T")
 TERM_GRACE_S = 3.0

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from node.proctree import descendants, is_alive, reap
 from protocol.identity import NodeIdentity
 from protocol.manifest import parse_run_toml
-from tests.harness.wan_proxy import LinkProfile, ProxyThread
+from tools.proctree import descendants, is_alive, reap
+from tools.wan_proxy import LinkProfile, ProxyThread
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[2]

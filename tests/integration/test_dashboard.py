@@ -52,7 +52,7 @@ def _skip_reason() -> str | None:
 
 def _has_attack_option() -> bool:
     try:
-        from node.sentinel_tap import UNSAFE_ATTACK_ENV  # noqa: F401
+        from verification.attacks import UNSAFE_ATTACK_ENV  # noqa: F401
     except ImportError:
         return False
     return True

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from node.demo import ATTACK_START_AFTER, DemoConfig, attack_line, attack_outcome, plan_nodes, run_toml
 from protocol.identity import NodeIdentity
 from protocol.manifest import parse_run_toml
 from tests.integration.procs import Procs, procs, run_cli, wait_until
+from tools.demo import ATTACK_START_AFTER, DemoConfig, attack_line, attack_outcome, plan_nodes, run_toml
 
 pytestmark = pytest.mark.integration
 

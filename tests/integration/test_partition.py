@@ -2,7 +2,7 @@
 R6a), real processes on loopback.
 
 Seven nodes (bootstrap, active syncer, standby syncer, four learners), each behind its own `WanProxy`
-(tests/harness/wan_proxy.py) that it announces, so every connection to a node crosses its proxy. The cut is every
+(tools/wan_proxy.py) that it announces, so every connection to a node crosses its proxy. The cut is every
 proxy refusing, and resetting, connections dialed by the other side's processes (the proxy looks up the owner of
 each client socket). Side A: bootstrap, syncer, learner0, learner1. Side B: standby, learner2, learner3.
 
@@ -29,7 +29,6 @@ from typing import Any
 
 import pytest
 
-from tests.harness.wan_proxy import ProxyThread
 from tests.integration.procs import (
     QUICK_REDIAL,
     QUIET_LEARNER,
@@ -44,6 +43,7 @@ from tests.integration.procs import (
     wait_until,
     write_node_toml,
 )
+from tools.wan_proxy import ProxyThread
 
 logger = logging.getLogger(__name__)
 pytestmark = [pytest.mark.integration]

@@ -21,13 +21,13 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from node.routing import ReplicaInfo
-from node.stage import FORWARD_RPC, RECEIPT_RPC, UNAUTHORIZED, BoundaryShape
-from node.verifier import FramedTransport, PipelineDriver
+from node.pipeline.driver import FramedTransport, PipelineDriver
+from node.pipeline.routing import ReplicaInfo
 from protocol.envelope import Context, Direction, Kind, max_frame_bytes, seal
 from protocol.errors import RemoteRefused, SignerMismatch
 from protocol.identity import NodeIdentity
 from protocol.manifest import RunManifest
+from protocol.pipeline import FORWARD_RPC, RECEIPT_RPC, UNAUTHORIZED, BoundaryShape
 from protocol.rpc import FramedServer, Route
 from tests.integration.procs import (
     PIPELINE_RUN,
@@ -52,7 +52,7 @@ VERIFIER_ENV = (
     "microbatch_size=4,max_in_flight=4,eval_every_s=3,eval_batches=2,receipt_every_s=2,"
     "retry.hop_timeout_s=5,routing.failure_cooldown_s=30"
 )
-HAS_SYNCER = importlib.util.find_spec("node.syncer") is not None
+HAS_SYNCER = importlib.util.find_spec("node.roles.syncer") is not None
 
 
 @dataclass
@@ -83,7 +83,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
 
 
 def stage_statuses(swarm: Swarm) -> list[dict[str, Any]]:
-    return [node.status() for node in swarm.stages if node.popen.poll() is None]
+    return [node.status.http() for node in swarm.stages if node.popen.poll() is None]
 
 
 # ---------------------------------------------------------------------------------------------------- training
@@ -143,7 +143,7 @@ def test_training_lowers_held_out_loss_and_uses_every_replica(swarm: Swarm) -> N
 
 def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: Swarm) -> None:
     replicas = swarm.stages[:2]  # both serve stage 0
-    peer_ids = [node.status()["peer_id"] for node in replicas]
+    peer_ids = [node.status.http()["peer_id"] for node in replicas]
     before = swarm.verifier.status()["microbatches_completed"]
 
     def busy() -> Node | None:
@@ -228,13 +228,13 @@ def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: 
     survivor_applied = survivor.status()["applied_recent"]
     assert len(survivor_applied) == len(set(survivor_applied))  # never twice on one replica
     assert recovered_ids <= set(survivor_applied)  # the stage-0 part of each recovered microbatch ran there
-    last_stage = [node.status()["applied_recent"] for node in swarm.stages[2:]]
+    last_stage = [node.status.http()["applied_recent"] for node in swarm.stages[2:]]
     assert not set(last_stage[0]) & set(last_stage[1])  # and each microbatch reached one last-stage replica
     assert all(e["replicas"][0] == survivor.status()["peer_id"] for e in recovered())
 
 
 @pytest.mark.skipif(
-    not HAS_SYNCER, reason="needs the DiLoCo syncer role (node/syncer.py), not in this tree yet"
+    not HAS_SYNCER, reason="needs the DiLoCo syncer role (node/roles/syncer.py), not in this tree yet"
 )
 def test_a_replica_joining_mid_run_starts_from_the_global_version(swarm: Swarm) -> None:
     assert swarm.syncer is not None

@@ -4,7 +4,7 @@
   learns it is unreachable, says in one line what to open or set, and runs on as a client-mode node that still
   heartbeats into the swarm. Control: a node announcing the port it really listens on is found reachable and says
   nothing. Counted: one reach check per node at the bootstrap, with its result.
-- Both the bootstrap and two nodes sit behind WAN proxies (tests/harness/wan_proxy.py) and announce them; the
+- Both the bootstrap and two nodes sit behind WAN proxies (tools/wan_proxy.py) and announce them; the
   proxies partition everything, then heal. The node with our re-dialer notices it lost its bootstrap, re-dials the
   bootstrap with exponential backoff (each failed attempt logged), and is back in the swarm soon after the heal.
   Negative control: the node whose peer check never runs (hivemind alone) is still out of the swarm well after the
@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness.wan_proxy import LinkProfile, ProxyThread
 from tests.integration.procs import Bootstrap, Procs, free_port, get_json, procs, wait_until
+from tools.wan_proxy import LinkProfile, ProxyThread
 
 logger = logging.getLogger(__name__)
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

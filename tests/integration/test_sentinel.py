@@ -20,8 +20,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from node.pipeline_harness import Arm, HarnessConfig, build_arm, drive, set_lr, shift_weights
 from protocol.identity import NodeIdentity
+from tools.pipeline_harness import Arm, HarnessConfig, build_arm, drive, set_lr, shift_weights
 from verification.sentinel import SentinelConfig
 
 MODEL = {"vocab_size": 256, "context_len": 32, "num_layers": 3, "width": 64, "num_heads": 2}
@@ -39,7 +39,7 @@ SYNC_EVERY = 10  # driven microbatches between replica averages (the stand-in sy
 
 
 # The pipeline, the attackers' counting, the replica averages (the stand-in syncer, every SYNC_EVERY) and the
-# driving loop live in node.pipeline_harness, shared with benchmarks/sentinel_table.py.
+# driving loop live in tools.pipeline_harness, shared with benchmarks/sentinel_table.py.
 HARNESS = HarnessConfig(
     model=MODEL,
     replicas=REPLICAS,

@@ -1,7 +1,7 @@
 """Decoupled DiLoCo over emulated WAN links (reliability.md §6, R7 and R6a), real processes on loopback.
 
 A bootstrap, a syncer and learners, each listening on its own port and announcing a `WanProxy` in front of it
-(tests/harness/wan_proxy.py), so every connection to a node crosses that node's emulated link. One swarm goes
+(tools/wan_proxy.py), so every connection to a node crosses that node's emulated link. One swarm goes
 through three phases:
 
 1. clean: the proxies pass bytes untouched; learner throughput (inner steps per second) and merges are measured;
@@ -26,7 +26,6 @@ from typing import Any
 
 import pytest
 
-from tests.harness.wan_proxy import LinkProfile, ProxyThread
 from tests.integration.procs import (
     QUICK_REDIAL,
     QUIET_LEARNER,
@@ -42,6 +41,7 @@ from tests.integration.procs import (
     wait_until,
     write_node_toml,
 )
+from tools.wan_proxy import LinkProfile, ProxyThread
 
 logger = logging.getLogger(__name__)
 pytestmark = [pytest.mark.integration]

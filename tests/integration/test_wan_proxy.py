@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.harness.wan_proxy import LinkProfile, ProxyThread, WanProxy
+from tools.wan_proxy import LinkProfile, ProxyThread, WanProxy
 
 logger = logging.getLogger(__name__)
 

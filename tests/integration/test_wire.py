@@ -542,7 +542,7 @@ def _status_kib(pid: int | str, field_name: str) -> int:
 
 def _receiver_main(identity_path: str, initial_peers: list[str]) -> None:
     """The child: a FramedServer with a 4 MiB "sink" route; answers "reset"/"stats" lines on stdin with JSON."""
-    from node.proctree import descendants
+    from tools.proctree import descendants
 
     async def main() -> None:
         NodeIdentity.load_or_create(Path(identity_path))

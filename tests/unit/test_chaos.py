@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from node.chaos import SYNCER_TARGET, ChaosConfig, ChaosRunner, plan_faults
+from tools.chaos import SYNCER_TARGET, ChaosConfig, ChaosRunner, plan_faults
 
 
 def test_the_schedule_is_seeded_counted_spaced_and_inside_the_window() -> None:

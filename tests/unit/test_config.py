@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,8 @@ from node.config import (
     load_node_config,
     parse_host_port,
 )
-from node.roles import NotBuiltRole, choose_role
-from node.runtime import RestartPolicy, TaskSupervisor, short_id
+from node.context import RestartPolicy, TaskSupervisor, short_id
+from node.roles.registry import NotBuiltRole, choose_role
 from node.swarm import check_multiaddr, least_served_stage, pick_run, swarm_url
 from protocol.errors import ConfigError, JoinError
 from protocol.identity import NodeIdentity
@@ -273,15 +272,6 @@ def test_keygen_prints_the_peer_id_and_is_idempotent(
     assert main(["keygen", "--identity", str(key)]) == 0
     again = capsys.readouterr()
     assert again.out == first.out and "existing key" in again.err
-
-
-def test_demo_says_plainly_it_is_not_built(capsys: pytest.CaptureFixture[str]) -> None:
-    from node.__main__ import main
-
-    if importlib.util.find_spec("node.demo") is not None:
-        pytest.skip("node/demo.py exists now: the demo is built, this placeholder check no longer applies")
-    assert main(["demo"]) == 2
-    assert capsys.readouterr().err.strip() == "error: `python -m node demo` is not built yet in this version"
 
 
 def test_heartbeat_from_a_role_status_always_fits_the_record_schema() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.data import (
+from node.ml.data import (
     BatchSampler,
     Corpus,
     DataConfig,
@@ -20,7 +20,7 @@ from node.data import (
     shard_for,
     validation_batches,
 )
-from node.model import ModelConfig, build_model
+from node.ml.model import ModelConfig, build_model
 
 
 @pytest.fixture(scope="module")

@@ -242,7 +242,7 @@ def test_spot_check_convictions_quarantine_then_ban_and_proofs_ban_at_once() -> 
     # ... not to cryptographic proof
     proof = ledger.record_evidence("b", 1, 5.0, reason="equivocation", proof=True, replicas=REPLICAS)
     assert proof.action == "ban"
-    # the earlier keyword for proofs (node/sentinel_tap.py uses it) still works
+    # the earlier keyword for proofs (verification/tap.py uses it) still works
     assert ledger.record_evidence("c", 2, 6.0, reason="equivocation", bypass_cap=True).action == "ban"
 
 

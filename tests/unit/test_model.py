@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.data import load_corpus
-from node.model import (
+from node.ml.data import load_corpus
+from node.ml.model import (
     GPT,
     ModelConfig,
     StageModule,
@@ -17,7 +17,7 @@ from node.model import (
     load_state_subset,
     stage_spans,
 )
-from node.train_local import train_local
+from tools.train_local import train_local
 
 SMALL = ModelConfig(context_len=16, num_layers=4, width=32, num_heads=4)
 

@@ -15,30 +15,28 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from node.data import DataConfig, evaluate, load_corpus, validation_batches
-from node.model import ModelConfig, build_model, load_state_subset
-from node.routing import ReplicaInfo, ReplicaRouter, RetryPolicy, RoutingConfig
-from node.stage import (
+from node.ml.data import DataConfig, evaluate, load_corpus, validation_batches
+from node.ml.model import ModelConfig, build_model, load_state_subset
+from node.pipeline.driver import DirectTransport, PipelineDriver, ReceiptBook
+from node.pipeline.routing import ReplicaInfo, ReplicaRouter, RetryPolicy, RoutingConfig
+from node.roles.stage import StageConfig, StageCore, StageService, build_core
+from protocol.envelope import Context, Direction, Kind, open_envelope, seal
+from protocol.errors import ProtocolError, RemoteRefused, SignerMismatch
+from protocol.identity import NodeIdentity
+from protocol.manifest import InnerOptimizerSpec, RunManifest, WireSpec
+from protocol.pipeline import (
     ALREADY_APPLIED,
     BACKWARD_RPC,
     FORWARD_RPC,
     NO_CONTEXT,
     UNAUTHORIZED,
     BoundaryShape,
-    StageConfig,
-    StageCore,
     StageRefusal,
-    StageService,
-    build_core,
-    open_receipt,
 )
-from node.train_local import train_local_run
-from node.verifier import BoundaryTap, DirectTransport, Drop, PipelineDriver, ReceiptBook
-from protocol.envelope import Context, Direction, Kind, open_envelope, seal
-from protocol.errors import ProtocolError, RemoteRefused, SignerMismatch
-from protocol.identity import NodeIdentity
-from protocol.manifest import InnerOptimizerSpec, RunManifest, WireSpec
+from protocol.receipts import open_receipt
 from protocol.replay import ReplayGuard
+from tools.train_local import train_local_run
+from verification.tap import BoundaryTap, Drop
 
 MODEL = {"vocab_size": 256, "context_len": 32, "num_layers": 2, "width": 64, "num_heads": 2}
 RUN_ID = "0" * 40
@@ -154,7 +152,7 @@ def test_pipeline_training_matches_one_learner_at_equal_tokens() -> None:
     held_out = validation_batches(corpus, batch_size=8, context_len=cfg.context_len, num_batches=8)
     steps, microbatch = 80, 4
     pipe = build_pipeline(run_manifest)
-    from node.data import BatchSampler
+    from node.ml.data import BatchSampler
 
     sampler = BatchSampler(
         corpus.train_stream(),
@@ -524,8 +522,8 @@ def test_receipts_count_verified_tokens_and_only_verifiers_can_issue_them() -> N
 
 
 def test_role_settings_come_from_a_table_then_the_environment() -> None:
-    from node.stage import stage_config
-    from node.verifier import verifier_config
+    from node.roles.stage import stage_config
+    from node.roles.verifier import verifier_config
     from protocol.errors import ConfigError
 
     cfg = verifier_config(

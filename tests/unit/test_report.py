@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from node.report import (
+from node.status.swarm_view import SwarmHistory, ViewConfig
+from tools.report import (
     PLOT_NAMES,
     ReportInputs,
     build_report,
@@ -19,7 +20,6 @@ from node.report import (
     write_plots,
     write_report,
 )
-from node.swarm_view import SwarmHistory, ViewConfig
 
 T0 = 1000.0
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from node.routing import (
+from node.pipeline.routing import (
     HopFailure,
     IdempotencyKey,
     IdempotencyLedger,
@@ -151,10 +151,11 @@ def small_pipeline(
     peers: dict[str, int], transport_cls: type, retry: RetryPolicy, *, blocked: tuple[str, ...] = ()
 ):  # noqa: ANN201 - (driver, services by name)
     """A 2-stage pipeline in process through the real stage and driver code; replicas named by `peers`."""
-    from node.stage import BoundaryShape, StageConfig, StageService, build_core
-    from node.verifier import PipelineDriver
+    from node.pipeline.driver import PipelineDriver
+    from node.roles.stage import StageConfig, StageService, build_core
     from protocol.identity import NodeIdentity
     from protocol.manifest import InnerOptimizerSpec, RunManifest, WireSpec
+    from protocol.pipeline import BoundaryShape
 
     verifier = NodeIdentity.generate()
     model = {"vocab_size": 256, "context_len": 16, "num_layers": 2, "width": 32, "num_heads": 2}
@@ -211,7 +212,7 @@ def scripted_transport(script: dict[tuple[str, str], list[str]]) -> type:
     the request went out), "gone" (cannot be reached), "busy" (answers only to a caller that waits BUSY_S)."""
     import asyncio
 
-    from node.verifier import DirectTransport
+    from node.pipeline.driver import DirectTransport
     from protocol.errors import StreamClosed
 
     class Scripted(DirectTransport):
@@ -492,7 +493,7 @@ def test_one_slow_sample_does_not_sink_the_throughput_rebalancing_reads() -> Non
     slower sample) and make the stage it just joined look starved; capped at 4x the estimate, it costs 38 %."""
     import time
 
-    from node.stage import StageConfig, build_core
+    from node.roles.stage import StageConfig, build_core
     from protocol.manifest import RunManifest
 
     model = {"vocab_size": 256, "context_len": 16, "num_layers": 2, "width": 32, "num_heads": 2}
@@ -508,7 +509,7 @@ def test_one_slow_sample_does_not_sink_the_throughput_rebalancing_reads() -> Non
 
 
 def test_auto_places_volunteers_of_a_pipeline_run_by_throughput_per_layer() -> None:
-    from node.roles import choose_role
+    from node.roles.registry import choose_role
     from protocol.identity import NodeIdentity
     from protocol.manifest import RunManifest
     from protocol.records import Heartbeat, PeerRecord
@@ -533,7 +534,7 @@ def test_auto_places_volunteers_of_a_pipeline_run_by_throughput_per_layer() -> N
 def test_auto_never_puts_a_node_nobody_can_dial_on_a_stage_or_the_syncer(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from node.roles import choose_role
+    from node.roles.registry import choose_role
     from protocol.identity import NodeIdentity
     from protocol.manifest import RunManifest
 
@@ -544,7 +545,7 @@ def test_auto_never_puts_a_node_nobody_can_dial_on_a_stage_or_the_syncer(
     # negative control: the same node, dialable, would serve
     assert choose_role("auto", None, me, run, [], 0.0).role == "syncer"
     assert choose_role("auto", None, me, pipeline, [], 0.0).role == "stage"
-    with caplog.at_level("INFO", logger="node.roles"):
+    with caplog.at_level("INFO", logger="node.roles.registry"):
         as_client = choose_role("auto", None, me, pipeline, [], 0.0, client_mode=True)
     assert (as_client.role, as_client.stage) == ("learner", None)
     assert "client mode" in as_client.reason and "stage" in as_client.reason

@@ -318,9 +318,8 @@ def test_the_tap_drops_until_the_lock_out_then_reports_it_and_passes_the_survivo
     """The verifier's seam around the same scenario: the survivor's forwards are dropped (never banned: its
     peer sends nothing clean meanwhile), the re-anchor is counted and put on the event tape, and after it
     the survivor's tensors pass."""
-    from node.sentinel_tap import SentinelTap, SentinelTapConfig
-    from node.verifier import Drop
     from protocol.envelope import Direction
+    from verification.tap import Drop, SentinelTap, SentinelTapConfig
 
     events: list[tuple[str, dict[str, object]]] = []
     clock = [0.0]

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from node.simulate import (
+from tools.simulate import (
     FailureModel,
     GridConfig,
     QuorumConfig,

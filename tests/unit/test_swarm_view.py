@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from node.swarm_view import SwarmHistory, ViewConfig, peer_health, summary_line
+from node.status.swarm_view import SwarmHistory, ViewConfig, peer_health, summary_line
 
 PERIOD_S = 1.0
 

@@ -27,7 +27,7 @@ from node.diloco.sync_client import (
     covered_fragments,
     run_fragment_plan,
 )
-from node.model import ModelConfig, build_model, build_stage
+from node.ml.model import ModelConfig, build_model, build_stage
 from protocol.manifest import DilocoSpec, RunManifest
 
 MODEL = {"vocab_size": 256, "context_len": 16, "num_layers": 2, "width": 16, "num_heads": 2}

@@ -9,23 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from node.diloco.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from node.diloco.merge import NothingToMerge
 from node.diloco.quorum import QuorumConfig
-from node.diloco.receipts import (
+from node.diloco.receipts import ReceiptLedger
+from node.diloco.sync_client import run_fragment_plan
+from node.ml.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
+from node.ml.model import ModelConfig, build_model, embedding_param_names
+from node.roles.syncer import LeaseView, Refusal, SyncerConfig, SyncerCore, lease_action, quorum_config
+from protocol.errors import ConfigError, MalformedFrame, ProtocolError
+from protocol.identity import NodeIdentity
+from protocol.manifest import DilocoSpec, RunManifest
+from protocol.receipts import (
     FORGERY_REASONS,
-    ReceiptLedger,
+    TokenReceipt,
     parse_receipts_meta,
     receipts_meta,
     verify_receipts,
 )
-from node.diloco.sync_client import run_fragment_plan
-from node.model import ModelConfig, build_model, embedding_param_names
-from node.stage import TokenReceipt
-from node.syncer import LeaseView, Refusal, SyncerConfig, SyncerCore, lease_action, quorum_config
-from protocol.errors import ConfigError, MalformedFrame, ProtocolError
-from protocol.identity import NodeIdentity
-from protocol.manifest import DilocoSpec, RunManifest
 from protocol.records import SyncerRecord, SyncerState
 
 MODEL = {"vocab_size": 256, "context_len": 16, "num_layers": 2, "width": 16, "num_heads": 2}

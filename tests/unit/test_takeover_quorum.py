@@ -1,8 +1,8 @@
-"""The standby's takeover quorum (node.syncer.takeover_quorum, lease_action): a lapsed lease is not enough."""
+"""The standby's takeover quorum (node.roles.syncer.takeover_quorum, lease_action): a lapsed lease is not enough."""
 
 from __future__ import annotations
 
-from node.syncer import LeaseView, lease_action, takeover_quorum
+from node.roles.syncer import LeaseView, lease_action, takeover_quorum
 
 EMPTY = LeaseView(live_active=(), highest_term=1)
 

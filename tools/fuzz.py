@@ -1,9 +1,9 @@
 """Long fuzzing campaigns over every network decode path (reliability.md §7), and the seed corpus they start from.
 
-    python scripts/fuzz.py                          # every target, 60 s each, atheris if installed
-    python scripts/fuzz.py --target record --seconds 3600
-    python scripts/fuzz.py --engine hypothesis --examples 200000
-    python scripts/fuzz.py --write-corpus           # regenerate tests/fuzz/corpus/ (deterministic)
+    python -m tools.fuzz                          # every target, 60 s each, atheris if installed
+    python -m tools.fuzz --target record --seconds 3600
+    python -m tools.fuzz --engine hypothesis --examples 200000
+    python -m tools.fuzz --write-corpus           # regenerate tests/fuzz/corpus/ (deterministic)
 
 Targets: the six of `tests/fuzz/test_fuzz_records.py` (DHT records, manifests, the store RPC behind the quota,
 reach checks, throttle tags) plus the envelope opener, the tensor codec and the stream reassembler (whose CI
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--child"]:
         run_atheris_child(argv[1], argv[2], int(argv[3]), argv[4])
         return 0
-    parser = argparse.ArgumentParser(prog="python scripts/fuzz.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", action="append", help="a target (repeatable; default: all)")
     parser.add_argument("--engine", choices=("auto", "atheris", "hypothesis"), default="auto")
     parser.add_argument("--seconds", type=int, default=60, help="per target, with atheris (default 60)")

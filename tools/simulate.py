@@ -32,7 +32,7 @@ Failure semantics (our assumptions, documented because the paper's are unknown, 
 
 Parameters marked [P] come from the paper, [S] are guesses we calibrated against the paper's
 data-parallel and elastic data-parallel rows only (`benchmarks/simulate_table.py --calibrate`); the
-Decoupled DiLoCo rows are then predictions, not fits. Run ``python -m node.simulate`` for the grid.
+Decoupled DiLoCo rows are then predictions, not fits. Run ``python -m tools.simulate`` for the grid.
 """
 
 from __future__ import annotations
@@ -732,7 +732,7 @@ def hetero_configs(*, steps: int = 3_000, seed: int = 0) -> dict[str, SimConfig]
 # ----- CLI -------------------------------------------------------------------------------------
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m node.simulate",
+        prog="python -m tools.simulate",
         description="Goodput of data parallel, elastic data parallel and Decoupled DiLoCo under chip failures.",
     )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of dp, elastic_dp, M<n>")

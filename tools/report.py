@@ -1,7 +1,7 @@
 """The end-of-run report of a swarm: held-out loss at start and end, throughput and goodput, faults survived, merges,
 bans, processes and CPU; as a dict (`report.json`), as text, and as PNG plots.
 
-`build_report(inputs)` is pure: it reads a `ReportInputs` (the swarm history from `node.swarm_view`, the held-out
+`build_report(inputs)` is pure: it reads a `ReportInputs` (the swarm history from `node.status.swarm_view`, the held-out
 loss points, the faults a chaos schedule injected, process and CPU figures) and computes every figure.
 `render_text`, `write_report` and `write_plots` present it. Times in the report are seconds since the run started.
 

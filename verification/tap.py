@@ -23,32 +23,23 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import math
-import os
 import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from protocol.envelope import Direction, Header
 from protocol.records import BanNotice
-from verification.attacks import Attack, parse_attack
 from verification.bans import (
-    BanDecision,
     BanEvidence,
-    BanList,
-    BanVote,
     SignedBoundaryHeader,
-    decide_bans,
-    suspicious_verifiers,
 )
 from verification.equivocation import EquivocationDetector, SignedHeader, Slot
 from verification.ledger import LedgerConfig, LedgerDecision, ViolationLedger
@@ -57,7 +48,11 @@ from verification.spotcheck import SpotCheckConfig, SpotCheckPolicy, SpotCheckVe
 
 logger = logging.getLogger(__name__)
 
-UNSAFE_ATTACK_ENV = "HIVENODE_UNSAFE_ATTACK"
+if TYPE_CHECKING:
+
+    pass
+
+
 EventSink = Callable[..., None]  # emit(event_name, **fields)
 
 
@@ -116,7 +111,7 @@ class _Flag:
 
 
 class SentinelTap:
-    """The verifier's SENTINEL seam (`node.verifier.BoundaryTap` protocol); see the module docstring."""
+    """The verifier's SENTINEL seam (`node.roles.verifier.BoundaryTap` protocol); see the module docstring."""
 
     def __init__(
         self,
@@ -169,7 +164,6 @@ class SentinelTap:
         context: torch.Tensor | None = None,
         signed: SignedBoundaryHeader | None = None,
     ) -> torch.Tensor | Any:
-        from node.verifier import Drop  # the seam's types live with the driver
 
         key = (stage, direction.value)
         self.seen[key] = self.seen.get(key, 0) + 1
@@ -481,174 +475,61 @@ class SentinelTap:
 # ---------------------------------------------------------------------------------------------------- enforcement
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BanWatchConfig:
-    poll_every_s: float = 5.0  # DHT ban reads this often
-    ban_ttl_s: float = 3600.0  # expiration of the notices this node publishes
-    timeout_s: float = 10.0  # one DHT round
-
-    def __post_init__(self) -> None:
-        for name in ("poll_every_s", "ban_ttl_s", "timeout_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be positive, got {value}")
 
 
-class BanWatcher:
-    """Every role's view of swarm-wide bans (see the module docstring); `is_banned` is the hook roles call."""
-
-    def __init__(
-        self,
-        records: Any,  # protocol.dht_io.SwarmRecords
-        *,
-        authorized_verifiers: Collection[str],
-        bans_required: int,
-        run_id: str,
-        config: BanWatchConfig | None = None,
-        emit: EventSink | None = None,
-        outbox: deque[BanNotice] | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.records = records
-        self.authorized = frozenset(authorized_verifiers)
-        self.required = bans_required
-        self.run_id = run_id
-        self.config = config or BanWatchConfig()
-        self.emit = emit or (lambda event, **fields: None)
-        self.outbox = outbox if outbox is not None else deque()
-        self.clock = clock
-        self.bans = BanList()
-        self.published: dict[str, BanNotice] = {}
-        self._suspicious: set[str] = set()
-
-    def is_banned(self, peer_id: str) -> bool:
-        return self.bans.is_banned(peer_id, self.clock())
-
-    def active(self) -> frozenset[str]:
-        return self.bans.active(self.clock())
-
-    async def publish_pending(self) -> None:
-        """Publish queued notices, and re-publish ours before they expire (a ban holds while it is renewed)."""
-        while self.outbox:
-            notice = self.outbox.popleft()
-            self.published[notice.offender] = notice
-        expiration = self.clock() + self.config.ban_ttl_s
-        for notice in list(self.published.values()):
-            try:
-                ok = await asyncio.wait_for(
-                    self.records.publish_ban(notice, expiration=expiration), self.config.timeout_s
-                )
-            except (asyncio.TimeoutError, OSError) as e:
-                ok = False
-                logger.warning("publishing the ban of %s failed: %r", notice.offender[-8:], e)
-            if ok:
-                logger.info("published ban notice against %s", notice.offender[-8:])
-
-    async def poll(self, peers: Iterable[str]) -> list[BanDecision]:
-        """Read ban records of `peers`, fold the bans in effect into the list; returns the new ones."""
-        candidates = set(peers) | set(self.published)
-        try:
-            found: Mapping[str, list[Any]] = await asyncio.wait_for(
-                self.records.list_bans(candidates), self.config.timeout_s
-            )
-        except asyncio.TimeoutError:
-            logger.warning("reading ban records timed out; keeping the last view")
-            return []
-        votes = [
-            BanVote(
-                verifier=r.verifier,
-                offender=offender,
-                reason=r.notice.reason,
-                evidence=r.notice.evidence,
-                expires_at=r.expires_at,
-                stage=r.notice.stage,
-            )
-            for offender, rows in found.items()
-            for r in rows
-        ]
-        now = self.clock()
-        decisions = decide_bans(
-            votes, authorized=self.authorized, required=self.required, run_id=self.run_id, now=now
-        )
-        fresh = self.bans.update(decisions, now)
-        for d in fresh:
-            logger.warning("peer %s is banned swarm-wide: %s", d.offender[-8:], d.reason)
-            self.emit(
-                "ban_enforced",
-                offender=d.offender,
-                verifiers=sorted(d.verifiers),
-                reason=d.reason,
-                proof=d.proof,
-            )
-        for verifier, count in suspicious_verifiers(votes, required=self.required).items():
-            if verifier not in self._suspicious:
-                self._suspicious.add(verifier)
-                self.emit("verifier_suspicious", verifier=verifier, lone_notices=count)
-        return fresh
-
-    async def run(self, stop: asyncio.Event, peers: Callable[[], Iterable[str]] | None = None) -> None:
-        """Publish and poll until `stop`; `peers` gives the ids to check (default: the run's live peers)."""
-        while not stop.is_set():
-            try:
-                await self.publish_pending()
-                ids = list(peers()) if peers is not None else await self._live_peers()
-                await self.poll(ids)
-            except Exception as e:  # a failed round is retried next period; the supervisor logs crashes
-                if isinstance(e, (AssertionError, TypeError, NameError, AttributeError)):
-                    raise
-                logger.warning("ban watch round failed: %r", e)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.config.poll_every_s)
-
-    async def _live_peers(self) -> list[str]:
-        try:
-            return [p.peer_id for p in await self.records.list_peers(include_leaving=True)]
-        except asyncio.TimeoutError:
-            return []
 
 
-def ban_watcher_for(ctx: Any, *, outbox: deque[BanNotice] | None = None) -> BanWatcher:
-    """A BanWatcher wired to a node's context (records, manifest, events)."""
-    manifest = ctx.manifest
-    return BanWatcher(
-        ctx.records,
-        authorized_verifiers=manifest.authorized_verifiers,
-        bans_required=int(getattr(manifest, "bans_required", 1)),
-        run_id=ctx.run_id,
-        emit=ctx.events.emit,
-        outbox=outbox,
-    )
 
 
 # ---------------------------------------------------------------------------------------------------- unsafe
 
 
-def attack_from_env(environ: Mapping[str, str] | None = None) -> Attack | None:
-    """The attack a stage applies to its outputs, only when `HIVENODE_UNSAFE_ATTACK` names one."""
-    spec = (os.environ if environ is None else environ).get(UNSAFE_ATTACK_ENV, "").strip()
-    if not spec:
-        return None
-    config = parse_attack(spec)
-    banner = "!" * 78
-    logger.warning(
-        "%s\nUNSAFE: this replica ATTACKS the run (%s=%s): it corrupts its %s outputs. Tests and benchmarks "
-        "only.\n%s",
-        banner,
-        UNSAFE_ATTACK_ENV,
-        spec,
-        config.direction,
-        banner,
-    )
-    return Attack(config)
 
 
 __all__ = [
-    "UNSAFE_ATTACK_ENV",
-    "BanWatchConfig",
-    "BanWatcher",
     "SentinelTap",
     "SentinelTapConfig",
     "TapStats",
-    "attack_from_env",
-    "ban_watcher_for",
 ]
+
+
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """The boundary check refuses a tensor: the microbatch is dropped (downstream boundaries skip it)."""
+
+    reason: str
+
+
+class BoundaryTap:
+    """Every boundary tensor the verifier receives passes through `check` exactly once (SENTINEL plugs in here).
+
+    `stage` is the stage that produced the tensor, `direction` forward (its output activation) or backward
+    (the gradient of its input). Return the tensor to use downstream (a flagged gradient may be replaced) or
+    a `Drop`. This implementation accepts everything and counts what it saw.
+    """
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, str], int] = {}
+
+    def check(
+        self,
+        stage: int,
+        direction: Direction,
+        replica: str,
+        microbatch_id: int,
+        tensor: torch.Tensor,
+        header: Header,
+        *,
+        context: torch.Tensor | None = None,
+        signed: SignedBoundaryHeader | None = None,
+    ) -> torch.Tensor | Drop:
+        """`context`: what the verifier sent that stage for this microbatch (its input forward, the output
+        gradient it was given backward; None when there is none). `signed`: the answer's header and signature."""
+        del context, signed
+        key = (stage, direction.value)
+        self.seen[key] = self.seen.get(key, 0) + 1
+        return tensor
+
+

@@ -1,4 +1,4 @@
-"""Run one emulated WAN link in front of a local node: `python scripts/wan_proxy.py --target 127.0.0.1:PORT`.
+"""Run one emulated WAN link in front of a local node: `python -m tools.wan_link --target 127.0.0.1:PORT`.
 
 Start the node with `announce_maddrs=["/ip4/127.0.0.1/tcp/<proxy port>"]` (or give peers the proxy's address) so
 its traffic crosses the link. Ctrl+C stops it and prints what the proxy did.
@@ -12,12 +12,8 @@ import contextlib
 import dataclasses
 import logging
 import signal
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the harness lives in tests/, not in a package
-
-from tests.harness.wan_proxy import LinkProfile, WanProxy  # noqa: E402
+from tools.wan_proxy import LinkProfile, WanProxy
 
 
 def _host_port(text: str) -> tuple[str, int]:

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from hivemind.utils import get_dht_time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
-from node.config import NetworkConfig
-from node.runtime import VERSION, NodeContext, short_id
-from protocol.dht_io import SwarmRecords, fetch_discovery
-from protocol.errors import ConfigError, HivenodeError
-from protocol.identity import NodeIdentity
-from protocol.records import BanRecord, HivenodeRecordValidator, RunRules
+from node.context import VERSION, NodeContext
+from protocol.errors import ConfigError
+from protocol.records import BanRecord
 
 logger = logging.getLogger(__name__)
 
@@ -168,110 +162,11 @@ def summarize_bans(bans: dict[str, list[BanRecord]], bans_required: int) -> list
 # ---- `python -m node status` ----
 
 
-def render_swarm(data: dict[str, Any]) -> str:
-    """A text summary of an /api/swarm document (with the bootstrap's history when it has one)."""
-    lines = [f"run {data.get('run_name', '?')} ({data.get('run_id', '?')})"]
-    peers = data.get("peers") or []
-    lines.append(f"{len(peers)} live peer(s)")
-    for peer in peers:
-        stage = peer.get("stage")
-        where = f" stage {stage}" if stage is not None else ""
-        step = peer.get("inner_step")
-        loss = peer.get("loss")
-        lines.append(
-            f"  {short_id(str(peer.get('peer_id', '')))}  {peer.get('role', '?'):9}{where:9} {peer.get('state', '?'):10}"
-            f" step {step if step is not None else '-'}  {peer.get('throughput', 0.0):.0f} tok/s"
-            f"  loss {f'{loss:.3f}' if isinstance(loss, int | float) else '-'}  {peer.get('http', '')}"
-        )
-    syncers = data.get("syncer") or []
-    lines.append(f"{len(syncers)} syncer record(s)")
-    for record in syncers:
-        versions = " ".join(str(v) for v in record.get("versions") or [])
-        lines.append(
-            f"  {short_id(str(record.get('peer_id', '')))}  {record.get('state', '?')} term {record.get('term', '?')}"
-            f"  versions [{versions}]"
-        )
-    bans = data.get("bans") or []
-    lines.append(f"{len(bans)} banned peer(s)")
-    for ban in bans:
-        reasons = sorted({n.get("reason", "") for n in ban.get("notices") or []} - {""})
-        signed = ", ".join(short_id(v) for v in ban.get("verifiers") or [])
-        effect = "in effect" if ban.get("in_effect") else "not yet in effect"
-        lines.append(
-            f"  {short_id(str(ban.get('offender', '')))}  {effect}, signed by {signed}: {'; '.join(reasons)}"
-        )
-    lines += _history_lines(data.get("history"))
-    for maddr in data.get("bootstrap_maddrs") or []:
-        lines.append(f"bootstrap {maddr}")
-    return "\n".join(lines)
 
 
-def _last_number(values: object) -> float | None:
-    if not isinstance(values, list):
-        return None
-    numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
-    return numbers[-1] if numbers else None
 
 
-def _history_lines(history: object) -> list[str]:
-    """What the bootstrap's history adds: current rates, merges, the latest held-out loss."""
-    if not isinstance(history, dict) or not history.get("t"):
-        return []
-    throughput, goodput = _last_number(history.get("throughput")), _last_number(history.get("goodput"))
-    totals = history.get("totals") if isinstance(history.get("totals"), dict) else {}
-    evals = [p for p in history.get("eval") or [] if isinstance(p, dict)]
-    line = (
-        f"swarm: {throughput or 0:,.0f} tok/s processed, goodput {goodput or 0:,.0f} tok/s"
-        f" ({history.get('goodput_source', '?')}); {totals.get('merges', 0)} merges seen"
-    )
-    if evals:
-        line += f"; held-out loss {evals[-1].get('loss')}"
-    return [line]
 
 
-async def swarm_from_dht(maddrs: list[str], network: NetworkConfig) -> list[dict[str, Any]]:
-    """Ask the DHT directly (no bootstrap HTTP needed): one /api/swarm-shaped summary per run found there."""
-    from node.swarm import start_dht
-
-    with tempfile.TemporaryDirectory(prefix="hivenode-status-") as tmp:
-        identity = NodeIdentity.load_or_create(Path(tmp) / "identity.key")  # throwaway: we only read
-        dht = start_dht(identity, maddrs, network, HivenodeRecordValidator())
-        try:
-            timeout_s = network.request_timeout_s
-            summaries = []
-            for signed in await fetch_discovery(dht, timeout_s=timeout_s, now=get_dht_time()):
-                manifest = signed.verify()
-                rules = RunRules.from_manifest(signed, manifest)
-                dht.add_validators([HivenodeRecordValidator([rules])])  # the DHT process drops unknown runs
-                records = SwarmRecords(dht, rules, identity, timeout_s=timeout_s)
-                peers = await records.list_peers()
-                syncers = await records.list_syncers()
-                bans = await records.list_bans(p.peer_id for p in peers)
-                summaries.append(
-                    {
-                        "run_id": signed.run_id,
-                        "run_name": manifest.name,
-                        "peers": [p.to_json() for p in peers],
-                        "syncer": [s.to_json() for s in syncers],
-                        "bans": summarize_bans(bans, manifest.bans_required),
-                        "bootstrap_maddrs": maddrs,
-                    }
-                )
-            return summaries
-        finally:
-            dht.shutdown()
 
 
-async def status_command(target: str, timeout_s: float = 10.0) -> int:
-    """Print a summary of the swarm behind `target` (a bootstrap URL or a multiaddr); return an exit code."""
-    from node.swarm import check_multiaddr, fetch_json, is_url, swarm_url
-
-    if is_url(target):
-        print(render_swarm(await fetch_json(swarm_url(target), timeout_s)))
-        return 0
-    network = NetworkConfig(join_timeout_s=timeout_s, request_timeout_s=min(timeout_s, 5.0), client_mode=True)
-    summaries = await swarm_from_dht([check_multiaddr(target)], network)
-    if not summaries:
-        raise HivenodeError(f"no hivenode run is published on the DHT behind {target}")
-    print("\n\n".join(render_swarm(s) for s in summaries))
-    return 0

@@ -29,20 +29,22 @@ from typing import Any
 
 import torch
 
-from node.data import BatchSampler, Corpus, load_corpus, validation_batches
-from node.model import ModelConfig, build_model, lm_loss, load_state_subset, stage_state_subset
-from node.routing import ReplicaInfo, ReplicaRouter, RoutingConfig
-from node.sentinel_tap import BanWatchConfig, BanWatcher, SentinelTap, SentinelTapConfig
-from node.stage import BoundaryShape, StageConfig, StageService, build_core
-from node.verifier import DirectTransport, MicrobatchOutcome, PipelineDriver
+from node.ml.data import BatchSampler, Corpus, load_corpus, validation_batches
+from node.ml.model import ModelConfig, build_model, lm_loss, load_state_subset, stage_state_subset
+from node.pipeline.driver import DirectTransport, MicrobatchOutcome, PipelineDriver
+from node.pipeline.routing import ReplicaInfo, ReplicaRouter, RoutingConfig
+from node.roles.stage import StageConfig, StageService, build_core
+from node.swarm.bans import BanWatchConfig, BanWatcher
 from protocol.envelope import Direction, Header
 from protocol.identity import NodeIdentity
 from protocol.manifest import InnerOptimizerSpec, RunManifest, WireSpec
+from protocol.pipeline import BoundaryShape
 from protocol.records import BanNotice, BanRecord
 from verification.attacks import Attack, AttackConfig, parse_attack
 from verification.bans import SignedBoundaryHeader
 from verification.ledger import LedgerConfig
 from verification.sentinel import SentinelConfig
+from verification.tap import SentinelTap, SentinelTapConfig
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ Three layers, from pure to networked:
   input gradient at once).
 * `StageRole`: the node role (`--role stage --stage N`): P2P from the node's DHT daemon, the DiLoCo
   `FragmentSync` for the span's fragments, context expiry, heartbeat fields (throughput, load) and the
-  periodic rebalancing check (`node.routing.Rebalancer`).
+  periodic rebalancing check (`node.pipeline.routing.Rebalancer`).
 
 Idempotency (docs/pipeline.md): the key is (run, verifier, microbatch, stage, direction). A backward is applied
 at most once; a retried backward is answered from cache; a forward for a microbatch whose backward was applied
@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
 import os
-import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -45,12 +43,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import msgpack
 import torch
 from torch.func import functional_call
 
-from node.model import ModelConfig, StageModule, build_stage, stage_spans
-from node.routing import (
+from node.config import load_role_config
+from node.ml.model import ModelConfig, StageModule, build_stage, stage_spans
+from node.pipeline.routing import (
     IdempotencyKey,
     IdempotencyLedger,
     LedgerConfig,
@@ -60,10 +58,9 @@ from node.routing import (
     ReplicaInfo,
     Verdict,
 )
-from node.sentinel_tap import attack_from_env, ban_watcher_for
+from node.swarm.bans import ban_watcher_for
 from protocol.codec import TensorLimits
 from protocol.envelope import (
-    MAX_HEADER_BYTES,
     Context,
     Direction,
     Header,
@@ -73,66 +70,53 @@ from protocol.envelope import (
     open_envelope,
     seal,
 )
-from protocol.errors import ConfigError, MalformedFrame, ProtocolError, TensorPolicyError, WrongContext
+from protocol.errors import TensorPolicyError, WrongContext
 from protocol.identity import NodeIdentity
 from protocol.limits import Admission, RateLimit
 from protocol.manifest import InnerOptimizerSpec, RunManifest
-from protocol.replay import ReplayConfig, ReplayGuard
+from protocol.pipeline import (
+    ALREADY_APPLIED,
+    APPLIED_META,
+    BACKWARD_RPC,
+    EVAL_META,
+    FORWARD_RPC,
+    GRAD_OUTPUT,
+    INPUT_DIGEST_META,
+    LOSS_META,
+    MAX_CONTROL_BYTES,
+    NO_CONTEXT,
+    NOT_SERVING,
+    PIPELINE_REPLAY,
+    RECEIPT_RPC,
+    RECOMPUTE_GRAD_META,
+    STALE_MICROBATCH,
+    TARGETS,
+    BoundaryShape,
+    StageRefusal,
+    UnauthorizedCaller,
+)
+from protocol.receipts import TokenReceipt, open_receipt
+from protocol.replay import ReplayGuard
 from protocol.rpc import FramedServer, PeerStrikes, Route
+from verification.attacks import attack_from_env
 
 if TYPE_CHECKING:
-    from node.runtime import NodeContext
+    from node.context import NodeContext
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STAGE_ENV = (
     "HIVENODE_STAGE"  # overrides of StageConfig, "key=value,key=value" (read once, when the role is built)
 )
-FORWARD_RPC = "stage.forward"
-BACKWARD_RPC = "stage.backward"
-RECEIPT_RPC = "stage.receipt"
-TARGETS = "targets"  # name of the targets tensor beside the input ("") in a last-stage request
-EVAL_META = "eval"  # meta flag: forward only, no context, no ledger (held-out loss)
-# With EVAL_META: answer the gradient of the input instead (SENTINEL spot checks), for the output gradient in
-# GRAD_OUTPUT (or the loss on the targets at the last stage); nothing is kept or applied.
-RECOMPUTE_GRAD_META = "recompute_grad"
-GRAD_OUTPUT = "grad_output"
-LOSS_META = "loss"
-APPLIED_META = "applied"
-RECEIPT_FORMAT = "hivenode.receipt.v1"
-MAX_CONTROL_BYTES = 64 * 1024
-
-# Refusal reasons a verifier acts on (RemoteRefused.reason on its side).
-UNAUTHORIZED = "not an authorized verifier"
-ALREADY_APPLIED = "already applied"
-STALE_MICROBATCH = "stale microbatch"
-NO_CONTEXT = "no context"
-NOT_SERVING = "not serving this stage"
-
-T = TypeVar("T")
-
-# On pipeline frames the header's step is informational (the verifier's step on requests, the replica's inner step
-# on answers) and restarts at 0 when either restarts; a step window would lock a restarted peer out. What stops
-# replays here is the nonce seen-set and the timestamp window, and what stops double application is the
-# idempotency ledger. The seen-set is sized for ~250 frames/s per peer over the 60 s skew window.
-PIPELINE_REPLAY = ReplayConfig(window_steps=1 << 62, max_seen_per_sender=16384)
 
 
-class UnauthorizedCaller(ProtocolError):
-    """The caller is not an authorized verifier of this run: stages work for verifiers only."""
-
-    reason = UNAUTHORIZED
 
 
-class StageRefusal(ProtocolError):
-    """A well-formed request this stage will not serve (a retry it must not apply, a lost context...).
 
-    Never blamed on the caller: an honest verifier retrying after a lost answer gets exactly these."""
 
-    blame_sender = False
 
-    def __init__(self, message: str, *, reason: str) -> None:
-        super().__init__(message, reason=reason, blame_sender=False)
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -186,130 +170,21 @@ class StageConfig:
         }
 
 
-def apply_overrides(config: T, text: str) -> T:
-    """`config` with "key=value,..." applied (nested fields as `rebalance.dwell_s=5`); ValueError on typos.
-
-    Values are parsed by the type of the field's current value (int, float, bool, str)."""
-    for item in filter(None, (part.strip() for part in text.replace(";", ",").split(","))):
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"override {item!r} is not key=value")
-        config = _replace_path(config, key.strip().split("."), raw.strip())
-    return config
 
 
-def load_role_config(
-    default: T, *, table: Mapping[str, Any] | None, env: str, environ: Mapping[str, str]
-) -> T:
-    """A role's settings: `default`, then a node.toml table (nested tables for nested settings), then the
-    `env` variable's "key=value,..." overrides. Raises ConfigError naming the bad setting."""
-    try:
-        config = default
-        for key, value in _flatten(table or {}):
-            config = _replace_path(config, key.split("."), value)
-        return apply_overrides(config, environ.get(env, ""))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{type(default).__name__}: {e}") from None
 
 
-def _flatten(table: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for key, value in table.items():
-        if isinstance(value, Mapping):
-            out.extend(_flatten(value, f"{prefix}{key}."))
-        else:
-            out.append((f"{prefix}{key}", value))
-    return out
 
 
-def _replace_path(obj: T, path: list[str], raw: object) -> T:
-    name = path[0]
-    names = {f.name for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
-    if name not in names:
-        raise ValueError(f"unknown setting {name!r} of {type(obj).__name__} (known: {sorted(names)})")
-    current = getattr(obj, name)
-    value = _replace_path(current, path[1:], raw) if len(path) > 1 else _coerce(name, current, raw)
-    return dataclasses.replace(obj, **{name: value})  # type: ignore[type-var]
 
 
-def _coerce(name: str, current: object, raw: object) -> object:
-    """`raw` (text from the environment, or a TOML value) as the type of the setting's current value."""
-    if isinstance(current, bool):
-        if isinstance(raw, bool):
-            return raw
-        if str(raw).lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"{name} must be true or false, got {raw!r}")
-        return str(raw).lower() in ("true", "1")
-    if isinstance(current, int) and not isinstance(raw, bool):
-        return int(raw) if isinstance(raw, (int, str)) else _bad(name, raw)
-    if isinstance(current, float) and not isinstance(raw, bool):
-        return float(raw) if isinstance(raw, (int, float, str)) else _bad(name, raw)
-    if isinstance(current, str) and isinstance(raw, str):
-        return raw
-    return _bad(name, raw)
 
 
-def _bad(name: str, raw: object) -> object:
-    raise ValueError(f"{name} cannot be set to {raw!r}")
 
 
 # ---------------------------------------------------------------------------------------------------- wire caps
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BoundaryShape:
-    """What boundary tensors of this run must look like (from the manifest, never from the peer)."""
-
-    max_batch: int
-    context_len: int
-    width: int
-    vocab_size: int
-
-    @classmethod
-    def from_manifest(cls, manifest: RunManifest) -> BoundaryShape:
-        m = manifest.model
-        return cls(
-            max_batch=manifest.wire.max_batch,
-            context_len=m["context_len"],
-            width=m["width"],
-            vocab_size=m["vocab_size"],
-        )
-
-    @property
-    def limits(self) -> TensorLimits:
-        """Caps of one pipeline frame: an activation or gradient plus, to the last stage, int64 targets; a
-        spot check's backward recomputation carries an activation and a gradient (hence two)."""
-        activation = self.max_batch * self.context_len * self.width * 4
-        tokens = self.max_batch * self.context_len * 8
-        return TensorLimits(
-            max_bytes=2 * activation + tokens,
-            max_rank=3,
-            max_tensors=2,
-            allowed_dtypes=frozenset({"float32", "int64"}),
-        )
-
-    def check_tokens(self, tokens: torch.Tensor, what: str = "tokens") -> None:
-        ok = (
-            tokens.dtype == torch.int64
-            and tokens.dim() == 2
-            and 1 <= tokens.shape[0] <= self.max_batch
-            and 1 <= tokens.shape[1] <= self.context_len
-        )
-        if not ok:
-            raise TensorPolicyError(f"{what} must be int64 [B<={self.max_batch}, T<={self.context_len}]")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
-            raise TensorPolicyError(f"{what} outside [0, {self.vocab_size})", reason="bad tokens")
-
-    def check_activation(self, x: torch.Tensor, what: str = "activation") -> None:
-        ok = (
-            x.dtype == torch.float32
-            and x.dim() == 3
-            and 1 <= x.shape[0] <= self.max_batch
-            and 1 <= x.shape[1] <= self.context_len
-            and x.shape[2] == self.width
-        )
-        if not ok:
-            raise TensorPolicyError(f"{what} must be float32 [B, T, {self.width}], got {tuple(x.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------------- the core
@@ -328,7 +203,6 @@ class _Context:
     tokens_in: torch.Tensor | None = None  # the first stage's input tokens, to recognise a retry
 
 
-INPUT_DIGEST_META = "input_digest"  # hex digest of the request an output answers
 SLOW_SAMPLE_CAP = 4.0  # a compute-time sample counts as at most this many times the current estimate
 _NO_GRAD = object()  # cached result of an applied backward on the first stage (nothing to send back)
 
@@ -694,120 +568,10 @@ class StageCore:
 # ---------------------------------------------------------------------------------------------------- receipts
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TokenReceipt:
-    """A verifier's signed statement: "replica R of stage s processed N tokens for me, verified".
-
-    Counts are cumulative over one verifier session (`session`, chosen at the verifier's start), so the latest
-    receipt supersedes the earlier ones and a lost receipt loses nothing: the syncer weights a replica by
-    the growth of `tokens` between the receipts it saw at two syncs. The frame is an envelope of kind
-    `receipt` (no tensor), signed by the verifier, `receiver` = the replica, `stage` = its stage,
-    `microbatch` = the receipt's sequence number in the session, `step` = the verifier's step; the fields
-    below are its metadata. See docs/pipeline.md.
-    """
-
-    verifier: str  # signer (an authorized verifier)
-    replica: str  # whose work it counts (also the envelope's receiver)
-    stage: int
-    session: str  # hex id of the verifier session
-    sequence: int  # receipts of this session, increasing
-    tokens: int  # cumulative verified tokens this session
-    microbatches: int  # cumulative microbatches this session
-    last_microbatch: int  # id of the latest microbatch counted
-    issued_at: float  # verifier wall clock (also the envelope timestamp)
-
-    def meta(self) -> dict[str, Any]:
-        return {
-            "format": RECEIPT_FORMAT,
-            "replica": self.replica,
-            "session": self.session,
-            "tokens": self.tokens,
-            "microbatches": self.microbatches,
-            "last_microbatch": self.last_microbatch,
-        }
-
-    def seal(self, identity: NodeIdentity, run_id: str, *, step: int = 0) -> bytes:
-        if identity.peer_id != self.verifier:
-            raise ValueError("a receipt is sealed by its verifier")
-        context = Context(run_id=run_id, kind=Kind.RECEIPT, receiver=self.replica, stage=self.stage)
-        return seal(
-            identity, context, microbatch=self.sequence, step=step, now=self.issued_at, meta=self.meta()
-        )
-
-    @classmethod
-    def from_opened(cls, opened: Opened) -> TokenReceipt:
-        h, meta = opened.header, opened.meta
-        fields = {
-            "tokens": meta.get("tokens"),
-            "microbatches": meta.get("microbatches"),
-            "last_microbatch": meta.get("last_microbatch"),
-        }
-        ok = (
-            meta.get("format") == RECEIPT_FORMAT
-            and meta.get("replica") == h.receiver
-            and isinstance(meta.get("session"), str)
-            and 0 < len(meta["session"]) <= 64
-            and all(type(v) is int and v >= 0 for v in fields.values())
-            and not opened.tensors
-        )
-        if not ok:
-            raise MalformedFrame("receipt metadata does not match the receipt format", reason="bad receipt")
-        return cls(
-            verifier=h.sender,
-            replica=h.receiver,
-            stage=h.stage,
-            session=meta["session"],  # type: ignore[arg-type]
-            sequence=h.microbatch,
-            issued_at=h.timestamp,
-            **fields,  # type: ignore[arg-type]
-        )
 
 
-def receipt_signer(frame: bytes | bytearray | memoryview) -> str:
-    """The claimed signer of a frame (header field 3), read without trusting anything; `open_receipt` checks it."""
-    view = memoryview(frame)
-    if len(view) < 4:
-        raise MalformedFrame("frame too short")
-    (length,) = struct.unpack_from(">I", view)
-    if length > MAX_HEADER_BYTES or 4 + length > len(view):
-        raise MalformedFrame("bad header length")
-    try:
-        fields = msgpack.unpackb(bytes(view[4 : 4 + length]), raw=False, max_array_len=64, max_map_len=64)
-    except Exception as e:  # msgpack raises several types for garbage
-        raise MalformedFrame(f"header is not msgpack: {type(e).__name__}") from None
-    if not isinstance(fields, list) or len(fields) < 4 or not isinstance(fields[3], str):
-        raise MalformedFrame("header has no sender")
-    return fields[3]
 
 
-def open_receipt(
-    frame: bytes | bytearray | memoryview,
-    *,
-    run_id: str,
-    replica: str,
-    stage: int,
-    authorized_verifiers: Sequence[str],
-    now: float,
-    max_age_s: float = 3600.0,
-) -> TokenReceipt:
-    """Verify a receipt however it reached us (from the verifier, or relayed by the replica to a syncer).
-
-    A receipt is a relayed statement: its signature binds it, not the channel, so the signer is checked
-    against the authorized verifiers instead of the remote peer. Every other envelope check applies (context:
-    run, kind, receiver = `replica`, stage; digest; age up to `max_age_s`).
-
-    Raises:
-        ProtocolError: not signed by an authorized verifier, or any envelope check failed.
-    """
-    signer = receipt_signer(frame)
-    if signer not in authorized_verifiers:
-        raise UnauthorizedCaller(f"receipt signed by {signer[-8:]}, not an authorized verifier")
-    expect = Context(run_id=run_id, kind=Kind.RECEIPT, receiver=replica, stage=stage)
-    guard = ReplayGuard(ReplayConfig(max_skew_s=max_age_s))
-    opened = open_envelope(
-        frame, remote_peer=signer, expect=expect, limits=TensorLimits(max_bytes=1), replay=guard, now=now
-    )
-    return TokenReceipt.from_opened(opened)
 
 
 # ---------------------------------------------------------------------------------------------------- service

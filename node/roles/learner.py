@@ -33,7 +33,7 @@ from node.diloco.sync_client import FragmentSync, FramedSyncTransport, SyncClien
 from protocol.errors import ConfigError
 
 if TYPE_CHECKING:
-    from node.runtime import NodeContext
+    from node.context import NodeContext
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class LearnerRole:
         self._sampler: Any = None
 
     async def run(self, ctx: NodeContext, stop: asyncio.Event) -> None:
-        from node.runtime import RestartPolicy
+        from node.context import RestartPolicy
 
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
@@ -163,8 +163,8 @@ class LearnerRole:
 
     def _prepare(self) -> list[Any]:
         """Model, optimizer, data shard, held-out batches (in a worker thread: torch and file I/O)."""
-        from node.data import BatchSampler, load_corpus, shard_for, validation_batches
-        from node.model import ModelConfig, build_model
+        from node.ml.data import BatchSampler, load_corpus, shard_for, validation_batches
+        from node.ml.model import ModelConfig, build_model
 
         manifest, ctx = self.ctx.manifest, self.ctx
         cfg = ModelConfig.from_dict(manifest.model)
@@ -201,8 +201,8 @@ class LearnerRole:
         )
 
     async def _train(self, stop: asyncio.Event, held_out: list[Any]) -> None:
-        from node.data import evaluate
-        from node.runtime import wait_or_stop
+        from node.context import wait_or_stop
+        from node.ml.data import evaluate
 
         assert self.sync is not None and self._model is not None
         max_steps = self.ctx.config.max_steps

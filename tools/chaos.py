@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
-from node.proctree import descendants
+from tools.proctree import descendants
 
 logger = logging.getLogger(__name__)
 

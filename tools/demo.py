@@ -13,8 +13,8 @@ What it does, in order:
    verifiers as `python -m node --join <maddr> --role ...`, each a process group of its own (its DHT process and
    p2pd come with it), with one torch thread each;
 4. watches the swarm through the bootstrap's `/api/swarm` (and the active syncer's `/api/status`) with
-   `node.swarm_view.SwarmHistory`, and shows it live (rich) or, without a terminal, as a log line every 10 s;
-5. with `--chaos`, runs `node.chaos` schedules (learner kills and restarts, stalls, a syncer kill with failover);
+   `node.status.swarm_view.SwarmHistory`, and shows it live (rich) or, without a terminal, as a log line every 10 s;
+5. with `--chaos`, runs `tools.chaos` schedules (learner kills and restarts, stalls, a syncer kill with failover);
    with `--attack KIND`, one stage replica runs the named attack (`HIVENODE_UNSAFE_ATTACK`, the stage's explicit
    unsafe option; `verification.attacks` names the kinds); its stage has at least 3 replicas, the fewest with
    which a verifier may ban one (it never leaves a stage fewer than 2 working replicas, and a spot check needs a
@@ -22,7 +22,7 @@ What it does, in order:
 6. at `--duration` (seconds of training after the swarm is up) or on Ctrl-C: stops every process (SIGTERM, then
    SIGKILL of whatever is left and what it forked; the demo is the subreaper of everything it started, so nothing
    escapes), checks that no process is left, evaluates the syncer's final checkpoint on held-out data, and writes
-   `report.json`, the text report and the plots (`node.report`) into `--out` (default `runs/<timestamp>`).
+   `report.json`, the text report and the plots (`tools.report`) into `--out` (default `runs/<timestamp>`).
 
 A role this version does not have shows up as `idle` ("not built yet") on the map instead of being faked.
 """
@@ -50,11 +50,11 @@ from typing import Any
 
 import aiohttp
 
-from node.proctree import ProcInfo, cmdline, descendants, proc_table, reap, set_subreaper, terminate
-from node.report import ReportInputs, build_report, render_text, write_plots, write_report
-from node.swarm_view import SwarmHistory, ViewConfig, short, summary_line
+from node.status.swarm_view import SwarmHistory, ViewConfig, short, summary_line
 from protocol.errors import ConfigError, HivenodeError
 from protocol.identity import NodeIdentity
+from tools.proctree import ProcInfo, cmdline, descendants, proc_table, reap, set_subreaper, terminate
+from tools.report import ReportInputs, build_report, render_text, write_plots, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -248,8 +248,7 @@ def attack_prefix(kind: str) -> list[str]:
     KIND starts attacking after `ATTACK_START_AFTER` honest steps, so the verifiers' monitors warm up on honest
     traffic first; a full spec (`KIND:key=value,...`, see verification.attacks.parse_attack) is used as given."""
     try:
-        from node.sentinel_tap import UNSAFE_ATTACK_ENV
-        from verification.attacks import parse_attack
+        from verification.attacks import UNSAFE_ATTACK_ENV, parse_attack
     except ImportError:
         raise ConfigError(
             "--attack needs the stage's unsafe attack option, which this version does not have yet"
@@ -316,7 +315,7 @@ def kill_leftovers(grace_s: float = 3.0, timeout_s: float = 5.0) -> list[str]:
 
 
 def events_path_of(state_dir: Path) -> Path:
-    from node.runtime import EVENTS_FILENAME
+    from node.context import EVENTS_FILENAME
 
     return state_dir / EVENTS_FILENAME
 
@@ -336,7 +335,7 @@ class DemoSwarm:
     """One demo run: `prepare()`, `start()`, `run(stop)`, then `shutdown()` and `finish()` in a finally."""
 
     def __init__(self, config: DemoConfig) -> None:
-        from node.chaos import ProcessGroup
+        from tools.chaos import ProcessGroup
 
         self.config = config
         self.out = config.out_dir
@@ -449,8 +448,8 @@ class DemoSwarm:
         """Held-out loss of version 0 (the seed model), on the batches the syncer evaluates on."""
         import torch
 
-        from node.data import evaluate, load_corpus, validation_batches
-        from node.model import ModelConfig, build_model
+        from node.ml.data import evaluate, load_corpus, validation_batches
+        from node.ml.model import ModelConfig, build_model
 
         torch.set_num_threads(1)
         cfg = ModelConfig.from_dict({**DEMO_MODEL, "num_layers": self.config.num_layers})
@@ -466,10 +465,10 @@ class DemoSwarm:
         """Held-out loss of the syncer's last checkpoint (written when it stopped), or None if there is none."""
         import torch
 
-        from node.data import evaluate, load_corpus, validation_batches
-        from node.diloco.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
         from node.diloco.sync_client import run_fragment_plan
-        from node.model import ModelConfig, build_model
+        from node.ml.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+        from node.ml.data import evaluate, load_corpus, validation_batches
+        from node.ml.model import ModelConfig, build_model
         from protocol.manifest import load_run_toml
 
         manifest = load_run_toml(self.run_file)
@@ -505,7 +504,7 @@ class DemoSwarm:
     # ---- running ----
 
     def active_syncer(self) -> str:
-        """Name of the syncer process holding the lease (for `node.chaos`'s kill_syncer)."""
+        """Name of the syncer process holding the lease (for `tools.chaos`'s kill_syncer)."""
         records = [s for s in self.last_doc.get("syncer") or [] if s.get("state") == "active"]
         if not records:
             raise ValueError("no active syncer in the last look at the swarm")
@@ -611,7 +610,7 @@ class DemoSwarm:
             return None
 
     async def _chaos(self, stop: asyncio.Event) -> None:
-        from node.chaos import ChaosConfig, ChaosRunner, plan_faults
+        from tools.chaos import ChaosConfig, ChaosRunner, plan_faults
 
         targets = [n for n, s in self.nodes.items() if s.spec.role in ("learner", "stage")]
         window = self.config.duration_s or self.config.chaos_window_s

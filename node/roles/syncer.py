@@ -44,25 +44,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.diloco.checkpoint import (
-    CheckpointError,
-    SyncerSnapshot,
-    checkpoint_path,
-    ledger_from_json,
-    load_checkpoint,
-    save_checkpoint,
-)
 from node.diloco.counters import cap_counters
 from node.diloco.fragments import FragmentPlan
 from node.diloco.merge import Contribution, MergeResult, NothingToMerge, merge_fragment
 from node.diloco.outer import STATE_PREFIX, OuterNesterov
 from node.diloco.quorum import QuorumConfig, QuorumPolicy
-from node.diloco.receipts import (
-    FORGERY_REASONS,
-    ReceiptLedger,
-    parse_receipts_meta,
-    verify_receipts,
-)
+from node.diloco.receipts import ReceiptLedger
 from node.diloco.sync_client import (
     FETCH_ROUTE,
     OFFER_PREFIX,
@@ -79,11 +66,20 @@ from node.diloco.sync_client import (
     open_version_envelope,
     run_fragment_plan,
 )
+from node.ml.checkpoint import (
+    CheckpointError,
+    SyncerSnapshot,
+    checkpoint_path,
+    ledger_from_json,
+    load_checkpoint,
+    save_checkpoint,
+)
 from protocol.errors import ConfigError, MalformedFrame, ProtocolError
+from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
 
 if TYPE_CHECKING:
-    from node.runtime import NodeContext
-    from node.stage import TokenReceipt
+    from node.context import NodeContext
+    from protocol.receipts import TokenReceipt
     from protocol.records import SyncerRecord
 
 logger = logging.getLogger(__name__)
@@ -958,7 +954,7 @@ class SyncerRole:
             on_throttle=ctx.metrics.count_throttle,
         )
         await self._server.start()
-        from node.runtime import RestartPolicy
+        from node.context import RestartPolicy
 
         ctx.supervisor.spawn("syncer-lease", partial(self._lease_loop, stop), policy=RestartPolicy())
         ctx.supervisor.spawn("syncer-members", partial(self._membership_loop, stop), policy=RestartPolicy())
@@ -966,7 +962,7 @@ class SyncerRole:
         ctx.supervisor.spawn("syncer-mirror", partial(self._mirror_loop, stop), policy=RestartPolicy())
         if self.config.eval_every_merges:  # optional: load the held-out data after we serve, not before
             ctx.supervisor.spawn("syncer-eval-data", self._load_eval, policy=RestartPolicy())
-        from node.sentinel_tap import ban_watcher_for  # SENTINEL bans: refuse banned peers' contributions
+        from node.swarm.bans import ban_watcher_for  # SENTINEL bans: refuse banned peers' contributions
 
         bans = ban_watcher_for(ctx)
         self.is_banned = bans.is_banned
@@ -983,7 +979,7 @@ class SyncerRole:
             await self._shutdown()
 
     def _build_core(self) -> SyncerCore:
-        from node.model import ModelConfig, build_model, embedding_param_names
+        from node.ml.model import ModelConfig, build_model, embedding_param_names
 
         manifest = self.ctx.manifest
         cfg = ModelConfig.from_dict(manifest.model)
@@ -1005,8 +1001,8 @@ class SyncerRole:
         )
 
     def _build_eval(self) -> Any:
-        from node.data import load_corpus, validation_batches
-        from node.model import ModelConfig, build_model
+        from node.ml.data import load_corpus, validation_batches
+        from node.ml.model import ModelConfig, build_model
 
         manifest = self.ctx.manifest
         cfg = ModelConfig.from_dict(manifest.model)
@@ -1038,7 +1034,7 @@ class SyncerRole:
     # ---- the lease ----
 
     async def _lease_loop(self, stop: asyncio.Event) -> None:
-        from node.runtime import wait_or_stop
+        from node.context import wait_or_stop
 
         while True:
             try:
@@ -1208,7 +1204,7 @@ class SyncerRole:
     # ---- membership ----
 
     async def _membership_loop(self, stop: asyncio.Event) -> None:
-        from node.runtime import wait_or_stop
+        from node.context import wait_or_stop
 
         while True:
             await self._refresh_members()
@@ -1334,7 +1330,7 @@ class SyncerRole:
         )
 
     async def _evaluate(self) -> None:
-        from node.data import evaluate
+        from node.ml.data import evaluate
 
         core = self.core
         if self._eval is None or core is None:
@@ -1356,7 +1352,7 @@ class SyncerRole:
     # ---- the mirror (standby) ----
 
     async def _mirror_loop(self, stop: asyncio.Event) -> None:
-        from node.runtime import wait_or_stop
+        from node.context import wait_or_stop
 
         while True:
             if not self.active and self.primary is not None and self.core is not None:
@@ -1754,7 +1750,7 @@ def _wall_offset() -> float:
 
 def _fragment_stages(manifest: Any, plan: FragmentPlan) -> list[int]:
     """The pipeline stage whose span holds each fragment (run_fragment_plan numbers them stage by stage)."""
-    from node.model import ModelConfig, StageModule, stage_spans
+    from node.ml.model import ModelConfig, StageModule, stage_spans
 
     cfg = ModelConfig.from_dict(manifest.model)
     spans = stage_spans(cfg.num_layers, manifest.num_stages)

@@ -7,7 +7,7 @@ not built yet in this version (it never pretends to train).
 `--role auto` picks, in order:
 1. `syncer` if this node's key is an authorized syncer of the run and no live peer announces the syncer role;
 2. `stage` if the run is a pipeline run (more than one stage and at least one authorized verifier to drive it),
-   on the stage with the least announced throughput per layer (`node.routing.choose_stage`);
+   on the stage with the least announced throughput per layer (`node.pipeline.routing.choose_stage`);
 3. `learner` otherwise.
 (Verifiers are chosen explicitly: `--role verifier`; `--role stage` without `--stage` places as in 2.)
 
@@ -27,13 +27,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from node.routing import ReplicaInfo, choose_stage, stage_loads
+from node.pipeline.routing import ReplicaInfo, choose_stage, stage_loads
 from protocol.errors import ConfigError
 from protocol.manifest import RunManifest
 from protocol.records import PeerRecord
 
 if TYPE_CHECKING:
-    from node.runtime import NodeContext
+    from node.context import NodeContext
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def _auto(
 
 def _place_stage(manifest: RunManifest, peers: Sequence[PeerRecord], now: float) -> tuple[int, str]:
     """The stage with the least announced throughput per layer among live, non-leaving stage replicas."""
-    from node.model import stage_spans  # imports torch: only when a stage is being placed
+    from node.ml.model import stage_spans  # imports torch: only when a stage is being placed
 
     replicas = [
         ReplicaInfo(peer_id=p.peer_id, stage=p.heartbeat.stage, throughput=p.heartbeat.throughput)

@@ -1,7 +1,7 @@
 """Single-process reference training: the baseline every distributed run is compared with.
 
 Plain AdamW on the whole training split, held-out loss at fixed intervals. Run as
-`python -m node.train_local --steps 240` for a quick check of the model and data modules.
+`python -m tools.train_local --steps 240` for a quick check of the model and data modules.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from node.data import BatchSampler, Corpus, evaluate, load_corpus, validation_batches
-from node.model import ModelConfig, build_model, count_parameters
+from node.ml.data import BatchSampler, Corpus, evaluate, load_corpus, validation_batches
+from node.ml.model import ModelConfig, build_model, count_parameters
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,158 @@
+"""The life of a node: identity and its lock -> join -> heartbeats, status API and the role under a supervisor -> stop.
+
+`run_node` is the whole sequence; every wait in it is bounded by a named config timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from node import swarm
+from node.config import NodeConfig
+from node.context import (
+    EventLog,
+    LogContext,
+    NodeContext,
+    NodeMetrics,
+    RestartPolicy,
+    TaskSupervisor,
+    events_path,
+    resolve_device,
+)
+from node.roles import registry as roles
+from node.status import http as status
+from protocol.errors import HivenodeError
+from protocol.identity import IdentityLock, NodeIdentity
+
+logger = logging.getLogger(__name__)
+
+ReadyCallback = Callable[[NodeContext], None]
+
+
+async def run_node(
+    config: NodeConfig, stop: asyncio.Event, log_context: LogContext, on_ready: ReadyCallback | None = None
+) -> None:
+    """Join, serve until stopped, leave; `on_ready(ctx)` once the node is announced and serving.
+
+    Raises HivenodeError subclasses with one-line messages for the CLI.
+    """
+    device = resolve_device(config.device)
+    identity = NodeIdentity.load_or_create(config.identity_file)
+    log_context.peer_id = identity.peer_id
+    with IdentityLock(config.identity_file):
+        joined = await swarm.join(config, identity)
+        try:
+            await _serve(config, identity, joined, stop, log_context, device, on_ready)
+        finally:
+            joined.dht.shutdown()
+            logger.info("stopped (pid %d)", os.getpid())
+
+
+async def _serve(
+    config: NodeConfig,
+    identity: NodeIdentity,
+    joined: Any,
+    stop: asyncio.Event,
+    log_context: LogContext,
+    device: str,
+    on_ready: ReadyCallback | None,
+) -> None:
+    events = EventLog(events_path(config), peer_id=identity.peer_id)
+    metrics = NodeMetrics()
+    supervisor = TaskSupervisor(events)
+    supervisor.restart_counter = metrics.task_restarts
+    ctx = NodeContext(
+        config=config,
+        identity=identity,
+        signed_manifest=joined.signed,
+        manifest=joined.manifest,
+        dht=joined.dht,
+        records=joined.records,
+        metrics=metrics,
+        events=events,
+        supervisor=supervisor,
+        log_context=log_context,
+        device=device,
+    )
+    role: Any = None
+
+    def heartbeat(now: float) -> Any:
+        role_status = role.status() if role is not None else {"state": "joining"}
+        return swarm.build_heartbeat(ctx, role_status, joined.maddrs, now=now)
+
+    period_s = ctx.manifest.heartbeat_period_s
+    membership = swarm.Membership(ctx.records, period_s=period_s, heartbeat=heartbeat, metrics=metrics)
+    server = status.StatusServer(config.http.host, config.http.port, metrics.registry)
+    try:
+        peers = await membership.peers_or_empty()
+        choice = roles.choose_role(
+            config.role,
+            config.stage,
+            identity.peer_id,
+            ctx.manifest,
+            peers,
+            joined.now,
+            client_mode=joined.client_mode or config.network.client_mode,
+        )
+        ctx.role_name, ctx.stage, log_context.role = choice.role, choice.stage, choice.role
+        role = roles.build_role(choice.role, ctx)
+        ctx.status_source = partial(status.node_status, ctx, role, membership)
+        server.set_status_source(ctx.status_source)
+        ctx.http_address = await server.start()
+        metrics.info.info({"peer_id": identity.peer_id, "run_id": ctx.run_id, "role": choice.role})
+        with contextlib.suppress(asyncio.TimeoutError):  # the heartbeat loop retries; it logs the failure
+            await membership.announce()
+        events.emit("joined", run_id=ctx.run_id, role=choice.role, stage=choice.stage, why=choice.reason)
+        _note_reachability(events, joined)
+        supervisor.spawn("heartbeat", partial(membership.run, stop), policy=RestartPolicy())
+        if joined.entry_points:
+            redialer = swarm.Redialer(joined.dht, joined.entry_points, config.network, events=events)
+            supervisor.spawn("redial", partial(redialer.run, stop), policy=RestartPolicy())
+        supervisor.spawn("role", partial(role.run, ctx, stop), ends_node=True)
+        if on_ready is not None:
+            on_ready(ctx)
+        await _wait_for_end(stop, supervisor)
+    finally:
+        stop.set()
+        await membership.leave(timeout_s=config.shutdown_timeout_s / 2)
+        await supervisor.shutdown(config.shutdown_timeout_s / 2)
+        await server.stop()
+        events.emit("left")
+        events.close()
+
+
+def _note_reachability(events: EventLog, joined: Any) -> None:
+    reach = joined.reachability
+    if reach is not None:
+        events.emit(
+            "reachability",
+            reachable=reach.reachable,
+            client_mode=joined.client_mode,
+            checked=list(reach.checked),
+            dialable=list(reach.dialable),
+            observed=list(reach.observed),
+        )
+
+
+async def _wait_for_end(stop: asyncio.Event, supervisor: TaskSupervisor) -> None:
+    waiters = {
+        asyncio.ensure_future(stop.wait()): "stop requested",
+        asyncio.ensure_future(supervisor.ended.wait()): "role finished",
+        supervisor.fatal: "a task failed",
+    }
+    done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for future in pending:
+        if future is not supervisor.fatal:
+            future.cancel()
+    logger.info("stopping: %s", ", ".join(sorted(waiters[f] for f in done)))
+    if supervisor.fatal.done():
+        error = supervisor.fatal.result()
+        raise HivenodeError(f"a background task failed for good: {type(error).__name__}: {error}") from error
+
+

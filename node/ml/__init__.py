@@ -1,0 +1,1 @@
+"""Models, data and checkpoints: what a role trains, on what, and how it is saved (safetensors only)."""

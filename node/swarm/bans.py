@@ -1,0 +1,172 @@
+"""Ban watching, run by every role: polls live peers' DHT ban records, aggregates them into a `BanList`
+(`verification.bans.decide_bans`), publishes this node's queued notices, reports over-accusing verifiers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from protocol.records import BanNotice
+from verification.bans import (
+    BanDecision,
+    BanList,
+    BanVote,
+    decide_bans,
+    suspicious_verifiers,
+)
+from verification.tap import EventSink
+
+logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+
+    pass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BanWatchConfig:
+    poll_every_s: float = 5.0  # DHT ban reads this often
+    ban_ttl_s: float = 3600.0  # expiration of the notices this node publishes
+    timeout_s: float = 10.0  # one DHT round
+
+    def __post_init__(self) -> None:
+        for name in ("poll_every_s", "ban_ttl_s", "timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be positive, got {value}")
+
+
+class BanWatcher:
+    """Every role's view of swarm-wide bans (see the module docstring); `is_banned` is the hook roles call."""
+
+    def __init__(
+        self,
+        records: Any,  # protocol.dht_io.SwarmRecords
+        *,
+        authorized_verifiers: Collection[str],
+        bans_required: int,
+        run_id: str,
+        config: BanWatchConfig | None = None,
+        emit: EventSink | None = None,
+        outbox: deque[BanNotice] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.records = records
+        self.authorized = frozenset(authorized_verifiers)
+        self.required = bans_required
+        self.run_id = run_id
+        self.config = config or BanWatchConfig()
+        self.emit = emit or (lambda event, **fields: None)
+        self.outbox = outbox if outbox is not None else deque()
+        self.clock = clock
+        self.bans = BanList()
+        self.published: dict[str, BanNotice] = {}
+        self._suspicious: set[str] = set()
+
+    def is_banned(self, peer_id: str) -> bool:
+        return self.bans.is_banned(peer_id, self.clock())
+
+    def active(self) -> frozenset[str]:
+        return self.bans.active(self.clock())
+
+    async def publish_pending(self) -> None:
+        """Publish queued notices, and re-publish ours before they expire (a ban holds while it is renewed)."""
+        while self.outbox:
+            notice = self.outbox.popleft()
+            self.published[notice.offender] = notice
+        expiration = self.clock() + self.config.ban_ttl_s
+        for notice in list(self.published.values()):
+            try:
+                ok = await asyncio.wait_for(
+                    self.records.publish_ban(notice, expiration=expiration), self.config.timeout_s
+                )
+            except (asyncio.TimeoutError, OSError) as e:
+                ok = False
+                logger.warning("publishing the ban of %s failed: %r", notice.offender[-8:], e)
+            if ok:
+                logger.info("published ban notice against %s", notice.offender[-8:])
+
+    async def poll(self, peers: Iterable[str]) -> list[BanDecision]:
+        """Read ban records of `peers`, fold the bans in effect into the list; returns the new ones."""
+        candidates = set(peers) | set(self.published)
+        try:
+            found: Mapping[str, list[Any]] = await asyncio.wait_for(
+                self.records.list_bans(candidates), self.config.timeout_s
+            )
+        except asyncio.TimeoutError:
+            logger.warning("reading ban records timed out; keeping the last view")
+            return []
+        votes = [
+            BanVote(
+                verifier=r.verifier,
+                offender=offender,
+                reason=r.notice.reason,
+                evidence=r.notice.evidence,
+                expires_at=r.expires_at,
+                stage=r.notice.stage,
+            )
+            for offender, rows in found.items()
+            for r in rows
+        ]
+        now = self.clock()
+        decisions = decide_bans(
+            votes, authorized=self.authorized, required=self.required, run_id=self.run_id, now=now
+        )
+        fresh = self.bans.update(decisions, now)
+        for d in fresh:
+            logger.warning("peer %s is banned swarm-wide: %s", d.offender[-8:], d.reason)
+            self.emit(
+                "ban_enforced",
+                offender=d.offender,
+                verifiers=sorted(d.verifiers),
+                reason=d.reason,
+                proof=d.proof,
+            )
+        for verifier, count in suspicious_verifiers(votes, required=self.required).items():
+            if verifier not in self._suspicious:
+                self._suspicious.add(verifier)
+                self.emit("verifier_suspicious", verifier=verifier, lone_notices=count)
+        return fresh
+
+    async def run(self, stop: asyncio.Event, peers: Callable[[], Iterable[str]] | None = None) -> None:
+        """Publish and poll until `stop`; `peers` gives the ids to check (default: the run's live peers)."""
+        while not stop.is_set():
+            try:
+                await self.publish_pending()
+                ids = list(peers()) if peers is not None else await self._live_peers()
+                await self.poll(ids)
+            except Exception as e:  # a failed round is retried next period; the supervisor logs crashes
+                if isinstance(e, (AssertionError, TypeError, NameError, AttributeError)):
+                    raise
+                logger.warning("ban watch round failed: %r", e)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.config.poll_every_s)
+
+    async def _live_peers(self) -> list[str]:
+        try:
+            return [p.peer_id for p in await self.records.list_peers(include_leaving=True)]
+        except asyncio.TimeoutError:
+            return []
+
+
+def ban_watcher_for(ctx: Any, *, outbox: deque[BanNotice] | None = None) -> BanWatcher:
+    """A BanWatcher wired to a node's context (records, manifest, events)."""
+    manifest = ctx.manifest
+    return BanWatcher(
+        ctx.records,
+        authorized_verifiers=manifest.authorized_verifiers,
+        bans_required=int(getattr(manifest, "bans_required", 1)),
+        run_id=ctx.run_id,
+        emit=ctx.events.emit,
+        outbox=outbox,
+    )
+
+

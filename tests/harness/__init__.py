@@ -1,1 +1,0 @@
-"""Test harness: fault injectors and helpers shared by the integration tests."""
