@@ -154,5 +154,3 @@ async def _wait_for_end(stop: asyncio.Event, supervisor: TaskSupervisor) -> None
     if supervisor.fatal.done():
         error = supervisor.fatal.result()
         raise HivenodeError(f"a background task failed for good: {type(error).__name__}: {error}") from error
-
-

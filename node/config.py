@@ -287,8 +287,6 @@ def load_node_config(argv: Sequence[str]) -> NodeConfig:
     return config_from_mapping(data)
 
 
-
-
 T = TypeVar("T")
 
 
@@ -357,5 +355,3 @@ def _coerce(name: str, current: object, raw: object) -> object:
 
 def _bad(name: str, raw: object) -> object:
     raise ValueError(f"{name} cannot be set to {raw!r}")
-
-

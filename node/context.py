@@ -292,13 +292,3 @@ async def wait_or_stop(stop: asyncio.Event, timeout_s: float) -> bool:
 
 def events_path(config: NodeConfig) -> Path:
     return config.state_dir / EVENTS_FILENAME
-
-
-
-
-
-
-
-
-
-

@@ -148,5 +148,3 @@ class BoundaryShape:
 
 
 INPUT_DIGEST_META = "input_digest"  # hex digest of the request an output answers
-
-

@@ -150,8 +150,6 @@ def open_receipt(
     return TokenReceipt.from_opened(opened)
 
 
-
-
 RECEIPTS_META = "receipts"  # contribution meta key: a list of hex-encoded receipt frames
 
 
@@ -237,5 +235,3 @@ def verify_receipts(
         ) as e:  # remote bytes: whatever the parser raises is the sender's problem, not a crash
             errors.append(BadReceipt(f"receipt does not parse: {type(e).__name__}"))
     return valid, errors
-
-

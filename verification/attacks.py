@@ -22,7 +22,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-
     pass
 
 
@@ -262,9 +261,6 @@ def parse_attack(spec: str) -> AttackConfig:
     return AttackConfig(**kwargs)  # type: ignore[arg-type]
 
 
-
-
-
 UNSAFE_ATTACK_ENV = "HIVENODE_UNSAFE_ATTACK"
 
 
@@ -285,5 +281,3 @@ def attack_from_env(environ: Mapping[str, str] | None = None) -> Attack | None:
         banner,
     )
     return Attack(config)
-
-

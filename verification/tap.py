@@ -49,7 +49,6 @@ from verification.spotcheck import SpotCheckConfig, SpotCheckPolicy, SpotCheckVe
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-
     pass
 
 
@@ -475,15 +474,7 @@ class SentinelTap:
 # ---------------------------------------------------------------------------------------------------- enforcement
 
 
-
-
-
-
-
-
 # ---------------------------------------------------------------------------------------------------- unsafe
-
-
 
 
 __all__ = [
@@ -491,8 +482,6 @@ __all__ = [
     "SentinelTapConfig",
     "TapStats",
 ]
-
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,5 +520,3 @@ class BoundaryTap:
         key = (stage, direction.value)
         self.seen[key] = self.seen.get(key, 0) + 1
         return tensor
-
-

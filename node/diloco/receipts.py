@@ -34,16 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
-
-
-
-
-
-
-
-
-
 def newest_per_session(receipts: Sequence[TokenReceipt]) -> dict[SessionKey, int]:
     """Cumulative verified tokens per (verifier, session): the highest count seen (counts only grow)."""
     out: dict[SessionKey, int] = {}

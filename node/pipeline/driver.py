@@ -61,7 +61,6 @@ if TYPE_CHECKING:
     from hivemind.p2p import P2P
 
 
-
 class HopTransport(Protocol):
     """Moves one request frame to a replica's handler and returns its answer frame.
 
@@ -853,5 +852,3 @@ def _request_kind(rpc: str, stage: int) -> Kind:
     if rpc == BACKWARD_RPC:
         return Kind.GRADIENT
     return Kind.TOKENS if stage == 0 else Kind.ACTIVATION
-
-

@@ -1,5 +1,4 @@
-"""`python -m node status URL_OR_MULTIADDR`: one swarm's summary, read from a bootstrap's API or from the DHT.
-"""
+"""`python -m node status URL_OR_MULTIADDR`: one swarm's summary, read from a bootstrap's API or from the DHT."""
 
 from __future__ import annotations
 
@@ -125,5 +124,3 @@ async def status_command(target: str, timeout_s: float = 10.0) -> int:
         raise HivenodeError(f"no hivenode run is published on the DHT behind {target}")
     print("\n\n".join(render_swarm(s) for s in summaries))
     return 0
-
-

@@ -160,13 +160,3 @@ def summarize_bans(bans: dict[str, list[BanRecord]], bans_required: int) -> list
 
 
 # ---- `python -m node status` ----
-
-
-
-
-
-
-
-
-
-

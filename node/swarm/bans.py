@@ -27,7 +27,6 @@ from verification.tap import EventSink
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-
     pass
 
 
@@ -168,5 +167,3 @@ def ban_watcher_for(ctx: Any, *, outbox: deque[BanNotice] | None = None) -> BanW
         emit=ctx.events.emit,
         outbox=outbox,
     )
-
-
