@@ -7,8 +7,8 @@ import math
 
 import pytest
 
+from protocol.rpc import FLOOD_STRIKE
 from tools.flood import (
-    FLOOD_STRIKE,
     MEASURE_ATTEMPTS,
     MIN_FLOOD_RATE_PER_S,
     MIN_RATIO,
