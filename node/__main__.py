@@ -1,5 +1,6 @@
-"""`python -m node --join MADDR_OR_URL [...]`: parse -> NodeConfig -> run -> shut down. Subcommands: keygen, status,
-demo. Errors reach the user as one line on stderr and a non-zero exit (2: usage, 1: could not run)."""
+"""`python -m node --join MADDR_OR_URL [...]`: parse -> NodeConfig -> check -> run -> shut down. Subcommands: keygen,
+status, demo, config. Errors reach the user as one line on stderr and a non-zero exit (2: usage, 1: could not run).
+Every argument is checked before anything is written (the identity key, the state directory)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from node.app import run_node
-from node.config import NodeConfig, load_node_config
+from node.config import (
+    NODE_COMPONENTS,
+    Component,
+    NodeConfig,
+    load_node_config,
+    reference_markdown,
+    reference_text,
+)
 from node.context import LogContext, NodeContext, setup_logging
 from protocol.errors import ConfigError, HivenodeError
 from protocol.identity import NodeIdentity
@@ -65,7 +73,66 @@ def demo(argv: Sequence[str]) -> int:
     return demo_main(argv)
 
 
-SUBCOMMANDS = {"keygen": keygen, "status": status, "demo": demo}
+def components() -> tuple[Component, ...]:
+    """Every node.toml table: the node's own and one per role (the roles sit above node.config, so they are
+    named here, at the top)."""
+    from node.roles.learner import LearnerConfig
+    from node.roles.stage import STAGE_ENV, StageConfig
+    from node.roles.syncer import SyncerConfig
+    from node.roles.verifier import VERIFIER_ENV, VerifierConfig
+
+    return (
+        *NODE_COMPONENTS,
+        Component("learner", LearnerConfig, "HIVENODE_LEARNER", "learner-local settings"),
+        Component(
+            "syncer",
+            SyncerConfig,
+            "HIVENODE_SYNCER",
+            "syncer-local settings (run-wide ones, mode, K, H, tau, gamma, are the manifest's)",
+            heartbeat_default=lambda hb: SyncerConfig.from_options({}, heartbeat_period_s=hb),
+        ),
+        Component("stage_options", StageConfig, STAGE_ENV, "settings of one stage replica (`--role stage`)"),
+        Component("verifier", VerifierConfig, VERIFIER_ENV, "settings of the driving half of a verifier"),
+    )
+
+
+def config_command(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m node config", description="Print every node setting with its default, unit and help."
+    )
+    form = parser.add_mutually_exclusive_group()
+    form.add_argument("--defaults", action="store_true", help="as a commented node.toml (the default)")
+    form.add_argument("--markdown", action="store_true", help="as docs/config.md")
+    args = parser.parse_args(argv)
+    render = reference_markdown if args.markdown else reference_text
+    sys.stdout.write(render(components()))
+    return EXIT_OK
+
+
+def check_arguments(config: NodeConfig) -> None:
+    """What can be checked without the network, before anything is written; raise ConfigError."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    from node.swarm import check_multiaddr, is_url, swarm_url
+
+    for target in config.join:
+        if is_url(target):
+            swarm_url(target)
+        else:
+            check_multiaddr(target)
+    for name in ("listen", "announce"):
+        for text in getattr(config.network, name):
+            try:
+                Multiaddr(text)
+            except Exception as e:  # the multiaddr library raises a zoo of types for malformed input
+                raise ConfigError(f"--{name} {text!r} is not a multiaddr ({e})") from None
+    if config.state_dir.exists() and not config.state_dir.is_dir():
+        raise ConfigError(f"--state-dir {config.state_dir} is not a directory")
+    if config.identity_file.is_dir():
+        raise ConfigError(f"--identity {config.identity_file} is a directory, not a key file")
+
+
+SUBCOMMANDS = {"keygen": keygen, "status": status, "demo": demo, "config": config_command}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if argv and argv[0] in SUBCOMMANDS:
             return SUBCOMMANDS[argv[0]](argv[1:])
-        config = load_node_config(argv)
+        config = load_node_config(argv, components=components())
+        check_arguments(config)
     except ConfigError as e:
         return _fail(e, EXIT_USAGE)
     except HivenodeError as e:

@@ -1,49 +1,40 @@
-"""Node settings: one frozen `NodeConfig` (with nested network and HTTP configs), built from an optional TOML
-file (`--config node.toml`) overlaid by command-line flags. The CLI parser lives here so `__main__` stays thin.
+"""Node settings: the one loader. Every setting is a field of a frozen dataclass, one per component, and each
+component is one node.toml table (`Component`): `[network]` and `[http]` here, one per role (`[learner]`,
+`[syncer]`, `[stage_options]`, `[verifier]`), listed where the roles are known (`node.__main__.components`).
 
-Example node.toml (every key optional; flags win over the file):
+Precedence, lowest first: the dataclass defaults < node.toml (`--config`) < the environment < command-line flags.
+* node.toml: top-level keys (`join`, `role`, `stage`, ...) and one table per component; nested settings as dotted
+  keys or sub-tables (`rebalance.dwell_s = 60` under `[stage_options]`).
+* the environment: one variable per table (`Component.env`, e.g. `HIVENODE_STAGE`) of "key=value,..." pairs,
+  nested fields with a dot ("rebalance.dwell_s=60"); values are read as the setting's type.
+* flags: `--join`, `--role`, ... for top-level keys; `--http` sets `[http]`, `--listen` / `--announce` `[network]`.
+`HIVENODE_STATE_DIR` moves the default state directory (it is the default, not a setting: `state_dir` wins).
 
-    join = ["/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."]
-    role = "auto"            # auto | learner | stage | verifier | syncer
-    stage = 1
-    device = "auto"          # auto | cpu | cuda | cuda:N
-    state_dir = "~/.local/state/hivenode/node"
-    identity = "~/.local/state/hivenode/node/identity.key"
-    data = "corpus/"
-    max_steps = 1000
-    [learner]                # node.roles.learner.LearnerConfig
-    min_step_s = 0.25
-    [syncer]                 # node.roles.syncer.SyncerConfig
-    lease_s = 6.0
-    run_id = "..."           # only when the DHT hosts several runs
-    log_level = "INFO"
-    [network]                # --listen / --announce override listen / announce
-    listen = ["/ip4/0.0.0.0/tcp/31338"]
-    announce = ["/ip4/203.0.113.9/tcp/31338"]
-    use_auto_relay = false   # become reachable through libp2p relays (set on its own when we are unreachable)
-    join_timeout_s = 30.0
-    request_timeout_s = 5.0
-    [http]
-    host = "127.0.0.1"
-    port = 0
+An unknown key stops the node with a `ConfigError` naming the key, where it came from (the file or the variable)
+and the valid keys. `python -m node config --defaults` prints every setting with its default, unit and help (the
+comment beside the field); docs/config.md is generated from the same function (`reference_markdown`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
+import io
+import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+import textwrap
+import tokenize
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from protocol.errors import ConfigError
 from protocol.keys import is_run_id
-
-if TYPE_CHECKING:
-    pass
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,6 +45,7 @@ ROLE_CHOICES = ("auto", "learner", "stage", "verifier", "syncer")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"  # loopback only, as hivemind: a public node passes its own --listen
 STATE_DIR_ENV = "HIVENODE_STATE_DIR"  # read once in default_state_dir(), never at import
+T = TypeVar("T")
 
 
 def default_state_dir(component: str) -> Path:
@@ -94,8 +86,8 @@ class NetworkConfig:
     # Losing the bootstraps (a partition, a dead uplink): hivemind never re-dials its initial peers on its own, so
     # we check the routing table this often and re-dial them with exponential backoff between these bounds.
     peer_check_period_s: float = 5.0
-    redial_min_s: float = 1.0
-    redial_max_s: float = 60.0
+    redial_min_s: float = 1.0  # first pause before re-dialing the bootstraps
+    redial_max_s: float = 60.0  # longest pause between re-dials
 
     def __post_init__(self) -> None:
         _positive("network.join_timeout_s", self.join_timeout_s)
@@ -114,7 +106,7 @@ class NetworkConfig:
 class HttpConfig:
     """Where the status API (`/api/status`, `/metrics`) listens."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # interface of the status API (0.0.0.0: every interface)
     port: int = 0  # 0 = any free port; the chosen one is printed and announced in the heartbeat
 
     def __post_init__(self) -> None:
@@ -130,23 +122,26 @@ class NodeConfig:
 
     join: tuple[str, ...]  # multiaddrs (with /p2p/<peer id>) or http(s) URLs of a bootstrap's /api/swarm
     state_dir: Path  # identity, pinned owners, event log
-    role: str = "auto"  # see node.roles.registry.choose_role for what `auto` picks
-    stage: int | None = None  # pipeline stage for role `stage`; None = least served
+    role: str = "auto"  # auto | learner | stage | verifier | syncer (node.roles.registry.choose_role: auto)
+    stage: int | None = None  # pipeline stage for role `stage`; none = the least served
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    identity_path: Path | None = None  # None = <state_dir>/identity.key
-    data: str | None = None  # corpus override (file, directory, dataset name); None = the run's data spec
-    max_steps: int | None = None  # stop after this many inner steps (roles that step)
+    identity_path: Path | None = None  # Ed25519 key file; none = <state_dir>/identity.key
+    data: str | None = None  # corpus override (file, directory, dataset name); none = the run's data spec
+    max_steps: int | None = None  # stop after this many inner steps (roles that step); none = never
     run_id: str | None = None  # which run to join when the DHT hosts several
-    log_level: str = "INFO"
+    log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
     shutdown_timeout_s: float = 5.0  # bounds: announcing leave, cancelling tasks, stopping the DHT
     network: NetworkConfig = field(default_factory=NetworkConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
-    # role options, checked by the role itself (node.roles.learner.LearnerConfig, node.roles.syncer.SyncerConfig)
+    # A role's settings as given (file and environment merged, keys and types checked by the loader); the role
+    # builds its dataclass from them (`component_config`), since some defaults are the run's (syncer leases).
     learner: dict[str, Any] = field(default_factory=dict)
     syncer: dict[str, Any] = field(default_factory=dict)
+    stage_options: dict[str, Any] = field(default_factory=dict)
+    verifier: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for table in ("learner", "syncer"):
+        for table in ROLE_TABLES:
             if not isinstance(getattr(self, table), dict):
                 raise ValueError(f"[{table}] must be a table")
         if not self.join:
@@ -157,9 +152,11 @@ class NodeConfig:
             raise ValueError(f"stage must be an int, got {self.stage!r}")
         if self.stage is not None and self.stage < 0:
             raise ValueError(f"stage must be >= 0, got {self.stage}")
-        if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
+        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or _is_cuda(self.device)):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
+        if self.max_steps is not None and (
+            isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps < 1
+        ):
             raise ValueError(f"max_steps must be an int >= 1, got {self.max_steps!r}")
         if self.run_id is not None and not is_run_id(self.run_id):
             raise ValueError(f"run_id must be 40 hex characters, got {self.run_id!r}")
@@ -172,97 +169,102 @@ class NodeConfig:
         return self.identity_path or self.state_dir / "identity.key"
 
 
+def _is_cuda(device: str) -> bool:
+    return device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())
+
+
+ROLE_TABLES = ("learner", "syncer", "stage_options", "verifier")
+
+
+@dataclass(frozen=True, slots=True)
+class Component:
+    """One node.toml table: the dataclass it fills and the environment variable that overrides it."""
+
+    table: str  # also the NodeConfig field it fills
+    config_type: type  # a dataclass whose fields all have defaults
+    env: str  # "key=value,..." overrides
+    help: str
+    # Defaults that depend on the run: the config for a heartbeat period (the syncer's lease timing). Such a
+    # table is checked at load for keys and types only; the role checks the rest once it knows the run.
+    heartbeat_default: Callable[[float], Any] | None = None
+
+
+NODE_COMPONENTS = (
+    Component("network", NetworkConfig, "HIVENODE_NETWORK", "the libp2p/DHT side of a node"),
+    Component("http", HttpConfig, "HIVENODE_HTTP", "where the status API (/api/status, /metrics) listens"),
+)
+# node.toml names of NodeConfig fields that differ from the field (the path is the key file, not "identity_path")
+RENAMES = {"identity": "identity_path"}
+FLAGS = {  # node.toml key -> the flag that sets it (one source for the reference and the --help defaults)
+    "join": "--join",
+    "role": "--role",
+    "stage": "--stage",
+    "device": "--device",
+    "identity": "--identity",
+    "state_dir": "--state-dir",
+    "data": "--data",
+    "max_steps": "--max-steps",
+    "log_level": "--log-level",
+    "http.host": "--http",
+    "http.port": "--http",
+    "network.listen": "--listen",
+    "network.announce": "--announce",
+}
+SHOWN_DEFAULTS = {  # defaults that are not a constant
+    "join": "(required)",
+    "state_dir": f"${STATE_DIR_ENV}/node, else $XDG_STATE_HOME/hivenode/node (~/.local/state/hivenode/node)",
+    "identity": "<state_dir>/identity.key",
+}
+
+
+# ---------------------------------------------------------------------------------------------------- the CLI
+
+
 def build_run_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m node",
-        description="Join a hivenode training swarm. Subcommands: keygen, status, demo (see `python -m node keygen -h`).",
+        description="Join a hivenode training swarm. Subcommands: keygen, status, demo, config (see "
+        "`python -m node config -h`). Settings: defaults < node.toml (--config) < HIVENODE_<TABLE> environment "
+        "variables < these flags; every one is in docs/config.md.",
     )
     add = parser.add_argument
     add(
-        "--join", action="append", metavar="MADDR_OR_URL", help="bootstrap multiaddr or http URL (repeatable)"
+        "--join",
+        action="append",
+        metavar="MADDR_OR_URL",
+        help="bootstrap multiaddr or http URL (repeatable; required)",
     )
     add("--role", choices=ROLE_CHOICES, help="what this node does (default: auto)")
     add("--stage", type=int, help="pipeline stage for --role stage (default: the least served)")
     add("--device", help="auto | cpu | cuda | cuda:N (default: auto)")
     add("--identity", type=Path, metavar="PATH", help="Ed25519 key file (default: <state-dir>/identity.key)")
-    add("--state-dir", type=Path, metavar="DIR", help="identity, pinned owners, event log")
-    add("--http", metavar="HOST:PORT", help="status API address (default: 127.0.0.1:0)")
+    add(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help=f"identity, pinned owners, event log (default: {default_state_dir('node')})",
+    )
+    add("--http", metavar="HOST:PORT", help="status API address (default: 127.0.0.1:0, any free port)")
     add(
         "--listen",
         action="append",
         metavar="MADDR",
-        help="libp2p listen multiaddr (repeatable; default /ip4/127.0.0.1/tcp/0, e.g. /ip4/0.0.0.0/tcp/31338)",
+        help=f"libp2p listen multiaddr (repeatable; default: {DEFAULT_LISTEN}; public: /ip4/0.0.0.0/tcp/31338)",
     )
     add(
         "--announce",
         action="append",
         metavar="MADDR",
-        help="multiaddr others should dial: public IP and a fixed port (repeatable)",
+        help="multiaddr others should dial: public IP and a fixed port (repeatable; default: none)",
     )
-    add("--data", metavar="PATH", help="training data override (file, directory, or dataset name)")
-    add("--max-steps", type=int, metavar="N", help="stop after N inner steps")
-    add("--config", type=Path, metavar="node.toml", help="settings file; flags win over it")
+    add("--data", metavar="PATH", help="training data: file, directory or dataset name (default: the run's)")
+    add("--max-steps", type=int, metavar="N", help="stop after N inner steps (default: never)")
+    add("--config", type=Path, metavar="node.toml", help="settings file (default: none); flags win over it")
     add("--log-level", choices=LOG_LEVELS, help="default: INFO")
     return parser
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        return tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config {path} is not valid TOML: {e}") from None
-
-
-def _nested(cls: type, name: str, table: object) -> Any:
-    if not isinstance(table, dict):
-        raise ConfigError(f"[{name}] must be a table")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ConfigError(f"unknown [{name}] settings {unknown}")
-    values = dict(table)
-    for key in ("listen", "announce"):
-        if key in values:
-            if not isinstance(values[key], list):
-                raise ConfigError(f"{name}.{key} must be a list of multiaddrs")
-            values[key] = tuple(values[key])
-    return cls(**values)
-
-
-def config_from_mapping(data: Mapping[str, Any]) -> NodeConfig:
-    """Build a NodeConfig from a node.toml-shaped mapping; raise ConfigError on anything unknown or invalid."""
-    values = dict(data)
-    renames = {"identity": "identity_path"}
-    for old, new in renames.items():
-        if old in values:
-            values[new] = values.pop(old)
-    known = {f.name for f in dataclasses.fields(NodeConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown settings {unknown}")
-    try:
-        if "network" in values:
-            values["network"] = _nested(NetworkConfig, "network", values["network"])
-        if "http" in values:
-            values["http"] = _nested(HttpConfig, "http", values["http"])
-        if isinstance(values.get("join"), str):
-            values["join"] = [values["join"]]
-        values["join"] = tuple(values.get("join") or ())
-        for key in ("state_dir", "identity_path"):
-            if values.get(key) is not None:
-                values[key] = Path(str(values[key])).expanduser()
-        values.setdefault("state_dir", default_state_dir("node"))
-        return NodeConfig(**values)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e)) from None
-
-
-def load_node_config(argv: Sequence[str]) -> NodeConfig:
-    """Parse `python -m node` flags (over `--config`, if given) into a NodeConfig; raise ConfigError."""
-    args = build_run_parser().parse_args(list(argv))
-    data: dict[str, Any] = _read_toml(args.config) if args.config else {}
+def _cli_layer(args: argparse.Namespace) -> _Layer:
     flags = {
         "join": args.join,
         "role": args.role,
@@ -274,84 +276,442 @@ def load_node_config(argv: Sequence[str]) -> NodeConfig:
         "max_steps": args.max_steps,
         "log_level": args.log_level,
     }
-    data.update({k: v for k, v in flags.items() if v is not None})
+    tables: dict[str, dict[str, Any]] = {}
     if args.http is not None:
         host, port = parse_host_port(args.http)
-        data["http"] = {**data.get("http", {}), "host": host, "port": port}
+        tables["http"] = {"host": host, "port": port}
     network = {"listen": args.listen, "announce": args.announce}
     if any(v is not None for v in network.values()):
-        table = data.get("network", {})
-        if not isinstance(table, dict):
-            raise ConfigError("[network] must be a table")
-        data["network"] = {**table, **{k: v for k, v in network.items() if v is not None}}
-    return config_from_mapping(data)
+        tables["network"] = {k: v for k, v in network.items() if v is not None}
+    return _Layer("the command line", {k: v for k, v in flags.items() if v is not None}, tables)
 
 
-T = TypeVar("T")
+# ---------------------------------------------------------------------------------------------------- loading
 
 
-def apply_overrides(config: T, text: str) -> T:
-    """`config` with "key=value,..." applied (nested fields as `rebalance.dwell_s=5`); ValueError on typos.
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    """What one source (the file, one environment variable, the flags) says."""
 
-    Values are parsed by the type of the field's current value (int, float, bool, str)."""
+    source: str
+    top: dict[str, Any]
+    tables: dict[str, dict[str, Any]]
+
+
+def load_node_config(
+    argv: Sequence[str],
+    *,
+    environ: Mapping[str, str] | None = None,
+    components: Sequence[Component] = NODE_COMPONENTS,
+) -> NodeConfig:
+    """Parse `python -m node` flags over the environment over `--config`; raise ConfigError. `components`: the
+    tables known (`node.__main__.components()` adds the roles')."""
+    args = build_run_parser().parse_args(list(argv))
+    environ = os.environ if environ is None else environ
+    layers = [_mapping_layer(str(args.config), _read_toml(args.config), components)] if args.config else []
+    for component in components:
+        if text := environ.get(component.env, "").strip():
+            table = parse_overrides(text, component.env)
+            _check_keys(component.config_type(), table, component.table, component.env)
+            layers.append(_Layer(component.env, {}, {component.table: table}))
+    layers.append(_cli_layer(args))
+    return _build(layers, components)
+
+
+def config_from_mapping(
+    data: Mapping[str, Any], components: Sequence[Component] = NODE_COMPONENTS, source: str = "the settings"
+) -> NodeConfig:
+    """A NodeConfig from a node.toml-shaped mapping alone; raise ConfigError on anything unknown or invalid."""
+    return _build([_mapping_layer(source, data, components)], components)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror or e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config {path} is not valid TOML: {e}") from None
+
+
+def _top_keys() -> list[str]:
+    names = [
+        f.name for f in dataclasses.fields(NodeConfig) if f.name not in ("network", "http", *ROLE_TABLES)
+    ]
+    back = {new: old for old, new in RENAMES.items()}
+    return [back.get(name, name) for name in names]
+
+
+def _mapping_layer(source: str, data: Mapping[str, Any], components: Sequence[Component]) -> _Layer:
+    by_table = {c.table: c for c in components}
+    top_keys = _top_keys()
+    top: dict[str, Any] = {}
+    tables: dict[str, dict[str, Any]] = {}
+    for key, value in data.items():
+        if key in by_table:
+            _check_keys(by_table[key].config_type(), value, key, source)
+            tables[key] = dict(value)
+        elif key in top_keys:
+            top[key] = value
+        else:
+            valid = ", ".join([*top_keys, *(f"[{t}]" for t in by_table)])
+            raise ConfigError(f"unknown setting {key!r} in {source}; valid keys: {valid}")
+    return _Layer(source, top, tables)
+
+
+def _build(layers: Sequence[_Layer], components: Sequence[Component]) -> NodeConfig:
+    top: dict[str, Any] = {}
+    tables: dict[str, dict[str, Any]] = {}
+    sources: dict[str, list[str]] = {}
+    for layer in layers:
+        top.update(layer.top)
+        for name, table in layer.tables.items():
+            tables[name] = _merge(tables.get(name, {}), table)
+            sources.setdefault(name, []).append(layer.source)
+    values = _top_values(top)
+    for component in components:
+        settings = tables.get(component.table, {})
+        where = ", ".join(sources.get(component.table, [])) or "defaults"
+        built = _settle(component, settings, where)
+        values[component.table] = settings if component.table in ROLE_TABLES else built
+    try:
+        return NodeConfig(**values)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _top_values(top: Mapping[str, Any]) -> dict[str, Any]:
+    values = {RENAMES.get(key, key): value for key, value in top.items()}
+    join = values.get("join") or ()
+    values["join"] = tuple([join] if isinstance(join, str) else join)
+    for key in ("state_dir", "identity_path"):
+        if values.get(key) is not None:
+            values[key] = Path(str(values[key])).expanduser()
+    values.setdefault("state_dir", default_state_dir("node"))
+    return values
+
+
+def _settle(component: Component, settings: Mapping[str, Any], where: str) -> Any:
+    """The component's config from `settings` (ConfigError naming where they came from)."""
+    default = component.config_type()
+    try:
+        if component.heartbeat_default is not None:
+            _changes(default, settings, component.table)  # the rest needs the run (see Component)
+            return default
+        return _apply(default, settings, component.table)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"[{component.table}] ({where}): {e}") from None
+
+
+def component_config(
+    default: T,
+    settings: Mapping[str, Any] | None = None,
+    *,
+    table: str,
+    env: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> T:
+    """`default` with a component's settings applied (a node.toml table, nested tables for nested settings),
+    then the `env` variable's "key=value,..." from `environ` (the node's loader has already merged it into
+    NodeConfig's tables: roles pass none). Raises ConfigError naming the bad setting."""
+    layers = [(f"[{table}]", dict(settings or {}))]
+    if env and (text := (environ or {}).get(env, "").strip()):
+        layers.append((env, parse_overrides(text, env)))
+    merged: dict[str, Any] = {}
+    for source, values in layers:
+        _check_keys(default, values, table, source)
+        merged = _merge(merged, values)
+    try:
+        return _apply(default, merged, table)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"[{table}] ({', '.join(s for s, _ in layers)}): {e}") from None
+
+
+def parse_overrides(text: str, source: str) -> dict[str, Any]:
+    """ "key=value,a.b=value" (";" also separates) -> {"key": "value", "a": {"b": "value"}}; ConfigError."""
+    out: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.replace(";", ",").split(","))):
         key, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"override {item!r} is not key=value")
-        config = _replace_path(config, key.strip().split("."), raw.strip())
-    return config
-
-
-def load_role_config(
-    default: T, *, table: Mapping[str, Any] | None, env: str, environ: Mapping[str, str]
-) -> T:
-    """A role's settings: `default`, then a node.toml table (nested tables for nested settings), then the
-    `env` variable's "key=value,..." overrides. Raises ConfigError naming the bad setting."""
-    try:
-        config = default
-        for key, value in _flatten(table or {}):
-            config = _replace_path(config, key.split("."), value)
-        return apply_overrides(config, environ.get(env, ""))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{type(default).__name__}: {e}") from None
-
-
-def _flatten(table: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for key, value in table.items():
-        if isinstance(value, Mapping):
-            out.extend(_flatten(value, f"{prefix}{key}."))
-        else:
-            out.append((f"{prefix}{key}", value))
+        path = [part.strip() for part in key.split(".")]
+        if not sep or not all(path):
+            raise ConfigError(f"{source}: {item!r} is not key=value")
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{source}: {key.strip()!r} is set both as a value and as a table")
+        node[path[-1]] = raw.strip()
     return out
 
 
-def _replace_path(obj: T, path: list[str], raw: object) -> T:
-    name = path[0]
-    names = {f.name for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
-    if name not in names:
-        raise ValueError(f"unknown setting {name!r} of {type(obj).__name__} (known: {sorted(names)})")
-    current = getattr(obj, name)
-    value = _replace_path(current, path[1:], raw) if len(path) > 1 else _coerce(name, current, raw)
-    return dataclasses.replace(obj, **{name: value})  # type: ignore[type-var]
+def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _check_keys(obj: object, values: object, where: str, source: str) -> None:
+    """Every key of `values` names a field of the dataclass `obj` (tables for nested ones); ConfigError."""
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"[{where}] in {source} must be a table, got {values!r}")
+    names = [f.name for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(
+                f"unknown setting {key!r} in [{where}] of {source}; valid keys: {', '.join(names)}"
+            )
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _check_keys(current, value, f"{where}.{key}", source)
+        elif isinstance(value, Mapping):
+            raise ConfigError(f"{where}.{key} in {source} is a value, not a table")
+
+
+def _changes(obj: Any, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    changes: dict[str, Any] = {}
+    for key, raw in values.items():
+        current = getattr(obj, key)
+        name = f"{where}.{key}"
+        changes[key] = (
+            _apply(current, raw, name) if dataclasses.is_dataclass(current) else _coerce(name, current, raw)
+        )
+    return changes
+
+
+def _apply(obj: T, values: Mapping[str, Any], where: str) -> T:
+    """One `replace` per dataclass, so that settings checked together (a lease and its renewal) change together."""
+    return dataclasses.replace(obj, **_changes(obj, values, where)) if values else obj  # type: ignore[type-var]
 
 
 def _coerce(name: str, current: object, raw: object) -> object:
-    """`raw` (text from the environment, or a TOML value) as the type of the setting's current value."""
+    """`raw` (text from the environment, or a TOML value) as the type of the setting's default."""
     if isinstance(current, bool):
         if isinstance(raw, bool):
             return raw
         if str(raw).lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"{name} must be true or false, got {raw!r}")
         return str(raw).lower() in ("true", "1")
-    if isinstance(current, int) and not isinstance(raw, bool):
-        return int(raw) if isinstance(raw, (int, str)) else _bad(name, raw)
-    if isinstance(current, float) and not isinstance(raw, bool):
-        return float(raw) if isinstance(raw, (int, float, str)) else _bad(name, raw)
+    if isinstance(raw, bool):
+        raise ValueError(f"{name} cannot be set to {raw!r}")
+    if isinstance(current, int):
+        return _number(name, raw, int)
+    if isinstance(current, float):
+        return _number(name, raw, float)
     if isinstance(current, str) and isinstance(raw, str):
         return raw
-    return _bad(name, raw)
-
-
-def _bad(name: str, raw: object) -> object:
+    if isinstance(current, tuple) and isinstance(raw, list | tuple) and all(isinstance(v, str) for v in raw):
+        return tuple(raw)
+    if isinstance(current, tuple):
+        raise ValueError(f"{name} must be a list of strings, got {raw!r}")
     raise ValueError(f"{name} cannot be set to {raw!r}")
+
+
+def _number(name: str, raw: object, kind: type[int] | type[float]) -> int | float:
+    try:
+        value = float(raw) if isinstance(raw, str) and kind is float else raw
+        if isinstance(value, str):
+            value = int(value)
+        if isinstance(value, float) and kind is int and not value.is_integer():
+            raise ValueError
+        if not isinstance(value, int | float):
+            raise ValueError
+        return kind(value)
+    except (ValueError, OverflowError):
+        noun = "an int" if kind is int else "a number"
+        raise ValueError(f"{name} must be {noun}, got {raw!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------------- reference
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting as `python -m node config --defaults` and docs/config.md show it."""
+
+    key: str  # dotted within its table
+    type: str
+    default: str  # as TOML, or a description where it is not a constant (then not settable as shown)
+    unit: str
+    help: str
+    flag: str = ""
+    literal: bool = True  # `default` is a TOML value
+
+
+def _unit(name: str) -> str:
+    for suffix, unit in (("_per_s", "1/s"), ("_s", "s"), ("_bytes", "bytes")):
+        if name.endswith(suffix):
+            return unit
+    return "path" if name.endswith(("_dir", "_path")) else ""
+
+
+def _toml_value(value: object) -> str | None:
+    if isinstance(value, bool | int | float | str):
+        return json.dumps(value)
+    if isinstance(value, tuple | list) and all(isinstance(v, str) for v in value):
+        return json.dumps(list(value))
+    return None
+
+
+def _options(obj: Any, prefix: str = "", derived: Any = None) -> list[Option]:
+    """Every leaf setting of the dataclass instance `obj`, nested ones as dotted keys. `derived(hb)`: the
+    config for a heartbeat period, for defaults that scale with it."""
+    helps = field_help(obj.__class__)
+    out: list[Option] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _options(value, f"{prefix}{f.name}.")
+            continue
+        shown, literal = _toml_value(value), True
+        if derived is not None and getattr(derived(1.0), f.name) != getattr(derived(2.0), f.name):
+            shown, literal = f"{getattr(derived(1.0), f.name):g} x the run's heartbeat_period_s", False
+        if shown is None:
+            shown, literal = "none", False
+        out.append(
+            Option(
+                f"{prefix}{f.name}", str(f.type), shown, _unit(f.name), helps.get(f.name, ""), literal=literal
+            )
+        )
+    return out
+
+
+def _top_options() -> list[Option]:
+    helps = field_help(NodeConfig)
+    back = {new: old for old, new in RENAMES.items()}
+    out: list[Option] = []
+    for f in dataclasses.fields(NodeConfig):
+        key = back.get(f.name, f.name)
+        if key not in _top_keys():
+            continue
+        default = None if f.default is dataclasses.MISSING else _toml_value(f.default)
+        shown = SHOWN_DEFAULTS.get(key) or default or "none"
+        literal = key not in SHOWN_DEFAULTS and default is not None
+        out.append(
+            Option(key, str(f.type), shown, _unit(key), helps.get(f.name, ""), FLAGS.get(key, ""), literal)
+        )
+    return out
+
+
+def reference(components: Sequence[Component]) -> list[tuple[Component | None, list[Option]]]:
+    """(component, its options) for the top level (None) and each table, in node.toml order."""
+    out: list[tuple[Component | None, list[Option]]] = [(None, _top_options())]
+    for c in components:
+        options = _options(c.config_type(), derived=c.heartbeat_default)
+        flagged = [dataclasses.replace(o, flag=FLAGS.get(f"{c.table}.{o.key}", "")) for o in options]
+        out.append((c, flagged))
+    return out
+
+
+def reference_text(components: Sequence[Component]) -> str:
+    """Every setting as a commented node.toml (defaults that are not constants are commented out)."""
+    lines = [
+        "# hivenode node settings with their defaults (python -m node config --defaults).",
+        "# Precedence: defaults < node.toml (--config) < environment < command-line flags.",
+    ]
+    for component, options in reference(components):
+        lines.append("")
+        if component is not None:
+            lines.append(f'[{component.table}]  # {component.help}; env {component.env}="key=value,..."')
+        for o in options:
+            notes = [f"[{o.unit}]" if o.unit else "", f"({o.flag})" if o.flag else "", o.help]
+            setting = f"{o.key} = {o.default}" if o.literal else f"# {o.key}: {o.default}"
+            lines.append(f"{setting}  # {' '.join(n for n in notes if n)}".rstrip(" #"))
+    return "\n".join(lines) + "\n"
+
+
+MARKDOWN_HEAD = """\
+# Node configuration
+
+Generated by `python -m node config --markdown > docs/config.md` from the settings dataclasses (defaults, and the
+comment beside each field as its help); `tests/unit/test_config.py` fails when this file is stale.
+
+A node's settings come from four places; each overrides the one before:
+
+1. the defaults below;
+2. `node.toml`, given with `--config`: the top-level keys and one table per component (nested settings as dotted
+   keys, `rebalance.dwell_s = 60` under `[stage_options]`, or as sub-tables);
+3. the environment: one variable per table, `key=value` pairs separated by commas, nested settings with a dot
+   (`HIVENODE_STAGE="max_contexts=64,rebalance.dwell_s=60"`);
+4. command-line flags (the column "flag"; `--http HOST:PORT` sets both `[http]` keys).
+
+An unknown key, or a value of the wrong type or out of range, stops the node at start with one line naming the
+key, the file or variable it came from and the valid keys (exit code 2). `HIVENODE_STATE_DIR` only moves the
+default state directory. `python -m node config --defaults` prints the same settings as a commented node.toml.
+The run's own settings (model, optimizer, DiLoCo, stages) are in the run manifest (run.toml), not here.
+"""
+
+
+def reference_markdown(components: Sequence[Component]) -> str:
+    parts = [MARKDOWN_HEAD]
+    for component, options in reference(components):
+        if component is None:
+            parts.append("\n## Top level\n")
+        else:
+            name = f"{component.config_type.__module__}.{component.config_type.__qualname__}"
+            parts.append(
+                f"\n## [{component.table}]\n\n{component.help[:1].upper()}{component.help[1:]} "
+                f"(`{name}`); environment: `{component.env}`.\n"
+            )
+        parts.append("| key | type | default | unit | flag | description |\n|---|---|---|---|---|---|")
+        for o in options:
+            cells = [
+                f"`{o.key}`",
+                f"`{o.type}`",
+                f"`{o.default}`" if o.literal else _md_text(o.default),
+                o.unit,
+                f"`{o.flag}`" if o.flag else "",
+                _md_text(o.help),
+            ]
+            parts.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(parts) + "\n"
+
+
+def _md_text(text: str) -> str:
+    """Plain text in a table cell: `<state_dir>` would read as an HTML tag."""
+    return text.replace("<", "&lt;").replace(">", "&gt;")
+
+
+@functools.cache
+def field_help(cls: type) -> dict[str, str]:
+    """Field name -> help: `metadata["help"]`, else the comment beside the field (and a comment block just
+    above it; a line that continues the previous field's comment stays with that field)."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[int, str] = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string.lstrip("#").strip()
+    lines = source.splitlines()
+    body = ast.parse(source).body[0]
+    assert isinstance(body, ast.ClassDef)
+    helps: dict[str, list[str]] = {}
+    previous: str | None = None
+    last_end = body.body[0].lineno - 1 if body.body else 0
+    for stmt in body.body:
+        block = [
+            comments[n] for n in range(last_end + 1, stmt.lineno) if lines[n - 1].strip().startswith("#")
+        ]
+        last_end = stmt.end_lineno or stmt.lineno
+        if not isinstance(stmt, ast.AnnAssign) or not isinstance(stmt.target, ast.Name):
+            continue
+        if block and previous and _continues(helps[previous], block[0]):
+            helps[previous] += block
+            block = []
+        trailing = [comments[n] for n in range(stmt.lineno, last_end + 1) if n in comments]
+        previous = stmt.target.id
+        helps[previous] = block + trailing
+    out = {name: " ".join(parts) for name, parts in helps.items()}
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata:
+            out[f.name] = str(f.metadata["help"])
+    return out
+
+
+def _continues(previous: list[str], line: str) -> bool:
+    """A comment line under a field continues that field's comment when it opens with "(" or "..." or the
+    field's comment left a parenthesis open."""
+    text = " ".join(previous)
+    return bool(previous) and (line.startswith(("(", "...")) or text.count("(") > text.count(")"))

@@ -10,15 +10,19 @@ from pathlib import Path
 import pytest
 
 from node.config import (
+    Component,
     HttpConfig,
     NetworkConfig,
     build_run_parser,
     config_from_mapping,
+    field_help,
     load_node_config,
     parse_host_port,
+    reference,
+    reference_markdown,
 )
 from node.context import RestartPolicy, TaskSupervisor, short_id
-from node.roles.registry import NotBuiltRole, choose_role
+from node.roles.registry import ROLE_FACTORIES, choose_role
 from node.swarm import check_multiaddr, least_served_stage, pick_run, swarm_url
 from protocol.errors import ConfigError, JoinError
 from protocol.identity import NodeIdentity
@@ -80,8 +84,8 @@ def test_flags_win_over_the_toml_file(tmp_path: Path) -> None:
     ("data", "fragment"),
     [
         ({}, "at least one --join"),
-        ({"join": [MADDR], "colour": "red"}, "unknown settings"),
-        ({"join": [MADDR], "network": {"speed": 1}}, "unknown [network]"),
+        ({"join": [MADDR], "colour": "red"}, "unknown setting 'colour' in the settings; valid keys: join,"),
+        ({"join": [MADDR], "network": {"speed": 1}}, "unknown setting 'speed' in [network]"),
         ({"join": [MADDR], "role": "king"}, "role must be one of"),
         ({"join": [MADDR], "stage": -1}, "stage must be >= 0"),
         ({"join": [MADDR], "device": "tpu"}, "device must be"),
@@ -89,7 +93,9 @@ def test_flags_win_over_the_toml_file(tmp_path: Path) -> None:
         ({"join": [MADDR], "run_id": "abc"}, "run_id"),
         ({"join": [MADDR], "http": {"port": 70000}}, "http.port"),
         ({"join": [MADDR], "network": {"join_timeout_s": 0}}, "join_timeout_s"),
-        ({"join": [MADDR], "network": {"listen": "/ip4/0.0.0.0/tcp/1"}}, "list of multiaddrs"),
+        ({"join": [MADDR], "network": {"listen": "/ip4/0.0.0.0/tcp/1"}}, "network.listen must be a list"),
+        ({"join": [MADDR], "http": {"port": 1.5}}, "http.port must be an int"),
+        ({"join": [MADDR], "http": {"port": {"x": 1}}}, "http.port in the settings is a value, not a table"),
     ],
 )
 def test_invalid_settings_are_config_errors(tmp_path: Path, data: dict, fragment: str) -> None:
@@ -139,6 +145,170 @@ def test_bootstrap_urls_get_their_api_path() -> None:
         swarm_url("http://")
 
 
+# ---- the one loader: precedence, provenance of errors, the reference and docs/config.md ----
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+
+
+def _components() -> tuple[Component, ...]:
+    from node.__main__ import components
+
+    return components()
+
+
+def test_precedence_is_defaults_then_file_then_environment_then_flags(tmp_path: Path) -> None:
+    from node.roles.stage import stage_config
+
+    toml = tmp_path / "node.toml"
+    toml.write_text(
+        f'join = ["{MADDR}"]\n[http]\nport = 1\n[stage_options]\nmax_contexts = 5\nrebalance.dwell_s = 3\n'
+    )
+    environ = {"HIVENODE_HTTP": "port=2,host=0.0.0.0", "HIVENODE_STAGE": "max_contexts=6"}
+    argv = ["--config", str(toml), "--state-dir", str(tmp_path)]
+    config = load_node_config(argv, environ=environ, components=_components())
+    assert config.http == HttpConfig(host="0.0.0.0", port=2)  # the environment over the file
+    stage = stage_config(config.stage_options)  # the role builds its config from the loaded NodeConfig
+    assert (stage.max_contexts, stage.rebalance.dwell_s, stage.sweep_period_s) == (6, 3.0, 5.0)
+    config = load_node_config([*argv, "--http", "127.0.0.1:3"], environ=environ, components=_components())
+    assert config.http == HttpConfig(host="127.0.0.1", port=3)  # flags over the environment
+
+
+@pytest.mark.parametrize(
+    ("toml", "environ", "fragments"),
+    [
+        ("[stage_options]\ncolour = 1\n", {}, ["'colour'", "[stage_options]", "node.toml", "max_contexts"]),
+        ("[verifier.retry]\ntries = 1\n", {}, ["'tries'", "[verifier.retry]", "node.toml", "max_attempts"]),
+        ("", {"HIVENODE_VERIFIER": "colour=1"}, ["'colour'", "HIVENODE_VERIFIER", "microbatch_size"]),
+        ("", {"HIVENODE_SYNCER": "lease=1"}, ["'lease'", "HIVENODE_SYNCER", "lease_s"]),
+        ("[gossip]\nfanout = 3\n", {}, ["'gossip'", "node.toml", "[stage_options]"]),
+        ("[learner]\nmin_step_s = -1\n", {}, ["[learner]", "node.toml", "min_step_s"]),
+        ("", {"HIVENODE_STAGE": "max_contexts=many"}, ["stage_options.max_contexts must be an int", "many"]),
+        ("", {"HIVENODE_LEARNER": "x"}, ["HIVENODE_LEARNER", "not key=value"]),
+    ],
+)
+def test_bad_keys_and_values_name_where_they_came_from(
+    tmp_path: Path, toml: str, environ: dict[str, str], fragments: list[str]
+) -> None:
+    path = tmp_path / "node.toml"
+    path.write_text(f'join = ["{MADDR}"]\n{toml}')
+    with pytest.raises(ConfigError) as info:
+        load_node_config(["--config", str(path)], environ=environ, components=_components())
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_role_tables_whose_defaults_are_the_runs_are_checked_by_the_role() -> None:
+    from node.roles.syncer import SyncerConfig
+
+    # lease_s = 1.5 is wrong against the static renewal default (2 s) but right for a run beating every 0.5 s
+    config = config_from_mapping({"join": [MADDR], "syncer": {"lease_s": 1.5}}, _components())
+    assert SyncerConfig.from_options(config.syncer, heartbeat_period_s=0.5).lease_s == 1.5
+    with pytest.raises(ConfigError, match="renew_every_s"):
+        SyncerConfig.from_options(config.syncer, heartbeat_period_s=1.0)
+
+
+def test_docs_config_md_is_generated_from_the_dataclasses(capsys: pytest.CaptureFixture[str]) -> None:
+    from node.__main__ import main
+
+    assert main(["config", "--markdown"]) == 0
+    assert capsys.readouterr().out == DOCS.read_text(), (
+        "stale: python -m node config --markdown > docs/config.md"
+    )
+
+
+def test_the_docs_check_flags_a_setting_missing_from_docs_config_md() -> None:
+    from node.roles.verifier import VerifierConfig
+
+    @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+    class Grown(VerifierConfig):  # type: ignore[misc]
+        gossip_fanout: int = 3  # peers each verdict is forwarded to
+
+    grown = [dataclasses.replace(c, config_type=Grown) if c.table == "verifier" else c for c in _components()]
+    text = reference_markdown(grown)
+    assert text != DOCS.read_text()
+    assert "| `gossip_fanout` | `int` | `3` |  |  | peers each verdict is forwarded to |" in text
+
+
+def test_defaults_print_as_a_node_toml_that_loads_to_the_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tomllib
+
+    from node.__main__ import main
+
+    assert main(["config", "--defaults"]) == 0
+    data = tomllib.loads(capsys.readouterr().out)
+    assert data["stage_options"]["rebalance"]["dwell_s"] == 30.0 and "lease_s" not in data["syncer"]
+    base = {"join": [MADDR], "state_dir": str(tmp_path)}
+    loaded = config_from_mapping({**data, **base}, _components())
+    defaults = config_from_mapping(base, _components())
+    assert dataclasses.replace(loaded, learner={}, syncer={}, stage_options={}, verifier={}) == defaults
+    units = {o.key: o.unit for _, options in reference(_components()) for o in options}
+    assert (
+        units["context_timeout_s"] == "s"
+        and units["max_steps_per_s"] == "1/s"
+        and units["max_contexts"] == ""
+    )
+
+
+def test_help_comes_from_the_comment_beside_each_field() -> None:
+    from node.pipeline.routing import RebalanceConfig
+
+    assert field_help(NetworkConfig)["redial_max_s"] == "longest pause between re-dials"
+    assert field_help(NetworkConfig)["peer_check_period_s"].startswith("Losing the bootstraps")
+    rebalance = field_help(
+        RebalanceConfig
+    )  # a comment line that continues the one above stays with its field
+    assert rebalance["dwell_s"].endswith("before anyone moves")
+    assert rebalance["cooldown_s"].startswith("least time between two moves")
+
+
+def test_every_flag_shows_its_default_in_help(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HIVENODE_STATE_DIR", str(tmp_path))
+    helps = {action.dest: action.help or "" for action in build_run_parser()._actions}
+    for dest, text in helps.items():
+        if dest != "help":
+            assert "default" in text or "required" in text, dest
+    assert f"(default: {tmp_path / 'node'})" in helps["state_dir"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--join", "foo"], "--join 'foo' is not a multiaddr"),
+        (["--join", "/ip4/127.0.0.1/tcp/4000"], "must end in /p2p/"),
+        (["--join", "http://"], "is not a usable URL"),
+        (
+            ["--join", MADDR, "--listen", "/ip4/1.2.3.4/tcpx/1"],
+            "--listen '/ip4/1.2.3.4/tcpx/1' is not a multiaddr",
+        ),
+        (["--join", MADDR, "--listen", "tcp/1"], "network.listen must be multiaddrs"),
+        (["--join", MADDR, "--http", "nohost"], "HOST:PORT"),
+        (["--join", MADDR, "--config", "/nonexistent/node.toml"], "cannot read config"),
+    ],
+)
+def test_bad_arguments_stop_the_node_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str
+) -> None:
+    from node.__main__ import main
+
+    state = tmp_path / "state"
+    assert main([*argv, "--state-dir", str(state)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and fragment in err
+    assert list(tmp_path.iterdir()) == []  # no state directory, no identity key
+
+
+def test_no_doc_names_a_setting_that_does_not_exist() -> None:
+    root = DOCS.parent.parent
+    texts = {p.name: p.read_text() for p in [root / "README.md", *sorted(DOCS.parent.glob("*.md"))]}
+    for name, text in texts.items():
+        assert "--unsafe-attack" not in text, name
+    tables = {c.table for c in _components()}
+    for table in ("verifier", "stage_options", "learner", "syncer", "network", "http"):
+        assert table in tables
+
+
 # ---- role choice and stage balance ----
 
 
@@ -182,9 +352,11 @@ def test_stage_without_index_goes_where_throughput_is_lowest() -> None:
     assert choose_role("stage", None, PEER, RunManifest(), peers, NOW).stage == 0
 
 
-def test_not_built_roles_say_so() -> None:
-    role = NotBuiltRole("verifier")
-    assert role.status() == {"state": "idle", "note": "role verifier: not built yet in this version"}
+def test_every_role_name_has_a_module_with_create_role() -> None:
+    import importlib
+
+    for name in ROLE_FACTORIES:
+        assert callable(importlib.import_module(f"node.roles.{name}").create_role), name
 
 
 def test_pick_run_prefers_the_asked_run_then_the_only_one_then_the_pinned_one(tmp_path: Path) -> None:
