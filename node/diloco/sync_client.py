@@ -308,6 +308,20 @@ class _Stats:
     refusals: dict[str, int] = field(default_factory=dict)
 
 
+def _scheduled_fragments(
+    plan: FragmentPlan, params: Mapping[str, torch.Tensor], schedule: FragmentSchedule
+) -> list[int]:
+    """The plan's fragments `params` cover, one per fragment of `schedule`; ValueError if they disagree."""
+    fragment_ids = covered_fragments(plan, params)
+    if not fragment_ids:
+        raise ValueError("the parameters cover no fragment of the plan")
+    if schedule.num_fragments != len(fragment_ids):
+        raise ValueError(
+            f"schedule has {schedule.num_fragments} fragments, the parameters cover {len(fragment_ids)}"
+        )
+    return fragment_ids
+
+
 class FragmentSync:
     """See the module docstring. Thread-safe: `after_inner_step` may run on a worker thread while the
     background loops run on the event loop; shared state is guarded by one lock."""
@@ -326,13 +340,7 @@ class FragmentSync:
     ) -> None:
         self.params = dict(params)
         self.plan = plan
-        self.fragment_ids = covered_fragments(plan, self.params)
-        if not self.fragment_ids:
-            raise ValueError("the parameters cover no fragment of the plan")
-        if schedule.num_fragments != len(self.fragment_ids):
-            raise ValueError(
-                f"schedule has {schedule.num_fragments} fragments, the parameters cover {len(self.fragment_ids)}"
-            )
+        self.fragment_ids = _scheduled_fragments(plan, self.params, schedule)
         self.schedule = schedule
         self.floor = floor
         self.transport = transport
@@ -1145,7 +1153,7 @@ class FramedSyncTransport:
         self._syncer = None
 
     async def _call(
-        self, route: str, frame: bytes, max_response_bytes: int, timeout_s: float | None = None
+        self, route: str, frame: bytes | bytearray, max_response_bytes: int, timeout_s: float | None = None
     ) -> tuple[str, bytearray]:
         from hivemind.p2p import P2PDaemonError
 
@@ -1169,7 +1177,7 @@ class FramedSyncTransport:
             raise SyncUnavailable(f"{route} to {peer[-8:]} failed: {type(e).__name__}: {e}") from None
         return peer, answer
 
-    def _seal(self, kind: Any, receiver: str, **kwargs: Any) -> bytes:
+    def _seal(self, kind: Any, receiver: str, **kwargs: Any) -> bytearray:
         from protocol.envelope import Context, seal
 
         context = Context(run_id=self.run_id, kind=kind, receiver=receiver)
@@ -1329,7 +1337,7 @@ def parse_versions_meta(meta: Mapping[str, Any], *, syncer: str, num_fragments: 
         and type(step_time_s) is float
         and math.isfinite(step_time_s)
     )
-    if not ok:
+    if not ok or not isinstance(versions, list) or not isinstance(term, int):
         raise SyncUnavailable("malformed versions answer")
     return VersionsView(
         versions=tuple(versions),

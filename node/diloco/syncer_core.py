@@ -1,0 +1,775 @@
+"""The syncer's pure core: the global fragments and their outer Nesterov state, one open round per fragment,
+admission of a contribution (staleness, idempotency, counter caps, verifier receipts), the quorum/grace decision
+(`QuorumPolicy`) and the merge (`merge_fragment` + `OuterNesterov`), split into a heavy `compute_merge` (run in a
+worker thread) and a cheap `commit_merge`; snapshots for checkpoints. No sockets and no clock of its own: the
+caller (node.roles.syncer) passes `now` and serialises calls."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from node.diloco.counters import cap_counters
+from node.diloco.fragments import FragmentPlan
+from node.diloco.merge import Contribution, MergeResult, NothingToMerge, merge_fragment
+from node.diloco.outer import OuterNesterov
+from node.diloco.quorum import QuorumConfig, QuorumPolicy
+from node.diloco.receipts import ReceiptLedger
+from node.ml.checkpoint import SyncerSnapshot
+from protocol.errors import MalformedFrame, ProtocolError
+
+if TYPE_CHECKING:
+    from protocol.receipts import TokenReceipt
+
+logger = logging.getLogger(__name__)
+MAX_STEP_TIME_S = 600.0  # a self-reported step time above this is nonsense; it only feeds the grace EMA
+
+
+class Refusal(ProtocolError):
+    """A contribution the syncer will not take; `reason` is the tag the learner sees."""
+
+
+def refuse(reason: str, message: str, *, blame: bool = False) -> Refusal:
+    return Refusal(message, reason=reason, blame_sender=blame)
+
+
+@dataclass(slots=True)
+class _Entry:
+    contribution: Contribution
+    key: tuple[str, int, int, bytes]
+    received_at: float
+    # (verifier, session) -> verified tokens its receipts showed (stage replicas; committed once merged)
+    receipt_counts: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Round:
+    opened_at: float | None = None  # when the first contribution that counts toward K arrived
+    entries: dict[str, _Entry] = field(default_factory=dict)  # peer -> its newest counting contribution
+    quorum_reached_at: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Admission:
+    target_version: int
+    capped: bool  # the counters were reduced (count it against the sender)
+    late: bool = False  # lock-step modes: its round merged without it (its learner realigns, see accept)
+    receipt_capped: bool = False  # tokens were cut to what verifier receipts show (receipts lag: no strike)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PreparedMerge:
+    """What `compute_merge` produced; `commit_merge` publishes it."""
+
+    fragment: int
+    base_version: int
+    round: _Round
+    result: MergeResult
+    new_params: dict[str, torch.Tensor]
+    merged: dict[str, Contribution]  # per peer, what went into merge_fragment (its entries combined)
+    sources: dict[str, list[_Entry]]  # per peer, the contributions combined
+    required: int
+    expected: int
+    started_at: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MergeRecord:
+    """One line of the event tape."""
+
+    fragment: int
+    version: int
+    participants: tuple[str, ...]
+    weights: dict[str, float]
+    tokens: int  # tokens (capped) of the participants with positive weight: what entered the model
+    steps: int
+    received: int
+    expected: int
+    required: int
+    quorum_wait_s: float
+    grace_waited_s: float
+    clipped: dict[str, float]
+    rejected: dict[str, str]
+    duration_s: float
+    late: int = 0  # contributions on an older base merged (only the synchronous modes take them)
+    # per participant, one [steps, tokens, seconds from its arrival to the merge, base version] per contribution
+    contributed: dict[str, list[list[float]]] = field(default_factory=dict)
+
+    def to_event(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["participants"] = list(self.participants)
+        data["weights"] = {peer: round(w, 6) for peer, w in self.weights.items()}
+        return data
+
+
+Expected = int | Collection[str]  # the live peers that hold a fragment, or only their number
+
+
+def _num_expected(round_: _Round, expected: Expected) -> int:
+    """How many contributions make the round complete. Given the live holders, those still missing plus
+    what is in: a contribution from a peer outside them (its heartbeat expired while it was stopped) counts
+    towards K but never stands in for a live holder that has not sent yet (counted, it let an elastic round
+    merge without a live learner). Given only a count, every contribution in counts."""
+    if isinstance(expected, int):
+        return max(expected, len(round_.entries))
+    return len(round_.entries) + len(set(expected) - round_.entries.keys())
+
+
+def combine_round(
+    round_: _Round,
+    current_params: Mapping[str, torch.Tensor],
+    history: Mapping[int, Mapping[str, torch.Tensor]],
+    current: int,
+    max_staleness: int,
+) -> tuple[dict[str, Contribution], dict[str, list[_Entry]]]:
+    """One contribution per peer, its delta taken against its own base version (`history`: the fragment's
+    tensors of the versions still held; `current_params`: those of version `current`).
+
+    A contribution on an older base (the synchronous modes take them, e.g. after a failover) is expressed
+    as parameters against the current global value, so `merge_fragment` sees current - params == the
+    learner's own progress (base value - learner value) instead of that progress minus every merge it
+    missed. A base whose value we no longer hold (after a restore or an adoption) falls back to the
+    current value, as if it were current. Ones older than max_staleness are dropped."""
+    names = list(current_params)
+    sources: dict[str, list[_Entry]] = {}
+    for entry in round_.entries.values():
+        if entry.contribution.base_version < current - max_staleness:
+            logger.info("dropping a contribution of %s: base too old", entry.contribution.peer_id)
+            continue
+        sources.setdefault(entry.contribution.peer_id, []).append(entry)
+    merged: dict[str, Contribution] = {}
+    for peer, entries in sources.items():
+        if len(entries) == 1 and entries[0].contribution.base_version == current:
+            merged[peer] = entries[0].contribution
+            continue
+        delta = {n: torch.zeros_like(current_params[n]) for n in names}
+        for entry in entries:
+            c = entry.contribution
+            base = history.get(c.base_version) or current_params
+            for n in names:
+                delta[n] += base[n] - c.params[n]
+        merged[peer] = Contribution(
+            peer_id=peer,
+            params={n: current_params[n] - delta[n] for n in names},
+            base_version=max(e.contribution.base_version for e in entries),
+            steps=sum(e.contribution.steps for e in entries),
+            tokens=sum(e.contribution.tokens for e in entries),
+        )
+    return merged, sources
+
+
+def _void_result(rejected: Mapping[str, str]) -> MergeResult:
+    return MergeResult(
+        outer_grad={},
+        weights={},
+        clipped={},
+        fallback_tensors=(),
+        rejected=dict(rejected),
+        delta_norms={},
+        reason="void round: nothing to merge, parameters unchanged",
+    )
+
+
+def due_rounds(
+    rounds: Mapping[int, _Round], policy: QuorumPolicy, now: float, expected: Callable[[int], Expected]
+) -> tuple[list[int], float | None]:
+    """`SyncerCore.due` over `rounds`; notes each round's quorum time (and feeds it to the policy's EMA)."""
+    ready, deadline = [], None
+    for fragment, round_ in rounds.items():
+        if round_.opened_at is None:
+            continue
+        received = len(round_.entries)
+        num_expected = _num_expected(round_, expected(fragment))
+        required = policy.required(num_expected)
+        if received >= required and round_.quorum_reached_at is None:
+            # when the required-th contribution arrived, not when we got to look (a merge of another
+            # fragment may have held the loop): xi_quorum is the wait for learners, not for ourselves
+            arrivals = sorted(e.received_at for e in round_.entries.values())
+            round_.quorum_reached_at = arrivals[required - 1] if 0 < required <= len(arrivals) else now
+            # from the first contribution still in the round, not from when the round opened: a peer's newer
+            # contribution replaces its first one (retries after a takeover did), and that gap is no wait for
+            # learners; counted, one 3 s gap closed the grace window for the next ten merges (K = 1: 0)
+            first = arrivals[0] if arrivals else round_.opened_at
+            policy.observe_quorum(max(0.0, round_.quorum_reached_at - first))
+        decision = policy.decide(now, round_.opened_at, received, num_expected, round_.quorum_reached_at)
+        if decision.action == "merge":
+            ready.append(fragment)
+        elif decision.deadline is not None:
+            deadline = decision.deadline if deadline is None else min(deadline, decision.deadline)
+    return ready, deadline
+
+
+def merge_record(prepared: PreparedMerge, version: int, now: float) -> MergeRecord:
+    """The tape line of a committed merge."""
+    tokens = steps = late = 0
+    contributed: dict[str, list[list[float]]] = {}
+    for peer in prepared.result.participants:
+        tokens += prepared.merged[peer].tokens
+        steps += prepared.merged[peer].steps
+        for entry in prepared.sources[peer]:
+            c = entry.contribution
+            late += c.base_version < prepared.base_version
+            contributed.setdefault(peer, []).append(
+                [c.steps, c.tokens, round(max(0.0, now - entry.received_at), 3), c.base_version]
+            )
+    result, round_, started = prepared.result, prepared.round, prepared.started_at
+    reached = round_.quorum_reached_at
+    return MergeRecord(
+        fragment=prepared.fragment,
+        version=version,
+        participants=result.participants,
+        weights=dict(result.weights),
+        tokens=tokens,
+        steps=steps,
+        received=len(round_.entries),
+        expected=prepared.expected,
+        required=prepared.required,
+        quorum_wait_s=round((reached or started) - (round_.opened_at or started), 4),
+        grace_waited_s=round(started - reached, 4) if reached is not None else 0.0,
+        clipped=dict(result.clipped),
+        rejected=dict(result.rejected),
+        duration_s=round(now - started, 4),
+        late=late,
+        contributed=contributed,
+    )
+
+
+class VersionHistory:
+    """Per fragment, what is known of its versions: when each was published (on the core's clock) and the
+    tensors of those a contribution may still be built on (its delta is taken against its own base, what the
+    learner actually did since it overwrote, so one on an older base neither undoes the merges it missed nor
+    is lost); whether the current version is one of our own merges (not restored, not adopted); and whether it
+    is a regular round (our merge after one of our own merges), which learners may time their sends from: a
+    first merge after a takeover gathers the learners' retried outage work of every fragment at once and
+    would bunch their staggered sends."""
+
+    def __init__(self, num_fragments: int, max_staleness: int, now: float) -> None:
+        self.max_staleness = max_staleness
+        self.published_at: dict[tuple[int, int], float] = {}
+        self.restored_at = now  # work on a version of unknown date is capped from here
+        self.tensors: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        self.merged_here = [False] * num_fragments
+        self.dated = [False] * num_fragments
+
+    def since(self, fragment: int, version: int) -> float:
+        """When that version was published, or the last restore if unknown (the counters cap runs from it)."""
+        return self.published_at.get((fragment, version), self.restored_at)
+
+    def publish(self, fragment: int, version: int, tensors: Mapping[str, torch.Tensor], now: float) -> None:
+        """One of our merges published `version`."""
+        self.published_at[(fragment, version)] = now
+        self.published_at.pop((fragment, version - self.max_staleness - 2), None)
+        self.dated[fragment] = self.merged_here[fragment]
+        self.merged_here[fragment] = True
+        history = self.tensors.setdefault(fragment, {})
+        history[version] = dict(tensors)
+        for old in [v for v in history if v < version - self.max_staleness]:
+            del history[old]
+
+    def replace(
+        self, fragment: int, version: int, tensors: Mapping[str, torch.Tensor], published_at: float
+    ) -> None:
+        """An earlier syncer's `version` was adopted: the only one of the fragment known now, undated."""
+        self.published_at[(fragment, version)] = published_at
+        self.tensors[fragment] = {version: dict(tensors)}
+        self.merged_here[fragment] = False
+        self.dated[fragment] = False
+
+    def reset(self, current: Sequence[tuple[int, dict[str, torch.Tensor]]], now: float) -> None:
+        """After a restore: only the current (version, tensors) of each fragment are known, none of ours."""
+        self.published_at.clear()
+        self.restored_at = now
+        self.tensors = {f: {v: tensors} for f, (v, tensors) in enumerate(current)}
+        self.merged_here = [False] * len(current)
+        self.dated = [False] * len(current)
+
+    def date(self, versions: Sequence[int], published: Sequence[float | None]) -> None:
+        """After a restore, per fragment when its version was published (this clock; None: unknown). The counters
+        cap of work built on a restored version runs from its publication, not from the restore: a learner that
+        stepped through the outage did that work (capped from the restore, an outage of 27 steps was cut to the
+        5 steps since the takeover, and struck)."""
+        for fragment, at in enumerate(published):
+            if at is not None:
+                self.published_at[(fragment, versions[fragment])] = min(self.restored_at, at)
+
+    def ages(self, versions: Sequence[int], now: float) -> list[float]:
+        """Per fragment, seconds since its current version was published, -1.0 unless a regular round."""
+        ages = []
+        for fragment, version in enumerate(versions):
+            at = self.published_at.get((fragment, version)) if self.dated[fragment] else None
+            ages.append(round(max(0.0, now - at), 4) if at is not None else -1.0)
+        return ages
+
+
+class MergedLedger:
+    """What was merged already: per (peer, fragment, base version) the steps and tokens taken from that peer on
+    that base, and when (a later contribution on the same base only counts, and weighs, what it adds); and the
+    keys (peer, fragment, base, nonce) of merged contributions, so a replayed one is a duplicate. Both bounded,
+    oldest first out."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self.counters: OrderedDict[tuple[str, int, int], tuple[int, int, float]] = OrderedDict()
+        self.keys: OrderedDict[tuple[str, int, int, bytes], None] = OrderedDict()
+
+    def remember(self, entry: _Entry, now: float) -> None:
+        c = entry.contribution
+        key = (c.peer_id, entry.key[1], c.base_version)
+        prior = self.counters.pop(key, (0, 0, now))  # re-insert: the dict stays ordered by recency
+        self.counters[key] = (prior[0] + c.steps, prior[1] + c.tokens, now)
+        self.keys[entry.key] = None
+        while len(self.keys) > self.max_entries:
+            self.keys.popitem(last=False)
+        while len(self.counters) > self.max_entries:
+            self.counters.popitem(last=False)
+
+    def entries(
+        self, versions: Sequence[int], max_staleness: int
+    ) -> tuple[tuple[str, int, int, int, int], ...]:
+        """(peer, fragment, base, steps, tokens) for bases that can still be contributed on."""
+        return tuple(
+            (peer, f, base, steps, tokens)
+            for (peer, f, base), (steps, tokens, _) in self.counters.items()
+            if base >= versions[f] - max_staleness
+        )
+
+    def load(self, ledger: Sequence[tuple[str, int, int, int, int]], num_fragments: int, now: float) -> None:
+        for peer, f, base, steps, tokens in ledger:
+            if 0 <= f < num_fragments:
+                self.counters[(peer, f, base)] = (steps, tokens, now)
+
+
+class ScheduleClock:
+    """The run's schedule step from what contributors report: per peer its latest (step, when), bounded."""
+
+    def __init__(self, max_peers: int) -> None:
+        self.highest = 0  # highest schedule step a contributor reported
+        self.max_peers = max_peers
+        self._reports: OrderedDict[str, tuple[int, float]] = OrderedDict()
+
+    def report(self, peer: str, step: int, now: float) -> None:
+        self.highest = max(self.highest, step)
+        self._reports.pop(peer, None)
+        self._reports[peer] = (step, now)
+        while len(self._reports) > self.max_peers:
+            self._reports.popitem(last=False)
+
+    def estimate(self, now: float, xi_step: float, max_age_s: float) -> int:
+        """Per peer, its latest report plus the steps since (at `xi_step` seconds a step), then the median over
+        peers that reported within `max_age_s`; 0 when nobody did."""
+        estimates = sorted(
+            step + (int((now - at) / xi_step) if xi_step > 0 else 0)
+            for step, at in self._reports.values()
+            if now - at <= max_age_s
+        )
+        if not estimates:
+            return 0
+        return estimates[(len(estimates) - 1) // 2]
+
+
+class SyncerCore:
+    """Global state and merge decisions; the caller passes `now` (monotonic seconds) and serialises calls."""
+
+    def __init__(
+        self,
+        plan: FragmentPlan,
+        params: Mapping[str, torch.Tensor],
+        *,
+        quorum: QuorumConfig,
+        embedding_names: Collection[str],
+        outer_lr: float,
+        outer_momentum: float,
+        clip_factor: float | None,
+        max_staleness: int,
+        max_steps_per_s: float,
+        tokens_per_step: int,
+        now: float,
+        max_merged_keys: int = 65536,
+    ) -> None:
+        missing = set(plan.names()) - set(params)
+        if missing:
+            raise ValueError(f"params lack {len(missing)} planned tensors, e.g. {sorted(missing)[:2]}")
+        self.plan = plan
+        self.params = {n: params[n].detach().to("cpu", torch.float32).clone() for n in plan.names()}
+        self.shapes = {n: tuple(t.shape) for n, t in self.params.items()}
+        self.policy = QuorumPolicy(quorum)
+        self.embedding_names = frozenset(embedding_names)
+        self.outer = OuterNesterov(outer_lr, outer_momentum)
+        self.clip_factor = clip_factor
+        self.max_staleness = max_staleness
+        self.max_steps_per_s = max_steps_per_s
+        self.tokens_per_step = tokens_per_step
+        self.versions = [0] * plan.num_fragments
+        self.rounds: dict[int, _Round] = {}
+        self.merges = 0
+        self.tokens_merged = 0
+        # peer -> (schedule step it reported, when): the run's clock is the median of their extrapolations
+        self._schedule = ScheduleClock(max_merged_keys)
+        self._ledger = MergedLedger(max_merged_keys)
+        self._history = VersionHistory(plan.num_fragments, max_staleness, now)
+        self._history.reset(self._current(), now)
+        self.receipt_ledger = ReceiptLedger(max_merged_keys)
+
+    # ---- admission ----
+
+    def accept(
+        self,
+        peer: str,
+        fragment: int,
+        params: Mapping[str, torch.Tensor],
+        *,
+        base_version: int,
+        steps: int,
+        tokens: int,
+        sched_step: int,
+        step_time_s: float,
+        nonce: bytes,
+        now: float,
+        receipts: Sequence[TokenReceipt] | None = None,
+    ) -> Admission:
+        """Put a contribution into its fragment's round (replacing the peer's earlier one) or raise Refusal.
+
+        `receipts`: for a pipeline stage replica, the verifier receipts it relayed (already verified); its
+        tokens are then capped at their growth since its last merged contribution (`ReceiptLedger`). None for
+        a learner (no verifier watches it)."""
+        self._check_shape(fragment, params)
+        key = (peer, fragment, base_version, nonce)
+        self._check_base(fragment, base_version, key)
+        steps, tokens, capped = self._new_counters(peer, fragment, base_version, steps, tokens, now)
+        counts: dict[tuple[str, str], int] = {}
+        receipt_capped = False
+        if receipts is not None:
+            verified, counts = self.receipt_ledger.growth(peer, fragment, receipts)
+            if tokens > verified:
+                tokens, receipt_capped = verified, True
+        contribution = Contribution(
+            peer_id=peer,
+            params={n: t.detach().to(torch.float32) for n, t in params.items()},
+            base_version=base_version,
+            steps=steps,
+            tokens=tokens,
+        )
+        self._enter(fragment, _Entry(contribution, key, now, counts), now)
+        if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
+            self.policy.observe_step(step_time_s)
+        self._schedule.report(peer, sched_step, now)
+        # A late contribution in a lock-step mode (its round merged without its learner, e.g. one whose
+        # heartbeat expired while it was stopped) goes into the next round, but its learner must not wait for
+        # that round: the others send theirs only after rounds of other fragments that wait for this learner,
+        # and neither side would move. Told `late`, it loads the versions that exist now and realigns its
+        # schedule to the earliest open round, as a restarted learner does (FragmentSync._rejoin).
+        current = self.versions[fragment]
+        late = not self.policy.config.drop_stale and base_version < current
+        return Admission(
+            target_version=current if late else current + 1,
+            capped=capped,
+            receipt_capped=receipt_capped,
+            late=late,
+        )
+
+    def _check_base(self, fragment: int, base_version: int, key: tuple[str, int, int, bytes]) -> None:
+        """Refuse a contribution on a base we cannot take: ahead of us, too stale, merged, or a missed round."""
+        current = self.versions[fragment]
+        if base_version > current:
+            raise refuse("ahead of syncer", f"base version {base_version} > ours {current}")
+        if base_version < current - self.max_staleness:
+            raise refuse(
+                "stale base", f"base version {base_version} is older than {current - self.max_staleness}"
+            )
+        if key in self._ledger.keys:
+            raise refuse("duplicate", "this contribution was merged already", blame=True)
+        if base_version < current and self.policy.config.drop_stale and self._history.merged_here[fragment]:
+            # Q5: it missed the round that merged its base (weight 0, as the paper's late learners); merged
+            # alone it would publish one more version that overwrites everyone's unsent progress, and folded
+            # into the next round it would count twice what its learner re-learns from the version without it.
+            # Not after a takeover, until we merged the fragment ourselves: a learner's work from the outage,
+            # on a version an earlier syncer published, missed no round of ours (taken as before: merged)
+            raise refuse("missed round", f"base version {base_version} < current {current}")
+
+    def _new_counters(
+        self, peer: str, fragment: int, base_version: int, steps: int, tokens: int, now: float
+    ) -> tuple[int, int, bool]:
+        """(steps, tokens, capped): what the claim adds to what was merged from the peer on that base, capped
+        at what the time since the base's publication allows."""
+        since = self._history.since(fragment, base_version)
+        prior = self._ledger.counters.get((peer, fragment, base_version))
+        if prior is not None:  # part of this progress is in the model already (e.g. merged before a failover)
+            steps, tokens, since = max(0, steps - prior[0]), max(0, tokens - prior[1]), max(since, prior[2])
+        return cap_counters(
+            steps,
+            tokens,
+            now - since,
+            max_steps_per_s=self.max_steps_per_s,
+            tokens_per_step=self.tokens_per_step,
+        )
+
+    def _enter(self, fragment: int, entry: _Entry, now: float) -> None:
+        """Into the fragment's round, unless the peer's contribution there is on a newer base or has more steps."""
+        round_ = self.rounds.get(fragment)
+        if round_ is None:
+            round_ = self.rounds[fragment] = _Round()
+        c, earlier = entry.contribution, round_.entries.get(entry.contribution.peer_id)
+        if earlier is None or (c.base_version, c.steps) >= (
+            earlier.contribution.base_version,
+            earlier.contribution.steps,
+        ):
+            round_.entries[c.peer_id] = entry
+        if round_.opened_at is None:
+            round_.opened_at = now
+
+    @property
+    def clock(self) -> int:
+        """The highest schedule step a contributor reported."""
+        return self._schedule.highest
+
+    def check_contribution(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
+        """Raise MalformedFrame unless `params` are exactly the fragment's tensors, shapes and float dtypes."""
+        self._check_shape(fragment, params)
+
+    def _check_shape(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
+        if not 0 <= fragment < self.plan.num_fragments:
+            raise MalformedFrame(f"fragment {fragment} out of range", reason="malformed contribution")
+        names = self.plan.fragments[fragment].names
+        if set(params) != set(names):
+            raise MalformedFrame(f"fragment {fragment}: wrong tensor names", reason="malformed contribution")
+        for name in names:
+            tensor = params[name]
+            if tuple(tensor.shape) != self.shapes[name] or not tensor.is_floating_point():
+                raise MalformedFrame(f"{name}: wrong shape or dtype", reason="malformed contribution")
+
+    # ---- decisions ----
+
+    def due(self, now: float, expected: Callable[[int], Expected]) -> tuple[list[int], float | None]:
+        """Fragments whose round should merge now, and the earliest grace deadline among the others.
+
+        `expected(fragment)`: the live peers that hold it, or just how many there are (see `_num_expected`)."""
+        return due_rounds(self.rounds, self.policy, now, expected)
+
+    # ---- the merge ----
+
+    def take_round(self, fragment: int, expected: Expected, now: float) -> tuple[_Round, int, int] | None:
+        round_ = self.rounds.pop(fragment, None)
+        if round_ is None:
+            return None
+        num_expected = _num_expected(round_, expected)
+        return round_, num_expected, self.policy.required(num_expected)
+
+    def compute_merge(
+        self, fragment: int, round_: _Round, *, expected: int, required: int, started_at: float
+    ) -> PreparedMerge:
+        """The heavy part (safe in a worker thread while nothing else mutates this fragment)."""
+        names = self.plan.fragments[fragment].names
+        global_params = {n: self.params[n] for n in names}
+        merged, sources = combine_round(
+            round_,
+            global_params,
+            self._history.tensors.get(fragment, {}),
+            self.versions[fragment],
+            self.max_staleness,
+        )
+        result = merge_fragment(
+            global_params,
+            list(merged.values()),
+            embedding_names=self.embedding_names,
+            clip_factor=self.clip_factor,
+            current_version=self.versions[fragment],
+            max_staleness=self.max_staleness,
+        )
+        new_params = self.outer.step(global_params, result.outer_grad)
+        return PreparedMerge(
+            fragment=fragment,
+            base_version=self.versions[fragment],
+            round=round_,
+            result=result,
+            new_params=new_params,
+            merged=merged,
+            sources=sources,
+            required=required,
+            expected=expected,
+            started_at=started_at,
+        )
+
+    def void_merge(
+        self,
+        fragment: int,
+        round_: _Round,
+        *,
+        expected: int,
+        required: int,
+        started_at: float,
+        rejected: Mapping[str, str],
+    ) -> PreparedMerge:
+        """A round with nothing to merge (every contribution rejected or of zero weight), to be published as a
+        version whose parameters are unchanged (no outer step, momentum untouched).
+
+        The synchronous modes need it: each learner waits for its round's version, and a round that publishes
+        nothing held all of them for good (seen in the goodput benchmark's synchronous arm after a syncer
+        restart: "no weighted contribution among 4", then no learner stepped again)."""
+        names = self.plan.fragments[fragment].names
+        result = _void_result(rejected)
+        return PreparedMerge(
+            fragment=fragment,
+            base_version=self.versions[fragment],
+            round=round_,
+            result=result,
+            new_params={n: self.params[n] for n in names},
+            merged={},
+            sources={},
+            required=required,
+            expected=expected,
+            started_at=started_at,
+        )
+
+    def _current(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        return [(v, self.fragment_tensors(f)) for f, v in enumerate(self.versions)]
+
+    def commit_merge(self, prepared: PreparedMerge, now: float) -> MergeRecord:
+        fragment = prepared.fragment
+        if self.versions[fragment] != prepared.base_version:
+            raise RuntimeError(f"fragment {fragment} changed during its merge")
+        version = self._publish(fragment, prepared.new_params, now)
+        self._drop_missed(fragment)
+        for peer in prepared.result.participants:
+            for entry in prepared.sources[peer]:
+                self._ledger.remember(entry, now)
+                self.receipt_ledger.commit(peer, fragment, entry.receipt_counts)
+        record = merge_record(prepared, version, now)
+        self.merges += 1
+        self.tokens_merged += record.tokens
+        self.policy.observe_sync(max(0.0, now - prepared.started_at))
+        return record
+
+    def _publish(self, fragment: int, new_params: Mapping[str, torch.Tensor], now: float) -> int:
+        """Our merge's parameters become the fragment's next version (kept while contributions may build on it)."""
+        self.params.update(new_params)
+        version = self.versions[fragment] = self.versions[fragment] + 1
+        self._history.publish(fragment, version, new_params, now)
+        return version
+
+    def _drop_missed(self, fragment: int) -> None:
+        """After a merge, contributions that arrived during it on the version it replaced missed that round:
+        dropped like any contribution on an older base (QuorumConfig.drop_stale), never a round of their own."""
+        round_ = self.rounds.get(fragment)
+        if round_ is None or not self.policy.config.drop_stale:
+            return  # (only called right after our own merge of the fragment)
+        current = self.versions[fragment]
+        for peer, entry in list(round_.entries.items()):
+            if entry.contribution.base_version < current:
+                del round_.entries[peer]
+        if not round_.entries:
+            del self.rounds[fragment]
+
+    def merge_now(self, fragment: int, expected: int, now: float) -> MergeRecord | None:
+        """Take, compute and commit in one call (tests and single-threaded callers); None if nothing merged."""
+        taken = self.take_round(fragment, expected, now)
+        if taken is None:
+            return None
+        round_, num_expected, required = taken
+        try:
+            prepared = self.compute_merge(
+                fragment, round_, expected=num_expected, required=required, started_at=now
+            )
+        except NothingToMerge:
+            return None
+        return self.commit_merge(prepared, now)
+
+    def version_ages(self, now: float) -> list[float]:
+        """Per fragment, seconds since its current version was published by one of our merges; -1.0 when it
+        is not a regular round (the seed, a version restored or adopted, or our first merge of the fragment
+        after those: the learners' work retried through an outage, every fragment at once). Decoupled
+        learners time their next send of a fragment from its round's publication
+        (`FragmentSync._anchor_locked`): all of them see the same rounds, so they stay in phase without
+        counting steps; through an undated version they keep their anchors, which kept the fragments'
+        stagger."""
+        return self._history.ages(self.versions, now)
+
+    def clock_estimate(self, now: float, *, max_age_s: float = 60.0) -> int:
+        """The schedule step the run's learners are at now: per peer, its latest report plus the steps since
+        (at the EMA step time), then the median over peers that reported within `max_age_s`. The median keeps
+        one stale or lying report from moving everyone's schedule. 0 when nobody reported yet."""
+        return self._schedule.estimate(now, self.policy.xi_step or 0.0, max_age_s)
+
+    def merged_ledger(self) -> tuple[tuple[str, int, int, int, int], ...]:
+        """(peer, fragment, base, steps, tokens) already merged, for bases that can still be contributed on."""
+        return self._ledger.entries(self.versions, self.max_staleness)
+
+    def load_ledger(self, ledger: tuple[tuple[str, int, int, int, int], ...], now: float) -> None:
+        self._ledger.load(ledger, self.plan.num_fragments, now)
+
+    # ---- versions, adoption, snapshots ----
+
+    def fragment_tensors(self, fragment: int) -> dict[str, torch.Tensor]:
+        return {n: self.params[n] for n in self.plan.fragments[fragment].names}
+
+    def fragment_momentum(self, fragment: int) -> dict[str, torch.Tensor]:
+        buffers = {name: self.outer.buffer(name) for name in self.plan.fragments[fragment].names}
+        return {name: buf.clone() for name, buf in buffers.items() if buf is not None}
+
+    def adopt(
+        self,
+        fragment: int,
+        version: int,
+        params: Mapping[str, torch.Tensor],
+        now: float,
+        *,
+        published_at: float | None = None,
+    ) -> bool:
+        """Take a newer version of `fragment` published by an earlier syncer; momentum is kept as it is.
+        `published_at` (this core's clock; at most `now`): when it was published, if known."""
+        if version <= self.versions[fragment]:
+            return False
+        self._check_shape(fragment, params)
+        if not all(bool(torch.isfinite(t).all()) for t in params.values()):
+            return False
+        for name, tensor in params.items():
+            self.params[name] = tensor.detach().to(torch.float32).clone()
+        self.versions[fragment] = version
+        self.rounds.pop(fragment, None)  # its contributions were built on older versions
+        at = now if published_at is None else min(now, published_at)
+        self._history.replace(fragment, version, self.fragment_tensors(fragment), at)
+        return True
+
+    def snapshot(self, run_id: str, term: int, *, wall_offset: float | None = None) -> SyncerSnapshot:
+        """`wall_offset`: wall clock minus the clock this core is driven by, to date the versions (absent:
+        undated, and a successor caps work on them from its own start)."""
+        return SyncerSnapshot(
+            run_id=run_id,
+            term=term,
+            versions=tuple(self.versions),
+            params={n: t.clone() for n, t in self.params.items()},
+            momentum=self.outer.state_dict(),
+            merges=self.merges,
+            tokens_merged=self.tokens_merged,
+            merged=self.merged_ledger(),
+            published_wall=tuple(self.published_wall(f, wall_offset) for f in range(self.plan.num_fragments))
+            if wall_offset is not None
+            else (),
+        )
+
+    def published_wall(self, fragment: int, wall_offset: float | None) -> float:
+        """When the fragment's current version was published, on the wall clock; 0.0 if unknown."""
+        at = self._history.published_at.get((fragment, self.versions[fragment]))
+        return at + wall_offset if at is not None and wall_offset is not None else 0.0
+
+    def restore(self, snapshot: SyncerSnapshot, now: float, *, wall_offset: float | None = None) -> None:
+        if len(snapshot.versions) != self.plan.num_fragments or set(snapshot.params) != set(self.params):
+            raise ValueError("snapshot does not fit this run's plan")
+        self.params = {n: t.detach().to(torch.float32).clone() for n, t in snapshot.params.items()}
+        self.outer.load_state_dict(snapshot.momentum)
+        self.versions = list(snapshot.versions)
+        self.merges, self.tokens_merged = snapshot.merges, snapshot.tokens_merged
+        self.rounds.clear()
+        self._ledger.counters.clear()
+        self.load_ledger(snapshot.merged, now)
+        self._history.reset(self._current(), now)
+        if wall_offset is not None and len(snapshot.published_wall) == self.plan.num_fragments:
+            self._history.date(
+                self.versions, [w - wall_offset if w > 0 else None for w in snapshot.published_wall]
+            )

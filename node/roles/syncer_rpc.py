@@ -1,0 +1,400 @@
+"""The syncer's RPC service: the framed, signed routes learners and stages call (`node.diloco.sync_client`
+names them): push a contribution, long-poll the version vector, fetch a fragment version, offer versions
+signed by an earlier syncer, and (syncers only) read the state for mirroring. It decides nothing about
+leases or merges: it reads and feeds the role's state (`SyncerHost`), and wakes its merge loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from node.diloco.sync_client import (
+    FETCH_ROUTE,
+    OFFER_PREFIX,
+    OFFER_ROUTE,
+    PUSH_ROUTE,
+    STATE_ROUTE,
+    VERSIONS_ROUTE,
+    control_limits,
+    offer_limits,
+    open_version_envelope,
+)
+from node.diloco.syncer_core import Refusal, SyncerCore, refuse
+from protocol.errors import MalformedFrame, ProtocolError
+from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
+from protocol.replay import ReplayGuard
+
+if TYPE_CHECKING:
+    from node.context import NodeContext
+    from node.diloco.fragments import FragmentPlan
+    from protocol.receipts import TokenReceipt
+    from protocol.rpc import PeerStrikes
+
+logger = logging.getLogger(__name__)
+OFFER_MAX_AGE_S = 7 * 86400.0  # a signed version stays offerable this long after it was published
+
+
+class PollTiming(Protocol):
+    """The [syncer] settings the service and the mirror read (node.roles.syncer.SyncerConfig has them)."""
+
+    @property
+    def max_poll_s(self) -> float: ...
+    @property
+    def mirror_every_s(self) -> float: ...
+
+
+class SyncerHost(Protocol):
+    """What the service and the mirror read and feed of the syncer role (node.roles.syncer.SyncerRole)."""
+
+    ctx: NodeContext
+
+    @property
+    def config(self) -> PollTiming: ...
+
+    mode: str
+    plan: FragmentPlan
+    limits: Any
+    fragment_stage: list[int]
+    strikes: PeerStrikes
+    core: SyncerCore | None
+    active: bool
+    term: int
+    primary: str | None
+    recovering_until: float
+    fresh: set[tuple[str, int]]
+    live: dict[str, Any]
+    adopted: int
+    merge_lock: asyncio.Lock
+    wake: asyncio.Event
+    published: asyncio.Event
+    p2p: Any
+
+    def holders(self, fragment: int) -> set[str]: ...
+    def check_known(self, peer: str) -> Awaitable[None]: ...
+    def notify(self) -> None: ...
+
+
+class SyncerService:
+    """The routes of one syncer, and what they refused and verified (for /api/status)."""
+
+    def __init__(self, role: SyncerHost) -> None:
+        self.role = role
+        self._push_replay = ReplayGuard()
+        self._control_replay = ReplayGuard()
+        self.refusals: dict[str, int] = {}
+        self.receipts_verified = 0
+        self.receipts_rejected: dict[str, int] = {}  # by reason
+        self.receipt_capped = 0  # stage contributions whose tokens the receipts cut
+        self._server: Any = None
+
+    @property
+    def replay(self) -> ReplayGuard:
+        """The replay guard of control answers (the mirror opens the active syncer's with it too)."""
+        return self._control_replay
+
+    async def start(self, p2p: Any, on_throttle: Callable[..., Any]) -> None:
+        from protocol.envelope import max_frame_bytes
+        from protocol.rpc import FramedServer, Route
+
+        control = max_frame_bytes(control_limits())
+        routes = {
+            PUSH_ROUTE: Route(self._handle_push, max_frame_bytes(self.role.limits)),
+            VERSIONS_ROUTE: Route(self._handle_versions, control),
+            FETCH_ROUTE: Route(self._handle_fetch, control),
+            OFFER_ROUTE: Route(self._handle_offer, max_frame_bytes(offer_limits(self.role.plan))),
+            STATE_ROUTE: Route(self._handle_state, control),
+        }
+        self._server = FramedServer(
+            p2p, routes, strikes=self.role.strikes, on_reject=self._on_reject, on_throttle=on_throttle
+        )
+        await self._server.start()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await asyncio.wait_for(self._server.stop(), 2.0)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "refusals": dict(self.refusals),
+            "receipts": {
+                "verified": self.receipts_verified,
+                "rejected": dict(self.receipts_rejected),
+                "capped": self.receipt_capped,
+            },
+        }
+
+    def _on_reject(self, remote: str, route: str, error: ProtocolError) -> None:
+        self.refusals[error.reason] = self.refusals.get(error.reason, 0) + 1
+
+    def _answer(
+        self, kind: Any, receiver: str, *, microbatch: int = 0, step: int = 0, **kwargs: Any
+    ) -> bytearray:
+        from protocol.envelope import Context, seal
+
+        context = Context(run_id=self.role.ctx.run_id, kind=kind, receiver=receiver)
+        return seal(
+            self.role.ctx.identity, context, microbatch=microbatch, step=step, now=time.time(), **kwargs
+        )
+
+    def _open(self, frame: bytearray, remote: str, kind: Any, limits: Any, replay: Any) -> Any:
+        from protocol.envelope import Context, open_envelope
+
+        expect = Context(run_id=self.role.ctx.run_id, kind=kind, receiver=self.role.ctx.peer_id)
+        return open_envelope(
+            frame, remote_peer=remote, expect=expect, limits=limits, replay=replay, now=time.time()
+        )
+
+    def _require_active(self) -> None:
+        if not self.role.active:
+            raise refuse("standby", "this syncer is on standby")
+
+    async def _handle_push(self, frame: bytearray, remote: str) -> bytes:
+        from protocol.envelope import Kind
+
+        opened = self._open(frame, remote, Kind.FRAGMENT, self.role.limits, self._push_replay)
+        meta, header = opened.meta, opened.header
+        fields = _contribution_fields(meta)
+        if fields["fragment"] != header.microbatch or fields["base_version"] != header.step:
+            raise MalformedFrame("meta disagrees with the signed header", reason="malformed contribution")
+        frames = parse_receipts_meta(meta)
+        core = self.role.core
+        assert core is not None
+        core.check_contribution(fields["fragment"], opened.tensors)  # malformed: refused and counted first
+        self._require_active()
+        await self.role.check_known(remote)
+        holder = self.role.live.get(remote)
+        receipts = None
+        if holder is not None and holder.role == "stage":  # verifiers watch stages: weigh them by receipts
+            receipts = self._verified_receipts(remote, fields["fragment"], frames)
+        recovering = time.monotonic() < self.role.recovering_until
+        try:
+            admission = core.accept(
+                remote,
+                fields["fragment"],
+                opened.tensors,
+                base_version=fields["base_version"],
+                steps=fields["steps"],
+                tokens=fields["tokens"],
+                sched_step=fields["sched_step"],
+                step_time_s=fields["step_time_s"],
+                nonce=header.nonce,
+                now=time.monotonic(),
+                receipts=receipts,
+            )
+        except Refusal as e:
+            if e.reason == "ahead of syncer" and recovering:
+                raise refuse("recovering", "recovering after a takeover") from None
+            raise
+        if admission.capped:
+            self.role.strikes.record(remote, "counters capped")
+        self.receipt_capped += admission.receipt_capped
+        if recovering and fields["seen_term"] == self.role.term:
+            self.role.fresh.add((remote, fields["fragment"]))
+            if self._every_round_fresh():
+                # every live holder sent every fragment's work through the outage, snapshotted once it knew
+                # us, so none has a version to offer that we lack (a contribution on a base we lack is
+                # deferred) nor progress still to send: waiting out recovery_s would only let their steps
+                # since pile up, to be overwritten by the merge
+                self.role.recovering_until = time.monotonic()
+                logger.info("recovery complete: every live holder sent every fragment's outage work")
+        self.role.wake.set()
+        meta = {"target_version": admission.target_version, "late": admission.late}
+        return self._answer(Kind.CONTROL, remote, meta=meta)
+
+    def _every_round_fresh(self) -> bool:
+        for fragment in range(self.role.plan.num_fragments):
+            holders = self.role.holders(fragment)
+            if not holders or any((peer, fragment) not in self.role.fresh for peer in holders):
+                return False
+        return True
+
+    def _verified_receipts(self, remote: str, fragment: int, frames: list[bytes]) -> list[TokenReceipt]:
+        """The receipts that verify for `remote` on the fragment's stage; the others are counted (and struck when
+        forged), never raised: a bad receipt costs the contribution its credit, not the syncer anything."""
+        valid, errors = verify_receipts(
+            frames,
+            run_id=self.role.ctx.run_id,
+            replica=remote,
+            stage=self.role.fragment_stage[fragment],
+            authorized_verifiers=self.role.ctx.manifest.authorized_verifiers,
+            now=time.time(),
+        )
+        for error in errors:
+            self.receipts_rejected[error.reason] = self.receipts_rejected.get(error.reason, 0) + 1
+            if error.reason in FORGERY_REASONS:
+                self.role.strikes.record(remote, "bad receipt")
+            logger.info("receipt from %s rejected: %s: %s", remote[-8:], error.reason, error)
+        self.receipts_verified += len(valid)
+        return valid
+
+    async def _handle_versions(self, frame: bytearray, remote: str) -> bytes:
+        from protocol.envelope import Kind
+
+        opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)
+        self._require_active()
+        known, wait_s = opened.meta.get("known"), opened.meta.get("wait_s", 0.0)
+        num = self.role.plan.num_fragments
+        if not (isinstance(known, list) and len(known) == num and all(type(v) is int for v in known)):
+            raise MalformedFrame("known must list one int per fragment")
+        if not (type(wait_s) is float and math.isfinite(wait_s)):
+            raise MalformedFrame("wait_s must be a float")
+        deadline = time.monotonic() + min(max(wait_s, 0.0), self.role.config.max_poll_s)
+        core = self.role.core
+        assert core is not None
+        while self.role.active and not any(v > k for v, k in zip(core.versions, known, strict=True)):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.role.published.wait(), remaining)
+        self._require_active()
+        now = time.monotonic()
+        meta = {
+            "versions": list(core.versions),
+            "term": self.role.term,
+            "barrier": self.role.mode != "decoupled",
+            "clock": core.clock_estimate(now),
+            "ages": core.version_ages(now),
+            "step_time_s": float(core.policy.xi_step or 0.0),
+        }
+        return self._answer(Kind.CONTROL, remote, meta=meta)
+
+    async def _handle_fetch(self, frame: bytearray, remote: str) -> bytes:
+        from protocol.envelope import Kind
+
+        opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)
+        self._require_active()
+        fragment = opened.meta.get("fragment")
+        if type(fragment) is not int or not 0 <= fragment < self.role.plan.num_fragments:
+            raise MalformedFrame("bad fragment id")
+        core = self.role.core
+        assert core is not None
+        version = core.versions[fragment]
+        return self._answer(
+            Kind.VERSION,
+            remote,
+            microbatch=fragment,
+            step=version,
+            tensors=core.fragment_tensors(fragment),
+            meta={"fragment": fragment, "version": version, "term": self.role.term},
+        )
+
+    async def _handle_state(self, frame: bytearray, remote: str) -> bytes:
+        from protocol.envelope import Kind
+
+        opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)
+        if remote not in self.role.ctx.manifest.authorized_syncers:
+            raise refuse("unauthorized", "only authorized syncers may read the syncer state", blame=True)
+        self._require_active()
+        fragment = opened.meta.get("fragment")
+        if type(fragment) is not int or not 0 <= fragment < self.role.plan.num_fragments:
+            raise MalformedFrame("bad fragment id")
+        core = self.role.core
+        assert core is not None
+        async with self.role.merge_lock:
+            tensors = {f"param/{n}": t.clone() for n, t in core.fragment_tensors(fragment).items()}
+            tensors.update({f"momentum/{n}": t for n, t in core.fragment_momentum(fragment).items()})
+            version = core.versions[fragment]
+            ledger = _ledger_json([e for e in core.merged_ledger() if e[1] == fragment])
+            published = core.published_wall(fragment, wall_offset())
+        return self._answer(
+            Kind.VERSION,
+            remote,
+            microbatch=fragment,
+            step=version,
+            tensors=tensors,
+            meta={"term": self.role.term, "merged": ledger, "published_wall": published},
+        )
+
+    async def _handle_offer(self, frame: bytearray, remote: str) -> bytes:
+        from protocol.envelope import Kind
+
+        opened = self._open(frame, remote, Kind.CONTROL, offer_limits(self.role.plan), self._control_replay)
+        self._require_active()
+        core = self.role.core
+        assert core is not None
+        adopted = 0
+        for name, tensor in opened.tensors.items():
+            if not name.startswith(OFFER_PREFIX):
+                raise MalformedFrame("offer tensors are named offer/<fragment>")
+            try:
+                inner = open_version_envelope(
+                    tensor.numpy().tobytes(),
+                    run_id=self.role.ctx.run_id,
+                    receiver=remote,
+                    signer_candidates=self.role.ctx.manifest.authorized_syncers,
+                    limits=self.role.limits,
+                    now=time.time(),
+                    max_age_s=OFFER_MAX_AGE_S,
+                )
+            except ProtocolError as e:
+                raise MalformedFrame(
+                    f"offered version does not verify: {e.reason}", reason="bad offer"
+                ) from None
+            fragment = inner.header.microbatch
+            if name != f"{OFFER_PREFIX}{fragment}" or not 0 <= fragment < self.role.plan.num_fragments:
+                raise MalformedFrame("offered version names another fragment", reason="bad offer")
+            # sealed by the old syncer when the learner fetched it, just after its publication
+            fetched_at = time.monotonic() - max(0.0, time.time() - inner.header.timestamp)
+            async with self.role.merge_lock:
+                if core.adopt(
+                    fragment, inner.header.step, inner.tensors, time.monotonic(), published_at=fetched_at
+                ):
+                    adopted += 1
+                    self.role.adopted += 1
+                    self.role.ctx.events.emit(
+                        "adopted",
+                        fragment=fragment,
+                        version=inner.header.step,
+                        signer=inner.header.sender,
+                        via=remote,
+                    )
+        if adopted:
+            self.role.notify()
+        return self._answer(Kind.CONTROL, remote, meta={"adopted": adopted})
+
+
+def _ledger_json(entries: list[tuple[str, int, int, int, int]], max_chars: int = 4000) -> str:
+    """The ledger as JSON for an envelope's meta (4096 characters at most): the most recent entries first."""
+    kept: list[list[object]] = []
+    for entry in reversed(entries):
+        if len(json.dumps([*kept, list(entry)])) > max_chars:
+            break
+        kept.append(list(entry))
+    return json.dumps(kept)
+
+
+def _contribution_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
+    ints = ("fragment", "base_version", "steps", "tokens", "sched_step")
+    out: dict[str, Any] = {}
+    for name in ints:
+        value = meta.get(name)
+        if type(value) is not int or value < 0:
+            raise MalformedFrame(
+                f"contribution meta {name} must be an int >= 0", reason="malformed contribution"
+            )
+        out[name] = value
+    step_time = meta.get("step_time_s")
+    if type(step_time) is not float or not math.isfinite(step_time) or step_time < 0:
+        raise MalformedFrame(
+            "contribution meta step_time_s must be a float >= 0", reason="malformed contribution"
+        )
+    out["step_time_s"] = step_time
+    seen_term = meta.get("seen_term", 0)  # absent from an older learner: never counts as fresh
+    if type(seen_term) is not int or seen_term < 0:
+        raise MalformedFrame(
+            "contribution meta seen_term must be an int >= 0", reason="malformed contribution"
+        )
+    out["seen_term"] = seen_term
+    return out
+
+
+def wall_offset() -> float:
+    """Wall clock minus the monotonic clock the syncer core runs on: dates versions across syncers."""
+    return time.time() - time.monotonic()
