@@ -9,7 +9,10 @@ The bootstrap keeps the swarm's history itself (`node.status.swarm_view.SwarmHis
 (taken each heartbeat period even when nobody polls) is fed to it, with the merge details the active syncer lists
 in its own `/api/status` when it serves one. `/api/swarm` then carries `history` (time series, merges, bans),
 `events` (newest first) and `map` (peers by stage, role and health) for the dashboard; every event is also appended
-to `<state_dir>/swarm-events.jsonl`, and the swarm's figures are gauges on `/metrics`. Other sections come from
+to `<state_dir>/swarm-events.jsonl`, and the swarm's figures are gauges on `/metrics`. Local tools add events of
+their own (the demo announces its injected faults) by appending JSON lines to `<state_dir>/notes.jsonl`, read at
+every snapshot. Peers that announced leaving are listed apart (`leaving`), so the history tells a clean leave
+from a lost peer. Other sections come from
 providers registered with `Bootstrap.add_section(name, provider)`; a provider gets the document built so far and
 returns its section.
 """
@@ -35,7 +38,7 @@ from prometheus_client import Counter, Gauge
 from node.config import DEFAULT_LISTEN, NetworkConfig, default_state_dir
 from node.context import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
 from node.status.http import metrics_response, start_site, summarize_bans
-from node.status.swarm_view import SwarmHistory, ViewConfig
+from node.status.swarm_view import NOTES_FILENAME, SwarmHistory, ViewConfig
 from node.swarm import (
     REACH_ROUTE,
     Membership,
@@ -66,6 +69,7 @@ MAX_MERGES_SERVED = 300  # newest merges
 # in the state dir: every event the bootstrap saw, one JSON per line
 SWARM_EVENTS_FILENAME = "swarm-events.jsonl"
 MAX_SYNCER_STATUS_BYTES = 1 << 20  # the syncer's /api/status we read for merge details
+MAX_NOTES_BYTES = 1 << 16  # of <state_dir>/notes.jsonl read per snapshot
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -182,7 +186,7 @@ class Bootstrap:
             "map": self.history.swarm_map,
         }
         self._syncer_status: dict[str, Any] | None = None
-        self._events_logged = 0  # seq of the last history event appended to the swarm event log
+        self._events_logged = self._notes_offset = 0  # last event seq logged; bytes of notes.jsonl read
         self.dht: Any = None
         self._p2p: Any = None  # our replica of the DHT's daemon, for the reach checks we serve
         self._reach: FramedServer | None = None
@@ -297,6 +301,18 @@ class Bootstrap:
         except OSError as e:
             logger.warning("cannot append to the swarm event log: %s", e)
 
+    def _read_notes(self, now: float) -> None:
+        """New complete lines of `<state_dir>/notes.jsonl` (at most `MAX_NOTES_BYTES` a look) into the events."""
+        try:
+            with (self.config.state_dir / NOTES_FILENAME).open("rb") as notes:
+                notes.seek(self._notes_offset)
+                chunk = notes.read(MAX_NOTES_BYTES)
+        except OSError:
+            return  # no notes file: nobody adds events
+        complete = chunk[: chunk.rfind(b"\n") + 1] or (chunk if len(chunk) == MAX_NOTES_BYTES else b"")
+        self._notes_offset += len(complete)
+        self.history.add_notes(complete.splitlines(), now)
+
     def _update_swarm_metrics(self) -> None:
         history = self.history
         last = history.samples[-1] if history.samples else {}
@@ -324,7 +340,7 @@ class Bootstrap:
             redialer = Redialer(self.dht, self.config.join, _network(self.config))
             supervisor.spawn("redial", partial(redialer.run, stop), policy=RestartPolicy())
         try:
-            stopped = asyncio.ensure_future(stop.wait())
+            stopped: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
             await asyncio.wait([stopped, supervisor.fatal], return_when=asyncio.FIRST_COMPLETED)
             stopped.cancel()
             if supervisor.fatal.done():
@@ -407,7 +423,8 @@ class Bootstrap:
 
     async def _build_swarm_document(self) -> dict[str, Any]:
         assert self.records is not None
-        peers = await self.records.list_peers()
+        listed = await self.records.list_peers(include_leaving=True)
+        peers = [p for p in listed if not p.heartbeat.leaving]
         for peer in peers:
             self._seen_peers[peer.peer_id] = None
         while len(self._seen_peers) > MAX_REMEMBERED_PEERS:
@@ -429,10 +446,12 @@ class Bootstrap:
             "settings": self.manifest.to_dict(),
             "time": get_dht_time(),
             "peers": [p.to_json() for p in peers],
+            "leaving": [p.to_json() for p in listed if p.heartbeat.leaving],
             "bans": summarize_bans(bans, self.manifest.bans_required),
             "syncer": [s.to_json() for s in syncers],
             "bootstrap_maddrs": list(dict.fromkeys([*self.maddrs, *other_bootstraps])),
         }
+        self._read_notes(document["time"])
         self.history.observe({**document, "syncer_status": self._syncer_status}, document["time"])
         self._update_swarm_metrics()
         self._log_events()

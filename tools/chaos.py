@@ -11,7 +11,9 @@ Three kinds of fault, each aimed at a named process:
 
 `plan_faults` draws a schedule from a seed (pure, deterministic); `ChaosRunner` executes it against a
 `Controller` (anything that can signal and restart processes by name) and counts every fault it injected;
-`ChaosReport.check(plan)` says whether what was injected is exactly what was planned. `ProcessGroup` is a
+`ChaosReport.check(plan)` says whether what was injected is exactly what was planned; `announcement(phase,
+injected)` is what to say as each fault starts and ends (the demo prints it and puts it on the dashboard's
+events). `ProcessGroup` is a
 small `Controller` over `subprocess` for callers that do not have their own process management.
 """
 
@@ -86,11 +88,10 @@ def plan_faults(config: ChaosConfig, learners: Sequence[str], *, max_tries: int 
     if not learners and (config.learner_kills or config.stragglers):
         raise ValueError("learner faults need at least one learner")
     rng = random.Random(config.seed)
-    kinds: list[tuple[FaultKind, float]] = (
-        [("kill", config.restart_delay_s)] * config.learner_kills
-        + [("stop", config.stop_s)] * config.stragglers
-        + [("kill_syncer", config.restart_delay_s)] * config.syncer_kills
-    )
+    kill: tuple[FaultKind, float] = ("kill", config.restart_delay_s)
+    stop: tuple[FaultKind, float] = ("stop", config.stop_s)
+    kill_syncer: tuple[FaultKind, float] = ("kill_syncer", config.restart_delay_s)
+    kinds = [kill] * config.learner_kills + [stop] * config.stragglers + [kill_syncer] * config.syncer_kills
     for _ in range(max_tries):
         starts = []
         for _kind, length in kinds:
@@ -164,6 +165,36 @@ class ChaosReport:
             }
             for i in self.injected
         ]
+
+
+ACTIONS: dict[str, str] = {"kill": "kill", "stop": "stall", "kill_syncer": "kill the active syncer"}
+
+
+def announcement(phase: str, injected: Injected) -> dict[str, object]:
+    """What to say when a fault starts (`phase` "inject", as `ChaosRunner.on_event` calls it) or ends ("end"):
+    `phase` ("start" or "end"), `kind`, `target`, `at_s` (chaos-clock time), `error` and one line of `text`."""
+    fault, target = injected.fault, injected.target
+    if phase == "inject":
+        at_s = injected.injected_at_s
+        then = "restart" if fault.kind != "stop" else "resume"
+        signum = "SIGSTOP" if fault.kind == "stop" else "SIGKILL"
+        text = f"fault: {ACTIONS[fault.kind]} {target} ({signum}); {then} in {fault.duration_s:g} s"
+        if injected.error:
+            text = f"fault: {ACTIONS[fault.kind]} {target} could not be injected: {injected.error}"
+    else:
+        at_s = injected.ended_at_s if injected.ended_at_s is not None else injected.injected_at_s
+        done = "resumed (SIGCONT)" if fault.kind == "stop" else "restarted"
+        text = f"recovery: {target} {done} after {at_s - injected.injected_at_s:.1f} s"
+        if injected.error:
+            text = f"recovery: {target} failed: {injected.error}"
+    return {
+        "phase": "start" if phase == "inject" else "end",
+        "kind": fault.kind,
+        "target": target,
+        "at_s": round(at_s, 3),
+        "error": injected.error,
+        "text": text,
+    }
 
 
 class ChaosRunner:
@@ -308,11 +339,8 @@ class ProcessGroup:
 
     def start(self, name: str, argv: Sequence[str]) -> subprocess.Popen[bytes]:
         with self._lock:
-            if (
-                name in self._procs
-                and self._procs[name].popen is not None
-                and self._procs[name].popen.poll() is None
-            ):
+            current = self._procs.get(name)
+            if current is not None and current.popen is not None and current.popen.poll() is None:
                 raise ValueError(f"process {name!r} is already running")
             managed = self._procs.get(name) or _Managed(
                 argv=list(argv), log_path=self.log_dir / f"{name}.log"

@@ -24,7 +24,6 @@ What it does, in order:
    escapes), checks that no process is left, evaluates the syncer's final checkpoint on held-out data, and writes
    `report.json`, the text report and the plots (`tools.report`) into `--out` (default `runs/<timestamp>`).
 
-A role this version does not have shows up as `idle` ("not built yet") on the map instead of being faked.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ import os
 import queue
 import re
 import resource
+import shlex
 import signal
 import sys
 import time
@@ -50,7 +50,15 @@ from typing import Any
 
 import aiohttp
 
-from node.status.swarm_view import SwarmHistory, ViewConfig, short, summary_line
+from node.status.swarm_view import (
+    NOTES_FILENAME,
+    SwarmHistory,
+    ViewConfig,
+    goodput_text,
+    short,
+    summary_line,
+    throughput_text,
+)
 from protocol.errors import ConfigError, HivenodeError
 from protocol.identity import NodeIdentity
 from tools.proctree import ProcInfo, cmdline, descendants, proc_table, reap, set_subreaper, terminate
@@ -261,13 +269,6 @@ def attack_prefix(kind: str) -> list[str]:
     return ["env", f"{UNSAFE_ATTACK_ENV}={spec}"]
 
 
-def role_available(role: str) -> bool:
-    """Whether `node/<role>.py` defines a role (else the node joins as `idle`, "not built yet")."""
-    import importlib.util
-
-    return importlib.util.find_spec(f"node.{role}") is not None
-
-
 # ---- processes ----
 
 
@@ -312,6 +313,37 @@ def kill_leftovers(grace_s: float = 3.0, timeout_s: float = 5.0) -> list[str]:
     terminate(left, timeout_s)
     reap(left)
     return described
+
+
+def join_command(maddr: str, executable: str = sys.executable) -> str:
+    """The command a volunteer runs to join this swarm, as it works from a fresh shell: the `hivenode` console
+    script beside our interpreter (by absolute path, no venv to activate), else that interpreter with `-m node`."""
+    python = Path(executable).absolute()  # not resolved: a venv's python is a symlink to the system one
+    script = python.parent / "hivenode"
+    prefix = [str(script)] if script.is_file() and os.access(script, os.X_OK) else [str(python), "-m", "node"]
+    return shlex.join([*prefix, "--join", maddr])
+
+
+def announce_fault(
+    phase: str, injected: Any, *, since: float, notes: Path, peer: str | None
+) -> dict[str, Any]:
+    """Say a fault's start or end (`tools.chaos.announcement`) on the console, `[seconds since the swarm was up]`
+    first, and on the dashboard: a line in the bootstrap's notes file, which it adds to its events. Returns the
+    note (an event: `t`, `kind` fault or recovery, `text`, `target`, `phase`, `peer`)."""
+    from tools.chaos import announcement
+
+    now = time.time()
+    said = announcement(phase, injected)
+    print(f"[{now - since:5.0f} s] {said['text']}", flush=True)
+    kind = "fault" if said["phase"] == "start" else "recovery"
+    note: dict[str, Any] = {"t": now, "kind": kind, "text": said["text"], "phase": said["phase"]}
+    note.update(target=injected.target, peer=peer)
+    try:
+        with notes.open("a") as out:
+            out.write(json.dumps(note) + "\n")
+    except OSError as e:
+        logger.warning("cannot add the fault to the dashboard's events: %s", e)
+    return note
 
 
 def events_path_of(state_dir: Path) -> Path:
@@ -359,7 +391,7 @@ class DemoSwarm:
         self.started_at = time.time()  # the report's time zero: when the swarm is up
         self.ended_at: float | None = None
         self.faults: list[dict[str, Any]] = []
-        self.chaos_events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.chaos_events: queue.SimpleQueue[tuple[str, Any, dict[str, Any]]] = queue.SimpleQueue()
         self.last_doc: dict[str, Any] = {}
         self.watch = ProcessWatch(self._popen_pids)
         self.left_behind: list[str] = []
@@ -385,10 +417,6 @@ class DemoSwarm:
             path.mkdir(parents=True, exist_ok=True)
         specs = plan_nodes(self.config)
         for spec in specs:
-            if not role_available(spec.role):
-                logger.warning(
-                    "role %s is not built in this version: %s will join as idle", spec.role, spec.name
-                )
             state_dir = self.state / spec.name
             identity = NodeIdentity.load_or_create(state_dir / "identity.key")
             argv = [sys.executable, "-m", "node", "--join", "MADDR", "--role", spec.role]
@@ -419,7 +447,7 @@ class DemoSwarm:
         self.dashboard = _DASHBOARD.search(text).group(1) + "/"  # type: ignore[union-attr]
         self.maddr = _MADDR.search(text).group(1)  # type: ignore[union-attr]
         print(f"dashboard: {self.dashboard}", flush=True)
-        print(f"join this swarm: python -m node --join {self.maddr}", flush=True)
+        print(f"join this swarm: {join_command(self.maddr)}", flush=True)
         for started in self.nodes.values():
             started.argv[started.argv.index("MADDR")] = self.maddr
             self.group.start(started.spec.name, started.argv)
@@ -633,9 +661,7 @@ class DemoSwarm:
             except ValueError as e:  # a window too short for its faults: say so, do not take the demo down
                 self.history.note(time.time(), "chaos", f"no chaos schedule: {e}")
                 return
-            runner = ChaosRunner(
-                plan, self.group, on_event=lambda kind, injected: self.chaos_events.put((kind, injected))
-            )
+            runner = ChaosRunner(plan, self.group, on_event=self._announce_fault)
             self._chaos_runner = runner
             self.history.note(
                 time.time(), "chaos", f"chaos schedule {rounds + 1}: {len(plan)} faults in {window:g} s"
@@ -645,13 +671,22 @@ class DemoSwarm:
             if self.config.duration_s:
                 return
 
+    def _announce_fault(self, phase: str, injected: Any) -> None:
+        """On the chaos thread, as a fault starts or ends (see `announce_fault`); the swarm view and the report
+        take it from the queue."""
+        started = self.nodes.get(injected.target)
+        notes = self.state / "bootstrap" / NOTES_FILENAME
+        peer = started.peer_id if started is not None else None
+        note = announce_fault(phase, injected, since=self.started_at, notes=notes, peer=peer)
+        self.chaos_events.put((phase, injected, note))
+
     def _drain_chaos_events(self) -> None:
         while True:
             try:
-                kind, injected = self.chaos_events.get_nowait()
+                kind, injected, note = self.chaos_events.get_nowait()
             except queue.Empty:
                 return
-            now = time.time()
+            now = note["t"]
             target = injected.target
             started = self.nodes.get(target)
             peer = started.peer_id if started is not None else None
@@ -660,10 +695,7 @@ class DemoSwarm:
             if kind == "inject":
                 if action == "kill" and not injected.error:
                     self._chaos_down.add(target)
-                what = f"{action} {target}" + (f" ({injected.error})" if injected.error else "")
-                self.history.note(
-                    now, "chaos", f"chaos: {what} for {injected.fault.duration_s:g} s", peer=peer
-                )
+                self.history.note(now, note["kind"], note["text"], peer=peer, target=target)
                 if not injected.error:
                     self.faults.append(
                         {
@@ -677,8 +709,7 @@ class DemoSwarm:
                     )
             else:
                 self._chaos_down.discard(target)
-                verb = "resumed" if action == "stall" else "restarted"
-                self.history.note(now, "chaos", f"chaos: {verb} {target}", peer=peer)
+                self.history.note(now, note["kind"], note["text"], peer=peer, target=target)
 
     def _restart_the_fallen(self, now: float) -> None:
         """A node that exited on its own (not killed by chaos, or failing to come back after its chaos restart) is
@@ -859,8 +890,8 @@ def render_live(swarm: DemoSwarm) -> Any:
     stats.add_row(
         f"held-out {evals[0]['loss']:.3f} -> {evals[-1]['loss']:.3f}" if evals else "held-out -",
         f"train {last['loss']:.3f}" if last.get("loss") is not None else "train -",
-        f"{last.get('throughput') or 0:,.0f} tok/s",
-        f"goodput {last.get('goodput') or 0:,.0f} tok/s",
+        goodput_text(last.get("goodput"), history.goodput_source),
+        throughput_text(last.get("throughput")),
     )
     stats.add_row(
         f"versions {' '.join(map(str, versions[0])) if versions else '-'}",

@@ -8,8 +8,9 @@ loss points, the faults a chaos schedule injected, process and CPU figures) and 
 Definitions (also written into the report):
 
 - *time to fall*: seconds from the first held-out evaluation until the held-out loss is `fall_nats` below it.
-- *goodput*: tokens the global model got (committed by merges when the syncer says so, else processed by peers
-  that were neither banned nor missing), divided by the tokens a fault-free swarm of the planned size would have
+- *goodput*: tokens the global model got (committed by the merges the syncer describes; 0 before any merge,
+  unknown when merges were seen but none described: never the tokens the heartbeats report), divided by the
+  tokens a fault-free swarm of the planned size would have
   processed over the same working time at the healthy per-peer rate measured in this run. Committed tokens lag
   (tokens not yet synced at the end) and Decoupled DiLoCo drops some by design (a learner overwrites a fragment
   with a version it did not contribute to, losing its steps since its last send), so a fault-free run stays
@@ -35,9 +36,9 @@ logger = logging.getLogger(__name__)
 REPORT_FILENAME = "report.json"
 PLOT_NAMES = ("loss.png", "throughput.png", "merges.png")
 GOODPUT_DEFINITION = (
-    "tokens the global model got (committed by merges when the syncer reports them, else processed by peers "
-    "neither banned nor missing) / tokens a fault-free swarm of the planned size would process in the same "
-    "working time at the healthy per-peer rate measured in this run"
+    "tokens the global model got (committed by the merges the syncer describes; 0 before any merge) / tokens a "
+    "fault-free swarm of the planned size would process in the same working time at the healthy per-peer rate "
+    "measured in this run"
 )
 
 
@@ -119,18 +120,22 @@ def throughput_summary(history: Mapping[str, Any], planned_workers: int) -> dict
     full = [rate for rate, complete in rates if complete] or [rate for rate, _ in rates]
     healthy_rate = statistics.median(full) if full else None
     committed = totals.get("committed_tokens")
-    got = committed if history.get("goodput_source") == "syncer" and committed is not None else None
-    got = got if got is not None else totals.get("useful_tokens", 0)
+    # merged work only: the heartbeats' tokens are the working fraction below, never goodput
+    got = committed if history.get("goodput_source") == "syncer" else None
+    got = 0 if got is None and not totals.get("merges") else got
     reference = healthy_rate * max(planned_workers, 1) * span_s if healthy_rate else None
+    goodputs = _finite(goodput[first : last + 1])
     return {
         "tokens": totals.get("tokens", 0),
         "useful_tokens": totals.get("useful_tokens", 0),
         "committed_tokens": committed,
         "working_time_s": round(span_s, 1),
         "mean_tokens_per_s": round(statistics.fmean(_finite(throughput[first : last + 1])), 1),
-        "mean_goodput_tokens_per_s": round(statistics.fmean(_finite(goodput[first : last + 1]) or [0.0]), 1),
+        "mean_goodput_tokens_per_s": round(statistics.fmean(goodputs), 1)
+        if goodputs and got is not None
+        else None,
         "healthy_tokens_per_s_per_peer": round(healthy_rate, 1) if healthy_rate else None,
-        "goodput_fraction": round(min(got / reference, 1.0), 3) if reference else None,
+        "goodput_fraction": round(min(got / reference, 1.0), 3) if reference and got is not None else None,
         # the same against tokens processed by unbanned live peers: the share of chip time spent working
         "working_fraction": round(min(totals.get("useful_tokens", 0) / reference, 1.0), 3)
         if reference
@@ -153,9 +158,10 @@ def fault_summary(
         peer = event.get("peer")
         if event.get("kind") in ("joined", "recovered") and peer:
             rejoins.setdefault(str(peer), []).append(float(event["t"]))
-        if event.get("kind") in ("left", "straggling") and peer:
+        if event.get("kind") in ("left", "lost", "straggling") and peer:
             losses.setdefault(str(peer), []).append(float(event["t"]))
-    out, kinds = [], {}
+    out: list[dict[str, Any]] = []
+    kinds: dict[str, int] = {}
     for fault in sorted(faults, key=lambda f: f["t"]):
         t = float(fault["t"])
         kinds[fault["action"]] = kinds.get(fault["action"], 0) + 1
@@ -274,9 +280,12 @@ def render_text(report: Mapping[str, Any]) -> str:
 
 
 def _goodput_source(throughput: Mapping[str, Any]) -> str:
-    if throughput.get("goodput_source") == "syncer":
+    source = throughput.get("goodput_source")
+    if source == "syncer":
         return "tokens merged into the global model"
-    return "tokens of unbanned live peers"
+    if source == "no merges yet":
+        return "no merges yet"
+    return f"unknown: {source or 'no syncer figures'}"
 
 
 def write_report(out_dir: Path, report: Mapping[str, Any]) -> Path:

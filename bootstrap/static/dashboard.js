@@ -8,8 +8,8 @@ const HEALTH_HELP = {
   alive: "heartbeating and working",
   straggling: "late heartbeat, or far slower than its peers",
   idle: "joined but does no work",
-  leaving: "announced leaving",
-  missing: "stopped heartbeating (left, killed or stalled)",
+  leaving: "announced leaving (a clean leave)",
+  missing: "stopped heartbeating without announcing leaving (killed, stalled or cut off)",
   banned: "a ban is in effect",
 };
 const PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#9d755d", "#e45756", "#72b7b2", "#eeca3b"];
@@ -146,8 +146,12 @@ function renderSummary(doc) {
   setText("summary-peers", String(live));
   setText("summary-health", HEALTHS.filter((h) => counts[h]).map((h) => `${counts[h]} ${h}`).join(", "));
   setText("summary-throughput", fmt(last(history.throughput || [])));
-  setText("summary-goodput", fmt(last(history.goodput || [])));
-  setText("summary-goodput-source", history.goodput_source === "syncer" ? "tokens/s merged (syncer)" : "tokens/s of unbanned live peers");
+  // goodput is merged work only: 0 before the first merge, unknown (never a heartbeat figure) if undescribed
+  const source = history.goodput_source;
+  const goodput = source === "syncer" ? fmt(last(history.goodput || [])) : source === "no merges yet" ? "0" : "?";
+  setText("summary-goodput", goodput);
+  setText("summary-goodput-source", source === "syncer" ? "tokens/s merged (syncer)"
+    : source === "no merges yet" ? "no merges yet" : `unknown: ${source || "no history"}`);
   setText("summary-loss", fmt(last(history.loss || []), 3));
   const evals = history.eval || [];
   setText("summary-eval", evals.length ? `held-out ${fmt(evals[evals.length - 1].loss, 3)}` : "mean of peers");
@@ -207,7 +211,8 @@ function renderCharts(doc) {
   const h = doc.history || {};
   const t0 = h.started_at || (h.t && h.t[0]) || 0;
   const xs = (h.t || []).map((t) => t - t0);
-  const xMax = Math.max(1, ...xs, ...(h.eval || []).map((p) => p.t - t0));
+  // merges and evaluations may be newer than the last sample: the axis reaches them too
+  const xMax = Math.max(1, ...xs, ...(h.eval || []).map((p) => p.t - t0), ...(h.merges || []).map((m) => m.t - t0));
 
   const peerLines = Object.entries(h.peer_loss || {}).map(([peerId, series], i) => ({
     xs: series.t.map((t) => t - t0), ys: series.loss, color: PALETTE[i % PALETTE.length], width: 1, opacity: 0.45, cls: "series peer-loss",
@@ -222,8 +227,8 @@ function renderCharts(doc) {
   drawChart(document.getElementById("chart-throughput"), {
     xMax, yMin: 0,
     lines: [
-      { xs, ys: h.throughput || [], color: "#4c78a8", label: "throughput" },
-      { xs, ys: h.goodput || [], color: "#54a24b", label: "goodput" },
+      { xs, ys: h.throughput || [], color: "#4c78a8", label: "processed (reported by heartbeats)" },
+      { xs, ys: h.goodput || [], color: "#54a24b", label: "goodput (merged)" },
     ],
     yFormat: (v) => fmt(v),
   });
@@ -257,17 +262,30 @@ function renderMerges(doc) {
   const merges = (h.merges || []).slice(-15).reverse();
   if (!merges.length) body.append(el("tr", {}, el("td", { colspan: "6", class: "empty", text: "no merge seen yet" })));
   for (const m of merges) {
-    const weights = m.weights && typeof m.weights === "object"
-      ? Object.entries(m.weights).map(([peer, w]) => `${shortId(peer)} ${fmt(w, 2)}`).join(", ")
-      : "";
-    body.append(el("tr", { "data-fragment": String(m.fragment) },
-      el("td", { text: clock(m.t - t0) }),
-      el("td", { text: String(m.fragment) }),
-      el("td", { text: `v${m.version}${m.count > 1 ? ` (+${m.count})` : ""}` }),
-      el("td", { text: m.quorum !== undefined ? String(m.quorum) : "-" }),
-      el("td", { text: m.grace_s !== undefined ? `${fmt(m.grace_s, 2)} s` : "-" }),
-      el("td", { class: "mono", text: weights || "-" })));
+    body.append(mergeRow(m, t0));
   }
+}
+
+// A merge the syncer has not described (yet) says why in `undescribed`: that reason fills its row, never a blank.
+function mergeRow(m, t0) {
+  const described = m.undescribed === undefined || m.undescribed === null;
+  const weights = m.weights && typeof m.weights === "object" ? Object.entries(m.weights) : null;
+  let weightsText = m.undescribed || "not described";
+  if (described && weights) {
+    weightsText = weights.length ? weights.map(([peer, w]) => `${shortId(peer)} ${fmt(w, 2)}`).join(", ")
+      : "none (nothing merged)";
+  }
+  const quorum = m.quorum !== undefined && m.quorum !== null ? String(m.quorum) : described ? "not given" : "?";
+  const grace = m.grace_s !== undefined && m.grace_s !== null ? `${fmt(m.grace_s, 2)} s` : described ? "not given" : "?";
+  const row = el("tr", { "data-fragment": String(m.fragment), "data-described": String(described) },
+    el("td", { text: clock(m.t - t0) }),
+    el("td", { text: String(m.fragment) }),
+    el("td", { text: `v${m.version}${m.count > 1 ? ` (${m.count} merges)` : ""}` }),
+    el("td", { class: "quorum", text: quorum }),
+    el("td", { text: grace }),
+    el("td", { class: described && weights ? "mono weights" : "weights undescribed", text: weightsText }));
+  if (!described) row.title = m.undescribed;
+  return row;
 }
 
 function renderBans(doc) {

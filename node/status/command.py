@@ -11,6 +11,7 @@ from hivemind.utils import get_dht_time
 from node.config import NetworkConfig
 from node.context import short_id
 from node.status.http import summarize_bans
+from node.status.swarm_view import goodput_text, throughput_text
 from protocol.dht_io import SwarmRecords, fetch_discovery
 from protocol.errors import HivenodeError
 from protocol.identity import NodeIdentity
@@ -63,16 +64,18 @@ def _last_number(values: object) -> float | None:
 
 
 def _history_lines(history: object) -> list[str]:
-    """What the bootstrap's history adds: current rates, merges, the latest held-out loss."""
+    """What the bootstrap's history adds: goodput (merged work only), merges, the throughput the heartbeats
+    report (apart, and labelled so), the latest held-out loss."""
     if not isinstance(history, dict) or not history.get("t"):
         return []
     throughput, goodput = _last_number(history.get("throughput")), _last_number(history.get("goodput"))
-    totals = history.get("totals") if isinstance(history.get("totals"), dict) else {}
+    totals = history.get("totals")
+    merges = (totals.get("merges") if isinstance(totals, dict) else None) or 0
+    source = str(history.get("goodput_source", "?")) if merges else "no merges yet"
+    if source == "heartbeats":  # an older bootstrap: its goodput was the heartbeats' figure, not merged work
+        source = "the bootstrap reports heartbeat figures only"
     evals = [p for p in history.get("eval") or [] if isinstance(p, dict)]
-    line = (
-        f"swarm: {throughput or 0:,.0f} tok/s processed, goodput {goodput or 0:,.0f} tok/s"
-        f" ({history.get('goodput_source', '?')}); {totals.get('merges', 0)} merges seen"
-    )
+    line = f"swarm: {goodput_text(goodput, source)}, {merges} merges seen; {throughput_text(throughput)}"
     if evals:
         line += f"; held-out loss {evals[-1].get('loss')}"
     return [line]

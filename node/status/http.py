@@ -7,12 +7,16 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from node.context import VERSION, NodeContext
+
+if TYPE_CHECKING:
+    from node.roles.registry import Role
+    from node.swarm.membership import Membership
 from protocol.errors import ConfigError
 from protocol.records import BanRecord
 
@@ -121,7 +125,7 @@ class StatusServer:
 _STARTED_AT = time.monotonic()
 
 
-def node_status(ctx: NodeContext, role: Any, membership: Any) -> dict[str, Any]:
+def node_status(ctx: NodeContext, role: Role, membership: Membership) -> dict[str, Any]:
     """The /api/status document: fixed fields first, then whatever the role fills (state, inner_step, ...)."""
     status: dict[str, Any] = {
         "peer_id": ctx.peer_id,

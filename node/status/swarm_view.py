@@ -7,41 +7,53 @@ current DHT time, and keeps bounded ring buffers of
 - samples: peers by role and health, tokens/s processed, goodput (tokens/s that count), mean training loss and
   per-peer loss, fragment versions; held-out loss points of the global model (a syncer's heartbeat `loss` is
   the held-out loss of its last evaluation; callers may add their own with `add_eval`);
-- merges: one entry per fragment version the syncer publishes (quorum size, grace waited, weights when the syncer
-  says them, else the version bump alone);
+- merges: one entry per fragment version the syncer publishes (quorum size, grace waited, weights, from the
+  syncer's description of it, which may come a look or two after the version bump; an entry it never describes
+  says why in `undescribed`);
 - bans: one entry per accused peer, with the verifiers that signed and their evidence;
-- events: joined (or rejoined), left (stopped heartbeating), straggling, recovered, banned, merge (and notes
-  callers add, e.g. the demo's chaos actions), numbered by `seq` for appending to a log.
+- events: joined (or rejoined), left (announced leaving, then gone), lost (stopped heartbeating without
+  announcing it: killed, stalled or cut off), straggling, recovered, banned, merge (and notes callers add, e.g.
+  the demo's chaos actions), numbered by `seq` for appending to a log.
 
 The bootstrap serves `history_json()`/`events_json()`/`swarm_map(...)` in `/api/swarm`; the demo's terminal view
 and its report read the same structures. Definitions:
 
-- *health* of a peer: `banned` (a ban in effect); `leaving` (announced); `missing` (no longer heartbeating: left,
-  killed, stalled or cut off -- a clean leave withdraws the record and a crash lets it expire, so the records
-  cannot tell them apart; kept on the map for `remember_missing_s`); `straggling` (its heartbeat is more than
+- *health* of a peer: `banned` (a ban in effect); `leaving` (announced leaving: its last record says so, in
+  `peers` or in the document's `leaving` list, which a bootstrap fills with the records that announce it; it
+  stays `leaving` once gone); `missing` (stopped heartbeating without announcing it: killed, stalled or cut off);
+  both are kept on the map for `remember_missing_s`; `straggling` (its heartbeat is more than
   `stale_periods` periods older than the freshest one seen, or, among three or more peers doing the same work, it trains at under
   `slow_fraction` of their median throughput); `idle` (joined but does no work, e.g. a role this version does
   not have); else `alive`.
 - *throughput*: tokens/s processed, from the increments of every learner's token counter and of every stage-0
   replica's (a pipeline microbatch crosses every stage; counting stage 0 counts it once), averaged over
   `rate_window_s`. A counter that goes down (a restarted process) counts from zero.
-- *goodput*: tokens/s the global model gets. When the syncer describes its merges with their tokens, it is those,
+- *goodput*: tokens/s the global model gets, from merged work only: the tokens of the merges the syncer describes,
   divided by the number of fragments (a contribution counts its tokens once per fragment, so a token is in the
-  model once every fragment has merged it); otherwise it is the throughput of peers that are neither banned nor
-  missing (their work can still reach the syncer). `goodput_source` says which.
+  model once every fragment has merged it). 0 while no merge has been seen; None (unknown) when merges were
+  seen but the syncer described none of them. `goodput_source` says which (`syncer`, `no merges yet`,
+  `merges not described`).
+  Throughput is what the heartbeats report (unverified); views label it so and never show it as goodput.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 HEALTHS = ("alive", "straggling", "idle", "leaving", "missing", "banned")
 TRAINING_ROLES = ("learner", "stage")
+MAX_ENTRIES_PER_LOOK = 16  # versions of one fragment passed between two looks that get an entry each
+AWAITING_DESCRIPTION = "awaiting the syncer's description"
+NOT_DESCRIBED = "not described by the syncer (its status did not list this version in time)"
+# in a bootstrap's state dir: events a local tool adds to its event list (the demo's faults), a JSON object a line
+NOTES_FILENAME = "notes.jsonl"
+MAX_NOTE_TEXT = 300  # characters of a note's text kept
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,9 +70,17 @@ class ViewConfig:
     remember_missing_s: float = 60.0  # a peer that vanished without leaving stays on the map this long
     max_evidence_chars: int = 512  # hex characters of ban evidence kept per notice
     rate_window_s: float = 5.0  # tokens/s are averaged over this window (heartbeat counters move in steps)
+    # a merge seen as a version bump waits this long for the syncer's description (its status may lag a look)
+    describe_within_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("sample_period_s", "stale_periods", "remember_missing_s", "rate_window_s"):
+        for name in (
+            "sample_period_s",
+            "stale_periods",
+            "remember_missing_s",
+            "rate_window_s",
+            "describe_within_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
         for name in ("max_samples", "max_events", "max_merges", "max_peers_tracked", "max_evidence_chars"):
@@ -152,6 +172,110 @@ class _PeerTrack:
     gone: bool = False  # no longer in the live list
 
 
+class MergeLog:
+    """Merges seen as version bumps of the syncers' records: an entry per version, filled in from the syncer's
+    description of it (quorum, grace, weights, tokens) when its status gives one, and the tokens they committed."""
+
+    def __init__(self, config: ViewConfig, note: Callable[..., None]) -> None:
+        self.entries: deque[dict[str, Any]] = deque(maxlen=config.max_merges)
+        self.total = 0  # merges counted (beyond the ring of entries)
+        self.versions: dict[str, list[int]] = {}  # syncer peer id -> last versions vector seen
+        self.committed_known = False  # the syncer described at least one merge with its tokens
+        self.committed_total = 0.0
+        self.fresh_committed = 0.0  # committed since the last `take_committed`
+        # (fragment, version) -> (seen at, its entry, fragments): merges still awaiting their description
+        self._awaiting: dict[tuple[int, int], tuple[float, dict[str, Any], int]] = {}
+        self._max_awaiting = config.max_merges
+        self._describe_within_s = config.describe_within_s
+        self._note = note
+
+    def take_committed(self) -> float:
+        committed, self.fresh_committed = self.fresh_committed, 0.0
+        return committed
+
+    def observe(self, syncers: Sequence[Mapping[str, Any]], status: object, now: float) -> None:
+        """Version bumps of the syncers' records since the last look, described by `status` where it can."""
+        details = _merge_details(status)
+        self._describe_awaiting(details, now)
+        for record in syncers:
+            peer_id = str(record.get("peer_id", ""))
+            versions = [v for v in record.get("versions") or [] if isinstance(v, int)]
+            previous = self.versions.get(peer_id)
+            self.versions[peer_id] = versions
+            if previous is None:
+                continue  # the first sight of a syncer is its state, not a merge we saw happen
+            for fragment, version in enumerate(versions):
+                before = previous[fragment] if fragment < len(previous) else 0
+                if version > before:
+                    self._add_merges(now, fragment, before, version, details, len(versions))
+
+    def _add_merges(
+        self,
+        now: float,
+        fragment: int,
+        before: int,
+        after: int,
+        details: Mapping[tuple[int, int], Mapping[str, Any]],
+        num_fragments: int,
+    ) -> None:
+        """Merges that took `fragment` from version `before` to `after`: an entry per version (the newest
+        `MAX_ENTRIES_PER_LOOK`; older ones lumped into one entry with their `count`), and one event."""
+        first = max(before + 1, after - MAX_ENTRIES_PER_LOOK + 1)
+        if first > before + 1:
+            self._add_merge(now, fragment, first - 1, first - 1 - before, None, num_fragments)
+        for version in range(first, after + 1):
+            self._add_merge(now, fragment, version, 1, details.get((fragment, version)), num_fragments)
+        quorum = self.entries[-1].get("quorum")
+        text = f"fragment {fragment} -> v{after}"
+        if after - before > 1:
+            text += f" ({after - before} merges since the last look)"
+        elif quorum is not None:
+            text += f" (quorum {quorum})"
+        self._note(now, "merge", text, fragment=fragment, version=after)
+
+    def _add_merge(
+        self, now: float, fragment: int, version: int, count: int, detail: Mapping | None, num_fragments: int
+    ) -> None:
+        merge: dict[str, Any] = {"t": round(now, 3), "fragment": fragment, "version": version, "count": count}
+        if detail is not None:
+            self._describe(merge, detail, num_fragments)
+        elif count > 1:
+            merge["undescribed"] = f"{count} merges between two looks at the swarm, not described one by one"
+        else:
+            merge["undescribed"] = AWAITING_DESCRIPTION
+            self._awaiting[(fragment, version)] = (now, merge, num_fragments)
+            while len(self._awaiting) > self._max_awaiting:
+                oldest = next(iter(self._awaiting))
+                self._awaiting.pop(oldest)[1]["undescribed"] = NOT_DESCRIBED
+        self.entries.append(merge)
+        self.total += count
+
+    def _describe(self, merge: dict[str, Any], detail: Mapping[str, Any], num_fragments: int) -> None:
+        """Fill a merge entry from the syncer's description; its tokens are what goodput counts."""
+        merge.pop("undescribed", None)
+        merge.update(_normalized(detail))
+        tokens = _num(merge.get("tokens"))
+        if tokens is not None:
+            # a contribution counts its tokens once per fragment: a token is in the model once all are merged
+            self.committed_known = True
+            committed = tokens / max(num_fragments, 1)
+            self.fresh_committed += committed
+            self.committed_total += committed
+
+    def _describe_awaiting(self, details: Mapping[tuple[int, int], Mapping[str, Any]], now: float) -> None:
+        """Merges seen before the syncer's status described them (it is read a look behind the records): fill them
+        in when it does, or say they were never described once `describe_within_s` has passed."""
+        for key, (seen_at, merge, num_fragments) in list(self._awaiting.items()):
+            detail = details.get(key)
+            if detail is not None:
+                self._describe(merge, detail, num_fragments)
+            elif now - seen_at <= self._describe_within_s:
+                continue
+            else:
+                merge["undescribed"] = NOT_DESCRIBED
+            del self._awaiting[key]
+
+
 class SwarmHistory:
     """Bounded history of one swarm; feed it documents in time order with `observe(document, now)`."""
 
@@ -160,23 +284,19 @@ class SwarmHistory:
         c = self.config
         self.samples: deque[dict[str, Any]] = deque(maxlen=c.max_samples)
         self.events: deque[dict[str, Any]] = deque(maxlen=c.max_events)
-        self.merges: deque[dict[str, Any]] = deque(maxlen=c.max_merges)
         self.bans: dict[str, dict[str, Any]] = {}
-        self.eval_points: deque[dict[str, float]] = deque(maxlen=c.max_samples)
+        self.eval_points: deque[dict[str, Any]] = deque(maxlen=c.max_samples)
         self.peer_loss: dict[str, deque[tuple[float, float]]] = {}
         self._peers: dict[str, _PeerTrack] = {}
-        self._versions: dict[str, list[int]] = {}  # syncer peer id -> last versions vector seen
+        self.merge_log = MergeLog(c, self.note)
         self._syncer_losses: dict[str, float] = {}  # syncer peer id -> last held-out loss it announced
         self._last_sample_at = -math.inf
         self._increments: deque[tuple[float, int, int, float]] = deque()  # (t, tokens, useful, committed)
-        self._pending = [0, 0, 0.0]  # increments of the observation in progress
-        self._committed_known = False
+        self._pending = [0, 0]  # token increments of the observation in progress (all, useful)
         self.tokens_total = 0
         self.useful_tokens_total = 0
-        self.committed_tokens_total = 0.0
         self.started_at: float | None = None
         self.event_seq = 0
-        self.merges_total = 0
 
     # ---- ingest ----
 
@@ -184,6 +304,29 @@ class SwarmHistory:
         """Add an event (also for callers: e.g. the demo's chaos actions). `seq` numbers events from 1."""
         self.event_seq += 1
         self.events.append({"seq": self.event_seq, "t": round(now, 3), "kind": kind, "text": text, **fields})
+
+    def add_notes(self, lines: Iterable[bytes | str], now: float) -> int:
+        """Events from a notes file (`NOTES_FILENAME`): each line a JSON object with `kind` and `text`, and
+        optionally `t` (else `now`), `peer`, `target`, `phase`; other lines and fields are ignored. Returns how
+        many were added."""
+        added = 0
+        for line in lines:
+            try:
+                note = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(note, dict) or not isinstance(note.get("kind"), str):
+                continue
+            t = _num(note.get("t"))
+            fields = {k: str(note[k])[:64] for k in ("peer", "target", "phase") if note.get(k) is not None}
+            self.note(
+                now if t is None else t,
+                note["kind"][:32],
+                str(note.get("text", ""))[:MAX_NOTE_TEXT],
+                **fields,
+            )
+            added += 1
+        return added
 
     def events_after(self, seq: int) -> list[dict[str, Any]]:
         """Events numbered after `seq`, oldest first (for appending to a log)."""
@@ -199,19 +342,20 @@ class SwarmHistory:
         if self.started_at is None:
             self.started_at = now
         peers = [p for p in document.get("peers") or [] if isinstance(p, Mapping) and p.get("peer_id")]
+        leaving = {str(p.get("peer_id")) for p in document.get("leaving") or [] if isinstance(p, Mapping)}
         banned = banned_set(document.get("bans") or [])
         self._observe_bans(document.get("bans") or [], now)
         self._observe_peers(peers, banned, now, heartbeat_period(document))
-        self._observe_syncer(document.get("syncer") or [], document.get("syncer_status"), now)
-        self._increments.append((now, self._pending[0], self._pending[1], self._pending[2]))
-        self._pending = [0, 0, 0.0]
+        self._observe_departures({str(p["peer_id"]) for p in peers}, leaving, now)
+        self.merge_log.observe(document.get("syncer") or [], document.get("syncer_status"), now)
+        self._increments.append((now, self._pending[0], self._pending[1], self.merge_log.take_committed()))
+        self._pending = [0, 0]
         if now - self._last_sample_at >= self.config.sample_period_s:
             self._sample(peers, banned, now)
 
     def _observe_peers(
         self, peers: Sequence[Mapping[str, Any]], banned: set[str], now: float, period_s: float
     ) -> None:
-        live = {str(p["peer_id"]) for p in peers}
         # with two peers, which one is "slow" is a coin toss on noisy rates: compare within groups of three or more
         medians = {k: statistics.median(v) for k, v in _throughput_groups(peers).items() if len(v) >= 3}
         ages = [now - t for p in peers if (t := _num(p.get("sent_at"))) is not None]
@@ -255,12 +399,26 @@ class SwarmHistory:
                 series = self.peer_loss.setdefault(peer_id, deque(maxlen=self.config.max_samples))
                 if not series or now - series[-1][0] >= self.config.sample_period_s:
                     series.append((round(now, 3), round(loss, 5)))
+
+    def _observe_departures(self, live: set[str], leaving: set[str], now: float) -> None:
+        """Peers no longer in the live list: `left` if they announced leaving (their last record said so, or the
+        document lists them as leaving), else `lost` (killed, stalled or cut off: the record just expired)."""
         for peer_id, track in self._peers.items():
-            if peer_id not in live and not track.gone:
-                # a clean leave withdraws the record at once and a crash lets it expire: both just vanish
-                track.gone = True
-                self.note(now, "left", f"{short(peer_id)} ({track.role}) stopped heartbeating", peer=peer_id)
+            if peer_id in live or track.gone:
+                continue
+            track.gone = True
+            who = f"{short(peer_id)} ({track.role})"
+            if peer_id in leaving or track.health == "leaving":
+                track.health = "leaving"
+                self.note(now, "left", f"{who} left: announced leaving", peer=peer_id)
+            else:
                 track.health = "missing"
+                self.note(
+                    now,
+                    "lost",
+                    f"{who} lost: stopped heartbeating without announcing leaving (killed, stalled or cut off)",
+                    peer=peer_id,
+                )
         self._forget_old_peers(now)
 
     def _count_tokens(self, track: _PeerTrack, peer: Mapping[str, Any], previous: int, health: str) -> None:
@@ -323,65 +481,6 @@ class SwarmHistory:
             "evidence_bytes": len(evidence) // 2,
         }
 
-    def _observe_syncer(self, syncers: Sequence[Mapping[str, Any]], status: object, now: float) -> None:
-        details = _merge_details(status)
-        for record in syncers:
-            peer_id = str(record.get("peer_id", ""))
-            versions = [v for v in record.get("versions") or [] if isinstance(v, int)]
-            previous = self._versions.get(peer_id)
-            self._versions[peer_id] = versions
-            if previous is None:
-                continue  # the first sight of a syncer is its state, not a merge we saw happen
-            for fragment, version in enumerate(versions):
-                before = previous[fragment] if fragment < len(previous) else 0
-                if version > before:
-                    self._add_merges(now, fragment, before, version, details, len(versions))
-
-    def _add_merges(
-        self,
-        now: float,
-        fragment: int,
-        before: int,
-        after: int,
-        details: Mapping[tuple[int, int], Mapping[str, Any]],
-        num_fragments: int,
-    ) -> None:
-        """Merges that took `fragment` from version `before` to `after`: one entry per version the syncer
-        describes, versions it does not describe lumped into one entry with their `count`."""
-        lumped = 0
-        versions = range(before + 1, after + 1) if after - before <= 256 else range(after, after + 1)
-        for version in versions:
-            detail = details.get((fragment, version))
-            if detail is None and version < after:
-                lumped += 1
-                continue
-            count = lumped + 1 if detail is None else 1
-            if detail is not None and lumped:
-                self._add_merge(now, fragment, version - 1, lumped, None, num_fragments)
-            self._add_merge(now, fragment, version, count if detail is None else 1, detail, num_fragments)
-            lumped = 0
-
-    def _add_merge(
-        self, now: float, fragment: int, version: int, count: int, detail: Mapping | None, num_fragments: int
-    ) -> None:
-        merge: dict[str, Any] = {"t": round(now, 3), "fragment": fragment, "version": version, "count": count}
-        if detail is not None:
-            merge.update(_normalized(detail))
-            tokens = _num(merge.get("tokens"))
-            if tokens is not None:
-                # a contribution counts its tokens once per fragment: a token is in the model once all are merged
-                self._committed_known = True
-                committed = tokens / max(num_fragments, 1)
-                self._pending[2] += committed
-                self.committed_tokens_total += committed
-        self.merges.append(merge)
-        self.merges_total += count
-        quorum = merge.get("quorum")
-        text = f"fragment {fragment} -> v{version}" + (f" (quorum {quorum})" if quorum is not None else "")
-        if count > 1:
-            text += f" ({count} merges since the last look)"
-        self.note(now, "merge", text, fragment=fragment, version=version)
-
     def _sample(self, peers: Sequence[Mapping[str, Any]], banned: set[str], now: float) -> None:
         dt = now - self._last_sample_at if math.isfinite(self._last_sample_at) else None
         self._last_sample_at = now
@@ -407,8 +506,11 @@ class SwarmHistory:
         span = min(self.config.rate_window_s, now - started_at)
         if dt is not None and span > 0:
             throughput = sum(i[1] for i in self._increments) / span
-            goodput = sum(i[3] if self._committed_known else i[2] for i in self._increments) / span
-        versions = [sum(v) for v in self._versions.values()]
+            if self.merge_log.committed_known:
+                goodput = sum(i[3] for i in self._increments) / span
+            elif not self.merges_total:
+                goodput = 0.0  # nothing merged yet: whatever the heartbeats say, the model got no tokens
+        versions = [sum(v) for v in self.merge_log.versions.values()]
         self.samples.append(
             {
                 "t": round(now, 3),
@@ -427,8 +529,20 @@ class SwarmHistory:
     # ---- views ----
 
     @property
+    def merges(self) -> deque[dict[str, Any]]:
+        return self.merge_log.entries
+
+    @property
+    def merges_total(self) -> int:
+        return self.merge_log.total
+
+    @property
     def goodput_source(self) -> str:
-        return "syncer" if self._committed_known else "heartbeats"
+        """Where goodput comes from: `syncer` (its merges' tokens), `no merges yet` (goodput is 0), or `merges
+        not described` (merges seen, none described with its tokens: goodput is unknown)."""
+        if self.merge_log.committed_known:
+            return "syncer"
+        return "merges not described" if self.merges_total else "no merges yet"
 
     def swarm_map(self, document: Mapping[str, Any]) -> dict[str, Any]:
         """Peers grouped for drawing: a stages x replicas grid, then learners, verifiers, syncers, bootstraps.
@@ -496,7 +610,7 @@ class SwarmHistory:
         )
         if max_peer_series is not None:
             peer_ids = peer_ids[-max_peer_series:]
-        merges = list(self.merges)
+        merges, log = list(self.merges), self.merge_log
         return {
             "t": [s["t"] for s in samples],
             "peers": [s["peers"] for s in samples],
@@ -522,7 +636,7 @@ class SwarmHistory:
             "totals": {
                 "tokens": self.tokens_total,
                 "useful_tokens": self.useful_tokens_total,
-                "committed_tokens": round(self.committed_tokens_total) if self._committed_known else None,
+                "committed_tokens": round(log.committed_total) if log.committed_known else None,
                 "merges": self.merges_total,
                 "bans": len(self.bans),
             },
@@ -582,15 +696,28 @@ def _normalized(detail: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def goodput_text(goodput: float | None, source: str) -> str:
+    """Goodput as the views say it: merged work only, 0 before the first merge, never a heartbeat figure."""
+    if source == "syncer":
+        return f"goodput {goodput or 0:,.0f} tok/s merged"
+    if source == "no merges yet":
+        return "goodput 0 tok/s (no merges yet)"
+    return f"goodput unknown ({source})"
+
+
+def throughput_text(throughput: float | None) -> str:
+    """Tokens/s processed, as the peers' heartbeats report them (unverified: not all of it reaches the model)."""
+    return f"{throughput or 0:,.0f} tok/s processed (reported by heartbeats)"
+
+
 def summary_line(history: SwarmHistory) -> str:
-    """One line for logs: peers, throughput, goodput, merges, bans."""
+    """One line for logs: peers, goodput (merged), merges, throughput reported by heartbeats, loss, bans."""
     last = history.samples[-1] if history.samples else None
     if last is None:
         return "no samples yet"
-    throughput = last["throughput"] if last["throughput"] is not None else 0.0
-    goodput = last["goodput"] if last["goodput"] is not None else 0.0
     loss = f"{last['loss']:.3f}" if last["loss"] is not None else "-"
     return (
-        f"{last['peers']} peers, {throughput:.0f} tok/s, goodput {goodput:.0f} tok/s, loss {loss}, "
-        f"{history.merges_total} merges, {len(history.bans)} bans"
+        f"{last['peers']} peers; {goodput_text(last['goodput'], history.goodput_source)},"
+        f" {history.merges_total} merges; {throughput_text(last['throughput'])}; loss {loss};"
+        f" {len(history.bans)} bans"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import shutil
 import signal
 import tempfile
@@ -136,8 +137,9 @@ def _publish_a_ban(url: str, out: Path) -> str:
     return stage_peer["peer_id"]
 
 
-def _check_page(url: str, offender: str, screenshot: Path) -> dict:
-    """Load the dashboard; wait for peers, loss points and the offender's ban; return what the page shows."""
+def _check_page(url: str, offender: str, screenshot: Path, *, merges: bool = False) -> dict:
+    """Load the dashboard; wait for peers, loss points and the offender's ban (and with `merges`, a merge the
+    syncer described); return what the page shows."""
     from playwright.sync_api import sync_playwright
 
     row = f'#bans tr[data-offender="{offender}"]'
@@ -155,6 +157,8 @@ def _check_page(url: str, offender: str, screenshot: Path) -> dict:
             )
             page.wait_for_selector(row, timeout=60_000)
             page.wait_for_selector(f".peer[data-peer-id='{offender}'][data-health='banned']", timeout=30_000)
+            if merges:
+                page.wait_for_selector('#merges tr[data-described="true"]', timeout=120_000)
             page.locator(f"{row} details").first.click()  # open the evidence
             page.screenshot(path=str(screenshot), full_page=True)
             shown = {
@@ -162,6 +166,11 @@ def _check_page(url: str, offender: str, screenshot: Path) -> dict:
                 "ban": page.locator(row).inner_text(),
                 "evidence": page.locator(f"{row} pre").first.inner_text().strip(),
                 "bans": int(page.locator("#summary-bans").inner_text()),
+                "merges": page.locator("#merges tbody tr[data-fragment]").evaluate_all(
+                    """rows => rows.map(r => ({described: r.dataset.described,
+                        quorum: r.querySelector('.quorum').textContent,
+                        weights: r.querySelector('.weights').textContent}))"""
+                ),
             }
             assert not errors, errors
         finally:
@@ -176,9 +185,18 @@ def _check_page(url: str, offender: str, screenshot: Path) -> dict:
 def test_dashboard_shows_peers_loss_and_a_ban(demo_swarm) -> None:
     _demo, url, out = demo_swarm
     offender = _publish_a_ban(url, out)
-    shown = _check_page(url, offender, ARTIFACTS / "dashboard.png")
+    shown = _check_page(url, offender, ARTIFACTS / "dashboard.png", merges=True)
     assert "gradient flagged" in shown["ban"]
     assert shown["evidence"].startswith(bytes(range(64)).hex()[:32])
+    # every merge row says its quorum and weights, or why it cannot: never a bare "-"
+    rows = shown["merges"]
+    assert rows and all(r["quorum"] not in ("", "-") and r["weights"] not in ("", "-") for r in rows), rows
+    described = [r for r in rows if r["described"] == "true"]
+    assert described and all(r["quorum"].isdigit() for r in described), rows
+    assert all(
+        r["weights"] == "none (nothing merged)" or re.search(r"\w{8} \d", r["weights"]) for r in described
+    )
+    assert all("syncer" in r["weights"] or "merges" in r["weights"] for r in rows if r["described"] != "true")
     shutil.copy(ARTIFACTS / "dashboard.png", out / "dashboard.png")
 
 

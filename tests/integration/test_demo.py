@@ -4,20 +4,26 @@ report.json and plots, and leaves no process behind; with and without `--chaos`.
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from protocol.identity import NodeIdentity
 from protocol.manifest import parse_run_toml
-from tests.integration.procs import Procs, procs, run_cli, wait_until
+from tests.integration.procs import Procs, _kill_if_ours, procs, run_cli, settle, wait_until
 from tools.demo import ATTACK_START_AFTER, DemoConfig, attack_line, attack_outcome, plan_nodes, run_toml
+from tools.proctree import descendants
 
 pytestmark = pytest.mark.integration
 
 # Startup (cold torch + hivemind imports of 5-6 processes on 2 busy cores) and shutdown come on top of --duration.
 DEMO_BOUND_S = 300.0
+JOIN_BOUND_S = 150.0  # the printed join line, run as a volunteer would: cold imports, join, 3 steps, leave
 
 
 # ---- the plan (no processes) ----
@@ -120,11 +126,21 @@ def test_demo_trains_and_reports(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(DEMO_BOUND_S + 30)
 def test_demo_with_chaos_survives_its_faults(tmp_path: Path) -> None:
-    report, _ = run_demo(tmp_path, "--duration", "75", "--chaos", "--seed", "3")
+    report, stdout = run_demo(tmp_path, "--duration", "75", "--chaos", "--seed", "3")
     check_trained(report)
     faults = report["faults"]
     assert faults["injected"] >= 2, faults
     assert faults["survived"] == faults["injected"], faults
+    # each fault was said on the console as it happened (time, kind, target), and so was its recovery
+    started = re.findall(r"^\[ *\d+ s\] fault: (kill|stall|kill the active syncer) (\S+) \(", stdout, re.M)
+    ended = re.findall(r"^\[ *\d+ s\] recovery: (\S+) (restarted|resumed)", stdout, re.M)
+    assert len(started) == len(ended) == faults["injected"], stdout
+    assert {t for _, t in started} == {t for t, _ in ended}
+    # ... and on the dashboard: the bootstrap's own events (what /api/swarm serves) carry them
+    events_path = tmp_path / "run" / "state" / "bootstrap" / "swarm-events.jsonl"
+    events = [json.loads(line) for line in events_path.read_text().splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("fault") == kinds.count("recovery") == faults["injected"], kinds
 
 
 @pytest.mark.slow
@@ -135,16 +151,57 @@ def test_demo_long_chaos_run(tmp_path: Path) -> None:
     assert report["faults"]["survived"] == report["faults"]["injected"] >= 6
 
 
-@pytest.mark.timeout(DEMO_BOUND_S)
+@pytest.mark.timeout(DEMO_BOUND_S + JOIN_BOUND_S)
 def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path) -> None:
+    """Also: the "join this swarm" line it prints works as printed from a fresh shell (no venv activated, no
+    PYTHONPATH, another directory), and the volunteer's clean leave is a `left` event in the bootstrap's events."""
     with procs(tmp_path) as group:
         demo = _start_demo(group, tmp_path)
+        join = demo.wait_line(r"^join this swarm: (.+)$", timeout_s=180).group(1)
         demo.wait_line(r"^swarm up", timeout_s=180)
+        peer_id = _join_as_a_volunteer(join, tmp_path / "volunteer")
+        events_path = tmp_path / "run" / "state" / "bootstrap" / "swarm-events.jsonl"
+
+        def departure() -> dict | None:
+            events = [json.loads(line) for line in events_path.read_text().splitlines()]
+            return next(
+                (e for e in events if e.get("peer") == peer_id and e["kind"] in ("left", "lost")), None
+            )
+
+        gone = wait_until(departure, 30, what="the volunteer's departure in the bootstrap's events")
+        assert (gone["kind"], gone["text"].endswith("left: announced leaving")) == ("left", True), gone
         demo.wait_line(r"held-out", timeout_s=60)  # the first progress line: the swarm is training
         demo.signal(signal.SIGINT)
         assert demo.wait_exit(90) == 0, demo.stderr()
         wait_until(lambda: any("report:" in line for line in demo.lines), 5, what="the report line")
     assert (tmp_path / "run" / "report.json").exists()
+
+
+def _join_as_a_volunteer(printed: str, home: Path) -> str:
+    """Run the printed join line (plus a few steps' bound) the way a newcomer would, in a fresh shell: a bare
+    environment, its own home, another working directory; return its peer id once it has exited 0."""
+    home.mkdir(parents=True)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "XDG_STATE_HOME": str(home / "state")}
+    argv = [*shlex.split(printed), "--role", "learner", "--max-steps", "3", "--http", "127.0.0.1:0"]
+    with (home / "stdout").open("w") as out, (home / "stderr").open("w") as err:
+        popen = subprocess.Popen(
+            argv, cwd=home, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True
+        )
+    forked: set[int] = set()
+    deadline = time.monotonic() + JOIN_BOUND_S
+    while popen.poll() is None:  # poll, so we learn what it forks before it can orphan anything
+        forked.update(descendants(popen.pid))
+        if time.monotonic() > deadline:
+            for pid in [popen.pid, *forked]:
+                _kill_if_ours(pid, popen.pid)
+            popen.wait()
+            raise AssertionError(f"`{printed}` did not finish within {JOIN_BOUND_S} s")
+        time.sleep(0.05)
+    settle(forked)
+    log = (home / "stderr").read_text()
+    assert popen.returncode == 0, log[-3000:]
+    assert "reached --max-steps 3" in log and "announced leaving" in log, log[-3000:]
+    return NodeIdentity.load(home / "state" / "hivenode" / "node" / "identity.key").peer_id
 
 
 def _start_demo(group: Procs, tmp_path: Path):

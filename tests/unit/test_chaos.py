@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from tools.chaos import SYNCER_TARGET, ChaosConfig, ChaosRunner, plan_faults
+from tools.chaos import SYNCER_TARGET, ChaosConfig, ChaosRunner, announcement, plan_faults
 
 
 def test_the_schedule_is_seeded_counted_spaced_and_inside_the_window() -> None:
@@ -83,3 +83,47 @@ def test_a_fault_that_cannot_be_injected_fails_the_check() -> None:
     )
     report = ChaosRunner(plan, Recorder(fail_on="l0"), clock=FakeClock(), wait=lambda _s: False).run()
     assert not report.check(plan) and report.injected[0].error.startswith("ProcessLookupError")
+
+
+def test_every_fault_is_announced_when_it_starts_and_when_it_ends() -> None:
+    config = ChaosConfig(seed=3, duration_s=60.0, learner_kills=1, stragglers=1, syncer_kills=1, margin_s=5.0)
+    plan = plan_faults(config, ["l0", "l1"])
+    said: list[dict[str, object]] = []
+    runner = ChaosRunner(
+        plan,
+        Recorder(),
+        clock=FakeClock(),
+        wait=lambda _s: False,
+        on_event=lambda phase, injected: said.append(announcement(phase, injected)),
+    )
+    report = runner.run()
+    assert len(said) == 2 * len(plan)
+    times = [a["at_s"] for a in said]
+    assert times == sorted(times)  # said as they happen, in order
+    for item in report.injected:
+        start, end = [a for a in said if a["target"] == item.target and a["kind"] == item.fault.kind]
+        assert (start["phase"], end["phase"]) == ("start", "end")
+        assert start["at_s"] == round(item.injected_at_s, 3) and end["at_s"] == round(item.ended_at_s, 3)
+        assert item.target in start["text"] and item.target in end["text"]
+    texts = {a["kind"]: str(a["text"]) for a in said if a["phase"] == "start"}
+    assert texts["kill"].startswith("fault: kill l") and "(SIGKILL); restart in 3 s" in texts["kill"]
+    assert texts["stop"].startswith("fault: stall l") and "(SIGSTOP); resume in 4 s" in texts["stop"]
+    assert texts["kill_syncer"] == "fault: kill the active syncer syncer-a (SIGKILL); restart in 3 s"
+    ends = [a["text"] for a in said if a["phase"] == "end"]
+    assert sum("resumed (SIGCONT)" in t for t in ends) == 1 and sum("restarted after" in t for t in ends) == 2
+
+
+def test_a_fault_that_could_not_be_injected_is_announced_as_such() -> None:
+    plan = plan_faults(
+        ChaosConfig(seed=1, duration_s=40.0, learner_kills=1, stragglers=0, syncer_kills=0), ["l0"]
+    )
+    said: list[dict[str, object]] = []
+    ChaosRunner(
+        plan,
+        Recorder(fail_on="l0"),
+        clock=FakeClock(),
+        wait=lambda _s: False,
+        on_event=lambda phase, injected: said.append(announcement(phase, injected)),
+    ).run()
+    assert [a["phase"] for a in said] == ["start"]
+    assert str(said[0]["text"]).startswith("fault: kill l0 could not be injected: ProcessLookupError")

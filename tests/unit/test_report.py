@@ -37,12 +37,14 @@ def learner(peer_id: str, tokens: int, loss: float, now: float) -> dict[str, Any
     }
 
 
-def simulated_history() -> tuple[SwarmHistory, list[dict[str, Any]]]:
-    """Two learners at 100 tok/s for 60 s; B is killed at 20 s and back at 30 s; merges every 5 s; B banned
-    for a while is not part of this run. Held-out loss falls from 5.5 to 3.0."""
+def simulated_history(merge_tokens: int | None = None) -> tuple[SwarmHistory, list[dict[str, Any]]]:
+    """Two learners at 100 tok/s for 60 s; B is killed at 20 s and back at 30 s; merges every 5 s (described
+    by the syncer with `merge_tokens` each when given); B banned for a while is not part of this run. Held-out
+    loss falls from 5.5 to 3.0."""
     history = SwarmHistory(ViewConfig(sample_period_s=1.0))
     tokens = {"A": 0, "B": 0}
     versions = [0, 0]
+    tape: list[dict[str, Any]] = []
     faults = [{"t": T0 + 20.0, "action": "kill", "target": "learner2", "peer": "B", "role": "learner"}]
     for i in range(61):
         now = T0 + i
@@ -55,8 +57,13 @@ def simulated_history() -> tuple[SwarmHistory, list[dict[str, Any]]]:
             peers.append(learner("B", tokens["B"], 5.0 - i / 30, now))
         if i and i % 5 == 0:
             versions[i % 2] += 1
+            if merge_tokens is not None:
+                tape.append({"fragment": i % 2, "version": versions[i % 2], "tokens": merge_tokens})
         syncer = [{"peer_id": "SYNC", "versions": list(versions), "state": "active", "term": 0}]
-        history.observe({"time": now, "peers": peers, "bans": [], "syncer": syncer}, now)
+        status = {"recent_merges": list(tape)}
+        history.observe(
+            {"time": now, "peers": peers, "bans": [], "syncer": syncer, "syncer_status": status}, now
+        )
         if i % 10 == 0:
             history.add_eval(now, 5.5 - 2.5 * i / 60)
     return history, faults
@@ -94,10 +101,11 @@ def test_report_figures_from_a_simulated_run() -> None:
     throughput = report["throughput"]
     assert throughput["tokens"] == 100 * 60 + 100 * 49  # B: down from 20 s, back at 30 s with a fresh counter
     assert throughput["healthy_tokens_per_s_per_peer"] == 100.0
-    # 10,900 tokens over 60 s against 2 x 100 tok/s
-    assert throughput["goodput_fraction"] == pytest.approx(10900 / 12000, abs=0.01)
-    assert throughput["working_fraction"] == throughput["goodput_fraction"]  # no syncer figures here
-    assert throughput["goodput_source"] == "heartbeats"
+    # 10,900 tokens over 60 s against 2 x 100 tok/s: the peers worked, but the syncer described no merge, so
+    # goodput is unknown (never the tokens the heartbeats report)
+    assert throughput["working_fraction"] == pytest.approx(10900 / 12000, abs=0.01)
+    assert throughput["goodput_fraction"] is None and throughput["mean_goodput_tokens_per_s"] is None
+    assert throughput["goodput_source"] == "merges not described"
     faults_out = report["faults"]
     assert faults_out["injected"] == 1 and faults_out["survived"] == 1
     assert faults_out["faults"][0]["t"] == 20.0 and faults_out["faults"][0]["came_back"]
@@ -124,6 +132,18 @@ def test_a_fault_the_swarm_did_not_come_back_from_is_not_survived() -> None:
     assert [f["came_back"] for f in summary["faults"]] == [True, False, True, True]
     assert [f["survived"] for f in summary["faults"]] == [True, False, True, False]  # no merge after 40 s
     assert summary["by_action"] == {"kill": 2, "stall": 2}
+
+
+def test_goodput_is_the_merged_tokens_and_zero_without_merges() -> None:
+    history, faults = simulated_history(merge_tokens=1200)
+    throughput = build_report(inputs(history, faults))["throughput"]
+    # 12 merges of 1,200 tokens into one of 2 fragments each: 7,200 tokens against 12,000
+    assert throughput["goodput_source"] == "syncer" and throughput["committed_tokens"] == 7200
+    assert throughput["goodput_fraction"] == pytest.approx(7200 / 12000, abs=0.01)
+    assert "tokens merged into the global model" in render_text(build_report(inputs(history, faults)))
+    idle = {"t": [0.0, 1.0, 2.0], "throughput": [None, 500.0, 500.0], "goodput": [None, 0.0, 0.0]}
+    summary = throughput_summary({**idle, "workers": [0, 1, 1], "goodput_source": "no merges yet"}, 1)
+    assert summary["goodput_fraction"] == 0.0 and summary["mean_goodput_tokens_per_s"] == 0.0
 
 
 def test_throughput_summary_without_any_work() -> None:

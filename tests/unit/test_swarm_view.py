@@ -6,7 +6,15 @@ from typing import Any
 
 import pytest
 
-from node.status.swarm_view import SwarmHistory, ViewConfig, peer_health, summary_line
+from node.status.swarm_view import (
+    AWAITING_DESCRIPTION,
+    MAX_ENTRIES_PER_LOOK,
+    NOT_DESCRIBED,
+    SwarmHistory,
+    ViewConfig,
+    peer_health,
+    summary_line,
+)
 
 PERIOD_S = 1.0
 
@@ -130,7 +138,7 @@ def test_samples_are_rate_limited_but_events_are_not() -> None:
     assert [e["kind"] for e in history.events_json()] == ["joined", "joined"]
 
 
-def test_goodput_leaves_out_banned_peers_until_the_syncer_reports_committed_tokens() -> None:
+def test_goodput_is_merged_work_only_and_zero_before_the_first_merge() -> None:
     history = SwarmHistory(config())
     history.observe(doc(0.0, [peer("A"), peer("B")], syncer=[syncer([0, 0])]), 0.0)
     history.observe(
@@ -138,8 +146,9 @@ def test_goodput_leaves_out_banned_peers_until_the_syncer_reports_committed_toke
         1.0,
     )
     last = history.samples[-1]
-    assert (last["throughput"], last["goodput"]) == (400.0, 100.0)
-    assert history.goodput_source == "heartbeats"
+    # the heartbeats report 400 tok/s, but nothing has merged: the model got no tokens yet
+    assert (last["throughput"], last["goodput"]) == (400.0, 0.0)
+    assert history.goodput_source == "no merges yet"
     status = {"merges": [{"fragment": 1, "version": 1, "quorum": 2, "grace_s": 0.4, "tokens": 250}]}
     history.observe(
         doc(
@@ -180,9 +189,10 @@ def test_version_bumps_become_merges_enriched_by_the_syncer_status() -> None:
     }
     history.observe(doc(1.0, [], syncer=[syncer([4, 0, 2])], syncer_status=status), 1.0)
     merges = history.history_json()["merges"]
-    assert [(m["fragment"], m["version"], m["count"]) for m in merges] == [(0, 4, 1), (2, 2, 2)]
+    assert [(m["fragment"], m["version"], m["count"]) for m in merges] == [(0, 4, 1), (2, 1, 1), (2, 2, 1)]
     assert merges[0]["quorum"] == 2 and merges[0]["weights"] == {"A": 0.6, "B": 0.4}
-    assert "quorum" not in merges[1]
+    assert "undescribed" not in merges[0]
+    assert "quorum" not in merges[1] and merges[1]["undescribed"] == AWAITING_DESCRIPTION
     assert history.history_json()["totals"]["merges"] == 3
     texts = [e["text"] for e in history.events_json() if e["kind"] == "merge"]
     assert "fragment 0 -> v4 (quorum 2)" in texts
@@ -219,7 +229,7 @@ def test_a_vanished_peer_stays_on_the_map_as_missing_then_is_forgotten() -> None
     assert {c["short"]: c["health"] for c in view["learners"]} == {"A": "alive", "B": "missing"}
     assert view["counts"]["missing"] == 1
     history.observe(doc(5.0, [peer("A"), peer("B")]), 5.0)
-    assert [e["kind"] for e in history.events_json()][:2] == ["joined", "left"]
+    assert [e["kind"] for e in history.events_json()][:2] == ["joined", "lost"]
     assert "rejoined" in history.events_json()[0]["text"]
     history.observe(doc(6.0, [peer("A")]), 6.0)
     history.observe(doc(20.0, [peer("A")]), 20.0)
@@ -275,7 +285,10 @@ def test_summary_line() -> None:
     history = SwarmHistory(config())
     assert summary_line(history) == "no samples yet"
     history.observe(doc(0.0, [peer("A", loss=2.0)]), 0.0)
-    assert summary_line(history).startswith("1 peers, 0 tok/s")
+    assert summary_line(history) == (
+        "1 peers; goodput 0 tok/s (no merges yet), 0 merges; 0 tok/s processed (reported by heartbeats);"
+        " loss 2.000; 0 bans"
+    )
 
 
 def test_a_syncer_heartbeat_loss_is_a_held_out_point_when_it_changes() -> None:
@@ -298,11 +311,12 @@ def test_described_versions_get_entries_of_their_own_and_grace_is_what_was_waite
     )
     merges = history.history_json()["merges"]
     assert [(m["version"], m["count"], m.get("quorum")) for m in merges] == [
-        (2, 2, None),
+        (1, 1, None),
+        (2, 1, None),
         (3, 1, 2),
         (4, 1, 1),
     ]
-    assert (merges[1]["grace_s"], merges[1]["grace_window_s"]) == (0.2, 0.5)
+    assert (merges[2]["grace_s"], merges[2]["grace_window_s"]) == (0.2, 0.5)
     assert history.history_json()["totals"]["merges"] == 4
 
 
@@ -347,3 +361,93 @@ def test_when_every_heartbeat_is_late_the_observer_is_the_one_lagging() -> None:
     history.observe(doc(10.0, peers), 10.0)
     health = {c["short"]: c["health"] for c in history.swarm_map(doc(10.0, []))["learners"]}
     assert health == {"A": "alive", "B": "alive", "C": "straggling"}
+
+
+# ---- what the events and the lines say ----
+
+
+def test_a_clean_leave_is_left_and_silence_without_leaving_is_lost() -> None:
+    history = SwarmHistory(config())
+    history.observe(doc(0.0, [peer("CLEAN"), peer("VIA_LIST"), peer("CRASH")]), 0.0)
+    # CLEAN's last record announces leaving; VIA_LIST's is in the document's `leaving` list (as a bootstrap
+    # serves it: records that announce leaving are left out of `peers`); CRASH just stops
+    history.observe(
+        doc(1.0, [peer("CLEAN", leaving=True, state="leaving")], leaving=[peer("VIA_LIST", leaving=True)]),
+        1.0,
+    )
+    history.observe(doc(2.0, []), 2.0)
+    gone = {e["peer"]: (e["kind"], e["text"]) for e in history.events_json() if e["kind"] in ("left", "lost")}
+    assert gone == {
+        "CLEAN": ("left", "CLEAN (learner) left: announced leaving"),
+        "VIA_LIST": ("left", "VIA_LIST (learner) left: announced leaving"),
+        "CRASH": (
+            "lost",
+            "CRASH (learner) lost: stopped heartbeating without announcing leaving (killed, stalled or cut off)",
+        ),
+    }
+    health = {c["short"]: c["health"] for c in history.swarm_map(doc(2.0, []))["learners"]}
+    assert health == {"CLEAN": "leaving", "VIA_LIST": "leaving", "CRASH": "missing"}
+    assert not any("stopped heartbeating" in t for k, t in gone.values() if k == "left")
+
+
+def test_a_merge_the_syncer_describes_a_look_late_gets_its_quorum_and_weights() -> None:
+    history = SwarmHistory(config(describe_within_s=5.0))
+    history.observe(doc(0.0, [], syncer=[syncer([0, 0])]), 0.0)
+    # the bootstrap reads the syncer's status after the records: the first look at v1 has no description
+    history.observe(doc(1.0, [], syncer=[syncer([1, 1])], syncer_status={"recent_merges": []}), 1.0)
+    assert [m["undescribed"] for m in history.merges] == [AWAITING_DESCRIPTION] * 2
+    assert history.goodput_source == "merges not described" and history.samples[-1]["goodput"] is None
+    tape = [
+        {
+            "fragment": 0,
+            "version": 1,
+            "participants": ["A", "B"],
+            "weights": {"A": 0.5, "B": 0.5},
+            "tokens": 80,
+        }
+    ]
+    history.observe(doc(2.0, [], syncer=[syncer([1, 1])], syncer_status={"recent_merges": tape}), 2.0)
+    first, second = history.history_json()["merges"]
+    assert (first["quorum"], first["weights"], "undescribed" in first) == (2, {"A": 0.5, "B": 0.5}, False)
+    assert history.goodput_source == "syncer" and history.history_json()["totals"]["committed_tokens"] == 40
+    assert second["undescribed"] == AWAITING_DESCRIPTION
+    history.observe(doc(9.0, [], syncer=[syncer([1, 1])], syncer_status={"recent_merges": tape}), 9.0)
+    assert second["undescribed"] == NOT_DESCRIBED and "quorum" not in second  # a labelled reason, not a blank
+
+
+def test_many_versions_between_two_looks_lump_only_the_oldest() -> None:
+    history = SwarmHistory(config())
+    history.observe(doc(0.0, [], syncer=[syncer([0])]), 0.0)
+    history.observe(doc(1.0, [], syncer=[syncer([MAX_ENTRIES_PER_LOOK + 4])]), 1.0)
+    merges = list(history.merges)
+    assert (merges[0]["version"], merges[0]["count"]) == (4, 4) and "not described one by one" in merges[0][
+        "undescribed"
+    ]
+    assert [m["count"] for m in merges[1:]] == [1] * MAX_ENTRIES_PER_LOOK
+    assert history.merges_total == MAX_ENTRIES_PER_LOOK + 4
+    assert [e["kind"] for e in history.events_json()].count("merge") == 1
+
+
+def test_notes_from_a_file_become_events_and_junk_is_ignored() -> None:
+    history = SwarmHistory(config())
+    lines = [
+        b'{"t": 5.0, "kind": "fault", "text": "kill learner1", "target": "learner1", "phase": "start"}',
+        b"not json",
+        b'["a list"]',
+        b'{"text": "no kind"}',
+        '{"kind": "recovered", "text": "' + "x" * 1000 + '"}',
+    ]
+    assert history.add_notes(lines, now=7.0) == 2
+    fault, recovered = history.events_after(0)
+    assert (fault["t"], fault["kind"], fault["target"], fault["phase"]) == (5.0, "fault", "learner1", "start")
+    assert recovered["t"] == 7.0 and len(recovered["text"]) == 300
+
+
+def test_summary_line_says_goodput_is_merged_and_throughput_is_what_heartbeats_report() -> None:
+    history = SwarmHistory(config())
+    history.observe(doc(0.0, [peer("A")], syncer=[syncer([0])]), 0.0)
+    status = {"recent_merges": [{"fragment": 0, "version": 1, "participants": ["A"], "tokens": 300}]}
+    history.observe(doc(1.0, [peer("A", tokens=1000)], syncer=[syncer([1])], syncer_status=status), 1.0)
+    line = summary_line(history)
+    assert "goodput 300 tok/s merged, 1 merges" in line
+    assert "1,000 tok/s processed (reported by heartbeats)" in line
