@@ -28,14 +28,17 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 	  || echo "warning: could not install chromium; the browser test will be skipped"; }
 
-test: setup-test browser
+test: lint browser
 	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 test-fast: setup-test
 	$(PY) -m pytest -q tests/unit $(ARGS)
 
+# Lint and types run before the suite (CI calls `make test`): ruff's rules and format, mypy (config in pyproject).
 lint: setup-test
-	$(VENV)/bin/ruff check node protocol verification bootstrap benchmarks tests
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) runs tests/artifacts

@@ -141,7 +141,7 @@ def _note_reachability(events: EventLog, joined: Any) -> None:
 
 
 async def _wait_for_end(stop: asyncio.Event, supervisor: TaskSupervisor) -> None:
-    waiters = {
+    waiters: dict[asyncio.Future[Any], str] = {
         asyncio.ensure_future(stop.wait()): "stop requested",
         asyncio.ensure_future(supervisor.ended.wait()): "role finished",
         supervisor.fatal: "a task failed",

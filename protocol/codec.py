@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -111,7 +111,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     dtype_name(tensor)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     # numpy has no bfloat16, so view every dtype as uint8 first; the view shares memory with `flat`.
-    return memoryview(flat.view(torch.uint8).numpy()).toreadonly()
+    return flat.view(torch.uint8).numpy().data.toreadonly()
 
 
 def tensor_spec(tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
@@ -139,9 +139,11 @@ def decode_tensor(
     """
     _require_little_endian()
     nbytes = check_spec(dtype, shape, limits)
+    # check_spec returned, so dtype is a wire dtype name and shape a list or tuple of positive ints.
+    checked_dtype, checked_shape = cast(str, dtype), cast("Sequence[int]", shape)
     if len(data) != nbytes:
-        raise SizeMismatch(f"{len(data)} bytes for {dtype}{list(shape)} which needs {nbytes}")  # type: ignore[arg-type]
-    return build_tensor(dtype, shape, data, limits)  # type: ignore[arg-type]
+        raise SizeMismatch(f"{len(data)} bytes for {checked_dtype}{list(checked_shape)} which needs {nbytes}")
+    return build_tensor(checked_dtype, checked_shape, data, limits)
 
 
 def build_tensor(

@@ -613,9 +613,9 @@ def _check_meta_scalar(value: object) -> None:
     if value is None or type(value) is bool:
         return
     if type(value) is int:
-        _require(-(1 << 63) <= value <= MAX_U63, "metadata int out of range")  # type: ignore[operator]
+        _require(-(1 << 63) <= value <= MAX_U63, "metadata int out of range")
     elif type(value) is float:
-        _require(math.isfinite(value), "metadata float must be finite")  # type: ignore[arg-type]
+        _require(math.isfinite(value), "metadata float must be finite")
     elif type(value) is str:
         _require(len(value) <= MAX_META_STR_CHARS, "metadata string too long")
     else:

@@ -111,4 +111,5 @@ def parse_key(raw: str) -> ParsedKey:
 
 def key_id(raw: str) -> bytes:
     """The bytes the DHT stores and routes by for `raw` (what a validator sees as `DHTRecord.key`)."""
-    return DHTID.generate(source=raw).to_bytes()
+    routed: bytes = DHTID.generate(source=raw).to_bytes()
+    return routed

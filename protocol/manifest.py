@@ -208,17 +208,19 @@ class RunManifest:
         """The largest tensor any peer of this run may send: a boundary activation/gradient of a full microbatch,
         a token batch, or the largest single parameter tensor (fragments travel tensor by tensor)."""
         m, batch = self.model, self.wire.max_batch
-        width, mlp = m["width"], m.get("mlp_ratio", 4)
-        boundary = batch * m["context_len"] * width * _FLOAT32_BYTES
-        tokens = batch * m["context_len"] * _INT64_BYTES
-        largest_param = max(
-            m["vocab_size"] * width, m["context_len"] * width, 3 * width * width, mlp * width * width
-        )
+        width: int = m["width"]
+        mlp: int = m.get("mlp_ratio", 4)
+        context_len: int = m["context_len"]
+        vocab_size: int = m["vocab_size"]
+        boundary = batch * context_len * width * _FLOAT32_BYTES
+        tokens = batch * context_len * _INT64_BYTES
+        largest_param = max(vocab_size * width, context_len * width, 3 * width * width, mlp * width * width)
         return max(boundary, tokens, largest_param * _FLOAT32_BYTES)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, canonically ordered dict (lists, not tuples) for msgpack and JSON."""
-        return _sorted(dataclasses.asdict(self))
+        plain: dict[str, Any] = _sorted(dataclasses.asdict(self))
+        return plain
 
     def to_canonical_bytes(self) -> bytes:
         return msgpack.packb({"format": FORMAT_VERSION, "run": self.to_dict()}, use_bin_type=True)

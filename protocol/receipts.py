@@ -66,7 +66,7 @@ class TokenReceipt:
             "last_microbatch": self.last_microbatch,
         }
 
-    def seal(self, identity: NodeIdentity, run_id: str, *, step: int = 0) -> bytes:
+    def seal(self, identity: NodeIdentity, run_id: str, *, step: int = 0) -> bytearray:
         if identity.peer_id != self.verifier:
             raise ValueError("a receipt is sealed by its verifier")
         context = Context(run_id=run_id, kind=Kind.RECEIPT, receiver=self.replica, stage=self.stage)
@@ -77,30 +77,37 @@ class TokenReceipt:
     @classmethod
     def from_opened(cls, opened: Opened) -> TokenReceipt:
         h, meta = opened.header, opened.meta
-        fields = {
-            "tokens": meta.get("tokens"),
-            "microbatches": meta.get("microbatches"),
-            "last_microbatch": meta.get("last_microbatch"),
-        }
-        ok = (
+        session = meta.get("session")
+        tokens, microbatches, last = (
+            _count(meta.get(k)) for k in ("tokens", "microbatches", "last_microbatch")
+        )
+        if not (
             meta.get("format") == RECEIPT_FORMAT
             and meta.get("replica") == h.receiver
-            and isinstance(meta.get("session"), str)
-            and 0 < len(meta["session"]) <= 64
-            and all(type(v) is int and v >= 0 for v in fields.values())
+            and isinstance(session, str)
+            and 0 < len(session) <= 64
+            and tokens is not None
+            and microbatches is not None
+            and last is not None
             and not opened.tensors
-        )
-        if not ok:
+        ):
             raise MalformedFrame("receipt metadata does not match the receipt format", reason="bad receipt")
         return cls(
             verifier=h.sender,
             replica=h.receiver,
             stage=h.stage,
-            session=meta["session"],  # type: ignore[arg-type]
+            session=session,
             sequence=h.microbatch,
             issued_at=h.timestamp,
-            **fields,  # type: ignore[arg-type]
+            tokens=tokens,
+            microbatches=microbatches,
+            last_microbatch=last,
         )
+
+
+def _count(value: object) -> int | None:
+    """`value` if it is a non-negative int (a bool is not: its type is not int), else None."""
+    return value if type(value) is int and value >= 0 else None
 
 
 def receipt_signer(frame: bytes | bytearray | memoryview) -> str:

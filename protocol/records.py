@@ -382,7 +382,7 @@ def _manifest_record_kind(key_id: bytes, envelope: object) -> str | None:
     return "manifest" if manifest_key and keys.key_id(raw_key) == key_id else None
 
 
-class HivenodeRecordValidator(RecordValidatorBase):
+class HivenodeRecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hivemind ships no types
     """hivemind validator for every hivenode record. Instances merge, so runs can be added after the DHT started
     (`dht.add_validators([HivenodeRecordValidator([rules])])`). Records that are not hivenode envelopes are
     rejected unless `allow_foreign` (for a DHT shared with other hivemind applications)."""

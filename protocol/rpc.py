@@ -218,6 +218,7 @@ class Reassembler:
 
     def next_chunk_length(self, raw_header: bytes) -> int:
         """Validate a chunk header before its body is read."""
+        length: int
         (length,) = _CHUNK_HEADER.unpack(raw_header)
         if self.done:
             raise MalformedFrame(f"chunk {self.received_chunks + 1} of {self.preamble.num_chunks}")

@@ -432,7 +432,7 @@ class Child:
         reader.start()
         reader.join(timeout_s)
         if not result or not result[0]:
-            raise AssertionError(f"child {self.popen.args[2:4]} gave no answer within {timeout_s} s")
+            raise AssertionError(f"child {self.popen.args!r} gave no answer within {timeout_s} s")
         return json.loads(result[0])
 
     def ask(self, command: str) -> dict[str, Any]:

@@ -120,7 +120,7 @@ def _extra_seeds() -> dict[str, list[bytes]]:
     frame = seal(CALLER, ctx, microbatch=1, step=2, now=0.0, tensor=torch.arange(6.0), nonce=b"n" * 16)
     body = b"hello stream"
     message = encode_preamble(Status.REQUEST, len(body), 512) + len(body).to_bytes(4, "big") + body
-    return {"envelope": [frame], "codec": [bytes([0, 2, 2, 2]) + b"\0" * 16], "stream": [message]}
+    return {"envelope": [bytes(frame)], "codec": [bytes([0, 2, 2, 2]) + b"\0" * 16], "stream": [message]}
 
 
 # ---- corpus -----------------------------------------------------------------------------------------------------

@@ -254,7 +254,7 @@ def pretrained_state(
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
         for _ in range(steps):
             inputs, targets = sampler.next_batch()
-            loss = lm_loss(model(inputs), targets)  # type: ignore[arg-type]
+            loss = lm_loss(model(inputs), targets)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -332,7 +332,7 @@ def build_arm(
         transport=DirectTransport(verifier.peer_id, services),
         replicas=lambda: [ReplicaInfo(peer_id=p, stage=s) for p, s in stages.items()],
         router=EvenRouter(RoutingConfig()) if config.even_routing else ReplicaRouter(RoutingConfig()),
-        tap=tap,  # type: ignore[arg-type]
+        tap=tap,
         banned=lambda: tap.banned() | watcher.active(),
         rng=random.Random(seed),
         clock=lambda: clock["t"],

@@ -47,7 +47,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, TypedDict
 
 from node.diloco.counters import token_weight
 from node.diloco.fragments import FragmentSchedule
@@ -204,6 +204,16 @@ _FAIL, _RETURN, _PAUSE_END, _CHECK, _MERGE_DONE, _WARMUP, _END = range(7)
 _EPS = 1e-9
 
 
+class _SyncerStats(TypedDict):
+    """Totals over a DiLoCo run's rounds: counts, and sums the result divides by the rounds merged."""
+
+    merged: int
+    skipped: int
+    learners: float
+    effective: float
+    steps: float
+
+
 @dataclass(slots=True)
 class _Round:
     """One merge of one fragment, from opening to its merge decision."""
@@ -317,7 +327,13 @@ class _Engine:
         self.newest = -1
         self._open_round(0)
         self.cap = self._round_step(0) + cfg.overlap_steps
-        self.stats = {"merged": 0, "skipped": 0, "learners": 0.0, "effective": 0.0, "steps": 0.0}
+        self.stats: _SyncerStats = {
+            "merged": 0,
+            "skipped": 0,
+            "learners": 0.0,
+            "effective": 0.0,
+            "steps": 0.0,
+        }
 
     def _round_step(self, r: int) -> float:
         period, h = len(self.pattern), self.cfg.sync_every_steps
@@ -620,6 +636,17 @@ DEFAULT_LEARNER_FAILURES_TARGET = 3_000.0  # diloco cells: cost scales with roun
 DEFAULT_GRID_STEP_S = 30.0
 
 
+class _CellCommon(TypedDict):
+    """The SimConfig fields every system of a grid cell shares."""
+
+    num_chips: int
+    horizon_s: float
+    warmup_s: float
+    failures: FailureModel
+    step_s: float
+    seed: int
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GridConfig:
     """How the Table 1 grid is simulated: run length per cell and the shared model settings."""
@@ -645,7 +672,7 @@ def cell_config(system: str, num_chips: int, grid: GridConfig) -> SimConfig:
     cluster_mtbf_s = grid.failures.mtbi_chip_s / num_chips
     target = grid.failures_target if system in ("dp", "elastic_dp") else grid.learner_failures_target
     horizon = max(grid.min_horizon_s, target * cluster_mtbf_s)
-    common = {
+    common: _CellCommon = {
         "num_chips": num_chips,
         "horizon_s": horizon,
         "warmup_s": grid.warmup_fraction * horizon,
@@ -653,8 +680,10 @@ def cell_config(system: str, num_chips: int, grid: GridConfig) -> SimConfig:
         "step_s": grid.step_s,
         "seed": grid.seed,
     }
-    if system in ("dp", "elastic_dp"):
-        return SimConfig(system=system, **common)  # type: ignore[arg-type]
+    if system == "dp":
+        return SimConfig(system="dp", **common)
+    if system == "elastic_dp":
+        return SimConfig(system="elastic_dp", **common)
     if not system.startswith("M") or not system[1:].isdigit():
         raise ValueError(f"unknown grid system {system!r}")
     return SimConfig(system="diloco", num_learners=int(system[1:]), quorum=grid.quorum, **common)

@@ -591,6 +591,7 @@ class ProxyThread:
     def stop(self, timeout_s: float = 10.0) -> None:
         if not self.running:
             return
+        assert self._thread is not None  # running
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
         if self._thread.is_alive():

@@ -1,8 +1,9 @@
 """Attack behaviours of a malicious stage replica, as pure tensor transforms.
 
 For tests and benchmarks only: a node may apply one of these solely through an explicit, loudly named
-option (`--unsafe-attack KIND`). Each attack rewrites the tensor a stage sends across a boundary, forward
-(activations), backward (activation gradients) or both, from the attacker's own step `start_after` on.
+option (the environment variable `HIVENODE_UNSAFE_ATTACK=KIND[:key=value,...]`, read by `attack_from_env`).
+Each attack rewrites the tensor a stage sends across a boundary, forward (activations), backward (activation
+gradients) or both, from the attacker's own step `start_after` on.
 
 Strengths are relative to the tensor being replaced (its RMS, or its within-batch spread) so that one
 setting means the same thing for activations and for gradients, whose scales differ by orders of magnitude.

@@ -127,7 +127,7 @@ class HeaderSlot:
     input_digest: str = ""  # which request the payload answered (stages bind it in their output headers)
 
 
-def _input_digest(fields: list) -> str:
+def _input_digest(fields: list[Any]) -> str:
     meta = fields[_H_META] if len(fields) > _H_META else None
     return str(meta.get("input_digest", "")) if isinstance(meta, dict) else ""
 
@@ -169,9 +169,11 @@ def proves_equivocation(evidence: BanEvidence, run_id: str) -> bool:
     """Two headers validly signed by the offender for one (run, microbatch, stage, direction, input) with
     different payload digests. Checked from the offender's peer id alone: no trust in the verifier needed."""
     slots = [verified_slot(evidence.offender, h) for h in evidence.headers[:2]]
-    if len(slots) != 2 or slots[0] is None or slots[1] is None:
+    if len(slots) != 2:
         return False
     a, b = slots
+    if a is None or b is None:
+        return False
     same_slot = (a.run_id, a.stage, a.direction, a.microbatch, a.input_digest) == (
         b.run_id,
         b.stage,

@@ -160,7 +160,8 @@ def _row_dots(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Per-row dot products of two [rows, features] arrays in one pass and without a temporary: passes
     over the full boundary tensor are what a check costs (torch's (a * b).sum(-1) writes and rereads a
     copy of it, and torch's small ops cost more dispatch than the arithmetic)."""
-    return np.einsum("ij,ij->i", a, b)
+    dots: np.ndarray = np.einsum("ij,ij->i", a, b)
+    return dots
 
 
 def _paired(
@@ -197,7 +198,8 @@ def _segment_median(ordered: np.ndarray, start: np.ndarray, stop: np.ndarray) ->
     high = np.clip(np.ceil(position).astype(np.intp), 0, ordered.shape[0] - 1)
     columns = np.arange(ordered.shape[1])
     at_low, at_high = ordered[low, columns], ordered[high, columns]
-    return at_low + (at_high - at_low) * (position - low)
+    median: np.ndarray = at_low + (at_high - at_low) * (position - low)
+    return median
 
 
 def _sliced_wasserstein(projected_a: np.ndarray, projected_b: np.ndarray) -> float:
@@ -214,10 +216,12 @@ def _small_median(rows: list[np.ndarray]) -> np.ndarray:
     if len(rows) == 1:
         return rows[0]
     if len(rows) == 2:
-        return (rows[0] + rows[1]) / 2
+        mean: np.ndarray = (rows[0] + rows[1]) / 2
+        return mean
     stacked = np.sort(np.array(rows), axis=0)
     middle = len(rows) // 2
-    return stacked[middle] if len(rows) % 2 else (stacked[middle - 1] + stacked[middle]) / 2
+    median: np.ndarray = stacked[middle] if len(rows) % 2 else (stacked[middle - 1] + stacked[middle]) / 2
+    return median
 
 
 class _ScoreWindow:
@@ -568,9 +572,12 @@ class BoundaryMonitor:
         medians = [r.median for r in self._replicas.values() if r.last_check >= horizon]
         if len(medians) < self.config.min_peer_replicas:
             return None
+        centre: np.ndarray
         if len(medians) == 2:  # the sort's answer (NaN last, so a NaN loses) in one ufunc
-            return np.fmin(medians[0], medians[1])
-        return np.sort(np.array(medians), axis=0)[(len(medians) - 1) // 2]
+            centre = np.fmin(medians[0], medians[1])
+        else:
+            centre = np.sort(np.array(medians), axis=0)[(len(medians) - 1) // 2]
+        return centre
 
     # ----------------------------------------------------------------- updates
 

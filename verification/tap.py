@@ -1,18 +1,14 @@
-"""SENTINEL on the running pipeline: the verifier's boundary tap, ban publishing, ban enforcement, unsafe attacks.
+"""SENTINEL on the running pipeline: the boundary tap every tensor a verifier receives passes through once.
 
+* `BoundaryTap` is the seam (a Protocol: `check`, `spot_check_due`, `spot_check`) that the pipeline driver
+  (node/pipeline/driver.py) calls; `PassThroughTap` accepts everything (a driver without SENTINEL).
 * `SentinelTap` is the `BoundaryTap` a verifier drives every received boundary tensor through: equivocation
   bookkeeping (from the signed header), the per-(stage, direction) monitors with the stage's input or output
   gradient as context, the per-own-microbatch violation ledger (cap, storms, re-warm), and the action: a flagged
   activation drops the microbatch (or is replaced by the EMA), a flagged gradient is replaced by the EMA and
   later boundaries of that microbatch are not judged (the cascade). A ban decision becomes a `BanNotice` with
   `BanEvidence` (the offender's signed header, scores, fences) queued for the DHT and a JSONL event.
-* `BanWatcher` runs in every role: it polls the DHT ban records of live peers, aggregates them
-  (`verification.bans.decide_bans`: `bans_required` distinct authorized verifiers, or one equivocation proof)
-  into a `BanList`, publishes this node's queued notices, and reports verifiers that accuse far more than
-  their peers. Verifiers route around banned replicas, stages refuse their calls, syncers their contributions.
-* `attack_from_env`: a stage replica applies `verification.attacks` to its outputs only when started with
-  `HIVENODE_UNSAFE_ATTACK=<spec>` (tests and benchmarks), announced by a WARNING banner.
-
+  The notices are published, and every role enforces the resulting bans, by `node.swarm.bans.BanWatcher`.
 * Spot checks (`verification.spotcheck`): after each checked tensor the driver asks `spot_check_due`
   (the tap's RNG draws, after the sender signed, at the rate its ledger state calls for: new, flagged and
   quarantined replicas more often); if due, the driver recomputes the same input on a random other replica
@@ -31,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -43,6 +39,7 @@ from verification.bans import (
 )
 from verification.equivocation import EquivocationDetector, SignedHeader, Slot
 from verification.ledger import LedgerConfig, LedgerDecision, ViolationLedger
+from verification.sentinel import Direction as SentinelDirection
 from verification.sentinel import SentinelConfig, SentinelMonitor, StageTurnover, Verdict
 from verification.spotcheck import SpotCheckConfig, SpotCheckPolicy, SpotCheckVerdict
 
@@ -178,7 +175,7 @@ class SentinelTap:
                 stage, direction.value, replica, microbatch_id, header, signed, now
             ):
                 return Drop(f"equivocation by {replica[-8:]}")
-            dir_name = "forward" if direction is Direction.FORWARD else "backward"
+            dir_name: SentinelDirection = "forward" if direction is Direction.FORWARD else "backward"
             paired = context if context is not None and tuple(context.shape) == tuple(tensor.shape) else None
             verdict = self.monitor.check(stage, dir_name, replica, microbatch_id, tensor, now, context=paired)
             self.stats.checked += 1
@@ -268,7 +265,7 @@ class SentinelTap:
                 kept = next((f for f in self._recent.get(replica, ()) if f.microbatch == microbatch_id), None)
                 if kept is not None:
                     self._remember_flag(replica, microbatch_id, kept.verdict, kept.signed)
-            dir_name = "forward" if direction is Direction.FORWARD else "backward"
+            dir_name: SentinelDirection = "forward" if direction is Direction.FORWARD else "backward"
             reason = f"spot check of microbatch {microbatch_id} at stage {stage} {dir_name}: {verdict.reason}"
             stats.spot_uncorroborated += int(not verdict.corroborated)
             stats.spot_turbulent += int(verdict.turbulent)
@@ -491,13 +488,51 @@ class Drop:
     reason: str
 
 
-class BoundaryTap:
+class BoundaryTap(Protocol):
     """Every boundary tensor the verifier receives passes through `check` exactly once (SENTINEL plugs in here).
 
     `stage` is the stage that produced the tensor, `direction` forward (its output activation) or backward
-    (the gradient of its input). Return the tensor to use downstream (a flagged gradient may be replaced) or
-    a `Drop`. This implementation accepts everything and counts what it saw.
+    (the gradient of its input). `check` returns the tensor to use downstream (a flagged gradient may be
+    replaced) or a `Drop`. After each check the driver asks `spot_check_due`; when it is due, the driver
+    recomputes the same request on other replicas of the stage and hands the outputs to `spot_check`.
+    Implementations: `SentinelTap` (production) and `PassThroughTap` (accepts everything).
     """
+
+    def check(
+        self,
+        stage: int,
+        direction: Direction,
+        replica: str,
+        microbatch_id: int,
+        tensor: torch.Tensor,
+        header: Header,
+        *,
+        context: torch.Tensor | None = None,
+        signed: SignedBoundaryHeader | None = None,
+    ) -> torch.Tensor | Drop:
+        """`context`: what the verifier sent that stage for this microbatch (its input forward, the output
+        gradient it was given backward; None when there is none). `signed`: the answer's header and signature."""
+        ...
+
+    def spot_check_due(self, stage: int, direction: Direction, replica: str) -> bool: ...
+
+    def spot_check(
+        self,
+        stage: int,
+        direction: Direction,
+        replica: str,
+        microbatch_id: int,
+        original: torch.Tensor,
+        checker: str,
+        checker_output: torch.Tensor,
+        *,
+        third: str | None = None,
+        third_output: torch.Tensor | None = None,
+    ) -> SpotCheckVerdict: ...
+
+
+class PassThroughTap:
+    """The `BoundaryTap` of a driver without SENTINEL: accepts every tensor, counts what it saw, never spot-checks."""
 
     def __init__(self) -> None:
         self.seen: dict[tuple[int, str], int] = {}
@@ -514,9 +549,26 @@ class BoundaryTap:
         context: torch.Tensor | None = None,
         signed: SignedBoundaryHeader | None = None,
     ) -> torch.Tensor | Drop:
-        """`context`: what the verifier sent that stage for this microbatch (its input forward, the output
-        gradient it was given backward; None when there is none). `signed`: the answer's header and signature."""
-        del context, signed
+        del replica, microbatch_id, header, context, signed
         key = (stage, direction.value)
         self.seen[key] = self.seen.get(key, 0) + 1
         return tensor
+
+    def spot_check_due(self, stage: int, direction: Direction, replica: str) -> bool:
+        del stage, direction, replica
+        return False
+
+    def spot_check(
+        self,
+        stage: int,
+        direction: Direction,
+        replica: str,
+        microbatch_id: int,
+        original: torch.Tensor,
+        checker: str,
+        checker_output: torch.Tensor,
+        *,
+        third: str | None = None,
+        third_output: torch.Tensor | None = None,
+    ) -> SpotCheckVerdict:
+        raise RuntimeError("PassThroughTap never draws a spot check, so it is never asked to judge one")

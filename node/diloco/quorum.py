@@ -43,11 +43,24 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
+
+if TYPE_CHECKING:  # Unpack is in typing only from 3.11
+    from typing_extensions import Unpack
 
 logger = logging.getLogger(__name__)
 
 Action = Literal["wait", "merge"]
+
+
+class GraceOverrides(TypedDict, total=False):
+    """The grace-window knobs `QuorumConfig.decoupled` lets a caller override."""
+
+    grace_gamma: float
+    grace_tau: float
+    max_grace_steps: float
+    max_grace_s: float
+    ema_alpha: float
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,7 +94,7 @@ class QuorumConfig:
             raise ValueError("wait_for_all_expected and ignore_expected exclude each other")
 
     @classmethod
-    def decoupled(cls, min_quorum: int = 1, **overrides: float) -> QuorumConfig:
+    def decoupled(cls, min_quorum: int = 1, **overrides: Unpack[GraceOverrides]) -> QuorumConfig:
         """Decoupled DiLoCo: merge at K contributions, then the adaptive grace window."""
         return cls(min_quorum=min_quorum, **overrides)
 

@@ -1,9 +1,9 @@
 """Verifier token receipts as the syncer's measure of a pipeline stage replica's work.
 
 A stage replica's fragment counters are self-reported, and merge weights are quadratic in tokens. Verifiers
-sign cumulative token receipts per replica and verifier session (`node.roles.stage.TokenReceipt`); the replica
+sign cumulative token receipts per replica and verifier session (`protocol.receipts.TokenReceipt`); the replica
 keeps the newest of each session and relays them with its fragment contributions (`FragmentSync`'s
-`receipts` provider, meta `receipts`: the raw frames, hex). The syncer checks each one (`verify_receipts`:
+`receipts` provider, meta `receipts`: the raw frames, hex). The syncer checks each one (`protocol.receipts.verify_receipts`:
 signed by an authorized verifier, for this run, naming this replica and the fragment's stage, not too old)
 and caps the contribution's tokens at the growth of the verified counts since the receipts it saw with the
 peer's last merged contribution of that fragment (`ReceiptLedger`). So a replica is weighted by what

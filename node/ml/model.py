@@ -76,7 +76,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
         self.proj = nn.Linear(cfg.width, cfg.width)
-        self.proj.residual_out = True  # scaled init, see _init_std
+        self.proj.residual_out = True  # type: ignore[assignment]  # scaled init, see _init_std
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +95,7 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width)
         self.proj = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width)
-        self.proj.residual_out = True
+        self.proj.residual_out = True  # type: ignore[assignment]
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,6 @@ forward, and emits signed token receipts (`ReceiptBook`). The verifier role wrap
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import logging
 import math
 import random
@@ -30,7 +28,6 @@ from node.pipeline.routing import (
     ReplicaRouter,
     RetryPolicy,
 )
-from node.roles.stage import StageService
 from protocol.envelope import Context, Direction, Kind, Opened, max_frame_bytes, open_envelope, seal
 from protocol.errors import ProtocolError, RemoteRefused, StreamClosed
 from protocol.identity import NodeIdentity
@@ -51,9 +48,9 @@ from protocol.pipeline import (
 )
 from protocol.receipts import TokenReceipt
 from protocol.replay import ReplayGuard
-from protocol.rpc import PeerStrikes, call_framed
+from protocol.rpc import PeerStrikes, Route, call_framed
 from verification.bans import SignedBoundaryHeader, signed_header_of
-from verification.tap import BoundaryTap, Drop
+from verification.tap import BoundaryTap, Drop, PassThroughTap
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +108,17 @@ class FramedTransport:
         )
 
 
+class RouteProvider(Protocol):
+    """What serves a replica's RPCs: `StageService` in production, anything with the same routes in tests."""
+
+    def routes(self) -> Mapping[str, Route]: ...
+
+
 class DirectTransport:
     """`HopTransport` that calls `StageService` handlers in this process (no network), as a FramedServer would:
     a `ProtocolError` of the handler becomes a `RemoteRefused` with its reason."""
 
-    def __init__(self, caller: str, services: Mapping[str, StageService]) -> None:
+    def __init__(self, caller: str, services: Mapping[str, RouteProvider]) -> None:
         self.caller = caller
         self.services = services
 
@@ -165,7 +168,7 @@ class ReceiptBook:
         c.microbatches += 1
         c.last_microbatch = max(c.last_microbatch, microbatch)
 
-    def due(self, now: float) -> list[tuple[TokenReceipt, bytes]]:
+    def due(self, now: float) -> list[tuple[TokenReceipt, bytearray]]:
         """A fresh signed receipt for every replica whose verified tokens grew since its last receipt."""
         out = []
         for replica, c in self._credits.items():
@@ -265,7 +268,7 @@ class PipelineDriver:
         self.replicas = replicas
         self.router = router or ReplicaRouter()
         self.retry = retry or RetryPolicy()
-        self.tap = tap or BoundaryTap()
+        self.tap: BoundaryTap = tap or PassThroughTap()
         self.receipts = receipts or ReceiptBook(identity, run_id)
         self.banned = banned
         self.rng = rng or random.Random()
@@ -513,8 +516,7 @@ class PipelineDriver:
         the stage (and a third after a mismatch) and let the tap judge. Returns what to use: a Drop when the
         original was convicted; the original itself when the recomputation cleared a flagged tensor (the
         statistics were wrong); otherwise `checked` as the tap returned it."""
-        due = getattr(self.tap, "spot_check_due", None)
-        if due is None or not due(stage, direction, replica):
+        if not self.tap.spot_check_due(stage, direction, replica):
             return checked
         peers = self._spot_peers(stage, replica)
         outputs: list[tuple[str, torch.Tensor]] = []
@@ -527,7 +529,7 @@ class PipelineDriver:
             outputs.append((peer, out))
             checker, checker_out = outputs[0]
             third, third_out = outputs[1] if len(outputs) > 1 else (None, None)
-            verdict = self.tap.spot_check(  # type: ignore[attr-defined]
+            verdict = self.tap.spot_check(
                 stage, direction, replica, microbatch, original, checker, checker_out,
                 third=third, third_output=third_out,
             )  # fmt: skip
@@ -612,8 +614,6 @@ class PipelineDriver:
         context: torch.Tensor | None,
     ) -> torch.Tensor | Drop:
         signed = self._signed.pop((microbatch, stage, direction.value), None)
-        if not _takes_context(type(self.tap)):  # a tap written for the original six-argument seam
-            return self.tap.check(stage, direction, replica, microbatch, tensor, opened.header)
         return self.tap.check(
             stage, direction, replica, microbatch, tensor, opened.header, context=context, signed=signed
         )
@@ -736,7 +736,7 @@ class PipelineDriver:
         self.router.record_success(replica, tokens=int(x.shape[0] * x.shape[1]), seconds=answered - started)
         return opened
 
-    async def _send(self, replica: str, rpc: str, frame: bytes) -> bytes | bytearray:
+    async def _send(self, replica: str, rpc: str, frame: bytes | bytearray) -> bytes | bytearray:
         timeout_s = self.router.hop_timeout_s(replica, self.retry)  # longer after timeouts in a row
         self.router.started(replica)
         try:
@@ -841,11 +841,6 @@ class PipelineDriver:
         )
         if self.on_failure is not None:
             self.on_failure(microbatch, stage, replica, error)
-
-
-@functools.cache
-def _takes_context(tap_type: type) -> bool:
-    return "context" in inspect.signature(tap_type.check).parameters
 
 
 def _request_kind(rpc: str, stage: int) -> Kind:

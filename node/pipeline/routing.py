@@ -32,6 +32,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class ReplicaRouter:
     def measured_throughput(self, peer_id: str) -> float | None:
         return self._measured.get(peer_id)
 
-    def _trim(self, table: OrderedDict[str, object]) -> None:
+    def _trim(self, table: OrderedDict[str, Any]) -> None:
         while len(table) > self.config.max_tracked_peers:
             table.popitem(last=False)
 

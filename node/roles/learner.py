@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import math
 import time
@@ -29,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from node.config import component_config
 from node.diloco.sync_client import FragmentSync, FramedSyncTransport, SyncClientConfig, run_fragment_plan
-from protocol.errors import ConfigError
 
 if TYPE_CHECKING:
     from node.context import NodeContext
@@ -72,14 +71,8 @@ class LearnerConfig:
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> LearnerConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown [learner] settings {unknown}")
-        try:
-            return cls(**options)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"[learner]: {e}") from None
+        """From `NodeConfig.learner` (node.toml `[learner]`, `HIVENODE_LEARNER`)."""
+        return component_config(cls(), options, table="learner")
 
 
 class Throughput:

@@ -1,8 +1,7 @@
 """Roles: the `Role` protocol, the registry from role name to factory, and how `--role auto` chooses.
 
-A role module `node/<name>.py` plugs in by defining `create_role(ctx: NodeContext) -> Role`; until it does, the
-registry hands out `NotBuiltRole`, which joins and heartbeats as "idle" and says plainly that the role's work is
-not built yet in this version (it never pretends to train).
+Each role module `node/roles/<name>.py` defines `create_role(ctx: NodeContext) -> Role`; the registry imports it
+when the role is built (so a learner never imports the syncer's code).
 
 `--role auto` picks, in order:
 1. `syncer` if this node's key is an authorized syncer of the run and no live peer announces the syncer role;
@@ -54,34 +53,15 @@ class Role(Protocol):
 RoleFactory = Callable[["NodeContext"], Role]
 
 
-class NotBuiltRole:
-    """Stands in for a role whose work this version does not have yet."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.note = f"role {name}: not built yet in this version"
-
-    async def run(self, ctx: NodeContext, stop: asyncio.Event) -> None:
-        logger.warning("%s; this node joins and heartbeats but does no work", self.note)
-        await stop.wait()
-
-    def status(self) -> dict[str, Any]:
-        return {"state": "idle", "note": self.note}
-
-
-def _module_factory(name: str, module_name: str) -> RoleFactory:
+def _module_factory(module_name: str) -> RoleFactory:
     def create(ctx: NodeContext) -> Role:
-        if importlib.util.find_spec(module_name) is None:
-            return NotBuiltRole(name)
-        factory = getattr(importlib.import_module(module_name), "create_role", None)
-        if factory is None:
-            return NotBuiltRole(name)
+        factory: RoleFactory = importlib.import_module(module_name).create_role
         return factory(ctx)
 
     return create
 
 
-ROLE_FACTORIES: dict[str, RoleFactory] = {name: _module_factory(name, f"node.{name}") for name in ROLE_NAMES}
+ROLE_FACTORIES: dict[str, RoleFactory] = {name: _module_factory(f"node.roles.{name}") for name in ROLE_NAMES}
 
 
 def register_role(name: str, factory: RoleFactory) -> None:

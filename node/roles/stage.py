@@ -24,7 +24,7 @@ Idempotency (docs/pipeline.md): the key is (run, verifier, microbatch, stage, di
 at most once; a retried backward is answered from cache; a forward for a microbatch whose backward was applied
 is refused (`already applied`); a repeated forward whose context is still held is answered from cache.
 
-Token receipts (signed by verifiers, format in `TokenReceipt`) are accepted on `stage.receipt` and kept, newest
+Token receipts (signed by verifiers, format in `protocol.receipts.TokenReceipt`) are accepted on `stage.receipt` and kept, newest
 per verifier session, for the syncer to weight this replica's contributions by verified tokens.
 """
 
@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.func import functional_call
 
-from node.config import load_role_config
+from node.config import component_config
 from node.ml.model import ModelConfig, StageModule, build_stage, stage_spans
 from node.pipeline.routing import (
     IdempotencyKey,
@@ -98,7 +97,7 @@ from protocol.pipeline import (
 from protocol.receipts import TokenReceipt, open_receipt
 from protocol.replay import ReplayGuard
 from protocol.rpc import FramedServer, PeerStrikes, Route
-from verification.attacks import attack_from_env
+from verification.attacks import Attack, attack_from_env
 
 if TYPE_CHECKING:
     from node.context import NodeContext
@@ -356,8 +355,8 @@ class StageCore:
         key = self._key(sender, microbatch, Phase.BACKWARD)
         cached = self._cached_or_refuse(key)
         if cached is not None:
-            loss_value, grad = cached  # type: ignore[misc]
-            return loss_value, grad
+            assert isinstance(cached, tuple)  # the ledger stores what this method returned
+            return cached[0], cached[1]
         started = time.perf_counter()
         leaves = self._leaves()
         x_in = None if self.is_first else x.detach().requires_grad_(True)
@@ -564,7 +563,7 @@ class StageService:
         wall_clock: Callable[[], float] = time.time,
         max_receipts: int = 64,
         is_banned: Callable[[str], bool] = lambda _peer: False,
-        attack: Any = None,
+        attack: Attack | None = None,
     ) -> None:
         """`is_banned`: swarm-wide SENTINEL bans (callers that are banned are refused). `attack`: a
         `verification.attacks.Attack` applied to this replica's outputs; only ever set through the loudly
@@ -616,9 +615,14 @@ class StageService:
                 "a forward carries its input (and targets for the last stage)", reason="bad tensors"
             )
         if recompute:
-            grad = await self.compute(core.input_gradient, x, opened.tensors.get(GRAD_OUTPUT), targets)
+            recomputed = await self.compute(core.input_gradient, x, opened.tensors.get(GRAD_OUTPUT), targets)
             return self._seal(
-                remote_peer, Kind.GRADIENT, Direction.BACKWARD, header, tensor=grad, meta={EVAL_META: True}
+                remote_peer,
+                Kind.GRADIENT,
+                Direction.BACKWARD,
+                header,
+                tensor=recomputed,
+                meta={EVAL_META: True},
             )
         if opened.meta.get(EVAL_META) is True:
             out = await self.compute(core.forward_eval, x, targets)
@@ -729,7 +733,7 @@ class StageService:
         self.timings["open_s"] += time.perf_counter() - started
         return opened
 
-    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+    async def compute(self, fn: Callable[..., T], *args: object) -> T:
         """Run `fn(*args)` on the compute thread (the only thread that touches the core)."""
         self.queued += 1
         started = time.perf_counter()
@@ -748,7 +752,7 @@ class StageService:
         *,
         tensor: torch.Tensor | None = None,
         meta: Mapping[str, Any] | None = None,
-    ) -> bytes:
+    ) -> bytearray:
         started = time.perf_counter()
         context = Context(
             run_id=self.run_id,
@@ -782,10 +786,9 @@ class StageService:
 def stage_config(
     table: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
 ) -> StageConfig:
-    """StageConfig from the node.toml `[stage_options]` table (when NodeConfig has one) and `HIVENODE_STAGE`."""
-    return load_role_config(
-        StageConfig(), table=table, env=STAGE_ENV, environ=os.environ if environ is None else environ
-    )
+    """StageConfig from `NodeConfig.stage_options` (node.toml `[stage_options]` and `HIVENODE_STAGE`, merged by
+    `node.config.load_node_config`), then `HIVENODE_STAGE` from `environ` if one is given."""
+    return component_config(StageConfig(), table, table="stage_options", env=STAGE_ENV, environ=environ)
 
 
 def build_core(

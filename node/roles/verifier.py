@@ -1,7 +1,8 @@
-"""The verifier's driving half: owns data shards and walks microbatches through one replica per stage.
+"""The verifier role: owns data shards and walks microbatches through one replica per stage.
 
 A verifier is SWARM's "trainer" with SENTINEL's verification point on the path (papers/sentinel.md §3.1): every
 boundary tensor of its microbatches passes through it, in both directions, signed by the replica that made it.
+The parts, most of them in node/pipeline/driver.py and verification/tap.py:
 
 * `PipelineDriver` (transport-agnostic): for one microbatch, picks a replica per stage (`node.pipeline.routing`), sends
   the tokens to stage 0, each activation on to the next stage, the last stage answers the loss and the gradient
@@ -11,13 +12,13 @@ boundary tensor of its microbatches passes through it, in both directions, signe
   replica before the backward. Every answer must be signed by the replica that was asked (else it is rejected
   and struck), and every backward application is recorded once in an `IdempotencyLedger`.
 * `BoundaryTap.check` is the ONE place each received boundary tensor passes through (the SENTINEL seam):
-  it returns the tensor to use (possibly a replacement) or a `Drop`. This base class passes everything
+  it returns the tensor to use (possibly a replacement) or a `Drop`. `PassThroughTap` passes everything
   through; the verifier role plugs in `verification.tap.SentinelTap`. When the tap draws a spot check
   (`spot_check_due`), the driver recomputes the same request on a random other replica of the stage (a third
   after a mismatch) without side effects (`EVAL_META`, `RECOMPUTE_GRAD_META` for gradients) and lets the tap
   judge (`spot_check`): a convicted tensor is dropped, a flagged one that the recomputation cleared is used.
 * `ReceiptBook` counts verified tokens per stage replica and emits signed `TokenReceipt`s (format in
-  `node.roles.stage`), sent to each replica on `stage.receipt` for its syncer contributions.
+  `protocol.receipts`), sent to each replica on `stage.receipt` for its syncer contributions.
 * `HopTransport` moves bytes: `FramedTransport` over hivemind P2P framed streams, `DirectTransport` in process
   (tests, benchmarks: the same sealing, opening and stage code, no network).
 * `VerifierRole` (`--role verifier`, only for keys the manifest authorizes): data, replica discovery from
@@ -30,7 +31,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import random
 import time
 from collections import deque
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.config import load_role_config
+from node.config import component_config
 from node.ml.data import Batch, BatchSampler, load_corpus, validation_batches
 from node.pipeline.driver import (
     DriverStats,
@@ -67,6 +67,8 @@ from protocol.receipts import TokenReceipt
 
 if TYPE_CHECKING:
     from node.context import NodeContext
+    from node.swarm.bans import BanWatcher
+    from verification.tap import SentinelTap
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +123,9 @@ class VerifierConfig:
 def verifier_config(
     table: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
 ) -> VerifierConfig:
-    """VerifierConfig from the node.toml `[verifier]` table (when NodeConfig has one) and `HIVENODE_VERIFIER`."""
-    return load_role_config(
-        VerifierConfig(), table=table, env=VERIFIER_ENV, environ=os.environ if environ is None else environ
-    )
+    """VerifierConfig from `NodeConfig.verifier` (node.toml `[verifier]` and `HIVENODE_VERIFIER`, merged by
+    `node.config.load_node_config`), then `HIVENODE_VERIFIER` from `environ` if one is given."""
+    return component_config(VerifierConfig(), table, table="verifier", env=VERIFIER_ENV, environ=environ)
 
 
 # ---------------------------------------------------------------------------------------------------- the seam
@@ -174,8 +175,8 @@ class VerifierRole:
         self.progress = _Progress()
         self._replicas: list[ReplicaInfo] = []
         self.driver: PipelineDriver | None = None
-        self.tap: Any = None  # verification.tap.SentinelTap once running
-        self.bans: Any = None  # verification.tap.BanWatcher once running
+        self.tap: SentinelTap | None = None  # once running
+        self.bans: BanWatcher | None = None  # once running
         self._next_id = (
             int(time.time() * 1000) << 16
         )  # ids grow across restarts: stage ledgers never see a reuse
@@ -205,7 +206,7 @@ class VerifierRole:
             replicas=lambda: self._replicas,
             router=ReplicaRouter(self.config.routing),
             retry=self.config.retry,
-            tap=tap,  # type: ignore[arg-type]  # SentinelTap implements the BoundaryTap seam
+            tap=tap,
             banned=lambda: tap.banned() | bans.active(),
             rng=random.Random(ctx.peer_id),
         )
@@ -481,7 +482,8 @@ class VerifierRole:
             status["strikes"] = driver.strikes.snapshot()
             status["timings"] = {k: round(v, 3) for k, v in driver.stats.timings.items()}
         if self.tap is not None:
-            status["sentinel"] = {**self.tap.status(), "swarm_banned": sorted(self.bans.active())}
+            banned = self.bans.active() if self.bans is not None else set()
+            status["sentinel"] = {**self.tap.status(), "swarm_banned": sorted(banned)}
         return status
 
 

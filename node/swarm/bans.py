@@ -27,7 +27,7 @@ from verification.tap import EventSink
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    pass
+    from node.context import NodeContext
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -156,7 +156,7 @@ class BanWatcher:
             return []
 
 
-def ban_watcher_for(ctx: Any, *, outbox: deque[BanNotice] | None = None) -> BanWatcher:
+def ban_watcher_for(ctx: NodeContext, *, outbox: deque[BanNotice] | None = None) -> BanWatcher:
     """A BanWatcher wired to a node's context (records, manifest, events)."""
     manifest = ctx.manifest
     return BanWatcher(

@@ -211,7 +211,7 @@ class DetachedDHT(hivemind.DHT):
         if self._store_quota is not None:
             # This process is ours alone: hivemind's DHTNode builds its protocol from this module-level name.
             QuotaDHTProtocol.quota_config = self._store_quota
-            hivemind.dht.node.DHTProtocol = QuotaDHTProtocol  # type: ignore[misc]
+            hivemind.dht.node.DHTProtocol = QuotaDHTProtocol
         super().run()  # hivemind then ignores SIGINT in this process
 
 

@@ -50,7 +50,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Procs, Boo
 def test_three_nodes_join_and_the_bootstrap_lists_them_with_roles(swarm) -> None:
     group, bootstrap, nodes = swarm
     ids = {
-        node.status.http()["peer_id"] for node in nodes
+        node.status()["peer_id"] for node in nodes
     }  # one joined via the bootstrap's URL, two via its multiaddr
     assert len(ids) == 3
 
@@ -141,9 +141,9 @@ def test_a_plain_hivemind_dht_peer_is_a_valid_entry_point(tmp_path: Path) -> Non
         relay = group.start_hivemind_dht(bootstrap.maddr)
         relay_maddr = relay.wait_line(r"--initial_peers (/ip4/127\.0\.0\.1/\S+)", source="stderr").group(1)
         node = group.start_node("--join", relay_maddr)
-        peer_id = node.status.http()["peer_id"]
+        peer_id = node.status()["peer_id"]
         wait_until(lambda: peer_id in roles_of(bootstrap), 20, what="node listed via hivemind-dht")
-        assert node.status.http()["run_id"] == bootstrap.swarm()["run_id"]
+        assert node.status()["run_id"] == bootstrap.swarm()["run_id"]
 
 
 def test_bootstrap_multiaddr_is_stable_across_restarts(tmp_path: Path) -> None:

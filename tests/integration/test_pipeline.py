@@ -8,7 +8,6 @@ Tiny model (2 layers x 64, context 32), microbatches of 4: the module runs in ab
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import signal
 import time
@@ -52,7 +51,6 @@ VERIFIER_ENV = (
     "microbatch_size=4,max_in_flight=4,eval_every_s=3,eval_batches=2,receipt_every_s=2,"
     "retry.hop_timeout_s=5,routing.failure_cooldown_s=30"
 )
-HAS_SYNCER = importlib.util.find_spec("node.roles.syncer") is not None
 
 
 @dataclass
@@ -62,28 +60,25 @@ class Swarm:
     stages: list[Node]  # stage 0, stage 0, stage 1, stage 1
     verifier: Node
     verifier_state: Path
-    syncer: Node | None
+    syncer: Node
 
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
     root = tmp_path_factory.mktemp("pipeline")
-    syncers = ["syncer"] if HAS_SYNCER else []
-    run_path = PIPELINE_RUN.write_authorizing(root, syncers=syncers, verifiers=["verifier"])
+    run_path = PIPELINE_RUN.write_authorizing(root, syncers=["syncer"], verifiers=["verifier"])
     with procs(root) as group, environment(HIVENODE_STAGE=STAGE_ENV, HIVENODE_VERIFIER=VERIFIER_ENV):
         bootstrap = group.start_bootstrap("--run", str(run_path))
-        syncer = None
-        if HAS_SYNCER:
-            syncer = group.join_node(bootstrap, "syncer", state="syncer", wait=False)
+        syncer = group.join_node(bootstrap, "syncer", state="syncer", wait=False)
         stages = [group.join_node(bootstrap, "stage", stage=s, wait=False) for s in (0, 0, 1, 1)]
         verifier = group.join_node(bootstrap, "verifier", state="verifier", wait=False)
-        for node in [*stages, verifier, *([syncer] if syncer else [])]:
+        for node in [*stages, verifier, syncer]:
             group.wait_node(node, timeout_s=90)
         yield Swarm(group, bootstrap, stages, verifier, root / "verifier", syncer)
 
 
 def stage_statuses(swarm: Swarm) -> list[dict[str, Any]]:
-    return [node.status.http() for node in swarm.stages if node.popen.poll() is None]
+    return [node.status() for node in swarm.stages if node.popen.poll() is None]
 
 
 # ---------------------------------------------------------------------------------------------------- training
@@ -143,18 +138,17 @@ def test_training_lowers_held_out_loss_and_uses_every_replica(swarm: Swarm) -> N
 
 def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: Swarm) -> None:
     replicas = swarm.stages[:2]  # both serve stage 0
-    peer_ids = [node.status.http()["peer_id"] for node in replicas]
+    peer_ids = [node.status()["peer_id"] for node in replicas]
     before = swarm.verifier.status()["microbatches_completed"]
 
     def busy() -> Node | None:
         # The victim holds the context of a training microbatch in flight (`holding`): its backward is due
-        # there, so it fails and is recomputed on the other replica. Not a fixed replica, nor one with any hop in
-        # flight (CI: a spot-check recomputation, whose failure ends no microbatch), nor one holding stage
-        # contexts, which may be of microbatches dropped later on. And only while neither replica sits out a
-        # routing cooldown (30 s here, after a failed hop) or has SENTINEL flags in its window: a survivor that
-        # sat one out, or was the odd one of the two, while the victim trained on answers far from the history
-        # the victim wrote, and SENTINEL drops the recomputations on it (the lock-out rule, docs/sentinel.md,
-        # bounds how long; CI once, and 2 runs in 9 here).
+        # there, so it fails and is recomputed on the other replica. Not a replica whose only hop in flight is a
+        # spot-check recomputation (its failure ends no microbatch, so nothing would be recovered), nor one
+        # holding stage contexts, which may be of microbatches dropped later on. And only while neither replica
+        # sits out a routing cooldown (30 s here, after a failed hop) or has SENTINEL flags in its window: a
+        # survivor that sat one out, or was the odd one of the two, trained while the victim wrote the history,
+        # so SENTINEL would drop the recomputations on it for a while (the lock-out rule, docs/sentinel.md).
         status = swarm.verifier.status()
         stage0, sentinel = status["replicas"]["0"], status["sentinel"]
         suspect = set(sentinel["quarantined"]) | set(sentinel["flags_in_window"])
@@ -228,16 +222,12 @@ def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: 
     survivor_applied = survivor.status()["applied_recent"]
     assert len(survivor_applied) == len(set(survivor_applied))  # never twice on one replica
     assert recovered_ids <= set(survivor_applied)  # the stage-0 part of each recovered microbatch ran there
-    last_stage = [node.status.http()["applied_recent"] for node in swarm.stages[2:]]
+    last_stage = [node.status()["applied_recent"] for node in swarm.stages[2:]]
     assert not set(last_stage[0]) & set(last_stage[1])  # and each microbatch reached one last-stage replica
     assert all(e["replicas"][0] == survivor.status()["peer_id"] for e in recovered())
 
 
-@pytest.mark.skipif(
-    not HAS_SYNCER, reason="needs the DiLoCo syncer role (node/roles/syncer.py), not in this tree yet"
-)
 def test_a_replica_joining_mid_run_starts_from_the_global_version(swarm: Swarm) -> None:
-    assert swarm.syncer is not None
 
     def merged() -> dict[str, int] | None:
         versions = swarm.stages[2].status().get("diloco", {}).get("versions", {})

@@ -40,7 +40,7 @@ NO_FLAP_WINDOW_S = 4 + 2 * 6 + 3  # dwell + two staggers + a heartbeat and a che
 
 
 def moves(nodes: dict[str, Node]) -> dict[str, int]:
-    return {name: node.status.http()["moves"] for name, node in nodes.items()}
+    return {name: node.status()["moves"] for name, node in nodes.items()}
 
 
 def test_a_starved_stage_gets_exactly_one_replica_which_serves_the_global_version(tmp_path: Path) -> None:
@@ -59,7 +59,7 @@ def test_a_starved_stage_gets_exactly_one_replica_which_serves_the_global_versio
 
         # 2 against 3 trains, and stage 0 has a merged global version, before anything is killed
         def warmed_up() -> dict[str, int] | None:
-            statuses = {name: node.status.http() for name, node in stages.items()}
+            statuses = {name: node.status() for name, node in stages.items()}
             versions = statuses["d"].get("diloco", {}).get("versions", {})
             ready = (
                 all(s["throughput"] > 0 for s in statuses.values())
@@ -78,7 +78,7 @@ def test_a_starved_stage_gets_exactly_one_replica_which_serves_the_global_versio
         crowd = survivors = {name: stages[name] for name in ("a", "b", "c")}
 
         def one_moved() -> str | None:
-            status = {name: node.status.http() for name, node in crowd.items()}
+            status = {name: node.status() for name, node in crowd.items()}
             moved = [name for name, s in status.items() if s["moves"] > 0]
             return moved[0] if len(moved) == 1 and status[moved[0]]["state"] == "serving" else None
 
@@ -119,5 +119,5 @@ def test_a_starved_stage_gets_exactly_one_replica_which_serves_the_global_versio
         print(
             f"\n{mover_name} moved to stage 0 {moved_after_s:.1f} s after the kill "
             f"(versions {versions}, held {held}); no other move in {NO_FLAP_WINDOW_S} s; "
-            f"rebalance reasons: { {n: node.status.http()['rebalance'] for n, node in survivors.items()} }"
+            f"rebalance reasons: { {n: node.status()['rebalance'] for n, node in survivors.items()} }"
         )

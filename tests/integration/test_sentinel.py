@@ -31,7 +31,7 @@ REPLICAS = (2, 3, 2)
 ATTACK_START = 50  # the attacker's own steps sent honestly first (monitors warm up, spot checks calibrate)
 BAN_WITHIN = 15  # own attacked microbatches before the ban, at most
 # Noise at half the signal's scale sits at 1.2-1.7 spot-check tolerances from honest replicas, where an honest
-# replica running ahead was also seen (1.2, and banned, about 1 CI run in 7): convictions within
+# replica running ahead can also sit (1.2 measured): convictions within
 # SpotCheckConfig.ban_margin (1.5) tolerances are marginal and a ban takes 4 of them instead of 2
 # (LedgerConfig.marginal_convictions_to_ban), so the noise attacker's ban may take longer.
 BAN_WITHIN_BY_KIND = {"noise": 40}

@@ -36,7 +36,7 @@ from protocol.pipeline import (
 from protocol.receipts import open_receipt
 from protocol.replay import ReplayGuard
 from tools.train_local import train_local_run
-from verification.tap import BoundaryTap, Drop
+from verification.tap import BoundaryTap, Drop, PassThroughTap
 
 MODEL = {"vocab_size": 256, "context_len": 32, "num_layers": 2, "width": 64, "num_heads": 2}
 RUN_ID = "0" * 40
@@ -344,10 +344,10 @@ def test_a_dead_context_holder_is_replaced_and_nothing_is_applied_twice() -> Non
     victim_and_kill: dict[str, Callable[[], None]] = {}
     held: list[int] = []
 
-    class KillAfterLoss(BoundaryTap):
+    class KillAfterLoss(PassThroughTap):
         """Kill the stage-0 replica that served a microbatch once the last stage answered it."""
 
-        def check(self, stage, direction, replica, microbatch_id, tensor, header):  # noqa: ANN001, ANN201
+        def check(self, stage, direction, replica, microbatch_id, tensor, header, **_):  # noqa: ANN001, ANN201
             if stage == 1 and direction is Direction.BACKWARD and not victim_and_kill:
                 holder = pipe.driver.last_route[0]
                 held.append(pipe.driver.holding(holder))  # its backward is due there (status "holding")
@@ -417,8 +417,8 @@ def test_a_reply_signed_by_another_key_is_rejected_and_retried_elsewhere() -> No
 
 
 def test_an_activation_dropped_by_every_replica_drops_the_microbatch() -> None:
-    class DropAll(BoundaryTap):
-        def check(self, stage, direction, replica, microbatch_id, tensor, header):  # noqa: ANN001, ANN201
+    class DropAll(PassThroughTap):
+        def check(self, stage, direction, replica, microbatch_id, tensor, header, **_):  # noqa: ANN001, ANN201
             return Drop("test")
 
     pipe = build_pipeline(
@@ -442,8 +442,8 @@ def test_an_activation_dropped_on_one_replica_is_recomputed_on_another(retry_dro
     )
     flagged = next(p for p, s in pipe.stages.items() if s == 0)
 
-    class DropOne(BoundaryTap):
-        def check(self, stage, direction, replica, microbatch_id, tensor, header):  # noqa: ANN001, ANN201
+    class DropOne(PassThroughTap):
+        def check(self, stage, direction, replica, microbatch_id, tensor, header, **_):  # noqa: ANN001, ANN201
             return Drop("flagged") if replica == flagged else tensor
 
     pipe.driver.tap = DropOne()
