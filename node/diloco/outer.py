@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 STATE_PREFIX = "outer_momentum/"
 
 
+class NonFiniteStep(ArithmeticError):
+    """The outer step gave a non-finite parameter or momentum value; nothing was changed."""
+
+
 class OuterNesterov:
     """Nesterov outer step over named tensors; pure apart from its momentum buffers."""
 
@@ -37,12 +41,18 @@ class OuterNesterov:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def step(
-        self, global_params: Mapping[str, torch.Tensor], outer_grad: Mapping[str, torch.Tensor]
+        self,
+        global_params: Mapping[str, torch.Tensor],
+        outer_grad: Mapping[str, torch.Tensor],
+        *,
+        require_finite: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Return new values for the tensors named in `outer_grad`; inputs are not modified.
 
         Every name in `outer_grad` must be in `global_params` with the same shape. The new tensors have
-        the dtype of the corresponding global parameter.
+        the dtype of the corresponding global parameter. With `require_finite`, a non-finite new value or
+        momentum raises NonFiniteStep and the momentum stays as it was (the round is rolled back): finite
+        but huge pseudo-gradients (1e38) overflow here, and a published inf poisons the model for good.
         """
         for name, grad in outer_grad.items():
             if name not in global_params:
@@ -55,15 +65,21 @@ class OuterNesterov:
             if buf is not None and tuple(buf.shape) != tuple(grad.shape):
                 raise ValueError(f"{name}: momentum buffer shape {tuple(buf.shape)} != {tuple(grad.shape)}")
         updated: dict[str, torch.Tensor] = {}
+        buffers: dict[str, torch.Tensor] = {}
         for name, grad in outer_grad.items():
             g = grad.detach().to(torch.float32)
             buf = self._buffers.get(name)
-            buf = g.clone() if buf is None else buf.mul_(self.momentum).add_(g)
-            self._buffers[name] = buf
+            # out of place: the old buffers stay intact until the whole step is known to be good
+            buf = buffers[name] = g.clone() if buf is None else buf.mul(self.momentum).add_(g)
             direction = g.add(buf, alpha=self.momentum)
             param = global_params[name]
             new = param.detach().to(torch.float32).sub(direction, alpha=self.lr)
             updated[name] = new.to(param.dtype)
+        if require_finite:
+            bad = [n for n in updated if not (_finite(updated[n]) and _finite(buffers[n]))]
+            if bad:
+                raise NonFiniteStep(f"outer step non-finite in {len(bad)} tensors, e.g. {bad[0]}")
+        self._buffers.update(buffers)
         return updated
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -86,3 +102,7 @@ class OuterNesterov:
     def buffer(self, name: str) -> torch.Tensor | None:
         """The momentum buffer of one tensor (None before its first step); a view, do not modify."""
         return self._buffers.get(name)
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    return bool(torch.isfinite(tensor).all())

@@ -1,6 +1,7 @@
 """The syncer's pure core: the global fragments and their outer Nesterov state, one open round per fragment,
-admission of a contribution (staleness, idempotency, counter caps, verifier receipts), the quorum/grace decision
-(`QuorumPolicy`) and the merge (`merge_fragment` + `OuterNesterov`), split into a heavy `compute_merge` (run in a
+admission of a contribution (staleness, idempotency, the contribution screen of node.diloco.screening, counter caps,
+verifier receipts), the quorum/grace decision (`QuorumPolicy`) and the merge (`merge_fragment` + `OuterNesterov`,
+a round rolled back when its outer step is not finite), split into a heavy `compute_merge` (run in a
 worker thread) and a cheap `commit_merge`; snapshots for checkpoints. No sockets and no clock of its own: the
 caller (node.roles.syncer) passes `now` and serialises calls."""
 
@@ -19,9 +20,10 @@ import torch
 from node.diloco.counters import cap_counters
 from node.diloco.fragments import FragmentPlan
 from node.diloco.merge import Contribution, MergeResult, NothingToMerge, merge_fragment
-from node.diloco.outer import OuterNesterov
+from node.diloco.outer import NonFiniteStep, OuterNesterov
 from node.diloco.quorum import QuorumConfig, QuorumPolicy
 from node.diloco.receipts import ReceiptLedger
+from node.diloco.screening import ContributionScreen, ScreeningConfig, ScreenUpdate
 from node.ml.checkpoint import SyncerSnapshot
 from protocol.errors import MalformedFrame, ProtocolError
 
@@ -78,6 +80,7 @@ class PreparedMerge:
     required: int
     expected: int
     started_at: float
+    screened: ScreenUpdate | None = None  # what the merge adds to the contribution screen's history
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -374,6 +377,24 @@ class ScheduleClock:
         return estimates[(len(estimates) - 1) // 2]
 
 
+def check_shape(
+    plan: FragmentPlan,
+    shapes: Mapping[str, tuple[int, ...]],
+    fragment: int,
+    params: Mapping[str, torch.Tensor],
+) -> None:
+    """Raise MalformedFrame unless `params` are exactly the fragment's tensors, shapes and float dtypes."""
+    if not 0 <= fragment < plan.num_fragments:
+        raise MalformedFrame(f"fragment {fragment} out of range", reason="malformed contribution")
+    names = plan.fragments[fragment].names
+    if set(params) != set(names):
+        raise MalformedFrame(f"fragment {fragment}: wrong tensor names", reason="malformed contribution")
+    for name in names:
+        tensor = params[name]
+        if tuple(tensor.shape) != shapes[name] or not tensor.is_floating_point():
+            raise MalformedFrame(f"{name}: wrong shape or dtype", reason="malformed contribution")
+
+
 class SyncerCore:
     """Global state and merge decisions; the caller passes `now` (monotonic seconds) and serialises calls."""
 
@@ -392,6 +413,7 @@ class SyncerCore:
         tokens_per_step: int,
         now: float,
         max_merged_keys: int = 65536,
+        screening: ScreeningConfig | None = None,  # None: the defaults (on)
     ) -> None:
         missing = set(plan.names()) - set(params)
         if missing:
@@ -402,6 +424,7 @@ class SyncerCore:
         self.policy = QuorumPolicy(quorum)
         self.embedding_names = frozenset(embedding_names)
         self.outer = OuterNesterov(outer_lr, outer_momentum)
+        self.screen = ContributionScreen(screening)  # checks each contribution alone (issue 18)
         self.clip_factor = clip_factor
         self.max_staleness = max_staleness
         self.max_steps_per_s = max_steps_per_s
@@ -439,9 +462,13 @@ class SyncerCore:
         `receipts`: for a pipeline stage replica, the verifier receipts it relayed (already verified); its
         tokens are then capped at their growth since its last merged contribution (`ReceiptLedger`). None for
         a learner (no verifier watches it)."""
-        self._check_shape(fragment, params)
+        self.check_contribution(fragment, params)
         key = (peer, fragment, base_version, nonce)
         self._check_base(fragment, base_version, key)
+        base = self._history.tensors.get(fragment, {}).get(base_version)  # None: unknown, taken as current
+        verdict = self.screen.check(fragment, params, base, self.fragment_tensors(fragment))
+        if verdict.params is None:  # blamed: the sender built it, and the strikes count it per peer
+            raise refuse(verdict.tag, verdict.reason, blame=True)
         steps, tokens, capped = self._new_counters(peer, fragment, base_version, steps, tokens, now)
         counts: dict[tuple[str, str], int] = {}
         receipt_capped = False
@@ -451,7 +478,7 @@ class SyncerCore:
                 tokens, receipt_capped = verified, True
         contribution = Contribution(
             peer_id=peer,
-            params={n: t.detach().to(torch.float32) for n, t in params.items()},
+            params=verdict.params,
             base_version=base_version,
             steps=steps,
             tokens=tokens,
@@ -531,18 +558,7 @@ class SyncerCore:
 
     def check_contribution(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
         """Raise MalformedFrame unless `params` are exactly the fragment's tensors, shapes and float dtypes."""
-        self._check_shape(fragment, params)
-
-    def _check_shape(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
-        if not 0 <= fragment < self.plan.num_fragments:
-            raise MalformedFrame(f"fragment {fragment} out of range", reason="malformed contribution")
-        names = self.plan.fragments[fragment].names
-        if set(params) != set(names):
-            raise MalformedFrame(f"fragment {fragment}: wrong tensor names", reason="malformed contribution")
-        for name in names:
-            tensor = params[name]
-            if tuple(tensor.shape) != self.shapes[name] or not tensor.is_floating_point():
-                raise MalformedFrame(f"{name}: wrong shape or dtype", reason="malformed contribution")
+        check_shape(self.plan, self.shapes, fragment, params)
 
     # ---- decisions ----
 
@@ -565,8 +581,7 @@ class SyncerCore:
         self, fragment: int, round_: _Round, *, expected: int, required: int, started_at: float
     ) -> PreparedMerge:
         """The heavy part (safe in a worker thread while nothing else mutates this fragment)."""
-        names = self.plan.fragments[fragment].names
-        global_params = {n: self.params[n] for n in names}
+        global_params = self.fragment_tensors(fragment)
         merged, sources = combine_round(
             round_,
             global_params,
@@ -582,7 +597,12 @@ class SyncerCore:
             current_version=self.versions[fragment],
             max_staleness=self.max_staleness,
         )
-        new_params = self.outer.step(global_params, result.outer_grad)
+        try:
+            new_params = self.outer.step(
+                global_params, result.outer_grad, require_finite=self.screen.config.rollback
+            )
+        except NonFiniteStep as e:  # nothing published, momentum untouched: the round is rolled back
+            raise self.screen.rolled_back(fragment, result, e) from None
         return PreparedMerge(
             fragment=fragment,
             base_version=self.versions[fragment],
@@ -594,6 +614,7 @@ class SyncerCore:
             required=required,
             expected=expected,
             started_at=started_at,
+            screened=self.screen.prepare_commit(fragment, result),
         )
 
     def void_merge(
@@ -612,14 +633,13 @@ class SyncerCore:
         The synchronous modes need it: each learner waits for its round's version, and a round that publishes
         nothing held all of them for good (seen in the goodput benchmark's synchronous arm after a syncer
         restart: "no weighted contribution among 4", then no learner stepped again)."""
-        names = self.plan.fragments[fragment].names
         result = _void_result(rejected)
         return PreparedMerge(
             fragment=fragment,
             base_version=self.versions[fragment],
             round=round_,
             result=result,
-            new_params={n: self.params[n] for n in names},
+            new_params=self.fragment_tensors(fragment),
             merged={},
             sources={},
             required=required,
@@ -635,6 +655,7 @@ class SyncerCore:
         if self.versions[fragment] != prepared.base_version:
             raise RuntimeError(f"fragment {fragment} changed during its merge")
         version = self._publish(fragment, prepared.new_params, now)
+        self.screen.commit(fragment, prepared.screened)
         self._drop_missed(fragment)
         for peer in prepared.result.participants:
             for entry in prepared.sources[peer]:
@@ -725,7 +746,7 @@ class SyncerCore:
         `published_at` (this core's clock; at most `now`): when it was published, if known."""
         if version <= self.versions[fragment]:
             return False
-        self._check_shape(fragment, params)
+        self.check_contribution(fragment, params)
         if not all(bool(torch.isfinite(t).all()) for t in params.values()):
             return False
         for name, tensor in params.items():

@@ -37,7 +37,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +49,7 @@ from node.diloco.fragments import FragmentPlan
 from node.diloco.lease import LeaseView, lease_action, takeover_quorum
 from node.diloco.merge import NothingToMerge
 from node.diloco.quorum import QuorumConfig
+from node.diloco.screening import ScreeningConfig
 from node.diloco.sync_client import (
     choose_syncer,
     fragment_limits,
@@ -108,6 +109,8 @@ class SyncerConfig:
     eval_batches: int = 4
     eval_batch_size: int = 8
     max_merged_keys: int = 65536  # remembered (peer, fragment, base, nonce) of merged contributions
+    # each contribution checked alone before it merges: finite, norm bound, direction; rollback of a bad outer step
+    screening: ScreeningConfig = field(default_factory=ScreeningConfig)
 
     def __post_init__(self) -> None:
         for name in ("lease_s", "renew_every_s", "mirror_every_s", "max_steps_per_s", "max_poll_s"):
@@ -258,7 +261,6 @@ class SyncerRole:
         manifest = self.ctx.manifest
         cfg = ModelConfig.from_dict(manifest.model)
         model = build_model(cfg, manifest.seed)
-        clip = self.config.clip_factor or None
         return SyncerCore(
             self.plan,
             dict(model.named_parameters()),
@@ -266,12 +268,13 @@ class SyncerRole:
             embedding_names=embedding_param_names(cfg),
             outer_lr=manifest.diloco.outer_lr,
             outer_momentum=manifest.diloco.outer_momentum,
-            clip_factor=clip,
+            clip_factor=self.config.clip_factor or None,
             max_staleness=self.config.max_staleness,
             max_steps_per_s=self.config.max_steps_per_s,
             tokens_per_step=manifest.inner.batch_size * cfg.context_len,
             now=time.monotonic(),
             max_merged_keys=self.config.max_merged_keys,
+            screening=self.config.screening,
         )
 
     def _build_eval(self) -> Any:

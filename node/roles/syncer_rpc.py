@@ -127,6 +127,8 @@ class SyncerService:
                 "rejected": dict(self.receipts_rejected),
                 "capped": self.receipt_capped,
             },
+            # contribution screen verdicts by tag (rejections also in refusals and, per peer, in strikes)
+            "screening": self.role.core.screen.status() if self.role.core is not None else {},
         }
 
     def _on_reject(self, remote: str, route: str, error: ProtocolError) -> None:

@@ -1,0 +1,226 @@
+"""The syncer's per-contribution screen (issue 18): every contribution is checked on its own before it enters a
+round, so a lone one at quorum K = 1 is bounded too, not only against the peers of its round (`merge_fragment`
+clips only when a round holds two or more).
+
+Checks, in order, on the delta (base - learner, the pseudo-gradient, taken against the contribution's own base):
+
+1. finite: a NaN or Inf anywhere (or a difference that overflows float32) rejects it;
+2. norm: per fragment, the last `history` norms that were merged form a robust reference (their lower median,
+   so an attacker holding half the window still does not set it). A delta above `reject_factor` x that median
+   is rejected; above `clip_factor` x it is scaled down to the bound (an honest learner that carries more steps
+   than usual, e.g. after an outage, loses a little, never its contribution). Until `min_history` norms were
+   merged (warm-up, and after a restart) there is no median: the only bound is `max_relative_norm` x the norm of
+   the fragment's current global parameters (at least 1.0, so a zero-initialised fragment can start); that
+   ceiling also applies after warm-up. A pseudo-gradient many times the size of the weights is no training step;
+   1e38 or x1e3 values are far above it;
+3. direction: after `min_history` merges of the fragment, the cosine of the delta with an EMA of the unit merged
+   updates; below `min_cosine` (an ascent step, a sign-flipped delta) rejects it.
+
+Each check gives a `Verdict` with a short tag (the refusal reason the learner sees and the strikes count) and a
+one-line reason for the log. What is recorded is what was merged (`prepare_commit` / `commit`), never what was
+merely offered: a peer that pushes many contributions a round, or one whose round is rolled back, does not fill
+the history. Limits: a peer that holds more than half the merged norms (a Sybil majority, or the only learner at
+K = 1) can raise the median bound by `clip_factor` every half window; the learner ledger and the admission caps
+(issue 18, parts 2 and 3) answer that, this bounds the step size and stops the overflow.
+
+`rollback` belongs to the outer step (`OuterNesterov.step(require_finite=True)`): a round whose new parameters or
+momentum are not finite is not published, its momentum is left as it was, and its contributions are rejected
+with ROLLBACK. Pure: no sockets, no clock; the syncer core serialises the calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from node.diloco.merge import MergeResult, NothingToMerge
+
+logger = logging.getLogger(__name__)
+
+NON_FINITE = "screen: non-finite"
+NORM = "screen: norm"
+DIRECTION = "screen: direction"
+ROLLBACK = "outer step non-finite"
+ACCEPTED, CLIPPED = "accepted", "clipped"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScreeningConfig:
+    """The syncer's contribution screen (node.toml `[syncer]`, `screening.*`)."""
+
+    enabled: bool = True  # screen each contribution on accept; false: merged as sent (only for comparisons)
+    history: int = 32  # merged delta norms kept per fragment for the median bound (a count)
+    min_history: int = (
+        4  # merged norms (for the median) and merges (for the direction) before those checks apply
+    )
+    clip_factor: float = 4.0  # a delta norm above this x the median merged norm is scaled down to that bound
+    reject_factor: float = 100.0  # a delta norm above this x the median merged norm is rejected
+    # a delta norm above this x the norm of the fragment's global parameters (at least 1.0) is rejected, always;
+    # the only norm bound during warm-up
+    max_relative_norm: float = 10.0
+    min_cosine: float = -0.5  # after warm-up, a delta whose cosine with the recent merged direction is below this is rejected (-1: off)
+    direction_decay: float = (
+        0.7  # the recent merged direction: EMA of unit merged updates, this kept per merge
+    )
+    rollback: bool = True  # a round whose outer step gives a non-finite parameter or momentum is rolled back
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_history <= self.history:
+            raise ValueError(
+                "screening.history and min_history must be ints with 1 <= min_history <= history"
+            )
+        if not (1.0 <= self.clip_factor <= self.reject_factor < math.inf):
+            raise ValueError("screening needs 1 <= clip_factor <= reject_factor (finite)")
+        if not (0.0 < self.max_relative_norm < math.inf):
+            raise ValueError("screening.max_relative_norm must be a positive number")
+        if not (-1.0 <= self.min_cosine <= 1.0) or not (0.0 <= self.direction_decay < 1.0):
+            raise ValueError("screening.min_cosine must be in [-1, 1] and direction_decay in [0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Verdict:
+    """What the screen made of one contribution."""
+
+    tag: str  # ACCEPTED, CLIPPED, or the rejection's tag (NON_FINITE, NORM, DIRECTION)
+    reason: str  # one line for the log, e.g. "norm 3.1e+38 over bound 12.4 (10 x parameter norm)"
+    params: dict[str, torch.Tensor] | None  # float32, clipped if CLIPPED; None when rejected
+    norm: float = math.nan  # the delta's norm as it will be merged (after clipping)
+    cosine: float | None = None  # with the recent merged direction, when that was checked
+
+    @property
+    def accepted(self) -> bool:
+        return self.params is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ScreenUpdate:
+    """What one merge adds to the screen's state, computed off the event loop and committed with the merge."""
+
+    norms: tuple[float, ...]  # the merged participants' delta norms
+    direction: dict[str, torch.Tensor] | None  # the fragment's next recent merged direction (None: unchanged)
+
+
+def _norm(tensors: Iterable[torch.Tensor]) -> float:
+    # float64: a float32 sum of squares overflows long before the values do (1e20 squared)
+    return math.sqrt(math.fsum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors))
+
+
+def _deltas(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: base[n].detach().to(torch.float32) - params[n].detach().to(torch.float32) for n in base}
+
+
+class ContributionScreen:
+    """Per fragment, the merged norms and the recent merged direction, and the verdicts by tag (see the module
+    docstring). Memory: `history` floats and one float32 copy of each fragment's tensors."""
+
+    def __init__(self, config: ScreeningConfig | None = None) -> None:
+        self.config = config or ScreeningConfig()
+        self._norms: dict[int, deque[float]] = {}
+        self._direction: dict[int, dict[str, torch.Tensor]] = {}
+        self._merges: dict[int, int] = {}  # merges folded into the direction, per fragment
+        self.counts: Counter[str] = Counter()  # verdicts by tag, rollbacks included
+
+    def check(
+        self,
+        fragment: int,
+        params: Mapping[str, torch.Tensor],
+        base: Mapping[str, torch.Tensor] | None,
+        current: Mapping[str, torch.Tensor],
+    ) -> Verdict:
+        """Screen a contribution to `fragment` built on `base` (its base version's tensors; None: unknown, taken
+        as `current`, the fragment's global tensors now, as the merge does)."""
+        if not self.config.enabled:
+            return Verdict(tag=ACCEPTED, reason="not screened", params=_float32(params))
+        base = base if base is not None else current
+        deltas = _deltas(base, params)
+        if not all(bool(torch.isfinite(d).all()) for d in deltas.values()):
+            return self._reject(NON_FINITE, "non-finite")
+        norm = _norm(deltas.values())
+        clip_at, reject_at, basis = self.bounds(fragment, _norm(current.values()))
+        if norm > reject_at:
+            return self._reject(NORM, f"norm {norm:.3g} over bound {reject_at:.3g} ({basis})")
+        cosine = self._cosine(fragment, deltas, norm)
+        if cosine is not None and cosine < self.config.min_cosine:
+            return self._reject(DIRECTION, f"direction cos {cosine:.2f} < {self.config.min_cosine:g}")
+        if norm <= clip_at:
+            self.counts[ACCEPTED] += 1
+            return Verdict(tag=ACCEPTED, reason="ok", params=_float32(params), norm=norm, cosine=cosine)
+        scale = clip_at / norm
+        clipped = {n: base[n].detach().to(torch.float32) - d * scale for n, d in deltas.items()}
+        self.counts[CLIPPED] += 1
+        reason = f"norm {norm:.3g} clipped to {clip_at:.3g} ({basis})"
+        return Verdict(tag=CLIPPED, reason=reason, params=clipped, norm=clip_at, cosine=cosine)
+
+    def bounds(self, fragment: int, param_norm: float) -> tuple[float, float, str]:
+        """(clip above, reject above, what set them) for a delta to `fragment` whose parameters have that norm."""
+        ceiling = self.config.max_relative_norm * max(param_norm, 1.0)
+        norms = sorted(self._norms.get(fragment, ()))
+        if len(norms) < self.config.min_history:
+            return ceiling, ceiling, f"warm-up: {self.config.max_relative_norm:g} x parameter norm"
+        median = norms[(len(norms) - 1) // 2]  # lower median: half the window cannot raise it
+        reject_at = min(ceiling, self.config.reject_factor * median)
+        clip_at = min(reject_at, self.config.clip_factor * median)
+        return clip_at, reject_at, f"median merged norm {median:.3g}"
+
+    def _cosine(self, fragment: int, deltas: Mapping[str, torch.Tensor], norm: float) -> float | None:
+        direction = self._direction.get(fragment)
+        if direction is None or self._merges.get(fragment, 0) < self.config.min_history or norm <= 0:
+            return None
+        length = _norm(direction.values())
+        if length <= 0:
+            return None
+        # the delta's norm is bounded by now, so a float32 dot cannot overflow
+        dot = math.fsum(float(torch.dot(d.flatten(), direction[n].flatten())) for n, d in deltas.items())
+        return dot / (norm * length)
+
+    def _reject(self, tag: str, reason: str) -> Verdict:
+        self.counts[tag] += 1
+        return Verdict(tag=tag, reason=reason, params=None)
+
+    def prepare_commit(self, fragment: int, result: MergeResult) -> ScreenUpdate | None:
+        """The state a merge adds (heavy part, off the event loop): its participants' norms and the next recent
+        direction from the merged pseudo-gradient."""
+        if not self.config.enabled:
+            return None
+        norms = tuple(result.delta_norms[p] for p in result.participants if p in result.delta_norms)
+        length = _norm(result.outer_grad.values())
+        if length <= 0 or not math.isfinite(length):
+            return ScreenUpdate(norms, None)
+        previous, keep = self._direction.get(fragment), self.config.direction_decay
+        direction = {
+            n: g.detach().to(torch.float32) * ((1.0 - keep) / length)
+            + (previous[n] * keep if previous is not None and n in previous else 0.0)
+            for n, g in result.outer_grad.items()
+        }
+        return ScreenUpdate(norms, direction)
+
+    def commit(self, fragment: int, update: ScreenUpdate | None) -> None:
+        """The merge that `update` came from was published."""
+        if update is None:
+            return
+        window = self._norms.setdefault(fragment, deque(maxlen=self.config.history))
+        # a zero norm (a learner without progress) says nothing about the size of a step
+        window.extend(n for n in update.norms if n > 0 and math.isfinite(n))
+        if update.direction is not None:
+            self._direction[fragment] = update.direction
+            self._merges[fragment] = self._merges.get(fragment, 0) + 1
+
+    def rolled_back(self, fragment: int, result: MergeResult, error: Exception) -> NothingToMerge:
+        """The NothingToMerge to raise for a round whose outer step was not finite: every participant rejected."""
+        self.counts[ROLLBACK] += 1
+        rejected = {**result.rejected, **dict.fromkeys(result.participants, ROLLBACK)}
+        logger.warning("fragment %d: round rolled back: %s (%s)", fragment, ROLLBACK, error)
+        return NothingToMerge(f"fragment {fragment}: {ROLLBACK}, round rolled back", rejected)
+
+    def status(self) -> dict[str, int]:
+        """Verdicts by tag, for /api/status."""
+        return dict(self.counts)
+
+
+def _float32(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().to(torch.float32) for n, t in params.items()}
