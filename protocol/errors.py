@@ -84,6 +84,11 @@ class TensorPolicyError(ProtocolError):
     reason = "tensor policy"  # dtype not allowed, bad shape, non-finite values
 
 
+class CompressionError(ProtocolError):
+    # a header out of schema or over the caps, a wrong length, a bad index or scale (`protocol.compress`)
+    reason = "bad compressed tensor"
+
+
 class RecordRejected(ProtocolError):
     reason = "record rejected"
 
@@ -110,7 +115,10 @@ class ManifestRejected(ProtocolError):
 
 
 class OwnerPinMismatch(HivenodeError):
-    """A run name pinned to one owner key (trust on first use) is now signed by another key."""
+    """A run id pinned to one owner key (trust on first use) is presented signed by another key.
+
+    Run ids hash their owner key, so this means the pin file or the manifest was altered; the message names both
+    keys and the fix (`python -m node trust forget RUN_ID`). A new run id under a known name is not this error."""
 
 
 class JoinError(HivenodeError):

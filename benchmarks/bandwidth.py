@@ -1,0 +1,205 @@
+"""Bytes per outer sync for each outer-gradient codec (issue 20, part 1), against fp32, with reconstruction error.
+
+For a gaussian float32 delta of `--numel` elements (4M by default: a 16 MiB fragment), and for a real one (the
+project's default model, 0.8M parameters, after `--inner-steps` AdamW steps on standard-library source), it encodes with every codec of `protocol.compress`, counts the actual payload bytes (indices and scales included),
+decodes as the syncer would (every check on) and records the ratio against fp32, the relative L2 reconstruction
+error and the encode/decode times. Then, over `--steps` outer rounds of correlated deltas (a persistent direction
+plus fresh noise, as consecutive pseudo-gradients are), it measures how far the sum of decoded updates drifts from
+the sum of true deltas with and without learner-side error feedback (`node.diloco.compression.ErrorFeedback`).
+
+Not measured here: the loss gap at equal tokens (needs a live 4-learner swarm run with a wired codec, issue 20's
+later parts) and activations (part 2); the JSON says so rather than leaving the keys out.
+
+Run: `python -m benchmarks.bandwidth [--numel 4194304] [--ef-numel 1048576] [--steps 20]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import plot_path, write_result
+from node.diloco.compression import ErrorFeedback, relative_error
+from protocol.codec import TensorLimits
+from protocol.compress import CodecSpec, decode, encode
+
+NAME = "bandwidth"
+NOT_MEASURED = "not measured (needs a live swarm run with the codec wired in; see the issue's later parts)"
+CODECS: dict[str, CodecSpec] = {
+    "fp32": CodecSpec(codec="fp32"),
+    "int8 b128": CodecSpec(codec="int8", block=128),
+    "int4 b128 fp16": CodecSpec(codec="int4", block=128, scale_bits=16),
+    "topk 1/64 int4": CodecSpec(codec="topk", chunk=4096, k=64, bits=4),
+    "topk 1/64 2-bit (SparseLoCo)": CodecSpec(codec="topk", chunk=4096, k=64, bits=2, scale_bits=16),
+    "topk 1/128 2-bit": CodecSpec(codec="topk", chunk=4096, k=32, bits=2, scale_bits=16),
+}
+RECOMMENDED = "topk 1/128 2-bit"  # the one codec that clears issue 20's >= 150x, index cost included
+
+
+def _one_shot(name: str, spec: CodecSpec, delta: torch.Tensor, limits: TensorLimits) -> dict[str, Any]:
+    start = time.perf_counter()
+    encoded = encode(delta, spec)
+    encoded_at = time.perf_counter()
+    decoded = decode(encoded.header, encoded.payload_tensor(), limits, expect=spec)
+    decoded_at = time.perf_counter()
+    row = {
+        "codec": name,
+        "spec": spec.header_fields(),
+        "fp32_bytes": 4 * delta.numel(),
+        "bytes": encoded.nbytes,
+        "ratio": 4 * delta.numel() / encoded.nbytes,
+        "relative_error": relative_error(decoded, delta),
+        "encode_s": encoded_at - start,
+        "decode_s": decoded_at - encoded_at,
+    }
+    print(
+        f"{name:>30}: {encoded.nbytes:>10} B, {row['ratio']:7.1f}x, rel. error {row['relative_error']:.4f}, "
+        f"encode {row['encode_s'] * 1e3:.0f} ms, decode {row['decode_s'] * 1e3:.0f} ms",
+        flush=True,
+    )
+    return row
+
+
+def _model_delta(inner_steps: int) -> torch.Tensor:
+    """A real pseudo-gradient: the project's default model after `inner_steps` AdamW steps (the manifest's inner
+    lr and weight decay) on bytes of the standard library's source, as base - trained over every tensor."""
+    import os
+
+    from node.ml.model import ModelConfig, build_model
+
+    model = build_model(ModelConfig(), seed=0)
+    base = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    text = torch.frombuffer(bytearray(Path(os.__file__).read_bytes()), dtype=torch.uint8).long()
+    gen = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for _ in range(inner_steps):
+        starts = torch.randint(0, text.numel() - 129, (8,), generator=gen)
+        window = torch.stack([text[s : s + 129] for s in starts.tolist()])
+        _, loss = model(window[:, :-1], window[:, 1:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return base - torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _deltas(numel: int, steps: int, seed: int) -> list[torch.Tensor]:
+    """Correlated pseudo-gradients: 0.6 of a persistent direction plus 0.8 of fresh noise each round."""
+    gen = torch.Generator().manual_seed(seed)
+    persistent = torch.randn(numel, generator=gen)
+    return [(0.6 * persistent + 0.8 * torch.randn(numel, generator=gen)) * 1e-3 for _ in range(steps)]
+
+
+def _feedback_run(
+    spec: CodecSpec, deltas: list[torch.Tensor], enabled: bool, limits: TensorLimits
+) -> list[float]:
+    """Relative error of the running sum of decoded updates against the running sum of true deltas, per step."""
+    feedback = ErrorFeedback(spec, enabled=enabled)
+    true_sum, decoded_sum, errors = torch.zeros_like(deltas[0]), torch.zeros_like(deltas[0]), []
+    for delta in deltas:
+        encoded = feedback.encode(0, delta)
+        true_sum += delta
+        decoded_sum += decode(encoded.header, encoded.payload, limits, expect=spec)
+        errors.append(relative_error(decoded_sum, true_sum))
+    return errors
+
+
+def _feedback(numel: int, steps: int, limits: TensorLimits) -> dict[str, Any]:
+    deltas = _deltas(numel, steps, seed=1)
+    out: dict[str, Any] = {}
+    for name, spec in CODECS.items():
+        if spec.codec == "fp32":
+            continue
+        with_ef = _feedback_run(spec, deltas, True, limits)
+        without = _feedback_run(spec, deltas, False, limits)
+        out[name] = {"with_feedback": with_ef, "without_feedback": without}
+        print(
+            f"{name:>30}: sum error after {steps} steps {with_ef[-1]:.4f} with feedback, {without[-1]:.4f} without"
+        )
+    return out
+
+
+def _plot(rows: list[dict[str, Any]], feedback: dict[str, Any], steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_ratio, ax_ef) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [r["codec"] for r in rows]
+    bars = ax_ratio.bar(range(len(rows)), [r["ratio"] for r in rows], color="tab:blue")
+    for bar, row in zip(bars, rows, strict=True):
+        ax_ratio.annotate(
+            f"{row['ratio']:.0f}x\nerr {row['relative_error']:.2f}",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
+    ax_ratio.axhline(150, color="grey", linestyle=":", label="goal: 150x")
+    ax_ratio.set_yscale("log")
+    ax_ratio.set_xticks(range(len(rows)), names, rotation=25, ha="right", fontsize=7)
+    ax_ratio.set_ylabel("fp32 bytes / encoded bytes (log)")
+    ax_ratio.set_title("Outer-gradient compression (one fragment)")
+    ax_ratio.legend(fontsize=8)
+    for name, runs in feedback.items():
+        (line,) = ax_ef.plot(range(1, steps + 1), runs["with_feedback"], label=f"{name} + EF")
+        ax_ef.plot(range(1, steps + 1), runs["without_feedback"], "--", color=line.get_color(), alpha=0.6)
+    ax_ef.set_xlabel("outer round")
+    ax_ef.set_ylabel("rel. error of the summed updates")
+    ax_ef.set_title("Error feedback (solid) vs none (dashed)")
+    ax_ef.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(plot_path(NAME), dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=1 << 22)
+    parser.add_argument("--ef-numel", type=int, default=1 << 20)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--inner-steps", type=int, default=24, help="AdamW steps behind the model delta (H)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # a shared 2-core box: one thread keeps the timings comparable run to run
+    limits = TensorLimits(max_bytes=4 * max(args.numel, args.ef_numel))
+    delta = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)) * 1e-3
+    rows = [_one_shot(name, spec, delta, limits) for name, spec in CODECS.items()]
+    print(f"model delta after {args.inner_steps} AdamW steps:", flush=True)
+    model_delta = _model_delta(args.inner_steps)
+    model_rows = [_one_shot(name, spec, model_delta, limits) for name, spec in CODECS.items()]
+    feedback = _feedback(args.ef_numel, args.steps, limits)
+    best = next(r for r in rows if r["codec"] == RECOMMENDED)
+    headline = {
+        "outer_codec": RECOMMENDED,
+        "outer_compression": round(best["ratio"], 1),
+        "outer_relative_error": round(best["relative_error"], 4),
+        "outer_relative_error_model_delta": round(
+            next(r["relative_error"] for r in model_rows if r["codec"] == RECOMMENDED), 4
+        ),
+        "outer_sum_error_with_feedback": round(feedback[RECOMMENDED]["with_feedback"][-1], 4),
+        "outer_sum_error_without_feedback": round(feedback[RECOMMENDED]["without_feedback"][-1], 4),
+        "feedback_steps": args.steps,
+        "int8_compression": round(next(r["ratio"] for r in rows if r["codec"] == "int8 b128"), 2),
+        "int4_compression": round(next(r["ratio"] for r in rows if r["codec"] == "int4 b128 fp16"), 2),
+        "outer_loss_gap": NOT_MEASURED,
+        "activation_compression": "not measured (issue 20 part 2)",
+        "activation_loss_gap": "not measured (issue 20 part 2)",
+    }
+    detail = {
+        "numel": args.numel,
+        "ef_numel": args.ef_numel,
+        "codecs": rows,
+        "model_delta": {"numel": model_delta.numel(), "inner_steps": args.inner_steps, "codecs": model_rows},
+        "feedback": feedback,
+    }
+    path = write_result(NAME, headline, detail)
+    _plot(rows, feedback, args.steps)
+    print(f"headline {headline}\nwrote {path} and {plot_path(NAME)}")
+
+
+if __name__ == "__main__":
+    main()
