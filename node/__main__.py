@@ -1,6 +1,6 @@
 """`python -m node --join MADDR_OR_URL [...]`: parse -> NodeConfig -> check -> run -> shut down. Subcommands: keygen,
-status, demo, config. Errors reach the user as one line on stderr and a non-zero exit (2: usage, 1: could not run).
-Every argument is checked before anything is written (the identity key, the state directory)."""
+status, demo, config, trust (the owner pins). Errors reach the user as one line on stderr and a non-zero exit (2:
+usage, 1: could not run). Every argument is checked before anything is written (the identity key, the state directory)."""
 
 from __future__ import annotations
 
@@ -109,6 +109,12 @@ def config_command(argv: Sequence[str]) -> int:
     return EXIT_OK
 
 
+def trust(argv: Sequence[str]) -> int:
+    from node.swarm.trust import trust_command
+
+    return trust_command(argv)
+
+
 def check_arguments(config: NodeConfig) -> None:
     """What can be checked without the network, before anything is written; raise ConfigError."""
     from hivemind.utils.multiaddr import Multiaddr
@@ -132,7 +138,7 @@ def check_arguments(config: NodeConfig) -> None:
         raise ConfigError(f"--identity {config.identity_file} is a directory, not a key file")
 
 
-SUBCOMMANDS = {"keygen": keygen, "status": status, "demo": demo, "config": config_command}
+SUBCOMMANDS = {"keygen": keygen, "status": status, "demo": demo, "config": config_command, "trust": trust}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -223,8 +223,8 @@ SHOWN_DEFAULTS = {  # defaults that are not a constant
 def build_run_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m node",
-        description="Join a hivenode training swarm. Subcommands: keygen, status, demo, config (see "
-        "`python -m node config -h`). Settings: defaults < node.toml (--config) < HIVENODE_<TABLE> environment "
+        description="Join a hivenode training swarm. Subcommands: keygen, status, demo, config, trust (see "
+        "`python -m node config -h`, `python -m node trust -h`). Settings: defaults < node.toml (--config) < HIVENODE_<TABLE> environment "
         "variables < these flags; every one is in docs/config.md.",
     )
     add = parser.add_argument

@@ -3,7 +3,7 @@
 `run.toml` (or the built-in default run) parses to a `RunManifest`. Its canonical bytes (msgpack, sorted keys,
 no timestamps) are signed by the owner key into a `SignedManifest`; the `run_id` is a hash of the owner key and
 those bytes, so the run id alone commits to every setting and to who owns the run. Nodes verify the signature
-and pin the owner key per run name on first use (`OwnerPins`).
+and pin the owner key per run id on first use (`OwnerPins`, in `<state-dir>/trusted_owners.json`).
 
 Authorized syncers and verifiers are listed by peer id; an owner adds them in `run.toml` or with
 `python -m bootstrap --authorize-syncer PEER_ID --authorize-verifier PEER_ID` (see `authorize`).
@@ -12,14 +12,19 @@ Authorized syncers and verifiers are listed by peer id; an owner adds them in `r
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import sys
+import tempfile
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +33,14 @@ from cryptography.hazmat.primitives import serialization
 
 from protocol.errors import ConfigError, IdentityError, ManifestRejected, OwnerPinMismatch
 from protocol.identity import NodeIdentity, public_key_from_peer_id, verify_signature
-from protocol.keys import RUN_ID_HEX_CHARS
+from protocol.keys import RUN_ID_HEX_CHARS, is_run_id
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - pyproject pulls tomli on 3.10
     import tomli as tomllib
 
+logger = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 DEFAULT_RUN_NAME = "default"
 MAX_MANIFEST_BYTES = 16 * 1024
@@ -173,7 +179,7 @@ def _default_model() -> dict[str, int]:
 class RunManifest:
     """Everything every peer of a run must agree on. Build with `parse_run_toml` or `default_manifest`."""
 
-    name: str = DEFAULT_RUN_NAME  # human name; the owner key is pinned per name
+    name: str = DEFAULT_RUN_NAME  # human name, not an identity: owner keys are pinned per run id
     seed: int = 0  # model init and data sharding seed
     model: dict[str, Any] = field(default_factory=_default_model)  # node.ml.model.ModelConfig fields
     num_stages: int = 2  # pipeline stages the layers are cut into
@@ -412,45 +418,189 @@ class SignedManifest:
         return cls.from_wire(data)
 
 
+@dataclass(frozen=True, slots=True)
+class OwnerPin:
+    """One trusted run: its id, the owner key that signs it, its human name and when we first saw it."""
+
+    run_id: str
+    owner: str  # peer id of the owner key
+    run_name: str
+    first_seen: float  # unix seconds
+
+    def to_json(self) -> dict[str, Any]:
+        return {"owner": self.owner, "run_name": self.run_name, "first_seen": self.first_seen}
+
+
+def short_key(peer_id: str) -> str:
+    """An owner key for humans and logs: every Ed25519 peer id starts with `12D3KooW`, the tail tells them apart."""
+    return f"...{peer_id[-8:]}" if peer_id else "--------"
+
+
 class OwnerPins:
-    """Trust on first use: the first owner key seen for a run name is pinned in a JSON file in the state dir."""
+    """Trust on first use, keyed by run id: the owner key first seen for each run id, in `trusted_owners.json`.
+
+    "The same run" means the same run id. The run id is a hash of the owner key and the canonical manifest
+    bytes (`derive_run_id`), so it already commits to its owner: a verified manifest can never present another
+    owner for a pinned run id, and finding one (an edited pin file, a manifest whose id does not match its
+    owner) is refused with `OwnerPinMismatch`, resolved by `python -m node trust forget RUN_ID`. A run *name*
+    is not an identity (every default run is called "default"): a new run id is pinned whatever its name, and
+    when its name is already pinned to another owner that is logged as a warning, with both keys, and shown by
+    `python -m node trust list`.
+
+    Format 2 is `{"format": 2, "pins": {run_id: {"owner", "run_name", "first_seen"}}}`. The old name-keyed
+    format (`{"runs": {name: owner}}`) names no run id, so its entries cannot become run-id pins: they are
+    ignored with one warning, reported in `legacy`, and dropped when the file is next written. Writes are
+    atomic (temp file, fsync, rename), so a crash leaves the old file or the new one, never half of one.
+    """
 
     FILENAME = "trusted_owners.json"
+    FORMAT = 2
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.legacy: dict[str, str] = {}  # name -> owner from an old-format file, ignored
+        self._warned_legacy = False
 
-    def _load(self) -> dict[str, str]:
+    def pins(self) -> list[OwnerPin]:
+        """Every pin, oldest first."""
+        return sorted(self._load().values(), key=lambda pin: (pin.first_seen, pin.run_id))
+
+    def get(self, run_id: str) -> OwnerPin | None:
+        return self._load().get(run_id)
+
+    def pinned(self, run_id: str) -> str | None:
+        """The owner pinned for `run_id`, if any."""
+        pin = self.get(run_id)
+        return pin.owner if pin is not None else None
+
+    def check_and_pin(self, run_id: str, owner: str, *, run_name: str, now: float | None = None) -> bool:
+        """Pin `owner` for `run_id` if none is (True: newly pinned); raise OwnerPinMismatch if another owner is."""
+        pins = self._load()
+        known = pins.get(run_id)
+        if known is not None and known.owner == owner:
+            return False
+        if known is not None:
+            raise OwnerPinMismatch(
+                f"run {run_id} ({known.run_name!r}) is pinned to owner {known.owner} since "
+                f"{format_time(known.first_seen)}, but the manifest found is signed by {owner}; the run id commits "
+                f"to its owner key, so the pin file or the manifest is not what it was. If you trust the new owner, "
+                f"run `python -m node trust forget {run_id} --state-dir {self.path.parent}` and join again"
+            )
+        self._log_new_pin(pins.values(), run_id, owner, run_name)
+        pins[run_id] = OwnerPin(run_id, owner, run_name, time.time() if now is None else now)
+        self._save(pins)
+        return True
+
+    def forget(self, run_id: str) -> OwnerPin | None:
+        """Remove the pin of `run_id`; the removed pin, or None when there was none."""
+        pins = self._load()
+        removed = pins.pop(run_id, None)
+        if removed is not None:
+            self._save(pins)
+        return removed
+
+    def _log_new_pin(self, pins: Iterable[OwnerPin], run_id: str, owner: str, run_name: str) -> None:
+        # A name pinned to another owner is the case name-keyed pins refused: now a new run, but said out loud.
+        others = sorted({p.owner for p in pins if p.run_name == run_name and p.owner != owner})
+        if others:
+            logger.warning(
+                "run %r (%s) is signed by owner %s, not by %s who owns another pinned run of that name; trusting "
+                "it as a different run (see `python -m node trust list`)",
+                run_name,
+                run_id[:12],
+                short_key(owner),
+                ", ".join(short_key(o) for o in others),
+            )
+        else:
+            logger.info(
+                "pinned owner %s for run %r (%s) (trust on first use)",
+                short_key(owner),
+                run_name,
+                run_id[:12],
+            )
+
+    def _load(self) -> dict[str, OwnerPin]:
         if not self.path.exists():
             return {}
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot read pinned owners {self.path}: {e}") from None
-        runs = data.get("runs") if isinstance(data, dict) else None
-        if not isinstance(runs, dict) or not all(isinstance(v, str) for v in runs.values()):
-            raise ConfigError(f"pinned owners file {self.path} is malformed; delete it to re-pin")
-        return runs
+        if isinstance(data, dict) and "pins" not in data and _is_legacy(data.get("runs")):
+            self._note_legacy(data["runs"])
+            return {}
+        try:
+            return _parse_pins(data)
+        except ValueError as e:
+            raise ConfigError(
+                f"pinned owners file {self.path} is malformed ({e}); fix it or delete it to re-pin"
+            ) from None
 
-    def pinned(self, run_name: str) -> str | None:
-        return self._load().get(run_name)
-
-    def check_and_pin(self, run_name: str, owner: str) -> bool:
-        """Pin `owner` for `run_name` if none is pinned (True: newly pinned); raise if another owner is."""
-        runs = self._load()
-        pinned = runs.get(run_name)
-        if pinned == owner:
-            return False
-        if pinned is not None:
-            raise OwnerPinMismatch(
-                f"run {run_name!r} is pinned to owner {pinned} but this swarm's manifest is signed by {owner}; "
-                f"if the owner really changed keys, remove {run_name!r} from {self.path}"
+    def _note_legacy(self, runs: dict[str, str]) -> None:
+        self.legacy = dict(runs)
+        if not self._warned_legacy and runs:
+            self._warned_legacy = True
+            logger.warning(
+                "ignoring %d name-keyed owner pin(s) in old-format %s (%s): pins are per run id now; runs are "
+                "re-pinned by run id as they are joined, and the old entries are dropped at the next write",
+                len(runs),
+                self.path,
+                ", ".join(f"{name!r} -> {short_key(owner)}" for name, owner in sorted(runs.items())),
             )
-        runs[run_name] = owner
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def _save(self, pins: Mapping[str, OwnerPin]) -> None:
+        document = {"format": self.FORMAT, "pins": {rid: pins[rid].to_json() for rid in sorted(pins)}}
+        write_atomically(self.path, json.dumps(document, indent=1, sort_keys=True) + "\n")
+        self.legacy = {}
+
+
+def _is_legacy(runs: object) -> bool:
+    return isinstance(runs, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in runs.items())
+
+
+def _parse_pins(data: object) -> dict[str, OwnerPin]:
+    """Format-2 document -> pins; ValueError naming the first thing wrong."""
+    _require(isinstance(data, dict), "not a JSON object")
+    assert isinstance(data, dict)
+    _require(
+        data.get("format") == OwnerPins.FORMAT, f"format is {data.get('format')!r}, not {OwnerPins.FORMAT}"
+    )
+    raw = data.get("pins")
+    _require(isinstance(raw, dict), "pins is not an object")
+    assert isinstance(raw, dict)
+    pins: dict[str, OwnerPin] = {}
+    for run_id, entry in raw.items():
+        _require(is_run_id(run_id), f"{run_id!r} is not a run id")
+        _require(isinstance(entry, dict), f"pin {run_id} is not an object")
+        owner, name, seen = entry.get("owner"), entry.get("run_name"), entry.get("first_seen")
+        _require(isinstance(owner, str) and isinstance(name, str), f"pin {run_id} lacks owner or run_name")
+        _require(_is_int(seen) or _is_real(seen), f"pin {run_id} has no first_seen time")
+        pins[run_id] = OwnerPin(run_id, owner, name, float(seen))
+    return pins
+
+
+def format_time(unix_s: float) -> str:
+    return datetime.fromtimestamp(unix_s, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` (mode 0600) so that a crash at any point leaves the old file or the new one:
+    write a temp file beside it, fsync it, rename it over, fsync the directory so the rename is durable too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
         with os.fdopen(fd, "w") as f:
-            json.dump({"runs": runs}, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.path)
-        return True
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # some filesystems cannot open or fsync a directory: the rename stands
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -1,5 +1,6 @@
 """Finding and trusting the run: `join` reaches the swarm, finds the run's signed manifest (`discover_run`), refuses
-a tampered one by name, pins its owner, and hands back a `Joined` with the DHT and a `SwarmRecords` client.
+a tampered one by name, pins its owner per run id (`OwnerPins`), and hands back a `Joined` with the DHT and a
+`SwarmRecords` client.
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ class Joined:
 def pick_run(
     candidates: Sequence[SignedManifest], *, run_id: str | None, pins: OwnerPins
 ) -> SignedManifest | None:
-    """Choose among verified manifests: the requested run id, else the only one, else the only pinned one."""
+    """Choose among verified manifests: the requested run id, else the only one, else the only one whose run id
+    is pinned (to the owner that signs it)."""
     if run_id is not None:
         return next((c for c in candidates if c.run_id == run_id), None)
     unique = list({c.run_id: c for c in candidates}.values())
     if len(unique) <= 1:
         return unique[0] if unique else None
-    pinned = [c for c in unique if pins.pinned(c.verify().name) == c.owner]
+    pinned = [c for c in unique if pins.pinned(c.run_id) == c.owner]
     if len(pinned) == 1:
         return pinned[0]
     listing = ", ".join(f"{c.verify().name!r} ({c.run_id})" for c in unique)
@@ -116,8 +118,7 @@ async def join(config: NodeConfig, identity: NodeIdentity) -> Joined:
         pins = OwnerPins(config.state_dir / OwnerPins.FILENAME)
         signed = await discover_run(dht, plan, config, pins)
         manifest = signed.verify()
-        if pins.check_and_pin(manifest.name, signed.owner):
-            logger.info("pinned owner %s for run %r (trust on first use)", signed.owner, manifest.name)
+        pins.check_and_pin(signed.run_id, signed.owner, run_name=manifest.name)  # logs a new pin itself
         rules = RunRules.from_manifest(signed, manifest)
         dht.add_validators([HivenodeRecordValidator([rules])])
         records = SwarmRecords(dht, rules, identity, timeout_s=config.network.request_timeout_s)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from protocol.identity import IdentityLock, NodeIdentity
-from protocol.manifest import RunManifest, SignedManifest
+from protocol.manifest import OwnerPins, RunManifest, SignedManifest
 from tests.integration.procs import Bootstrap, CliResult, Procs, free_port, procs, run_cli, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -168,14 +168,29 @@ def test_an_unauthorized_verifier_is_refused_with_the_fix(owner_swarm, tmp_path:
     assert_one_line_error(result, EXIT_USAGE, "not an authorized verifier", "--authorize-verifier")
 
 
-def test_a_run_pinned_to_another_owner_is_refused(owner_swarm, tmp_path: Path) -> None:
+def test_a_run_id_pinned_to_another_owner_is_refused_with_the_fix(owner_swarm, tmp_path: Path) -> None:
     _, bootstrap, _, _ = owner_swarm
+    run_id = bootstrap.swarm()["run_id"]
     state = tmp_path / "state"
-    state.mkdir()
     other = NodeIdentity.generate().peer_id
-    (state / "trusted_owners.json").write_text(json.dumps({"runs": {"default": other}}))
+    OwnerPins(state / OwnerPins.FILENAME).check_and_pin(run_id, other, run_name="default")
     result = node(tmp_path, "--join", bootstrap.maddr)
-    assert_one_line_error(result, EXIT_FAILED, "pinned to owner", other)
+    assert_one_line_error(result, EXIT_FAILED, f"run {run_id}", "pinned to owner", other, "trust forget")
+
+
+def test_a_volunteer_of_another_default_swarm_joins_this_one(owner_swarm) -> None:
+    """Name-keyed pins refused this: the state dir already trusts another owner's run named "default"."""
+    group, bootstrap, _, _ = owner_swarm
+    state = group.root / "volunteer"
+    other_run = SignedManifest.sign(RunManifest(), NodeIdentity.generate())
+    pins = OwnerPins(state / OwnerPins.FILENAME)
+    pins.check_and_pin(other_run.run_id, other_run.owner, run_name="default")
+    volunteer = group.start_node("--join", bootstrap.maddr, state="volunteer")
+    run_id = volunteer.status()["run_id"]
+    assert {p.run_id for p in pins.pins()} == {other_run.run_id, run_id}
+    assert "another pinned run of that name" in volunteer.stderr()
+    volunteer.signal(signal.SIGTERM)
+    assert volunteer.wait_exit(10) == 0
 
 
 def test_status_subcommand_by_url_and_by_multiaddr(owner_swarm, tmp_path: Path) -> None:

@@ -369,7 +369,7 @@ def test_pick_run_prefers_the_asked_run_then_the_only_one_then_the_pinned_one(tm
     assert pick_run([a, b], run_id=b.run_id, pins=pins) == b
     with pytest.raises(JoinError, match="several runs"):
         pick_run([a, b], run_id=None, pins=pins)
-    pins.check_and_pin("b", owner_b.peer_id)
+    pins.check_and_pin(b.run_id, owner_b.peer_id, run_name="b")
     assert pick_run([a, b], run_id=None, pins=pins) == b
 
 

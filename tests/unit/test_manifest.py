@@ -188,18 +188,20 @@ def test_garbage_base64_manifests_are_rejected(garbage: object) -> None:
 
 def test_owner_is_pinned_on_first_use_and_a_new_owner_is_refused(tmp_path: Path) -> None:
     pins = OwnerPins(tmp_path / "state" / OwnerPins.FILENAME)
-    assert pins.check_and_pin("default", OWNER.peer_id) is True
-    assert pins.check_and_pin("default", OWNER.peer_id) is False
-    assert pins.check_and_pin("other-run", SYNCER) is True  # pins are per run name
+    run_a, run_b = "a" * 40, "b" * 40
+    assert pins.check_and_pin(run_a, OWNER.peer_id, run_name="default") is True
+    assert pins.check_and_pin(run_a, OWNER.peer_id, run_name="default") is False
+    assert pins.check_and_pin(run_b, SYNCER, run_name="default") is True  # pins are per run id, not name
     with pytest.raises(OwnerPinMismatch) as info:
-        pins.check_and_pin("default", VERIFIER)
+        pins.check_and_pin(run_a, VERIFIER, run_name="default")
     assert OWNER.peer_id in str(info.value) and VERIFIER in str(info.value) and "\n" not in str(info.value)
+    assert f"trust forget {run_a}" in str(info.value)
     assert (tmp_path / "state" / OwnerPins.FILENAME).stat().st_mode & 0o777 == 0o600
-    assert json.loads(pins.path.read_text())["runs"]["default"] == OWNER.peer_id
+    assert json.loads(pins.path.read_text())["pins"][run_a]["owner"] == OWNER.peer_id
 
 
 def test_a_corrupt_pin_file_is_a_clear_error(tmp_path: Path) -> None:
     path = tmp_path / OwnerPins.FILENAME
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="pinned owners"):
-        OwnerPins(path).pinned("default")
+        OwnerPins(path).pinned("a" * 40)
