@@ -34,11 +34,12 @@ RUN = RunManifest(model=dict(MODEL), num_stages=1, diloco=DilocoSpec(num_fragmen
 PLAN = run_fragment_plan(RUN)
 CFG = ModelConfig.from_dict(MODEL)
 OFF = ScreeningConfig(enabled=False, rollback=False)
+WITH_DIRECTION = ScreeningConfig(min_cosine=-0.5)  # the direction check is opt-in
 REJECTIONS = (NON_FINITE, NORM, DIRECTION, ROLLBACK)
 Tensors = dict[str, torch.Tensor]
 
 
-def core(screening: ScreeningConfig | None = None) -> SyncerCore:
+def core(screening: ScreeningConfig = WITH_DIRECTION) -> SyncerCore:
     return SyncerCore(
         PLAN,
         dict(build_model(CFG, seed=0).named_parameters()),
@@ -244,14 +245,14 @@ def test_a_mildly_large_delta_is_clipped_to_the_bound_not_rejected() -> None:
 
 
 def test_a_sign_flipped_delta_at_honest_norm_is_rejected_after_warm_up_and_accepted_when_disabled() -> None:
-    for screening in (None, OFF):
+    for screening in (WITH_DIRECTION, OFF):
         c = core(screening)
         swarm = Swarm(c, peers=2, noise=0.5)
         for _ in range(5):
             swarm.round()
         swarm.now += 10.0
         flipped = {n: -t for n, t in swarm.delta().items()}
-        if screening is None:
+        if screening is WITH_DIRECTION:
             with pytest.raises(Refusal) as caught:
                 swarm.push("evil", flipped)
             assert caught.value.reason == DIRECTION and "direction cos -" in str(caught.value)
