@@ -26,9 +26,11 @@ from node.diloco.sync_client import (
     open_version_envelope,
 )
 from node.diloco.syncer_core import Refusal, SyncerCore, refuse
+from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
 from protocol.errors import MalformedFrame, ProtocolError
 from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
 from protocol.replay import ReplayGuard
+from protocol.rpc import FramedServer, Route
 
 if TYPE_CHECKING:
     from node.context import NodeContext
@@ -99,9 +101,6 @@ class SyncerService:
         return self._control_replay
 
     async def start(self, p2p: Any, on_throttle: Callable[..., Any]) -> None:
-        from protocol.envelope import max_frame_bytes
-        from protocol.rpc import FramedServer, Route
-
         control = max_frame_bytes(control_limits())
         routes = {
             PUSH_ROUTE: Route(self._handle_push, max_frame_bytes(self.role.limits)),
@@ -137,16 +136,12 @@ class SyncerService:
     def _answer(
         self, kind: Any, receiver: str, *, microbatch: int = 0, step: int = 0, **kwargs: Any
     ) -> bytearray:
-        from protocol.envelope import Context, seal
-
         context = Context(run_id=self.role.ctx.run_id, kind=kind, receiver=receiver)
         return seal(
             self.role.ctx.identity, context, microbatch=microbatch, step=step, now=time.time(), **kwargs
         )
 
     def _open(self, frame: bytearray, remote: str, kind: Any, limits: Any, replay: Any) -> Any:
-        from protocol.envelope import Context, open_envelope
-
         expect = Context(run_id=self.role.ctx.run_id, kind=kind, receiver=self.role.ctx.peer_id)
         return open_envelope(
             frame, remote_peer=remote, expect=expect, limits=limits, replay=replay, now=time.time()
@@ -157,8 +152,6 @@ class SyncerService:
             raise refuse("standby", "this syncer is on standby")
 
     async def _handle_push(self, frame: bytearray, remote: str) -> bytes:
-        from protocol.envelope import Kind
-
         opened = self._open(frame, remote, Kind.FRAGMENT, self.role.limits, self._push_replay)
         meta, header = opened.meta, opened.header
         fields = _contribution_fields(meta)
@@ -236,8 +229,6 @@ class SyncerService:
         return valid
 
     async def _handle_versions(self, frame: bytearray, remote: str) -> bytes:
-        from protocol.envelope import Kind
-
         opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)
         self._require_active()
         known, wait_s = opened.meta.get("known"), opened.meta.get("wait_s", 0.0)
@@ -267,14 +258,16 @@ class SyncerService:
         }
         return self._answer(Kind.CONTROL, remote, meta=meta)
 
-    async def _handle_fetch(self, frame: bytearray, remote: str) -> bytes:
-        from protocol.envelope import Kind
-
-        opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)
-        self._require_active()
-        fragment = opened.meta.get("fragment")
+    def _fragment_of(self, meta: Mapping[str, Any]) -> int:
+        fragment = meta.get("fragment")
         if type(fragment) is not int or not 0 <= fragment < self.role.plan.num_fragments:
             raise MalformedFrame("bad fragment id")
+        return fragment
+
+    async def _handle_fetch(self, frame: bytearray, remote: str) -> bytes:
+        opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)
+        self._require_active()
+        fragment = self._fragment_of(opened.meta)
         core = self.role.core
         assert core is not None
         version = core.versions[fragment]
@@ -288,15 +281,11 @@ class SyncerService:
         )
 
     async def _handle_state(self, frame: bytearray, remote: str) -> bytes:
-        from protocol.envelope import Kind
-
         opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)
         if remote not in self.role.ctx.manifest.authorized_syncers:
             raise refuse("unauthorized", "only authorized syncers may read the syncer state", blame=True)
         self._require_active()
-        fragment = opened.meta.get("fragment")
-        if type(fragment) is not int or not 0 <= fragment < self.role.plan.num_fragments:
-            raise MalformedFrame("bad fragment id")
+        fragment = self._fragment_of(opened.meta)
         core = self.role.core
         assert core is not None
         async with self.role.merge_lock:
@@ -315,8 +304,6 @@ class SyncerService:
         )
 
     async def _handle_offer(self, frame: bytearray, remote: str) -> bytes:
-        from protocol.envelope import Kind
-
         opened = self._open(frame, remote, Kind.CONTROL, offer_limits(self.role.plan), self._control_replay)
         self._require_active()
         core = self.role.core
