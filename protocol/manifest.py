@@ -31,6 +31,7 @@ from typing import Any
 import msgpack
 from cryptography.hazmat.primitives import serialization
 
+from protocol.compress import CodecSpec
 from protocol.errors import ConfigError, IdentityError, ManifestRejected, OwnerPinMismatch
 from protocol.identity import NodeIdentity, public_key_from_peer_id, verify_signature
 from protocol.keys import RUN_ID_HEX_CHARS, is_run_id
@@ -185,6 +186,9 @@ class RunManifest:
     num_stages: int = 2  # pipeline stages the layers are cut into
     inner: InnerOptimizerSpec = field(default_factory=InnerOptimizerSpec)
     diloco: DilocoSpec = field(default_factory=DilocoSpec)
+    # how learners encode outer gradients (fragment deltas); the syncer decodes only this one. fp32: the
+    # learner sends its parameters themselves, as before there were codecs (docs/diloco.md, "Compression")
+    outer_codec: CodecSpec = field(default_factory=CodecSpec)
     sentinel: dict[str, Scalar] = field(default_factory=dict)  # verifier settings; empty = verifier defaults
     bans_required: int = 1  # distinct authorized verifier signatures before a ban takes effect
     data: dict[str, Scalar] = field(default_factory=lambda: {"source": "builtin"})  # corpus spec
@@ -238,7 +242,12 @@ class RunManifest:
         unknown = sorted(set(data) - known)
         _require(not unknown, f"unknown settings {unknown}")
         kwargs: dict[str, Any] = dict(data)
-        nested = {"inner": InnerOptimizerSpec, "diloco": DilocoSpec, "wire": WireSpec}
+        nested = {
+            "inner": InnerOptimizerSpec,
+            "diloco": DilocoSpec,
+            "wire": WireSpec,
+            "outer_codec": CodecSpec,
+        }
         for name, spec in nested.items():
             if name in kwargs:
                 kwargs[name] = _build_nested(spec, name, kwargs[name])
@@ -289,7 +298,11 @@ def _build_nested(spec: type, name: str, table: object) -> Any:
     for key, value in table.items():
         is_float = fields_by_name[key].type in ("float", float)
         values[key] = _as_float(f"{name}.{key}", value) if is_float else value
-    return spec(**values)
+    try:
+        return spec(**values)
+    except ValueError as e:
+        message = str(e)
+        raise ValueError(message if message.startswith(f"{name}.") else f"[{name}] {message}") from None
 
 
 def _sorted(value: Any) -> Any:

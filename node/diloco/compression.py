@@ -20,11 +20,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from node.diloco.fragments import FragmentPlan
 from protocol.codec import TensorLimits
-from protocol.compress import CodecSpec, Encoded, decode, encode
+from protocol.compress import (
+    BAD_HEADER,
+    META_PREFIX,
+    CodecSpec,
+    Encoded,
+    decode,
+    encode,
+    header_from_meta,
+    header_to_meta,
+    payload_size,
+)
+from protocol.envelope import MetaValue
+from protocol.errors import CompressionError
+
+DELTA_TENSOR = "delta"  # the one tensor of a compressed contribution: the encoded payload, uint8
 
 
 class ErrorFeedback:
@@ -40,16 +56,27 @@ class ErrorFeedback:
         """Encode `delta + residual` for `fragment` and keep what the codec lost as its new residual.
 
         A delta of another shape than the residual (a new plan) starts the fragment afresh."""
+        encoded, residual = self.prepare(fragment, delta)
+        self.commit(fragment, residual)
+        return encoded
+
+    def prepare(self, fragment: int, delta: torch.Tensor) -> tuple[Encoded, torch.Tensor | None]:
+        """Encode `delta + residual` without touching the residual: the caller commits the returned one once the
+        syncer took the contribution. Until then a newer snapshot of the fragment may replace this one, and its
+        delta must be corrected by the residual of what did arrive, not of what never did."""
         corrected = delta.detach().to("cpu", torch.float32)
         residual = self._residuals.get(fragment)
         if residual is not None and residual.shape == corrected.shape:
             corrected = corrected + residual
         encoded = encode(corrected, self.spec)
-        if self.enabled:
-            self._residuals[fragment] = corrected - decode(
-                encoded.header, encoded.payload, _own_limits(corrected)
-            )
-        return encoded
+        if not self.enabled:
+            return encoded, None
+        return encoded, corrected - decode(encoded.header, encoded.payload, _own_limits(corrected))
+
+    def commit(self, fragment: int, residual: torch.Tensor | None) -> None:
+        """Keep `residual` (from `prepare`) as what the codec still owes the syncer for `fragment`."""
+        if residual is not None:
+            self._residuals[fragment] = residual
 
     def residual(self, fragment: int) -> torch.Tensor | None:
         return self._residuals.get(fragment)
@@ -115,3 +142,75 @@ def params_from_delta(
     """The learner's params as the syncer sees them: its copy of the base version minus the decoded delta."""
     shapes = {name: tuple(base[name].shape) for name in names}
     return unflatten_fragment(flatten_fragment(base, names) - delta, shapes, names)
+
+
+# ---- a contribution on the wire: the learner's encoded delta, the syncer's params rebuilt from it
+
+
+@dataclass(frozen=True, slots=True)
+class WireContribution:
+    """What a learner's push carries for one fragment under a lossy codec, and the residual to commit once the
+    syncer took it."""
+
+    tensors: dict[str, torch.Tensor]  # {DELTA_TENSOR: uint8 payload}
+    meta: dict[str, MetaValue]  # the codec header, under META_PREFIX
+    residual: torch.Tensor | None
+    nbytes: int  # payload bytes (what the codec saves is against 4 bytes per element)
+
+
+def encode_contribution(
+    feedback: ErrorFeedback,
+    fragment: int,
+    base: Mapping[str, torch.Tensor],
+    params: Mapping[str, torch.Tensor],
+    names: Sequence[str],
+) -> WireContribution:
+    """The outer gradient `base - params` of one fragment, error-corrected and encoded; the residual uncommitted."""
+    encoded, residual = feedback.prepare(fragment, fragment_delta(base, params, names))
+    return WireContribution(
+        tensors={DELTA_TENSOR: encoded.payload_tensor()},
+        meta=header_to_meta(encoded.header, META_PREFIX),
+        residual=residual,
+        nbytes=encoded.nbytes,
+    )
+
+
+def contribution_limits(spec: CodecSpec, largest_fragment: int) -> TensorLimits:
+    """Envelope caps for a compressed push: one uint8 tensor, at most the largest fragment's encoded size."""
+    size = max(payload_size(spec, largest_fragment), 1)
+    return TensorLimits(
+        max_bytes=size, max_tensors=1, max_rank=1, max_dim=size, allowed_dtypes=frozenset({"uint8"})
+    )
+
+
+def push_limits(spec: CodecSpec, plan: FragmentPlan, plain: TensorLimits) -> TensorLimits:
+    """What a syncer admits in a push: `plain` (the fragment's float tensors) under fp32, else one payload."""
+    if spec.codec == "fp32":
+        return plain
+    return contribution_limits(spec, max(f.num_params for f in plan.fragments))
+
+
+def decode_contribution(
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, object],
+    *,
+    spec: CodecSpec,
+    base: Mapping[str, torch.Tensor],
+    names: Sequence[str],
+) -> dict[str, torch.Tensor]:
+    """The params a compressed contribution stands for: `base - decoded delta`, every check of the decoder done
+    before anything fragment-sized is allocated (the declared size may be at most the fragment's). Raises
+    CompressionError."""
+    if set(tensors) != {DELTA_TENSOR}:
+        raise CompressionError(
+            f"a {spec.codec} contribution carries exactly one {DELTA_TENSOR!r} tensor, got {sorted(tensors)[:4]}",
+            reason=BAD_HEADER,
+        )
+    numel = sum(math.prod(base[name].shape) for name in names)
+    limits = TensorLimits(max_bytes=max(4 * numel, 1), max_rank=1, max_dim=max(numel, 1))
+    delta = decode(header_from_meta(meta), tensors[DELTA_TENSOR], limits, expect=spec)
+    if delta.numel() != numel:
+        raise CompressionError(
+            f"a delta of {delta.numel()} elements for a fragment of {numel}", reason=BAD_HEADER
+        )
+    return params_from_delta(base, delta.reshape(-1), names)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from node.diloco.compression import decode_contribution
 from node.diloco.counters import cap_counters
 from node.diloco.fragments import FragmentPlan
 from node.diloco.merge import Contribution, MergeResult, NothingToMerge, merge_fragment
@@ -25,6 +26,7 @@ from node.diloco.quorum import QuorumConfig, QuorumPolicy
 from node.diloco.receipts import ReceiptLedger
 from node.diloco.screening import ContributionScreen, ScreeningConfig, ScreenUpdate
 from node.ml.checkpoint import SyncerSnapshot
+from protocol.compress import CodecSpec
 from protocol.errors import MalformedFrame, ProtocolError
 
 if TYPE_CHECKING:
@@ -265,6 +267,10 @@ class VersionHistory:
         """When that version was published, or the last restore if unknown (the counters cap runs from it)."""
         return self.published_at.get((fragment, version), self.restored_at)
 
+    def at(self, fragment: int, version: int) -> dict[str, torch.Tensor] | None:
+        """The fragment as it was at `version`, if still held."""
+        return self.tensors.get(fragment, {}).get(version)
+
     def publish(self, fragment: int, version: int, tensors: Mapping[str, torch.Tensor], now: float) -> None:
         """One of our merges published `version`."""
         self.published_at[(fragment, version)] = now
@@ -436,8 +442,8 @@ class SyncerCore:
         # peer -> (schedule step it reported, when): the run's clock is the median of their extrapolations
         self._schedule = ScheduleClock(max_merged_keys)
         self._ledger = MergedLedger(max_merged_keys)
-        self._history = VersionHistory(plan.num_fragments, max_staleness, now)
-        self._history.reset(self._current(), now)
+        self.history = VersionHistory(plan.num_fragments, max_staleness, now)
+        self.history.reset(self._current(), now)
         self.receipt_ledger = ReceiptLedger(max_merged_keys)
 
     # ---- admission ----
@@ -465,7 +471,7 @@ class SyncerCore:
         self.check_contribution(fragment, params)
         key = (peer, fragment, base_version, nonce)
         self._check_base(fragment, base_version, key)
-        base = self._history.tensors.get(fragment, {}).get(base_version)  # None: unknown, taken as current
+        base = self.history.at(fragment, base_version)  # None: unknown, taken as current
         verdict = self.screen.check(fragment, params, base, self.fragment_tensors(fragment))
         if verdict.params is None:  # blamed: the sender built it, and the strikes count it per peer
             raise refuse(verdict.tag, verdict.reason, blame=True)
@@ -512,7 +518,7 @@ class SyncerCore:
             )
         if key in self._ledger.keys:
             raise refuse("duplicate", "this contribution was merged already", blame=True)
-        if base_version < current and self.policy.config.drop_stale and self._history.merged_here[fragment]:
+        if base_version < current and self.policy.config.drop_stale and self.history.merged_here[fragment]:
             # Q5: it missed the round that merged its base (weight 0, as the paper's late learners); merged
             # alone it would publish one more version that overwrites everyone's unsent progress, and folded
             # into the next round it would count twice what its learner re-learns from the version without it.
@@ -525,7 +531,7 @@ class SyncerCore:
     ) -> tuple[int, int, bool]:
         """(steps, tokens, capped): what the claim adds to what was merged from the peer on that base, capped
         at what the time since the base's publication allows."""
-        since = self._history.since(fragment, base_version)
+        since = self.history.since(fragment, base_version)
         prior = self._ledger.counters.get((peer, fragment, base_version))
         if prior is not None:  # part of this progress is in the model already (e.g. merged before a failover)
             steps, tokens, since = max(0, steps - prior[0]), max(0, tokens - prior[1]), max(since, prior[2])
@@ -585,7 +591,7 @@ class SyncerCore:
         merged, sources = combine_round(
             round_,
             global_params,
-            self._history.tensors.get(fragment, {}),
+            self.history.tensors.get(fragment, {}),
             self.versions[fragment],
             self.max_staleness,
         )
@@ -671,7 +677,7 @@ class SyncerCore:
         """Our merge's parameters become the fragment's next version (kept while contributions may build on it)."""
         self.params.update(new_params)
         version = self.versions[fragment] = self.versions[fragment] + 1
-        self._history.publish(fragment, version, new_params, now)
+        self.history.publish(fragment, version, new_params, now)
         return version
 
     def _drop_missed(self, fragment: int) -> None:
@@ -709,7 +715,7 @@ class SyncerCore:
         (`FragmentSync._anchor_locked`): all of them see the same rounds, so they stay in phase without
         counting steps; through an undated version they keep their anchors, which kept the fragments'
         stagger."""
-        return self._history.ages(self.versions, now)
+        return self.history.ages(self.versions, now)
 
     def clock_estimate(self, now: float, *, max_age_s: float = 60.0) -> int:
         """The schedule step the run's learners are at now: per peer, its latest report plus the steps since
@@ -754,7 +760,7 @@ class SyncerCore:
         self.versions[fragment] = version
         self.rounds.pop(fragment, None)  # its contributions were built on older versions
         at = now if published_at is None else min(now, published_at)
-        self._history.replace(fragment, version, self.fragment_tensors(fragment), at)
+        self.history.replace(fragment, version, self.fragment_tensors(fragment), at)
         return True
 
     def snapshot(self, run_id: str, term: int, *, wall_offset: float | None = None) -> SyncerSnapshot:
@@ -776,7 +782,7 @@ class SyncerCore:
 
     def published_wall(self, fragment: int, wall_offset: float | None) -> float:
         """When the fragment's current version was published, on the wall clock; 0.0 if unknown."""
-        at = self._history.published_at.get((fragment, self.versions[fragment]))
+        at = self.history.published_at.get((fragment, self.versions[fragment]))
         return at + wall_offset if at is not None and wall_offset is not None else 0.0
 
     def restore(self, snapshot: SyncerSnapshot, now: float, *, wall_offset: float | None = None) -> None:
@@ -789,8 +795,28 @@ class SyncerCore:
         self.rounds.clear()
         self._ledger.counters.clear()
         self.load_ledger(snapshot.merged, now)
-        self._history.reset(self._current(), now)
+        self.history.reset(self._current(), now)
         if wall_offset is not None and len(snapshot.published_wall) == self.plan.num_fragments:
-            self._history.date(
+            self.history.date(
                 self.versions, [w - wall_offset if w > 0 else None for w in snapshot.published_wall]
             )
+
+
+def wire_params(
+    core: SyncerCore,
+    codec: CodecSpec,
+    fragment: int,
+    base_version: int,
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, object],
+) -> Mapping[str, torch.Tensor]:
+    """The params a push stands for: its tensors under fp32, else rebuilt as base - decoded delta on the base
+    version it names (the current one when the core lacks it: after a takeover, or too stale, which `accept`
+    refuses anyway). Raises CompressionError for a payload the manifest's codec does not produce."""
+    if codec.codec == "fp32":
+        return tensors
+    if not 0 <= fragment < core.plan.num_fragments:
+        raise MalformedFrame(f"no fragment {fragment}", reason="malformed contribution")
+    base = core.history.at(fragment, base_version) or core.fragment_tensors(fragment)
+    names = core.plan.fragments[fragment].names
+    return decode_contribution(tensors, meta, spec=codec, base=base, names=names)

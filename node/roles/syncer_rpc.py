@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from node.diloco.compression import push_limits
 from node.diloco.sync_client import (
     FETCH_ROUTE,
     OFFER_PREFIX,
@@ -25,7 +26,7 @@ from node.diloco.sync_client import (
     offer_limits,
     open_version_envelope,
 )
-from node.diloco.syncer_core import Refusal, SyncerCore, refuse
+from node.diloco.syncer_core import Refusal, SyncerCore, refuse, wire_params
 from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
 from protocol.errors import MalformedFrame, ProtocolError
 from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
@@ -87,6 +88,9 @@ class SyncerService:
 
     def __init__(self, role: SyncerHost) -> None:
         self.role = role
+        # a compressed push is one uint8 tensor, not the fragment's float tensors
+        self.codec = role.ctx.manifest.outer_codec
+        self.push_limits = push_limits(self.codec, role.plan, role.limits)
         self._push_replay = ReplayGuard()
         self._control_replay = ReplayGuard()
         self.refusals: dict[str, int] = {}
@@ -103,7 +107,7 @@ class SyncerService:
     async def start(self, p2p: Any, on_throttle: Callable[..., Any]) -> None:
         control = max_frame_bytes(control_limits())
         routes = {
-            PUSH_ROUTE: Route(self._handle_push, max_frame_bytes(self.role.limits)),
+            PUSH_ROUTE: Route(self._handle_push, max_frame_bytes(self.push_limits)),
             VERSIONS_ROUTE: Route(self._handle_versions, control),
             FETCH_ROUTE: Route(self._handle_fetch, control),
             OFFER_ROUTE: Route(self._handle_offer, max_frame_bytes(offer_limits(self.role.plan))),
@@ -152,7 +156,7 @@ class SyncerService:
             raise refuse("standby", "this syncer is on standby")
 
     async def _handle_push(self, frame: bytearray, remote: str) -> bytes:
-        opened = self._open(frame, remote, Kind.FRAGMENT, self.role.limits, self._push_replay)
+        opened = self._open(frame, remote, Kind.FRAGMENT, self.push_limits, self._push_replay)
         meta, header = opened.meta, opened.header
         fields = _contribution_fields(meta)
         if fields["fragment"] != header.microbatch or fields["base_version"] != header.step:
@@ -160,7 +164,11 @@ class SyncerService:
         frames = parse_receipts_meta(meta)
         core = self.role.core
         assert core is not None
-        core.check_contribution(fields["fragment"], opened.tensors)  # malformed: refused and counted first
+        # malformed or undecodable: refused and counted first
+        params = wire_params(
+            core, self.codec, fields["fragment"], fields["base_version"], opened.tensors, meta
+        )
+        core.check_contribution(fields["fragment"], params)
         self._require_active()
         await self.role.check_known(remote)
         holder = self.role.live.get(remote)
@@ -172,7 +180,7 @@ class SyncerService:
             admission = core.accept(
                 remote,
                 fields["fragment"],
-                opened.tensors,
+                params,
                 base_version=fields["base_version"],
                 steps=fields["steps"],
                 tokens=fields["tokens"],
