@@ -151,7 +151,7 @@ def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.
 class Swarm:
     """One arm's processes; status URLs are read from each node's log ("status: http://...")."""
 
-    def __init__(self, root: Path, arm: Arm, min_step_s: float) -> None:
+    def __init__(self, root: Path, arm: Arm, min_step_s: float, *, run_extra: str = "") -> None:
         self.root, self.arm = root, arm
         env = dict(os.environ)
         env.update(
@@ -170,6 +170,7 @@ class Swarm:
                 mode=arm.mode,
                 num_learners=NUM_LEARNERS,
             )
+            + run_extra  # more tables of run.toml (another benchmark's arm: a codec, say)
         )
         from node.diloco.sync_client import run_fragment_plan
         from protocol.manifest import load_run_toml
