@@ -144,6 +144,22 @@ def _lpt(names: list[str], sizes: Mapping[str, int], num_bins: int) -> list[list
     return bins
 
 
+def covered_fragments(plan: FragmentPlan, names: Collection[str]) -> list[int]:
+    """Global ids of the fragments whose tensors are all in `names` (parameter names, or a mapping keyed by
+    them); ValueError if one is only partly in."""
+    held = set(names)
+    out = []
+    for fragment in plan.fragments:
+        inside = [n for n in fragment.names if n in held]
+        if len(inside) == len(fragment.names):
+            out.append(fragment.index)
+        elif inside:
+            raise ValueError(
+                f"fragment {fragment.index} is only partly held ({len(inside)}/{len(fragment.names)} tensors)"
+            )
+    return out
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FragmentSchedule:
     """When each fragment is sent and applied, in local inner steps (steps completed since start).

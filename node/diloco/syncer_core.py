@@ -497,7 +497,7 @@ class SyncerCore:
         # heartbeat expired while it was stopped) goes into the next round, but its learner must not wait for
         # that round: the others send theirs only after rounds of other fragments that wait for this learner,
         # and neither side would move. Told `late`, it loads the versions that exist now and realigns its
-        # schedule to the earliest open round, as a restarted learner does (FragmentSync._rejoin).
+        # schedule to the earliest open round, as a restarted learner does (SyncWatcher._rejoin).
         current = self.versions[fragment]
         late = not self.policy.config.drop_stale and base_version < current
         return Admission(
@@ -712,7 +712,7 @@ class SyncerCore:
         is not a regular round (the seed, a version restored or adopted, or our first merge of the fragment
         after those: the learners' work retried through an outage, every fragment at once). Decoupled
         learners time their next send of a fragment from its round's publication
-        (`FragmentSync._anchor_locked`): all of them see the same rounds, so they stay in phase without
+        (`SendTimer.anchor`): all of them see the same rounds, so they stay in phase without
         counting steps; through an undated version they keep their anchors, which kept the fragments'
         stagger."""
         return self.history.ages(self.versions, now)

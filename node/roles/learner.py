@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from node.config import component_config
-from node.diloco.sync_client import FragmentSync, FramedSyncTransport, SyncClientConfig, run_fragment_plan
+from node.diloco.sync_client import FragmentSync, FramedSyncTransport, run_fragment_plan
+from node.diloco.sync_types import SyncClientConfig
 
 if TYPE_CHECKING:
     from node.context import NodeContext

@@ -12,7 +12,8 @@ import time
 from typing import Any
 
 from node.diloco.outer import STATE_PREFIX
-from node.diloco.sync_client import STATE_ROUTE, FramedSyncTransport, SyncUnavailable, fragment_limits
+from node.diloco.sync_client import STATE_ROUTE, FramedSyncTransport, fragment_limits
+from node.diloco.sync_types import SyncUnavailable
 from node.ml.checkpoint import SyncerSnapshot, ledger_from_json
 from node.roles.syncer_rpc import SyncerHost, wall_offset
 from protocol.replay import ReplayGuard

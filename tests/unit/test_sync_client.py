@@ -12,10 +12,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from node.diloco.fragments import FragmentSchedule, SyncFloor, SyncFloorConfig
-from node.diloco.sync_client import (
+from node.diloco.fragments import FragmentSchedule, SyncFloor, SyncFloorConfig, covered_fragments
+from node.diloco.sync_client import FragmentSync, contribution_meta, run_fragment_plan
+from node.diloco.sync_types import (
     ContributionRefused,
-    FragmentSync,
     FragmentVersion,
     OutgoingContribution,
     PushReceipt,
@@ -23,9 +23,6 @@ from node.diloco.sync_client import (
     SyncDeferred,
     SyncUnavailable,
     VersionsView,
-    contribution_meta,
-    covered_fragments,
-    run_fragment_plan,
 )
 from node.ml.model import ModelConfig, build_model, build_stage
 from protocol.manifest import DilocoSpec, RunManifest
@@ -169,7 +166,7 @@ def test_due_fragments_are_snapshotted_with_counters_and_the_copy_is_private() -
         for index in sync.schedule.due_to_send(step):
             due_at[sync.fragment_ids[index]] = step
     assert set(due_at) == set(sync.fragment_ids)  # every fragment is due once within H = 4 steps
-    outbox = {c.fragment: c for c in sync._outbox.values()}
+    outbox = {c.fragment: c for c in sync.ledger.outbox.values()}
     for fid, contribution in outbox.items():
         assert contribution.steps == due_at[fid] and contribution.tokens == 32 * due_at[fid]
         assert contribution.base_version == 0
@@ -197,13 +194,13 @@ def test_merged_version_is_applied_tau_steps_after_the_send_and_resets_counters(
         names = sync.plan.fragments[fid].names
         merged = {n: torch.full_like(dict(model.named_parameters())[n], 7.0) for n in names}
         syncer.publish(fid, merged)
-        await until(lambda: sync._inbox)
+        await until(lambda: sync.ledger.inbox)
         params = dict(model.named_parameters())
         assert not torch.equal(params[names[0]], merged[names[0]])  # arrived, but tau = 1 step not yet over
         sync.after_inner_step(step + 1, tokens=8)
         assert torch.equal(params[names[0]].detach(), merged[names[0]])
         assert sync.versions()[fid] == 1
-        assert sync._counters[sync._local[fid]].steps == 0
+        assert sync.ledger.counters[sync.ledger.local[fid]].steps == 0
         stop.set()
         await asyncio.gather(*tasks)
 
@@ -481,8 +478,8 @@ def test_a_lock_step_learner_with_nothing_in_flight_realigns_when_rounds_merged_
     ahead = sync.fragment_ids[:2]  # the rounds of the first two fragments of the cycle merged without us
     for fid in ahead:
         syncer.publish(fid, {n: params[n].detach() + 1.0 for n in sync.plan.fragments[fid].names})
-        sync._inbox[sync._local[fid]] = syncer.store[fid]
-    assert not sync._pending
+        sync.ledger.inbox[sync.ledger.local[fid]] = syncer.store[fid]
+    assert not sync.ledger.pending
     sync.after_inner_step(1, tokens=4)
     assert sync.status()["rejoins"] == 1
     step, first = 1, None
@@ -490,7 +487,7 @@ def test_a_lock_step_learner_with_nothing_in_flight_realigns_when_rounds_merged_
         step += 1
         bump(model)
         sync.after_inner_step(step, tokens=4)
-        first = next(iter(sync._outbox.values()), None)
+        first = next(iter(sync.ledger.outbox.values()), None)
     # the open round that comes first: the third fragment's first (the two before it are at version 1)
     assert first.fragment == sync.fragment_ids[2] and first.base_version == 0
 
@@ -503,7 +500,7 @@ def test_versions_only_move_forward() -> None:
     newer = FragmentVersion(fragment=fid, version=5, params={n: params[n].detach() + 1 for n in names})
     older = FragmentVersion(fragment=fid, version=4, params={n: params[n].detach() + 2 for n in names})
     assert sync.load_global([newer]) == 1
-    sync._inbox[sync._local[fid]] = older
+    sync.ledger.inbox[sync.ledger.local[fid]] = older
     sync.after_inner_step(1, tokens=4)
     assert sync.versions()[fid] == 5
     assert torch.equal(params[names[0]].detach(), newer.params[names[0]])
@@ -531,16 +528,16 @@ def test_the_real_time_floor_skips_a_due_send_and_counters_keep_growing() -> Non
     )
     for step in range(1, 5):
         sync.after_inner_step(step, tokens=2)
-    first = {c.fragment: c.steps for c in sync._outbox.values()}
-    sync._outbox.clear()
+    first = {c.fragment: c.steps for c in sync.ledger.outbox.values()}
+    sync.ledger.outbox.clear()
     for step in range(5, 9):
         now[0] += 1.0
         sync.after_inner_step(step, tokens=2)
-    assert not sync._outbox  # every fragment was due again, but 100 s have not passed
+    assert not sync.ledger.outbox  # every fragment was due again, but 100 s have not passed
     now[0] += 200.0
     for step in range(9, 13):
         sync.after_inner_step(step, tokens=2)
-    assert all(c.steps == first[c.fragment] + 8 for c in sync._outbox.values())
+    assert all(c.steps == first[c.fragment] + 8 for c in sync.ledger.outbox.values())
 
 
 def test_a_decoupled_learner_aligns_its_schedule_to_the_run_clock() -> None:
@@ -551,19 +548,19 @@ def test_a_decoupled_learner_aligns_its_schedule_to_the_run_clock() -> None:
             return VersionsView(versions=tuple(syncer.current), term=1, syncer="s", clock=clock)
 
         def position() -> int:
-            return sync._step + sync._sched_offset
+            return sync.ledger.timer.sched_step(sync.ledger.step)
 
         for step in range(1, 4):
             sync.after_inner_step(step, tokens=4)
-        await sync._absorb(view(20))
+        await sync.watcher.absorb(view(20))
         assert position() == 20  # 17 steps off (>= H/2): a restart or a long stall, aligned at once
         for clock in (22, 18, 23, 19):
-            await sync._absorb(view(clock))
+            await sync.watcher.absorb(view(clock))
         assert position() == 20  # jitter around our position: no move
         for clock in (23, 22, 24, 22):
-            await sync._absorb(view(clock))
+            await sync.watcher.absorb(view(clock))
         assert position() == 20
-        await sync._absorb(view(23))
+        await sync.watcher.absorb(view(23))
         assert position() == 22  # five answers in a row ahead of us: shift by the smallest lead (2)
 
     asyncio.run(scenario())
@@ -572,9 +569,9 @@ def test_a_decoupled_learner_aligns_its_schedule_to_the_run_clock() -> None:
 def test_a_synchronous_joiner_starts_at_the_earliest_open_round() -> None:
     sync, _, _ = learner_sync(barrier=True)
     h = sync.schedule.sync_every_steps
-    sync._versions = [2, 1, 2, 2, 2][: len(sync.fragment_ids)]
+    sync.ledger.versions = [2, 1, 2, 2, 2][: len(sync.fragment_ids)]
     first = [sync.schedule.next_send(i, 0) for i in range(len(sync.fragment_ids))]
-    expected = min(f + v * h for f, v in zip(first, sync._versions, strict=True)) - 1
+    expected = min(f + v * h for f, v in zip(first, sync.ledger.versions, strict=True)) - 1
     assert sync.align_to_rounds() == expected
 
 
@@ -631,21 +628,23 @@ def test_a_round_we_were_late_for_overwrites_and_the_near_empty_send_after_it_is
     bump(model)
     sync.after_inner_step(1, tokens=8)
     merged = {n: torch.full_like(params[n], 7.0) for n in names}
-    sync._inbox[index] = FragmentVersion(fragment=fid, version=1, params=merged)  # a round we were late for
+    sync.ledger.inbox[index] = FragmentVersion(
+        fragment=fid, version=1, params=merged
+    )  # a round we were late for
     bump(model)
     sync.after_inner_step(2, tokens=8)
     assert torch.equal(params[names[0]].detach(), merged[names[0]])  # the paper's overwrite: weight 0
     bump(model)
     sync.after_inner_step(3, tokens=8)  # our scheduled send, one step after the overwrite
     if barrier:  # the lock-step baselines send whatever is due (with a send in flight, no realignment)
-        assert sync._pending and sync.status()["rejoins"] == 0
-        assert sync._outbox[index].steps == 1
+        assert sync.ledger.pending and sync.status()["rejoins"] == 0
+        assert sync.ledger.outbox[index].steps == 1
         return
-    assert index not in sync._outbox and sync.status()["sends_skipped"] == 1  # no round for one step
+    assert index not in sync.ledger.outbox and sync.status()["sends_skipped"] == 1  # no round for one step
     for step in range(4, 8):  # the next period sends everything since the overwrite
         bump(model)
         sync.after_inner_step(step, tokens=8)
-    sent = sync._outbox[index]
+    sent = sync.ledger.outbox[index]
     assert (sent.sent_step, sent.base_version, sent.steps) == (7, 1, 5)
 
 
@@ -688,9 +687,9 @@ def send_times(
     out = []
     for step in steps:
         now[0] += step_s
-        sync._outbox.clear()
+        sync.ledger.outbox.clear()
         sync.after_inner_step(step, tokens=4)
-        if fragment in sync._outbox:
+        if fragment in sync.ledger.outbox:
             out.append(now[0])
     return out
 
@@ -712,8 +711,8 @@ def test_learners_of_different_speeds_send_a_fragment_together_after_a_round_is_
         ages = [-1.0] * len(syncer.current)
         ages[fid] = 0.1
         for sync, now in ((fast, fast_now), (slow, slow_now)):
-            await sync._absorb(dated_view(syncer, ages, xi))
-            assert sync._due_at[index] == pytest.approx(now[0] - 0.1 + (h - 1) * xi)
+            await sync.watcher.absorb(dated_view(syncer, ages, xi))
+            assert sync.ledger.timer.due_at[index] == pytest.approx(now[0] - 0.1 + (h - 1) * xi)
             assert sync.status()["phase_anchors"] == 1
         published = 100.0 - 0.1
         fast_sends = send_times(fast, fast_now, 0.24, range(1, 60), index)
@@ -738,21 +737,23 @@ def test_a_newer_version_reanchors_and_undated_or_old_ones_do_not() -> None:
         fid = sync.fragment_ids[1]
         ages = [-1.0] * len(syncer.current)
         publish_round(sync, model, syncer, fid)
-        await sync._absorb(dated_view(syncer, ages, 0.25))
-        assert 1 not in sync._due_at  # a version the syncer cannot date (restored, adopted) anchors nothing
+        await sync.watcher.absorb(dated_view(syncer, ages, 0.25))
+        assert (
+            1 not in sync.ledger.timer.due_at
+        )  # a version the syncer cannot date (restored, adopted) anchors nothing
         ages[fid] = 0.0
-        await sync._absorb(dated_view(syncer, ages, 0.25))
-        first = sync._due_at[1]
+        await sync.watcher.absorb(dated_view(syncer, ages, 0.25))
+        first = sync.ledger.timer.due_at[1]
         now[0] += 1.0
-        await sync._absorb(dated_view(syncer, ages, 0.25))
-        assert sync._due_at[1] == first  # the same version again: no move
+        await sync.watcher.absorb(dated_view(syncer, ages, 0.25))
+        assert sync.ledger.timer.due_at[1] == first  # the same version again: no move
         publish_round(sync, model, syncer, fid)
-        await sync._absorb(dated_view(syncer, ages, 0.25))
-        assert sync._due_at[1] == pytest.approx(now[0] + 11 * 0.25)
+        await sync.watcher.absorb(dated_view(syncer, ages, 0.25))
+        assert sync.ledger.timer.due_at[1] == pytest.approx(now[0] + 11 * 0.25)
         ages[fid] = 7.0  # a joiner: published 7 s ago, more than a period (3 s): the next period from then
         publish_round(sync, model, syncer, fid)
-        await sync._absorb(dated_view(syncer, ages, 0.25))
-        due = sync._due_at[1]
+        await sync.watcher.absorb(dated_view(syncer, ages, 0.25))
+        due = sync.ledger.timer.due_at[1]
         assert now[0] <= due < now[0] + 3.0
         assert (due - (now[0] - 7.0 + 11 * 0.25)) / 3.0 == pytest.approx(round((due - (now[0] - 4.25)) / 3.0))
 
@@ -769,23 +770,25 @@ def test_after_a_stall_the_missed_anchored_send_waits_for_the_next_period() -> N
         publish_round(sync, model, syncer, fid)
         ages = [-1.0] * len(syncer.current)
         ages[fid] = 0.0
-        await sync._absorb(dated_view(syncer, ages, 0.25))
-        due = sync._due_at[0]
+        await sync.watcher.absorb(dated_view(syncer, ages, 0.25))
+        due = sync.ledger.timer.due_at[0]
         step = 0
         while now[0] < due - 0.3:
             now[0] += 0.25
             step += 1
             sync.after_inner_step(step, tokens=4)
-        sync._outbox.clear()
+        sync.ledger.outbox.clear()
         now[0] = due + 2.0  # stopped for two seconds across the send time (period: 3 s)
         step += 1
         sync.after_inner_step(step, tokens=4)
-        assert 0 not in sync._outbox and sync.status()["phase_skips"] == 1
-        assert sync._due_at[0] == pytest.approx(due + 3.0)  # the next period, from the anchor
+        assert 0 not in sync.ledger.outbox and sync.status()["phase_skips"] == 1
+        assert sync.ledger.timer.due_at[0] == pytest.approx(due + 3.0)  # the next period, from the anchor
         now[0] = due + 3.01
         step += 1
         sync.after_inner_step(step, tokens=4)
-        sent = sync._outbox[0]  # everything since the version overwrote us at step 1: the stall lost nothing
+        sent = sync.ledger.outbox[
+            0
+        ]  # everything since the version overwrote us at step 1: the stall lost nothing
         assert (sent.base_version, sent.steps) == (1, step - 1)
 
     asyncio.run(scenario())
@@ -796,8 +799,10 @@ def test_the_synchronous_baselines_keep_the_lock_step_schedule() -> None:
         now = [0.0]
         sync, model, syncer = anchored_learner(now, barrier=True)
         publish_round(sync, model, syncer, sync.fragment_ids[0])
-        await sync._absorb(dated_view(syncer, [0.0] * len(syncer.current), 0.25))
-        assert not sync._due_at  # lock-step rounds are numbered by steps: anchoring would break them
+        await sync.watcher.absorb(dated_view(syncer, [0.0] * len(syncer.current), 0.25))
+        assert (
+            not sync.ledger.timer.due_at
+        )  # lock-step rounds are numbered by steps: anchoring would break them
 
     asyncio.run(scenario())
 
@@ -823,10 +828,12 @@ def test_a_nonsense_step_time_or_age_anchors_nothing_and_never_breaks_the_step()
         fid = sync.fragment_ids[0]
         publish_round(sync, model, syncer, fid)
         ages = [1e300] * len(syncer.current)
-        await sync._absorb(dated_view(syncer, ages, 1e-300))  # a period of ~1e-299 s would overflow
-        assert not sync._due_at
-        await sync._absorb(dated_view(syncer, ages, 0.25))  # published 1e300 s ago: the next period from now
-        assert now[0] <= sync._due_at[0] <= now[0] + 12 * 0.25
+        await sync.watcher.absorb(dated_view(syncer, ages, 1e-300))  # a period of ~1e-299 s would overflow
+        assert not sync.ledger.timer.due_at
+        await sync.watcher.absorb(
+            dated_view(syncer, ages, 0.25)
+        )  # published 1e300 s ago: the next period from now
+        assert now[0] <= sync.ledger.timer.due_at[0] <= now[0] + 12 * 0.25
         for step in range(1, 30):
             now[0] += 0.25
             sync.after_inner_step(step, tokens=4)
