@@ -36,7 +36,9 @@ def run_toml_table(spec: CodecSpec) -> str:
 
 def run_arm(root: Path, name: str, spec: CodecSpec, duration_s: float, min_step_s: float) -> dict[str, Any]:
     """One failure-free swarm with `spec` as the run's outer codec; `measure`'s result plus push bytes."""
-    swarm = Swarm(root, Arm(name=name, mode="decoupled", chaos=False), min_step_s, run_extra=run_toml_table(spec))
+    swarm = Swarm(
+        root, Arm(name=name, mode="decoupled", chaos=False), min_step_s, run_extra=run_toml_table(spec)
+    )
     try:
         swarm.start()
         warmup_s = swarm.warm_up()
@@ -103,7 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         "topk 1/128 2-bit": CodecSpec(codec="topk", chunk=4096, k=32, bits=2, scale_bits=16),
     }
     results = run_live(codecs, args.duration, args.min_step_s)
-    print(json.dumps({n: {k: r[k] for k in ("loss_gap", "live_compression", "tokens_merged")} for n, r in results.items()}))
+    print(
+        json.dumps(
+            {
+                n: {k: r[k] for k in ("loss_gap", "live_compression", "tokens_merged")}
+                for n, r in results.items()
+            }
+        )
+    )
     return 0
 
 

@@ -175,6 +175,24 @@ def encode_contribution(
     )
 
 
+class ContributionEncoder:
+    """A learner's side of a lossy outer codec: its error feedback, and the fragments' names in plan order."""
+
+    def __init__(self, spec: CodecSpec, plan: FragmentPlan) -> None:
+        self.spec = spec
+        self.plan = plan
+        self.feedback = ErrorFeedback(spec)
+
+    def encode(
+        self, fragment: int, base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
+    ) -> WireContribution:
+        return encode_contribution(self.feedback, fragment, base, params, self.plan.fragments[fragment].names)
+
+    def commit(self, fragment: int, sent: WireContribution) -> None:
+        """The syncer took `sent`: what its codec dropped is owed from now on."""
+        self.feedback.commit(fragment, sent.residual)
+
+
 def contribution_limits(spec: CodecSpec, largest_fragment: int) -> TensorLimits:
     """Envelope caps for a compressed push: one uint8 tensor, at most the largest fragment's encoded size."""
     size = max(payload_size(spec, largest_fragment), 1)

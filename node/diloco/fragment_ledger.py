@@ -96,6 +96,7 @@ class FragmentLedger:
         config: SyncClientConfig,
         clock: Callable[[], float],
         stats: SyncStats,
+        keep_bases: bool = False,
     ) -> None:
         self.params = dict(params)
         self.plan = plan
@@ -116,6 +117,10 @@ class FragmentLedger:
         self.inbox: dict[int, FragmentVersion] = {}
         self._overwritten_at: dict[int, int] = {}  # fragment -> step a version overwrote unsent progress
         self.held = HeldVersions()
+        # under a lossy outer codec, each fragment as its version last overwrote it: what a delta is taken from
+        self.bases: dict[int, dict[str, torch.Tensor]] | None = (
+            {i: self._copy(names) for i, names in enumerate(self._names)} if keep_bases else None
+        )
         self.step = 0
         self.view: VersionsView | None = None  # the syncer's last versions answer
         self.rejoin_due = False  # lock-step modes: a round merged without us; the watcher realigns us
@@ -365,6 +370,8 @@ class FragmentLedger:
                 target.copy_(version.params[name].to(device=target.device, dtype=target.dtype))
         self.versions[index] = version.version
         self.counters.reset(index)
+        if self.bases is not None:
+            self.bases[index] = self._copy(self._names[index])
         self.held.keep(index, version)
         self.stats.applied += 1
 
@@ -386,8 +393,7 @@ class FragmentLedger:
     def _snapshot(self, index: int, step: int, sched_step: int, now: float) -> None:
         counters = self.counters[index]
         self.floor.mark_sent(index, now)
-        with torch.no_grad():
-            params = {n: self.params[n].detach().to("cpu", copy=True) for n in self._names[index]}
+        params = self._copy(self._names[index])
         self.outbox[index] = OutgoingContribution(
             fragment=self.fragment_ids[index],
             params=params,
@@ -398,10 +404,15 @@ class FragmentLedger:
             sched_step=sched_step,
             step_time_s=self.timer.step_time_s,
             seen_term=self.view.term if self.view is not None else 0,
+            base=self.bases[index] if self.bases is not None else None,
         )
         self.pending[index] = Pending(
             base_version=self.versions[index], apply_at=self.schedule.apply_at(step)
         )
+
+    def _copy(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            return {n: self.params[n].detach().to("cpu", copy=True) for n in names}
 
     # ---- reporting ----
 

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
+from node.diloco.compression import ContributionEncoder, WireContribution
 from node.diloco.fragment_ledger import FragmentLedger
 from node.diloco.sync_types import (
     ContributionRefused,
@@ -97,6 +98,7 @@ class SyncSender:
         config: SyncClientConfig,
         stats: SyncStats,
         receipts: Callable[[], Sequence[bytes]] | None = None,
+        encoder: ContributionEncoder | None = None,
     ) -> None:
         self.ledger = ledger
         self.transport = transport
@@ -104,6 +106,7 @@ class SyncSender:
         self.config = config
         self.stats = stats
         self.receipts = receipts
+        self.encoder = encoder  # a lossy outer codec; None: the parameters travel as they are
 
     async def run(self, stop: asyncio.Event) -> None:
         """Push snapshots until `stop`. A contribution the syncer defers (`SyncDeferred`) does not hold back
@@ -149,7 +152,11 @@ class SyncSender:
         # where we were when the snapshot was taken (a retried or re-sent one may be seconds old)
         now_step = self.ledger.sched_step_now()
         wire = dataclasses.replace(contribution, sched_step=now_step, receipts=self._receipts_now())
+        plain_bytes = sum(4 * t.numel() for t in contribution.params.values())
         try:
+            sent = await self._encoded(contribution)
+            if sent is not None:
+                wire = dataclasses.replace(wire, params=sent.tensors, codec_meta=sent.meta)
             receipt = await self.transport.push(wire)
         except ContributionRefused as e:
             self.ledger.refused(index, contribution)
@@ -164,8 +171,25 @@ class SyncSender:
             return "deferred" if isinstance(e, SyncDeferred) else "unreachable"
         if self.ledger.acked(index, contribution, receipt):
             self.signals.wake(self.signals.kick)
+        if sent is not None and self.encoder is not None:
+            self.encoder.commit(contribution.fragment, sent)
         self.stats.acked += 1
+        self.stats.push_bytes += sent.nbytes if sent is not None else plain_bytes
+        self.stats.push_bytes_fp32 += plain_bytes
         return "settled"
+
+    async def _encoded(self, contribution: OutgoingContribution) -> WireContribution | None:
+        """The contribution's delta under the lossy codec (in a worker thread: top-k over a large fragment takes
+        a while), or None to send the parameters. A delta the codec cannot carry (a scale beyond what a receiver
+        accepts: no training update) is refused here as the syncer would refuse it."""
+        if self.encoder is None or contribution.base is None:
+            return None
+        try:
+            return await asyncio.to_thread(
+                self.encoder.encode, contribution.fragment, contribution.base, contribution.params
+            )
+        except ValueError as e:
+            raise ContributionRefused(f"cannot encode the delta: {e}", reason="encode failed") from None
 
     def _receipts_now(self) -> tuple[bytes, ...]:
         if self.receipts is None:

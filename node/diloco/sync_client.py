@@ -87,6 +87,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from node.diloco.compression import ContributionEncoder
 from node.diloco.fragment_ledger import FragmentLedger
 from node.diloco.fragments import (
     Fragment,
@@ -110,6 +111,7 @@ from node.diloco.sync_types import (
     SyncUnavailable,
     VersionsView,
 )
+from protocol.compress import CodecSpec
 
 if TYPE_CHECKING:
     from hivemind.p2p import P2P
@@ -173,18 +175,26 @@ class FragmentSync:
         config: SyncClientConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         receipts: Callable[[], Sequence[bytes]] | None = None,
+        codec: CodecSpec | None = None,  # the run's outer codec; None or fp32: parameters as they are
     ) -> None:
         self.config = config or SyncClientConfig()
         self.clock = clock
         self.stats = SyncStats()
+        lossy = codec is not None and codec.codec != "fp32"
         self.ledger = FragmentLedger(
-            params, plan, schedule, floor, config=self.config, clock=clock, stats=self.stats
+            params, plan, schedule, floor, config=self.config, clock=clock, stats=self.stats, keep_bases=lossy
         )
         self.signals = LoopSignals()
         # a stage replica's verifier receipts (raw frames, oldest first): relayed with every push so the syncer
         # weighs its work by what verifiers signed (node.diloco.receipts)
         self.sender = SyncSender(
-            self.ledger, transport, self.signals, config=self.config, stats=self.stats, receipts=receipts
+            self.ledger,
+            transport,
+            self.signals,
+            config=self.config,
+            stats=self.stats,
+            receipts=receipts,
+            encoder=ContributionEncoder(codec, plan) if codec is not None and lossy else None,
         )
         self.watcher = SyncWatcher(
             self.ledger, transport, self.signals, config=self.config, stats=self.stats, clock=clock
@@ -201,15 +211,26 @@ class FragmentSync:
         config: SyncClientConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         receipts: Callable[[], Sequence[bytes]] | None = None,
+        codec: CodecSpec | None = None,
     ) -> FragmentSync:
-        """Schedule (H, tau) and real-time floor from the manifest's DilocoSpec."""
+        """Schedule (H, tau) and real-time floor from the manifest's DilocoSpec; `codec`, its outer codec."""
         count = len(covered_fragments(plan, params))
         tau = min(spec.overlap_steps, spec.sync_every_steps - 1)
         schedule = FragmentSchedule(
             num_fragments=max(count, 1), sync_every_steps=spec.sync_every_steps, overlap_steps=tau
         )
         floor = SyncFloor(SyncFloorConfig(min_interval_s=spec.min_sync_interval_s))
-        return cls(params, plan, schedule, floor, transport, config=config, clock=clock, receipts=receipts)
+        return cls(
+            params,
+            plan,
+            schedule,
+            floor,
+            transport,
+            config=config,
+            clock=clock,
+            receipts=receipts,
+            codec=codec,
+        )
 
     @property
     def transport(self) -> SyncTransport:
@@ -605,6 +626,7 @@ def contribution_meta(contribution: OutgoingContribution) -> dict[str, Any]:
         "sched_step": contribution.sched_step,
         "step_time_s": float(contribution.step_time_s),
         "seen_term": contribution.seen_term,
+        **contribution.codec_meta,  # a lossy codec's header (keys under protocol.compress.META_PREFIX)
     }
     if contribution.receipts:
         meta[RECEIPTS_META] = receipts_meta(contribution.receipts)

@@ -4,11 +4,13 @@ interface the background loops call, the client's settings and its counters. Pur
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from protocol.envelope import MetaValue
 
 # ---------------------------------------------------------------------------------------------- messages
 
@@ -30,6 +32,10 @@ class OutgoingContribution:
     # term of the syncer we knew when the snapshot was taken: a syncer just taken over ends its recovery
     # early only on snapshots taken for it (everything its holders did through the outage), see the syncer
     seen_term: int = 0
+    # a lossy outer codec: the version these parameters last overwrote (the base of the encoded delta), and
+    # on the wire the codec's header (`params` then holds the one encoded payload)
+    base: Mapping[str, torch.Tensor] | None = None
+    codec_meta: Mapping[str, MetaValue] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,12 +157,16 @@ class SyncStats:
     fetched: int = 0
     last_error: str = ""
     refusals: dict[str, int] = field(default_factory=dict)
+    push_bytes: int = 0  # tensor bytes of the pushes the syncer took, as sent (encoded, under a lossy codec)
+    push_bytes_fp32: int = 0  # what the same pushes would have been as float32 parameters
 
     def counts(self) -> dict[str, Any]:
         """The counters as `FragmentSync.status()` names them."""
         return {
             "sent": self.sent,
             "acked": self.acked,
+            "push_bytes": self.push_bytes,
+            "push_bytes_fp32": self.push_bytes_fp32,
             "refused": self.refused,
             "refusals": dict(self.refusals),
             "retries": self.retries,

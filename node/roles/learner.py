@@ -138,7 +138,12 @@ class LearnerRole:
             barrier=barrier, join_timeout_s=self.config.join_timeout_s, poll_wait_s=self.config.poll_wait_s
         )
         self.sync = FragmentSync.create(
-            dict(self._model.named_parameters()), plan, ctx.manifest.diloco, transport, config=sync_config
+            dict(self._model.named_parameters()),
+            plan,
+            ctx.manifest.diloco,
+            transport,
+            config=sync_config,
+            codec=ctx.manifest.outer_codec,
         )
         if ctx.manifest.authorized_syncers:
             ctx.supervisor.spawn("diloco-sender", partial(self.sync.run_sender, stop), policy=RestartPolicy())

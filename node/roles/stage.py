@@ -942,7 +942,12 @@ class StageRole:
         )
         receipts = lambda: list(self.service.receipts.values())  # noqa: E731 - relayed with every push
         self.sync = FragmentSync.create(
-            self.core.params, plan, self.manifest.diloco, transport, receipts=receipts
+            self.core.params,
+            plan,
+            self.manifest.diloco,
+            transport,
+            receipts=receipts,
+            codec=self.manifest.outer_codec,
         )
         loaded = await self.sync.join_global(stop, timeout_s=self.config.join_timeout_s)
         self.core.weights_changed()

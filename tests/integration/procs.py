@@ -418,6 +418,7 @@ class RunSpec:
     overlap_steps: int = 1
     min_sync_interval_s: float = 0.0
     mode: str = "decoupled"
+    outer_codec: tuple[tuple[str, str | int], ...] = ()  # [outer_codec] settings; empty: the default (fp32)
 
     @property
     def model(self) -> dict[str, int]:
@@ -445,6 +446,8 @@ class RunSpec:
                 "mode": self.mode,
             },
         }
+        if self.outer_codec:
+            tables["outer_codec"] = dict(self.outer_codec)
         return toml_text(top, tables)
 
     def write_run_toml(self, path: Path) -> Path:

@@ -4,6 +4,8 @@ and the error-feedback residual committed only for what arrived (issue 20, part 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -16,12 +18,15 @@ from node.diloco.compression import (
     relative_error,
 )
 from node.diloco.quorum import QuorumConfig
-from node.diloco.sync_client import run_fragment_plan
+from node.diloco.sync_client import FragmentSync, contribution_meta, run_fragment_plan
+from node.diloco.sync_types import FragmentVersion, SyncClientConfig
 from node.diloco.syncer_core import SyncerCore, wire_params
 from node.ml.model import ModelConfig, build_model, embedding_param_names
 from protocol.compress import BAD_HEADER, TOO_LARGE, WRONG_CODEC, CodecSpec, payload_size
 from protocol.errors import CompressionError, ConfigError, ProtocolError
 from protocol.manifest import DilocoSpec, RunManifest, parse_run_toml
+from tests.unit.test_sync_client import FakeSyncer, until
+from tests.unit.test_sync_client import manifest as sync_manifest
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -199,3 +204,111 @@ def test_residual_is_committed_only_for_what_arrived() -> None:
     assert torch.equal(feedback.residual(0), residual)  # type: ignore[arg-type]
     third, _ = feedback.prepare(0, delta)
     assert third.payload != first.payload  # the committed residual now corrects the next delta
+
+
+# ---- the learner's side: FragmentSync under a lossy codec, against the fake in-process syncer
+
+
+def lossy_learner(
+    spec: CodecSpec, syncer: FakeSyncer | None = None
+) -> tuple[FragmentSync, torch.nn.Module, FakeSyncer]:
+    run = sync_manifest()
+    plan = run_fragment_plan(run)
+    model = build_model(ModelConfig.from_dict(run.model), seed=0)
+    syncer = syncer or FakeSyncer(plan.num_fragments)
+    config = SyncClientConfig(poll_wait_s=0.2, retry_min_s=0.01, retry_max_s=0.05, join_timeout_s=0.3)
+    sync = FragmentSync.create(
+        dict(model.named_parameters()), plan, run.diloco, syncer, config=config, codec=spec
+    )
+    return sync, model, syncer
+
+
+async def push_every_fragment(sync: FragmentSync, model: torch.nn.Module, syncer: FakeSyncer) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(sync.run_sender(stop))
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():  # the training first, so that every snapshot is of the final parameters
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=gen))
+        for step in range(1, 5):  # every fragment is due once within H = 4 steps
+            sync.after_inner_step(step, tokens=32)
+        await until(lambda: sync.ledger.outbox_empty() and len(syncer.pushed) >= len(sync.fragment_ids))
+    finally:
+        stop.set()
+        await task
+
+
+def test_learner_pushes_an_encoded_delta_the_syncer_rebuilds() -> None:
+    async def scenario() -> None:
+        sync, model, syncer = lossy_learner(TOPK)
+        initial = {n: t.detach().clone() for n, t in model.named_parameters()}
+        await push_every_fragment(sync, model, syncer)
+        live = dict(model.named_parameters())
+        for pushed in syncer.pushed:
+            names = sync.plan.fragments[pushed.fragment].names
+            assert set(pushed.params) == {DELTA_TENSOR} and pushed.params[DELTA_TENSOR].dtype == torch.uint8
+            assert pushed.codec_meta["z_codec"] == "topk"
+            meta = {**contribution_meta(pushed)}
+            base = {n: initial[n] for n in names}
+            rebuilt = decode_contribution(pushed.params, meta, spec=TOPK, base=base, names=names)
+            true = torch.cat([(base[n] - live[n].detach()).reshape(-1) for n in names])
+            got = torch.cat([(base[n] - rebuilt[n]).reshape(-1) for n in names])
+            kept = got != 0
+            assert 0 < int(kept.sum()) < true.numel() // 8
+            # each kept entry is one of the chunk's largest, sent with its sign and roughly its size
+            assert bool((torch.sign(got[kept]) == torch.sign(true[kept])).all())
+            assert sync.sender.encoder is not None
+            assert sync.sender.encoder.feedback.residual(pushed.fragment) is not None  # committed on the ack
+        status = sync.status()
+        assert 0 < status["push_bytes"] < status["push_bytes_fp32"] / 10
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_fp32_learner_pushes_params_and_keeps_no_bases() -> None:
+    async def scenario() -> None:
+        sync, model, syncer = lossy_learner(CodecSpec())
+        await push_every_fragment(sync, model, syncer)
+        assert sync.sender.encoder is None and sync.ledger.bases is None
+        pushed = syncer.pushed[0]
+        assert set(pushed.params) == set(sync.plan.fragments[pushed.fragment].names) and not pushed.codec_meta
+        assert sync.status()["push_bytes"] == sync.status()["push_bytes_fp32"] > 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_a_refused_push_commits_no_residual() -> None:
+    async def scenario() -> None:
+        syncer = FakeSyncer(run_fragment_plan(sync_manifest()).num_fragments)
+        syncer.refuse = "stale base"
+        sync, model, _ = lossy_learner(TOPK, syncer)
+        stop = asyncio.Event()
+        task = asyncio.create_task(sync.run_sender(stop))
+        try:
+            for step in range(1, 5):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.01)
+                sync.after_inner_step(step, tokens=32)
+            await until(lambda: sync.status()["refused"] >= len(sync.fragment_ids))
+        finally:
+            stop.set()
+            await task
+        assert sync.sender.encoder is not None
+        assert all(sync.sender.encoder.feedback.residual(f) is None for f in sync.fragment_ids)
+        assert sync.status()["push_bytes"] == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_an_overwrite_moves_the_base_to_the_new_version() -> None:
+    sync, model, _ = lossy_learner(TOPK)
+    fid = sync.fragment_ids[0]
+    index = sync.ledger.local[fid]
+    names = sync.plan.fragments[fid].names
+    merged = {n: torch.full_like(dict(model.named_parameters())[n], 0.5) for n in names}
+    version = FragmentVersion(fragment=fid, version=1, params=merged)
+    assert sync.load_global([version]) == 1
+    assert sync.ledger.bases is not None
+    assert all(torch.equal(sync.ledger.bases[index][n], merged[n]) for n in names)
