@@ -33,8 +33,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from hivemind.utils import get_dht_time
-from prometheus_client import Counter, Gauge
 
+from bootstrap.gauges import SwarmGauges
 from node.config import DEFAULT_LISTEN, NetworkConfig, default_state_dir
 from node.context import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
 from node.status.http import metrics_response, start_site, summarize_bans
@@ -132,49 +132,7 @@ class Bootstrap:
         self.signed = SignedManifest.sign(manifest, owner)
         self.rules = RunRules.from_manifest(self.signed, manifest)
         self.metrics = NodeMetrics()
-        self.swarm_peers = Gauge(
-            "hivenode_swarm_peers", "Live peers by role", ["role"], registry=self.metrics.registry
-        )
-        self.manifest_publishes = Counter(
-            "hivenode_manifest_publishes",
-            "Manifest and discovery publishes",
-            ["result"],
-            registry=self.metrics.registry,
-        )
-        self.swarm_health = Gauge(
-            "hivenode_swarm_peers_by_health",
-            "Peers on the swarm map by health",
-            ["health"],
-            registry=self.metrics.registry,
-        )
-        self.swarm_bans = Gauge(
-            "hivenode_swarm_bans", "Peers with a ban record", registry=self.metrics.registry
-        )
-        self.swarm_merges = Gauge(
-            "hivenode_swarm_merges",
-            "Fragment versions published since this bootstrap started watching",
-            registry=self.metrics.registry,
-        )
-        self.swarm_tokens = Gauge(
-            "hivenode_swarm_tokens",
-            "Tokens processed by the swarm since this bootstrap started watching",
-            registry=self.metrics.registry,
-        )
-        self.swarm_throughput = Gauge(
-            "hivenode_swarm_throughput_tokens_per_second",
-            "Tokens/s processed (last sample)",
-            registry=self.metrics.registry,
-        )
-        self.swarm_goodput = Gauge(
-            "hivenode_swarm_goodput_tokens_per_second",
-            "Tokens/s that count (last sample)",
-            registry=self.metrics.registry,
-        )
-        self.swarm_loss = Gauge(
-            "hivenode_swarm_train_loss",
-            "Mean training loss of unbanned peers (last sample)",
-            registry=self.metrics.registry,
-        )
+        self.gauges = SwarmGauges(self.metrics.registry)
         self.history = SwarmHistory(ViewConfig(sample_period_s=manifest.heartbeat_period_s))
         self.sections: dict[str, SectionProvider] = {
             "events": lambda _doc: self.history.events_json(MAX_EVENTS_SERVED),
@@ -261,7 +219,7 @@ class Bootstrap:
             self.dht, self.owner, self.signed, expiration=expiration, timeout_s=self.config.request_timeout_s
         )
         ok = ok_manifest and ok_discovery
-        self.manifest_publishes.labels(result="ok" if ok else "refused").inc()
+        self.gauges.count_publish(ok)
         if not ok:
             logger.warning(
                 "manifest publish was refused (manifest %s, discovery %s)", ok_manifest, ok_discovery
@@ -312,22 +270,6 @@ class Bootstrap:
         complete = chunk[: chunk.rfind(b"\n") + 1] or (chunk if len(chunk) == MAX_NOTES_BYTES else b"")
         self._notes_offset += len(complete)
         self.history.add_notes(complete.splitlines(), now)
-
-    def _update_swarm_metrics(self) -> None:
-        history = self.history
-        last = history.samples[-1] if history.samples else {}
-        for health, count in (last.get("by_health") or {}).items():
-            self.swarm_health.labels(health=health).set(count)
-        self.swarm_bans.set(len(history.bans))
-        self.swarm_merges.set(history.merges_total)
-        self.swarm_tokens.set(history.tokens_total)
-        for gauge, key in (
-            (self.swarm_throughput, "throughput"),
-            (self.swarm_goodput, "goodput"),
-            (self.swarm_loss, "loss"),
-        ):
-            if last.get(key) is not None:
-                gauge.set(last[key])
 
     async def run(self, stop: asyncio.Event) -> None:
         assert self.membership is not None
@@ -434,9 +376,7 @@ class Bootstrap:
         by_role: dict[str, int] = {}
         for peer in peers:
             by_role[peer.heartbeat.role] = by_role.get(peer.heartbeat.role, 0) + 1
-        self.swarm_peers.clear()
-        for role, count in by_role.items():
-            self.swarm_peers.labels(role=role).set(count)
+        self.gauges.set_roles(by_role)
         other_bootstraps = [m for p in peers if p.heartbeat.role == "bootstrap" for m in p.heartbeat.maddrs]
         document: dict[str, Any] = {
             "run_id": self.run_id,
@@ -453,7 +393,7 @@ class Bootstrap:
         }
         self._read_notes(document["time"])
         self.history.observe({**document, "syncer_status": self._syncer_status}, document["time"])
-        self._update_swarm_metrics()
+        self.gauges.update(self.history)
         self._log_events()
         for name, provider in self.sections.items():
             document[name] = provider(document)
