@@ -25,7 +25,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from aiohttp import web
 from hivemind.utils import get_dht_time
 
 from bootstrap.gauges import SwarmGauges
-from node.config import DEFAULT_LISTEN, NetworkConfig, default_state_dir
+from node.config import BootstrapConfig, NetworkConfig
 from node.context import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
 from node.status.http import metrics_response, start_site, summarize_bans
 from node.status.swarm_view import NOTES_FILENAME, SwarmHistory, ViewConfig
@@ -70,48 +69,6 @@ MAX_MERGES_SERVED = 300  # newest merges
 SWARM_EVENTS_FILENAME = "swarm-events.jsonl"
 MAX_SYNCER_STATUS_BYTES = 1 << 20  # the syncer's /api/status we read for merge details
 MAX_NOTES_BYTES = 1 << 16  # of <state_dir>/notes.jsonl read per snapshot
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BootstrapConfig:
-    """Everything `python -m bootstrap` needs."""
-
-    state_dir: Path = field(default_factory=lambda: default_state_dir("bootstrap"))  # identity, maddrs
-    identity_path: Path | None = None  # DHT identity; None = <state_dir>/identity.key
-    owner_key_path: Path | None = None  # key that signs the manifest; None = the identity
-    run_path: Path | None = None  # run.toml; None = the built-in default run
-    authorize_syncers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized syncers
-    authorize_verifiers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized verifiers
-    listen: tuple[str, ...] = (
-        DEFAULT_LISTEN,
-    )  # DHT listen multiaddrs; a fixed port gives a stable multiaddr
-    announce: tuple[str, ...] = ()  # multiaddrs to announce (public IP, explicit port)
-    join: tuple[str, ...] = ()  # other bootstraps or hivemind-dht peers to connect to
-    http_host: str = "127.0.0.1"
-    http_port: int = 0  # 0 = any free port (printed)
-    maddrs_file: Path | None = None  # where to write our multiaddrs, one per line
-    republish_period_s: float = 60.0  # manifest and discovery records are re-published this often
-    manifest_ttl_periods: float = 10.0  # ... and expire this many periods after each publish
-    join_timeout_s: float = 30.0  # bounds the DHT start (and its first contact with --join peers)
-    request_timeout_s: float = 5.0  # bounds each DHT store/get
-    swarm_cache_s: float = 0.5  # /api/swarm answers from a snapshot at most this old (bounds DHT load)
-    serve_reach_checks: bool = True  # dial joining nodes back so they learn whether peers can reach them
-    # bounds the fetch of the active syncer's /api/status (merge details)
-    syncer_status_timeout_s: float = 2.0
-    shutdown_timeout_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        for name in ("republish_period_s", "manifest_ttl_periods", "join_timeout_s", "request_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.swarm_cache_s < 0 or self.shutdown_timeout_s <= 0:
-            raise ValueError("swarm_cache_s must be >= 0 and shutdown_timeout_s positive")
-        if not 0 <= self.http_port <= 65535:
-            raise ValueError(f"http port must be in [0, 65535], got {self.http_port}")
-
-    @property
-    def identity_file(self) -> Path:
-        return self.identity_path or self.state_dir / "identity.key"
 
 
 def load_manifest(config: BootstrapConfig) -> RunManifest:

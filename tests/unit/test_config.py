@@ -485,3 +485,76 @@ def test_heartbeat_from_a_role_status_always_fits_the_record_schema() -> None:
         limits=RecordLimits(),
     )
     assert record.signer == me.peer_id
+
+
+# ---- the bootstrap's settings: the same loader and precedence ----
+
+
+def test_bootstrap_precedence_is_defaults_then_file_then_environment_then_flags(tmp_path: Path) -> None:
+    from node.config import BootstrapConfig, load_bootstrap_config
+
+    toml = tmp_path / "bootstrap.toml"
+    toml.write_text(
+        'run_path = "~/run.toml"\nhttp_port = 1\nrepublish_period_s = 7\nlisten = ["/ip4/0.0.0.0/tcp/31337"]\n'
+        f'state_dir = "{tmp_path}"\nserve_reach_checks = false\n'
+    )
+    environ = {"HIVENODE_BOOTSTRAP": "http_port=2,swarm_cache_s=3"}
+    config = load_bootstrap_config(["--config", str(toml)], environ=environ)
+    assert config.run_path == Path("~/run.toml").expanduser() and config.state_dir == tmp_path
+    assert config.listen == ("/ip4/0.0.0.0/tcp/31337",) and not config.serve_reach_checks
+    assert (config.http_port, config.republish_period_s, config.swarm_cache_s) == (
+        2,
+        7.0,
+        3.0,
+    )  # env over file
+    flags = ["--config", str(toml), "--http", "0.0.0.0:3", "--authorize-syncer", PEER, "--log-level", "DEBUG"]
+    config = load_bootstrap_config(flags, environ=environ)
+    assert (config.http_host, config.http_port) == ("0.0.0.0", 3)  # flags over the environment
+    assert config.authorize_syncers == (PEER,) and config.log_level == "DEBUG"
+    defaults = load_bootstrap_config(["--state-dir", str(tmp_path)], environ={})
+    assert defaults == BootstrapConfig(state_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("toml", "environ", "fragments"),
+    [
+        ("colour = 1\n", {}, ["unknown setting 'colour' in", "bootstrap.toml", "valid keys: state_dir,"]),
+        ("", {"HIVENODE_BOOTSTRAP": "colour=1"}, ["'colour'", "HIVENODE_BOOTSTRAP", "republish_period_s"]),
+        ("http_port = 70000\n", {}, ["bootstrap.toml", "http port must be in [0, 65535]"]),
+        ("", {"HIVENODE_BOOTSTRAP": "join_timeout_s=soon"}, ["HIVENODE_BOOTSTRAP", "join_timeout_s must be"]),
+        ("run_path = 3\n", {}, ["run_path must be a path"]),
+        ("[bootstrap]\nhttp_port = 1\n", {}, ["bootstrap.toml", "'bootstrap'"]),
+    ],
+)
+def test_bootstrap_bad_keys_and_values_name_where_they_came_from(
+    tmp_path: Path, toml: str, environ: dict[str, str], fragments: list[str]
+) -> None:
+    from node.config import load_bootstrap_config
+
+    path = tmp_path / "bootstrap.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_bootstrap_config(["--config", str(path)], environ=environ)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_bootstrap_cli_reports_a_bad_setting_as_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bootstrap.__main__ import EXIT_USAGE, main
+
+    path = tmp_path / "bootstrap.toml"
+    path.write_text("colour = 1\n")
+    assert main(["--config", str(path)]) == EXIT_USAGE
+    assert "unknown setting 'colour'" in capsys.readouterr().err
+
+
+def test_every_bootstrap_setting_is_in_docs_config_md() -> None:
+    from node.config import BOOTSTRAP_FLAGS, BootstrapConfig, build_bootstrap_parser
+
+    text = DOCS.read_text()
+    for f in dataclasses.fields(BootstrapConfig):
+        assert f"| `{f.name}` |" in text.split("## Bootstrap", 1)[1], f.name
+    flags = {opt for action in build_bootstrap_parser()._actions for opt in action.option_strings}
+    assert set(BOOTSTRAP_FLAGS.values()) <= flags
