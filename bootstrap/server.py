@@ -34,7 +34,7 @@ from aiohttp import web
 from hivemind.utils import get_dht_time
 
 from bootstrap.gauges import SwarmGauges
-from node.config import BootstrapConfig, NetworkConfig
+from node.config import BootstrapConfig, NetworkConfig, run_sentinel_config
 from node.context import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
 from node.status.http import metrics_response, start_site, summarize_bans
 from node.status.swarm_view import NOTES_FILENAME, SwarmHistory, ViewConfig
@@ -72,7 +72,9 @@ MAX_NOTES_BYTES = 1 << 16  # of <state_dir>/notes.jsonl read per snapshot
 
 
 def load_manifest(config: BootstrapConfig) -> RunManifest:
+    """The run to publish; its SENTINEL settings are checked here, so a typo stops the owner, not every verifier."""
     manifest = load_run_toml(config.run_path) if config.run_path is not None else default_manifest()
+    run_sentinel_config(manifest.sentinel, str(config.run_path or "the built-in run"))
     return authorize(manifest, syncers=config.authorize_syncers, verifiers=config.authorize_verifiers)
 
 

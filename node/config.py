@@ -37,10 +37,13 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from protocol.errors import ConfigError
 from protocol.keys import is_run_id
+
+if TYPE_CHECKING:
+    from verification.tap import SentinelTapConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -492,6 +495,34 @@ def layered_config(default: T, layers: Sequence[tuple[str, Mapping[str, Any]]], 
         raise ConfigError(f"{f'[{table}] ' if table else ''}({where}): {e}") from None
 
 
+# ---------------------------------------------------------------------------------------------------- the run's SENTINEL
+
+SENTINEL_SUBTABLES = ("ledger", "spot")  # run.toml [sentinel.ledger], [sentinel.spot]
+
+
+def run_sentinel_config(table: Mapping[str, Any], source: str = "the run manifest") -> SentinelTapConfig:
+    """The run's SENTINEL policy (run.toml `[sentinel]`) over the defaults: the monitor's settings
+    (`verification.sentinel.SentinelConfig`) at the top, the ledger's (`LedgerConfig`) in `[sentinel.ledger]`,
+    the spot checks' (`SpotCheckConfig`) in `[sentinel.spot]`. A verifier has no local SENTINEL settings: every
+    verifier of a run applies the run's, so none can loosen them. The bootstrap checks them before it signs the
+    manifest; ConfigError names the key, `source` and the valid keys."""
+    from verification.ledger import LedgerConfig  # verification/ pulls in torch: only where it is needed
+    from verification.sentinel import SentinelConfig
+    from verification.spotcheck import SpotCheckConfig
+    from verification.tap import SentinelTapConfig
+
+    monitor = {k: v for k, v in table.items() if k not in SENTINEL_SUBTABLES}
+    try:
+        _check_keys(SentinelConfig(), monitor, "sentinel", source)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; sub-tables: {', '.join(SENTINEL_SUBTABLES)}") from None
+    return SentinelTapConfig(
+        sentinel=layered_config(SentinelConfig(), [(source, monitor)], table="sentinel"),
+        ledger=layered_config(LedgerConfig(), [(source, table.get("ledger", {}))], table="sentinel.ledger"),
+        spot=layered_config(SpotCheckConfig(), [(source, table.get("spot", {}))], table="sentinel.spot"),
+    )
+
+
 # ---------------------------------------------------------------------------------------------------- the bootstrap
 
 BOOTSTRAP = Component(
@@ -856,8 +887,33 @@ def reference_markdown(components: Sequence[Component]) -> str:
     bootstrap = [
         dataclasses.replace(o, flag=BOOTSTRAP_FLAGS.get(o.key, "")) for o in _options(BootstrapConfig())
     ]
-    parts += [BOOTSTRAP_MARKDOWN_HEAD, _markdown_table(bootstrap)]
+    parts += [BOOTSTRAP_MARKDOWN_HEAD, _markdown_table(bootstrap), RUN_SENTINEL_MARKDOWN_HEAD]
+    parts.append(_markdown_table(_run_sentinel_options()))
     return "\n".join(parts) + "\n"
+
+
+RUN_SENTINEL_MARKDOWN_HEAD = """
+## The run's SENTINEL policy (run.toml `[sentinel]`)
+
+Not a node setting: the run owner's, signed into the manifest, and applied by every verifier of the run (a
+verifier has no local SENTINEL settings, so none can loosen them; `node.config.run_sentinel_config`). The
+monitor's keys go in `[sentinel]`, the ledger's in `[sentinel.ledger]`, the spot checks' in `[sentinel.spot]`
+(shown below with that prefix); values are scalars, so the list of voting metrics stays the default. The bootstrap
+refuses a run.toml with an unknown key or a bad value here.
+"""
+
+
+def _run_sentinel_options() -> list[Option]:
+    from verification.ledger import LedgerConfig
+    from verification.sentinel import SentinelConfig
+    from verification.spotcheck import SpotCheckConfig
+
+    options = [
+        *_options(SentinelConfig()),
+        *_options(LedgerConfig(), "ledger."),
+        *_options(SpotCheckConfig(), "spot."),
+    ]
+    return [o for o in options if not o.default.startswith("[")]  # the manifest's table holds scalars only
 
 
 def _markdown_table(options: Sequence[Option]) -> str:

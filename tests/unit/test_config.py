@@ -558,3 +558,68 @@ def test_every_bootstrap_setting_is_in_docs_config_md() -> None:
         assert f"| `{f.name}` |" in text.split("## Bootstrap", 1)[1], f.name
     flags = {opt for action in build_bootstrap_parser()._actions for opt in action.option_strings}
     assert set(BOOTSTRAP_FLAGS.values()) <= flags
+
+
+# ---- the run's SENTINEL policy (run.toml [sentinel]): read by every verifier, checked by the bootstrap ----
+
+
+def test_the_runs_sentinel_table_sets_the_monitor_the_ledger_and_the_spot_checks() -> None:
+    from node.config import run_sentinel_config
+    from verification.tap import SentinelTapConfig
+
+    assert run_sentinel_config({}) == SentinelTapConfig()
+    table = {"fence_k": 4, "warmup_checks": 50, "ledger": {"ban_flags": 4}, "spot": {"base_rate": 0.1}}
+    config = run_sentinel_config(table)
+    assert (config.sentinel.fence_k, config.sentinel.warmup_checks) == (4.0, 50)
+    assert config.ledger.ban_flags == 4 and config.spot is not None and config.spot.base_rate == 0.1
+    assert config.enabled and config.ledger.window_microbatches == 20  # the rest stays the default
+
+
+@pytest.mark.parametrize(
+    ("table", "fragments"),
+    [
+        (
+            {"window": 64},
+            ["unknown setting 'window' in [sentinel] of run.toml", "window_checks", "ledger, spot"],
+        ),
+        ({"ledger": {"bans": 1}}, ["'bans'", "[sentinel.ledger]", "ban_flags"]),
+        ({"spot": 0.5}, ["[sentinel.spot]", "must be a table"]),
+        ({"fence_k": "wide"}, ["sentinel.fence_k must be a number"]),
+        (
+            {"ledger": {"ban_flags": 1, "quarantine_flags": 2}},
+            ["[sentinel.ledger]", "quarantine_flags <= ban_flags"],
+        ),
+    ],
+)
+def test_a_bad_sentinel_setting_names_the_key_and_the_valid_ones(table: dict, fragments: list[str]) -> None:
+    from node.config import run_sentinel_config
+
+    with pytest.raises(ConfigError) as info:
+        run_sentinel_config(table, "run.toml")
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_the_verifier_applies_the_runs_sentinel_policy() -> None:
+    from types import SimpleNamespace
+
+    from node.roles.verifier import VerifierConfig, VerifierRole
+
+    manifest = dataclasses.replace(
+        authorize(RunManifest(), verifiers=[PEER]), sentinel={"fence_k": 8.0, "ledger": {"ban_flags": 5}}
+    )
+    ctx = SimpleNamespace(peer_id=PEER, manifest=manifest, config=None)
+    role = VerifierRole(ctx, VerifierConfig(torch_threads=0))  # type: ignore[arg-type]
+    assert role.sentinel.sentinel.fence_k == 8.0 and role.sentinel.ledger.ban_flags == 5
+
+
+def test_the_bootstrap_refuses_a_run_whose_sentinel_table_has_an_unknown_key(tmp_path: Path) -> None:
+    from bootstrap.server import load_manifest
+    from node.config import BootstrapConfig
+
+    run = tmp_path / "run.toml"
+    run.write_text("[sentinel]\nfence_k = 5.0\n[sentinel.ledger]\nban_flag = 3\n")
+    with pytest.raises(ConfigError, match=r"'ban_flag' in \[sentinel.ledger\] of .*run.toml"):
+        load_manifest(BootstrapConfig(state_dir=tmp_path, run_path=run))
+    run.write_text("[sentinel]\nfence_k = 5.0\n")
+    assert load_manifest(BootstrapConfig(state_dir=tmp_path, run_path=run)).sentinel == {"fence_k": 5.0}
