@@ -141,9 +141,7 @@ class BootstrapConfig:
     run_path: Path | None = None  # run.toml; none = the built-in default run
     authorize_syncers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized syncers
     authorize_verifiers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized verifiers
-    listen: tuple[str, ...] = (
-        DEFAULT_LISTEN,
-    )  # DHT listen multiaddrs; a fixed port gives a stable multiaddr
+    listen: tuple[str, ...] = (DEFAULT_LISTEN,)  # DHT listen multiaddrs; a fixed port: a stable multiaddr
     announce: tuple[str, ...] = ()  # multiaddrs to announce (public IP, explicit port)
     join: tuple[str, ...] = ()  # other bootstraps or hivemind-dht peers to connect to
     http_host: str = "127.0.0.1"  # interface of the dashboard and the status API
