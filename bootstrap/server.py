@@ -25,7 +25,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from hivemind.utils import get_dht_time
-from prometheus_client import Counter, Gauge
 
-from node.config import DEFAULT_LISTEN, NetworkConfig, default_state_dir
+from bootstrap.gauges import SwarmGauges
+from node.config import BootstrapConfig, NetworkConfig, run_sentinel_config
 from node.context import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
 from node.status.http import metrics_response, start_site, summarize_bans
 from node.status.swarm_view import NOTES_FILENAME, SwarmHistory, ViewConfig
@@ -72,50 +71,10 @@ MAX_SYNCER_STATUS_BYTES = 1 << 20  # the syncer's /api/status we read for merge 
 MAX_NOTES_BYTES = 1 << 16  # of <state_dir>/notes.jsonl read per snapshot
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BootstrapConfig:
-    """Everything `python -m bootstrap` needs."""
-
-    state_dir: Path = field(default_factory=lambda: default_state_dir("bootstrap"))  # identity, maddrs
-    identity_path: Path | None = None  # DHT identity; None = <state_dir>/identity.key
-    owner_key_path: Path | None = None  # key that signs the manifest; None = the identity
-    run_path: Path | None = None  # run.toml; None = the built-in default run
-    authorize_syncers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized syncers
-    authorize_verifiers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized verifiers
-    listen: tuple[str, ...] = (
-        DEFAULT_LISTEN,
-    )  # DHT listen multiaddrs; a fixed port gives a stable multiaddr
-    announce: tuple[str, ...] = ()  # multiaddrs to announce (public IP, explicit port)
-    join: tuple[str, ...] = ()  # other bootstraps or hivemind-dht peers to connect to
-    http_host: str = "127.0.0.1"
-    http_port: int = 0  # 0 = any free port (printed)
-    maddrs_file: Path | None = None  # where to write our multiaddrs, one per line
-    republish_period_s: float = 60.0  # manifest and discovery records are re-published this often
-    manifest_ttl_periods: float = 10.0  # ... and expire this many periods after each publish
-    join_timeout_s: float = 30.0  # bounds the DHT start (and its first contact with --join peers)
-    request_timeout_s: float = 5.0  # bounds each DHT store/get
-    swarm_cache_s: float = 0.5  # /api/swarm answers from a snapshot at most this old (bounds DHT load)
-    serve_reach_checks: bool = True  # dial joining nodes back so they learn whether peers can reach them
-    # bounds the fetch of the active syncer's /api/status (merge details)
-    syncer_status_timeout_s: float = 2.0
-    shutdown_timeout_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        for name in ("republish_period_s", "manifest_ttl_periods", "join_timeout_s", "request_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.swarm_cache_s < 0 or self.shutdown_timeout_s <= 0:
-            raise ValueError("swarm_cache_s must be >= 0 and shutdown_timeout_s positive")
-        if not 0 <= self.http_port <= 65535:
-            raise ValueError(f"http port must be in [0, 65535], got {self.http_port}")
-
-    @property
-    def identity_file(self) -> Path:
-        return self.identity_path or self.state_dir / "identity.key"
-
-
 def load_manifest(config: BootstrapConfig) -> RunManifest:
+    """The run to publish; its SENTINEL settings are checked here, so a typo stops the owner, not every verifier."""
     manifest = load_run_toml(config.run_path) if config.run_path is not None else default_manifest()
+    run_sentinel_config(manifest.sentinel, str(config.run_path or "the built-in run"))
     return authorize(manifest, syncers=config.authorize_syncers, verifiers=config.authorize_verifiers)
 
 
@@ -132,49 +91,7 @@ class Bootstrap:
         self.signed = SignedManifest.sign(manifest, owner)
         self.rules = RunRules.from_manifest(self.signed, manifest)
         self.metrics = NodeMetrics()
-        self.swarm_peers = Gauge(
-            "hivenode_swarm_peers", "Live peers by role", ["role"], registry=self.metrics.registry
-        )
-        self.manifest_publishes = Counter(
-            "hivenode_manifest_publishes",
-            "Manifest and discovery publishes",
-            ["result"],
-            registry=self.metrics.registry,
-        )
-        self.swarm_health = Gauge(
-            "hivenode_swarm_peers_by_health",
-            "Peers on the swarm map by health",
-            ["health"],
-            registry=self.metrics.registry,
-        )
-        self.swarm_bans = Gauge(
-            "hivenode_swarm_bans", "Peers with a ban record", registry=self.metrics.registry
-        )
-        self.swarm_merges = Gauge(
-            "hivenode_swarm_merges",
-            "Fragment versions published since this bootstrap started watching",
-            registry=self.metrics.registry,
-        )
-        self.swarm_tokens = Gauge(
-            "hivenode_swarm_tokens",
-            "Tokens processed by the swarm since this bootstrap started watching",
-            registry=self.metrics.registry,
-        )
-        self.swarm_throughput = Gauge(
-            "hivenode_swarm_throughput_tokens_per_second",
-            "Tokens/s processed (last sample)",
-            registry=self.metrics.registry,
-        )
-        self.swarm_goodput = Gauge(
-            "hivenode_swarm_goodput_tokens_per_second",
-            "Tokens/s that count (last sample)",
-            registry=self.metrics.registry,
-        )
-        self.swarm_loss = Gauge(
-            "hivenode_swarm_train_loss",
-            "Mean training loss of unbanned peers (last sample)",
-            registry=self.metrics.registry,
-        )
+        self.gauges = SwarmGauges(self.metrics.registry)
         self.history = SwarmHistory(ViewConfig(sample_period_s=manifest.heartbeat_period_s))
         self.sections: dict[str, SectionProvider] = {
             "events": lambda _doc: self.history.events_json(MAX_EVENTS_SERVED),
@@ -261,7 +178,7 @@ class Bootstrap:
             self.dht, self.owner, self.signed, expiration=expiration, timeout_s=self.config.request_timeout_s
         )
         ok = ok_manifest and ok_discovery
-        self.manifest_publishes.labels(result="ok" if ok else "refused").inc()
+        self.gauges.count_publish(ok)
         if not ok:
             logger.warning(
                 "manifest publish was refused (manifest %s, discovery %s)", ok_manifest, ok_discovery
@@ -312,22 +229,6 @@ class Bootstrap:
         complete = chunk[: chunk.rfind(b"\n") + 1] or (chunk if len(chunk) == MAX_NOTES_BYTES else b"")
         self._notes_offset += len(complete)
         self.history.add_notes(complete.splitlines(), now)
-
-    def _update_swarm_metrics(self) -> None:
-        history = self.history
-        last = history.samples[-1] if history.samples else {}
-        for health, count in (last.get("by_health") or {}).items():
-            self.swarm_health.labels(health=health).set(count)
-        self.swarm_bans.set(len(history.bans))
-        self.swarm_merges.set(history.merges_total)
-        self.swarm_tokens.set(history.tokens_total)
-        for gauge, key in (
-            (self.swarm_throughput, "throughput"),
-            (self.swarm_goodput, "goodput"),
-            (self.swarm_loss, "loss"),
-        ):
-            if last.get(key) is not None:
-                gauge.set(last[key])
 
     async def run(self, stop: asyncio.Event) -> None:
         assert self.membership is not None
@@ -434,9 +335,7 @@ class Bootstrap:
         by_role: dict[str, int] = {}
         for peer in peers:
             by_role[peer.heartbeat.role] = by_role.get(peer.heartbeat.role, 0) + 1
-        self.swarm_peers.clear()
-        for role, count in by_role.items():
-            self.swarm_peers.labels(role=role).set(count)
+        self.gauges.set_roles(by_role)
         other_bootstraps = [m for p in peers if p.heartbeat.role == "bootstrap" for m in p.heartbeat.maddrs]
         document: dict[str, Any] = {
             "run_id": self.run_id,
@@ -453,7 +352,7 @@ class Bootstrap:
         }
         self._read_notes(document["time"])
         self.history.observe({**document, "syncer_status": self._syncer_status}, document["time"])
-        self._update_swarm_metrics()
+        self.gauges.update(self.history)
         self._log_events()
         for name, provider in self.sections.items():
             document[name] = provider(document)

@@ -63,11 +63,49 @@ async def _serve(
     device: str,
     on_ready: ReadyCallback | None,
 ) -> None:
+    ctx = _build_context(config, identity, joined, log_context, device)
+    role: Any = None
+
+    def heartbeat(now: float) -> Any:
+        role_status = role.status() if role is not None else {"state": "joining"}
+        return swarm.build_heartbeat(ctx, role_status, joined.maddrs, now=now)
+
+    period_s = ctx.manifest.heartbeat_period_s
+    membership = swarm.Membership(ctx.records, period_s=period_s, heartbeat=heartbeat, metrics=ctx.metrics)
+    server = status.StatusServer(config.http.host, config.http.port, ctx.metrics.registry)
+    try:
+        choice = await _choose_role(ctx, joined, membership)
+        role = roles.build_role(choice.role, ctx)
+        ctx.status_source = partial(status.node_status, ctx, role, membership)
+        server.set_status_source(ctx.status_source)
+        ctx.http_address = await server.start()
+        ctx.metrics.info.info({"peer_id": identity.peer_id, "run_id": ctx.run_id, "role": choice.role})
+        with contextlib.suppress(asyncio.TimeoutError):  # the heartbeat loop retries; it logs the failure
+            await membership.announce()
+        ctx.events.emit("joined", run_id=ctx.run_id, role=choice.role, stage=choice.stage, why=choice.reason)
+        _note_reachability(ctx.events, joined)
+        _spawn_tasks(ctx, joined, membership, role, stop)
+        if on_ready is not None:
+            on_ready(ctx)
+        await _wait_for_end(stop, ctx.supervisor)
+    finally:
+        stop.set()
+        await membership.leave(timeout_s=config.shutdown_timeout_s / 2)
+        await ctx.supervisor.shutdown(config.shutdown_timeout_s / 2)
+        await server.stop()
+        ctx.events.emit("left")
+        ctx.events.close()
+
+
+def _build_context(
+    config: NodeConfig, identity: NodeIdentity, joined: Any, log_context: LogContext, device: str
+) -> NodeContext:
+    """The node's shared state once joined: event log, metrics and a supervisor counting restarts into them."""
     events = EventLog(events_path(config), peer_id=identity.peer_id)
     metrics = NodeMetrics()
     supervisor = TaskSupervisor(events)
     supervisor.restart_counter = metrics.task_restarts
-    ctx = NodeContext(
+    return NodeContext(
         config=config,
         identity=identity,
         signed_manifest=joined.signed,
@@ -80,51 +118,35 @@ async def _serve(
         log_context=log_context,
         device=device,
     )
-    role: Any = None
 
-    def heartbeat(now: float) -> Any:
-        role_status = role.status() if role is not None else {"state": "joining"}
-        return swarm.build_heartbeat(ctx, role_status, joined.maddrs, now=now)
 
-    period_s = ctx.manifest.heartbeat_period_s
-    membership = swarm.Membership(ctx.records, period_s=period_s, heartbeat=heartbeat, metrics=metrics)
-    server = status.StatusServer(config.http.host, config.http.port, metrics.registry)
-    try:
-        peers = await membership.peers_or_empty()
-        choice = roles.choose_role(
-            config.role,
-            config.stage,
-            identity.peer_id,
-            ctx.manifest,
-            peers,
-            joined.now,
-            client_mode=joined.client_mode or config.network.client_mode,
-        )
-        ctx.role_name, ctx.stage, log_context.role = choice.role, choice.stage, choice.role
-        role = roles.build_role(choice.role, ctx)
-        ctx.status_source = partial(status.node_status, ctx, role, membership)
-        server.set_status_source(ctx.status_source)
-        ctx.http_address = await server.start()
-        metrics.info.info({"peer_id": identity.peer_id, "run_id": ctx.run_id, "role": choice.role})
-        with contextlib.suppress(asyncio.TimeoutError):  # the heartbeat loop retries; it logs the failure
-            await membership.announce()
-        events.emit("joined", run_id=ctx.run_id, role=choice.role, stage=choice.stage, why=choice.reason)
-        _note_reachability(events, joined)
-        supervisor.spawn("heartbeat", partial(membership.run, stop), policy=RestartPolicy())
-        if joined.entry_points:
-            redialer = swarm.Redialer(joined.dht, joined.entry_points, config.network, events=events)
-            supervisor.spawn("redial", partial(redialer.run, stop), policy=RestartPolicy())
-        supervisor.spawn("role", partial(role.run, ctx, stop), ends_node=True)
-        if on_ready is not None:
-            on_ready(ctx)
-        await _wait_for_end(stop, supervisor)
-    finally:
-        stop.set()
-        await membership.leave(timeout_s=config.shutdown_timeout_s / 2)
-        await supervisor.shutdown(config.shutdown_timeout_s / 2)
-        await server.stop()
-        events.emit("left")
-        events.close()
+async def _choose_role(ctx: NodeContext, joined: Any, membership: swarm.Membership) -> roles.RoleChoice:
+    """Pick the role (and stage) from the config and the peers seen so far; record it on the context and logs."""
+    config = ctx.config
+    peers = await membership.peers_or_empty()
+    choice = roles.choose_role(
+        config.role,
+        config.stage,
+        ctx.identity.peer_id,
+        ctx.manifest,
+        peers,
+        joined.now,
+        client_mode=joined.client_mode or config.network.client_mode,
+    )
+    ctx.role_name, ctx.stage, ctx.log_context.role = choice.role, choice.stage, choice.role
+    return choice
+
+
+def _spawn_tasks(
+    ctx: NodeContext, joined: Any, membership: swarm.Membership, role: Any, stop: asyncio.Event
+) -> None:
+    """Heartbeats and redials restart on failure; the role ending ends the node."""
+    supervisor = ctx.supervisor
+    supervisor.spawn("heartbeat", partial(membership.run, stop), policy=RestartPolicy())
+    if joined.entry_points:
+        redialer = swarm.Redialer(joined.dht, joined.entry_points, ctx.config.network, events=ctx.events)
+        supervisor.spawn("redial", partial(redialer.run, stop), policy=RestartPolicy())
+    supervisor.spawn("role", partial(role.run, ctx, stop), ends_node=True)
 
 
 def _note_reachability(events: EventLog, joined: Any) -> None:

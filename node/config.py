@@ -13,6 +13,11 @@ Precedence, lowest first: the dataclass defaults < node.toml (`--config`) < the 
 An unknown key stops the node with a `ConfigError` naming the key, where it came from (the file or the variable)
 and the valid keys. `python -m node config --defaults` prints every setting with its default, unit and help (the
 comment beside the field); docs/config.md is generated from the same function (`reference_markdown`).
+
+The bootstrap's settings (`BootstrapConfig`) go through the same machinery (`layered_config`): defaults <
+bootstrap.toml (`python -m bootstrap --config`, its keys at the top level) < `HIVENODE_BOOTSTRAP` < its flags
+(`load_bootstrap_config`). They live here rather than in bootstrap/ so that docs/config.md covers both processes
+from one generator (bootstrap/ imports node.config; the reverse would be a cycle).
 """
 
 from __future__ import annotations
@@ -28,13 +33,17 @@ import os
 import sys
 import textwrap
 import tokenize
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from protocol.errors import ConfigError
 from protocol.keys import is_run_id
+
+if TYPE_CHECKING:
+    from verification.tap import SentinelTapConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -45,6 +54,9 @@ ROLE_CHOICES = ("auto", "learner", "stage", "verifier", "syncer")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"  # loopback only, as hivemind: a public node passes its own --listen
 STATE_DIR_ENV = "HIVENODE_STATE_DIR"  # read once in default_state_dir(), never at import
+BOOTSTRAP_STATE_DIR = (
+    f"${STATE_DIR_ENV}/bootstrap, else $XDG_STATE_HOME/hivenode/bootstrap (~/.local/state/hivenode/bootstrap)"
+)
 T = TypeVar("T")
 
 
@@ -114,6 +126,52 @@ class HttpConfig:
             raise ValueError(f"http.port must be in [0, 65535], got {self.port!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ValueError("http.host must be a non-empty string")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BootstrapConfig:
+    """Everything `python -m bootstrap` needs; build with `load_bootstrap_config`. It sits here, beside the node's
+    settings, so that one loader reads both and docs/config.md lists both (bootstrap/ imports node.config)."""
+
+    state_dir: Path = field(
+        default_factory=lambda: default_state_dir("bootstrap"), metadata={"shown": BOOTSTRAP_STATE_DIR}
+    )  # identity, maddrs, the swarm's event log
+    identity_path: Path | None = None  # DHT identity; none = <state_dir>/identity.key
+    owner_key_path: Path | None = None  # key that signs the manifest; none = the identity
+    run_path: Path | None = None  # run.toml; none = the built-in default run
+    authorize_syncers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized syncers
+    authorize_verifiers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized verifiers
+    listen: tuple[str, ...] = (DEFAULT_LISTEN,)  # DHT listen multiaddrs; a fixed port: a stable multiaddr
+    announce: tuple[str, ...] = ()  # multiaddrs to announce (public IP, explicit port)
+    join: tuple[str, ...] = ()  # other bootstraps or hivemind-dht peers to connect to
+    http_host: str = "127.0.0.1"  # interface of the dashboard and the status API
+    http_port: int = 0  # 0 = any free port (printed)
+    maddrs_file: Path | None = None  # where to write our multiaddrs, one per line
+    republish_period_s: float = 60.0  # manifest and discovery records are re-published this often
+    manifest_ttl_periods: float = 10.0  # ... and expire this many periods after each publish
+    join_timeout_s: float = 30.0  # bounds the DHT start (and its first contact with --join peers)
+    request_timeout_s: float = 5.0  # bounds each DHT store/get
+    swarm_cache_s: float = 0.5  # /api/swarm answers from a snapshot at most this old (bounds DHT load)
+    serve_reach_checks: bool = True  # dial joining nodes back so they learn whether peers can reach them
+    # bounds the fetch of the active syncer's /api/status (merge details)
+    syncer_status_timeout_s: float = 2.0
+    shutdown_timeout_s: float = 5.0  # bounds: announcing leave, cancelling tasks
+    log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
+
+    def __post_init__(self) -> None:
+        for name in ("republish_period_s", "manifest_ttl_periods", "join_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.swarm_cache_s < 0 or self.shutdown_timeout_s <= 0:
+            raise ValueError("swarm_cache_s must be >= 0 and shutdown_timeout_s positive")
+        if not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http port must be in [0, 65535], got {self.http_port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+
+    @property
+    def identity_file(self) -> Path:
+        return self.identity_path or self.state_dir / "identity.key"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -417,6 +475,13 @@ def component_config(
     layers = [(f"[{table}]", dict(settings or {}))]
     if env and (text := (environ or {}).get(env, "").strip()):
         layers.append((env, parse_overrides(text, env)))
+    return layered_config(default, layers, table=table)
+
+
+def layered_config(default: T, layers: Sequence[tuple[str, Mapping[str, Any]]], *, table: str = "") -> T:
+    """`default` with each (source, settings) layer applied over the ones before it, lowest first. Raises
+    ConfigError naming an unknown key, its source and the valid keys, or a bad value and the sources merged.
+    `table` prefixes the keys in messages ("" for a file that is the component's alone: bootstrap.toml)."""
     merged: dict[str, Any] = {}
     for source, values in layers:
         _check_keys(default, values, table, source)
@@ -424,7 +489,131 @@ def component_config(
     try:
         return _apply(default, merged, table)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"[{table}] ({', '.join(s for s, _ in layers)}): {e}") from None
+        where = ", ".join(source for source, _ in layers) or "defaults"
+        raise ConfigError(f"{f'[{table}] ' if table else ''}({where}): {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------------- the run's SENTINEL
+
+SENTINEL_SUBTABLES = ("ledger", "spot")  # run.toml [sentinel.ledger], [sentinel.spot]
+
+
+def run_sentinel_config(table: Mapping[str, Any], source: str = "the run manifest") -> SentinelTapConfig:
+    """The run's SENTINEL policy (run.toml `[sentinel]`) over the defaults: the monitor's settings
+    (`verification.sentinel.SentinelConfig`) at the top, the ledger's (`LedgerConfig`) in `[sentinel.ledger]`,
+    the spot checks' (`SpotCheckConfig`) in `[sentinel.spot]`. A verifier has no local SENTINEL settings: every
+    verifier of a run applies the run's, so none can loosen them. The bootstrap checks them before it signs the
+    manifest; ConfigError names the key, `source` and the valid keys."""
+    from verification.ledger import LedgerConfig  # verification/ pulls in torch: only where it is needed
+    from verification.sentinel import SentinelConfig
+    from verification.spotcheck import SpotCheckConfig
+    from verification.tap import SentinelTapConfig
+
+    monitor = {k: v for k, v in table.items() if k not in SENTINEL_SUBTABLES}
+    try:
+        _check_keys(SentinelConfig(), monitor, "sentinel", source)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; sub-tables: {', '.join(SENTINEL_SUBTABLES)}") from None
+    return SentinelTapConfig(
+        sentinel=layered_config(SentinelConfig(), [(source, monitor)], table="sentinel"),
+        ledger=layered_config(LedgerConfig(), [(source, table.get("ledger", {}))], table="sentinel.ledger"),
+        spot=layered_config(SpotCheckConfig(), [(source, table.get("spot", {}))], table="sentinel.spot"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- the bootstrap
+
+BOOTSTRAP = Component(
+    "bootstrap",
+    BootstrapConfig,
+    "HIVENODE_BOOTSTRAP",
+    "settings of the run owner's entry point, `python -m bootstrap`",
+)
+BOOTSTRAP_FLAGS = {  # BootstrapConfig field -> the flag that sets it
+    "state_dir": "--state-dir",
+    "identity_path": "--identity",
+    "owner_key_path": "--owner-key",
+    "run_path": "--run",
+    "authorize_syncers": "--authorize-syncer",
+    "authorize_verifiers": "--authorize-verifier",
+    "listen": "--listen",
+    "announce": "--announce",
+    "join": "--join",
+    "http_host": "--http",
+    "http_port": "--http",
+    "maddrs_file": "--maddrs-file",
+    "log_level": "--log-level",
+}
+
+
+def build_bootstrap_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bootstrap",
+        description="Run a hivenode bootstrap peer. Settings: defaults < bootstrap.toml (--config) < "
+        f"{BOOTSTRAP.env} environment variable < these flags; every one is in docs/config.md.",
+    )
+    add = parser.add_argument
+    add("--run", type=Path, metavar="run.toml", help="run settings (default: the built-in default run)")
+    add("--listen", action="append", metavar="MADDR", help=f"DHT listen multiaddr (default {DEFAULT_LISTEN})")
+    add("--announce", action="append", metavar="MADDR", help="public multiaddr to announce (repeatable)")
+    add(
+        "--join", action="append", metavar="MADDR", help="another bootstrap or hivemind-dht peer (repeatable)"
+    )
+    add("--identity", type=Path, metavar="PATH", help="DHT key (default: <state-dir>/identity.key)")
+    add("--owner-key", type=Path, metavar="PATH", help="key that signs the manifest (default: --identity)")
+    add("--authorize-syncer", action="append", metavar="PEER_ID", help="add an authorized syncer")
+    add("--authorize-verifier", action="append", metavar="PEER_ID", help="add an authorized verifier")
+    add("--http", metavar="HOST:PORT", help="HTTP address (default 127.0.0.1:0)")
+    add("--maddrs-file", type=Path, metavar="PATH", help="write our multiaddrs here, one per line")
+    add(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help=f"identity and state (default: {default_state_dir('bootstrap')})",
+    )
+    add(
+        "--config",
+        type=Path,
+        metavar="bootstrap.toml",
+        help="settings file (default: none); flags win over it",
+    )
+    add("--log-level", choices=LOG_LEVELS, help="default: INFO")
+    return parser
+
+
+def load_bootstrap_config(
+    argv: Sequence[str], *, environ: Mapping[str, str] | None = None
+) -> BootstrapConfig:
+    """Parse `python -m bootstrap` flags over `HIVENODE_BOOTSTRAP` over `--config` over the defaults; raise
+    ConfigError (argparse exits 2 on a malformed command line)."""
+    args = build_bootstrap_parser().parse_args(list(argv))
+    environ = os.environ if environ is None else environ
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if args.config is not None:
+        layers.append((str(args.config), _read_toml(args.config)))
+    if text := environ.get(BOOTSTRAP.env, "").strip():
+        layers.append((BOOTSTRAP.env, parse_overrides(text, BOOTSTRAP.env)))
+    layers.append(("the command line", _bootstrap_flags(args)))
+    return layered_config(BootstrapConfig(), layers)
+
+
+def _bootstrap_flags(args: argparse.Namespace) -> dict[str, Any]:
+    given = {
+        "state_dir": args.state_dir,
+        "identity_path": args.identity,
+        "owner_key_path": args.owner_key,
+        "run_path": args.run,
+        "authorize_syncers": args.authorize_syncer,
+        "authorize_verifiers": args.authorize_verifier,
+        "listen": args.listen,
+        "announce": args.announce,
+        "join": args.join,
+        "maddrs_file": args.maddrs_file,
+        "log_level": args.log_level,
+    }
+    if args.http is not None:
+        given["http_host"], given["http_port"] = parse_host_port(args.http)
+    return {key: value for key, value in given.items() if value is not None}
 
 
 def parse_overrides(text: str, source: str) -> dict[str, Any]:
@@ -461,25 +650,46 @@ def _check_keys(obj: object, values: object, where: str, source: str) -> None:
     names = [f.name for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
     for key, value in values.items():
         if key not in names:
-            raise ConfigError(
-                f"unknown setting {key!r} in [{where}] of {source}; valid keys: {', '.join(names)}"
-            )
+            within = f" in [{where}] of" if where else " in"
+            raise ConfigError(f"unknown setting {key!r}{within} {source}; valid keys: {', '.join(names)}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
-            _check_keys(current, value, f"{where}.{key}", source)
+            _check_keys(current, value, _dotted(where, key), source)
         elif isinstance(value, Mapping):
-            raise ConfigError(f"{where}.{key} in {source} is a value, not a table")
+            raise ConfigError(f"{_dotted(where, key)} in {source} is a value, not a table")
+
+
+def _dotted(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
 
 
 def _changes(obj: Any, values: Mapping[str, Any], where: str) -> dict[str, Any]:
     changes: dict[str, Any] = {}
     for key, raw in values.items():
         current = getattr(obj, key)
-        name = f"{where}.{key}"
-        changes[key] = (
-            _apply(current, raw, name) if dataclasses.is_dataclass(current) else _coerce(name, current, raw)
-        )
+        name = _dotted(where, key)
+        if dataclasses.is_dataclass(current):
+            changes[key] = _apply(current, raw, name)
+        elif isinstance(current, Path) or (current is None and _is_path_field(type(obj), key)):
+            changes[key] = _path(name, raw)
+        else:
+            changes[key] = _coerce(name, current, raw)
     return changes
+
+
+def _is_path_field(cls: type, key: str) -> bool:
+    """Whether the field is a Path (or Path | None): a None default says nothing about the type."""
+    try:
+        hint = typing.get_type_hints(cls).get(key)
+    except NameError:  # an annotation naming a type imported for type checking only
+        return False
+    return hint is Path or Path in typing.get_args(hint)
+
+
+def _path(name: str, raw: object) -> Path:
+    if not isinstance(raw, str | Path) or not str(raw):
+        raise ValueError(f"{name} must be a path, got {raw!r}")
+    return Path(raw).expanduser()
 
 
 def _apply(obj: T, values: Mapping[str, Any], where: str) -> T:
@@ -567,6 +777,8 @@ def _options(obj: Any, prefix: str = "", derived: Any = None) -> list[Option]:
             out += _options(value, f"{prefix}{f.name}.")
             continue
         shown, literal = _toml_value(value), True
+        if "shown" in f.metadata:  # a default that depends on the machine (the state directory)
+            shown, literal = str(f.metadata["shown"]), False
         if derived is not None and getattr(derived(1.0), f.name) != getattr(derived(2.0), f.name):
             shown, literal = f"{getattr(derived(1.0), f.name):g} x the run's heartbeat_period_s", False
         if shown is None:
@@ -624,7 +836,7 @@ def reference_text(components: Sequence[Component]) -> str:
 
 
 MARKDOWN_HEAD = """\
-# Node configuration
+# Node and bootstrap configuration
 
 Generated by `python -m node config --markdown > docs/config.md` from the settings dataclasses (defaults, and the
 comment beside each field as its help); `tests/unit/test_config.py` fails when this file is stale.
@@ -641,7 +853,20 @@ A node's settings come from four places; each overrides the one before:
 An unknown key, or a value of the wrong type or out of range, stops the node at start with one line naming the
 key, the file or variable it came from and the valid keys (exit code 2). `HIVENODE_STATE_DIR` only moves the
 default state directory. `python -m node config --defaults` prints the same settings as a commented node.toml.
-The run's own settings (model, optimizer, DiLoCo, stages) are in the run manifest (run.toml), not here.
+The run's own settings (model, optimizer, DiLoCo, stages) are in the run manifest (run.toml), not here. The
+bootstrap's settings, loaded the same way, are the last section.
+"""
+
+
+BOOTSTRAP_MARKDOWN_HEAD = """
+## Bootstrap (`python -m bootstrap`)
+
+The run owner's entry point (`node.config.BootstrapConfig`) is configured the same way, each place overriding the
+one before: the defaults below; `bootstrap.toml` given with `--config` (these keys at its top level, no table);
+the environment variable `HIVENODE_BOOTSTRAP` (`key=value` pairs separated by commas,
+`HIVENODE_BOOTSTRAP="http_port=8080,republish_period_s=30"`); the flags (`--http HOST:PORT` sets both `http_`
+keys). Unknown keys and bad values stop it at start the same way (exit code 2). The run itself is `run_path`'s
+run.toml.
 """
 
 
@@ -656,18 +881,52 @@ def reference_markdown(components: Sequence[Component]) -> str:
                 f"\n## [{component.table}]\n\n{component.help[:1].upper()}{component.help[1:]} "
                 f"(`{name}`); environment: `{component.env}`.\n"
             )
-        parts.append("| key | type | default | unit | flag | description |\n|---|---|---|---|---|---|")
-        for o in options:
-            cells = [
-                f"`{o.key}`",
-                f"`{o.type}`",
-                f"`{o.default}`" if o.literal else _md_text(o.default),
-                o.unit,
-                f"`{o.flag}`" if o.flag else "",
-                _md_text(o.help),
-            ]
-            parts.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        parts.append(_markdown_table(options))
+    bootstrap = [
+        dataclasses.replace(o, flag=BOOTSTRAP_FLAGS.get(o.key, "")) for o in _options(BootstrapConfig())
+    ]
+    parts += [BOOTSTRAP_MARKDOWN_HEAD, _markdown_table(bootstrap), RUN_SENTINEL_MARKDOWN_HEAD]
+    parts.append(_markdown_table(_run_sentinel_options()))
     return "\n".join(parts) + "\n"
+
+
+RUN_SENTINEL_MARKDOWN_HEAD = """
+## The run's SENTINEL policy (run.toml `[sentinel]`)
+
+Not a node setting: the run owner's, signed into the manifest, and applied by every verifier of the run (a
+verifier has no local SENTINEL settings, so none can loosen them; `node.config.run_sentinel_config`). The
+monitor's keys go in `[sentinel]`, the ledger's in `[sentinel.ledger]`, the spot checks' in `[sentinel.spot]`
+(shown below with that prefix); values are scalars, so the list of voting metrics stays the default. The bootstrap
+refuses a run.toml with an unknown key or a bad value here.
+"""
+
+
+def _run_sentinel_options() -> list[Option]:
+    from verification.ledger import LedgerConfig
+    from verification.sentinel import SentinelConfig
+    from verification.spotcheck import SpotCheckConfig
+
+    options = [
+        *_options(SentinelConfig()),
+        *_options(LedgerConfig(), "ledger."),
+        *_options(SpotCheckConfig(), "spot."),
+    ]
+    return [o for o in options if not o.default.startswith("[")]  # the manifest's table holds scalars only
+
+
+def _markdown_table(options: Sequence[Option]) -> str:
+    rows = ["| key | type | default | unit | flag | description |", "|---|---|---|---|---|---|"]
+    for o in options:
+        cells = [
+            f"`{o.key}`",
+            f"`{o.type}`",
+            f"`{o.default}`" if o.literal else _md_text(o.default),
+            o.unit,
+            f"`{o.flag}`" if o.flag else "",
+            _md_text(o.help),
+        ]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)
 
 
 def _md_text(text: str) -> str:

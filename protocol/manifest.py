@@ -163,6 +163,16 @@ def _check_scalar_table(name: str, table: Mapping[str, Any]) -> None:
         _require(ok, f"{name}.{key} must be a string, int, float or bool, got {type(value).__name__}")
 
 
+def _check_sentinel_table(table: Mapping[str, Any]) -> None:
+    """Scalars, and sub-tables of scalars one level deep (which keys mean what is the verifier's business)."""
+    scalars = {k: v for k, v in table.items() if not isinstance(v, dict)}
+    _check_scalar_table("sentinel", scalars)
+    for key, sub in table.items():
+        if isinstance(sub, dict):
+            _require(isinstance(key, str) and 0 < len(key) <= 64, "sentinel keys must be short strings")
+            _check_scalar_table(f"sentinel.{key}", sub)
+
+
 def _check_peer_ids(name: str, peer_ids: tuple[str, ...]) -> None:
     for peer_id in peer_ids:
         try:
@@ -189,7 +199,9 @@ class RunManifest:
     # how learners encode outer gradients (fragment deltas); the syncer decodes only this one. fp32: the
     # learner sends its parameters themselves, as before there were codecs (docs/diloco.md, "Compression")
     outer_codec: CodecSpec = field(default_factory=CodecSpec)
-    sentinel: dict[str, Scalar] = field(default_factory=dict)  # verifier settings; empty = verifier defaults
+    # SENTINEL policy every verifier of the run applies (node.config.run_sentinel_config reads it): the monitor's
+    # settings as scalars, the ledger's and the spot checks' as the sub-tables `ledger` and `spot`; empty = defaults
+    sentinel: dict[str, Scalar | dict[str, Scalar]] = field(default_factory=dict)
     bans_required: int = 1  # distinct authorized verifier signatures before a ban takes effect
     data: dict[str, Scalar] = field(default_factory=lambda: {"source": "builtin"})  # corpus spec
     authorized_syncers: tuple[str, ...] = ()  # peer ids
@@ -205,7 +217,7 @@ class RunManifest:
         _require(_is_int(self.num_stages) and self.num_stages >= 1, "num_stages must be an int >= 1")
         _require(self.num_stages <= self.model["num_layers"], "num_stages cannot exceed model.num_layers")
         _require(_is_int(self.bans_required) and self.bans_required >= 1, "bans_required must be an int >= 1")
-        _check_scalar_table("sentinel", self.sentinel)
+        _check_sentinel_table(self.sentinel)
         _check_scalar_table("data", self.data)
         _require(isinstance(self.data.get("source"), str), "data.source must be a string")
         _check_peer_ids("authorized_syncers", self.authorized_syncers)

@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -65,6 +65,9 @@ from tools.proctree import ProcInfo, cmdline, descendants, proc_table, reap, set
 from tools.report import ReportInputs, build_report, render_text, write_plots, write_report
 
 logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from tools.chaos import ProcessGroup
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -363,6 +366,102 @@ class Started:
     state_dir: Path
 
 
+class MergeTapes:
+    """The merge lines of the syncers' events.jsonl, read incrementally; the most recent ones are kept."""
+
+    def __init__(self, state_dirs: list[Path], keep: int = 512) -> None:
+        self.paths = [events_path_of(d) for d in state_dirs]
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)
+        self._offsets: dict[Path, int] = {}
+
+    def read(self) -> list[dict[str, Any]]:
+        """New complete lines of every tape, then the recent merges (oldest first)."""
+        for path in self.paths:
+            offset = self._offsets.get(path, 0)
+            try:
+                with path.open("rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except OSError:
+                continue
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            self._offsets[path] = offset + len(complete)
+            for line in complete.splitlines():
+                with contextlib.suppress(ValueError):
+                    event = json.loads(line)
+                    if isinstance(event, dict) and event.get("event") == "merge":
+                        self.recent.append(event)
+        return list(self.recent)
+
+
+def seed_model_loss(num_layers: int, seed: int) -> float:
+    """Held-out loss of version 0 (the seed model), on the batches the syncer evaluates on."""
+    import torch
+
+    from node.ml.data import evaluate, load_corpus, validation_batches
+    from node.ml.model import ModelConfig, build_model
+
+    torch.set_num_threads(1)
+    cfg = ModelConfig.from_dict({**DEMO_MODEL, "num_layers": num_layers})
+    batches = validation_batches(
+        load_corpus(None),
+        batch_size=EVAL_BATCH_SIZE,
+        context_len=cfg.context_len,
+        num_batches=EVAL_BATCHES,
+    )
+    return evaluate(build_model(cfg, seed), batches)
+
+
+def checkpoint_loss(run_file: Path, state: Path, run_id: str) -> float | None:
+    """Held-out loss of the syncer's last checkpoint (written when it stopped), or None if there is none."""
+    import torch
+
+    from node.diloco.sync_client import run_fragment_plan
+    from node.ml.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+    from node.ml.data import evaluate, load_corpus, validation_batches
+    from node.ml.model import ModelConfig, build_model
+    from protocol.manifest import load_run_toml
+
+    manifest = load_run_toml(run_file)
+    cfg = ModelConfig.from_dict(manifest.model)
+    model = build_model(cfg, manifest.seed)
+    expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    path = checkpoint_path(state / "syncer-checkpoints", run_id)
+    try:
+        snapshot = load_checkpoint(
+            path,
+            run_id=run_id,
+            expected=expected,
+            num_fragments=run_fragment_plan(manifest).num_fragments,
+        )
+    except (FileNotFoundError, CheckpointError) as e:
+        logger.warning("no final checkpoint to evaluate: %s", e)
+        return None
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(snapshot.params[name])
+    batches = validation_batches(
+        load_corpus(None),
+        batch_size=EVAL_BATCH_SIZE,
+        context_len=cfg.context_len,
+        num_batches=EVAL_BATCHES,
+    )
+    return evaluate(model, batches)
+
+
+def terminate_gently(group: ProcessGroup, names: list[str], timeout_s: float) -> None:
+    """SIGTERM (after a SIGCONT: a stalled process cannot handle SIGTERM) and wait up to `timeout_s` for them."""
+    running = [n for n in names if n in group.names() and group.alive(n)]
+    for name in running:
+        with contextlib.suppress(ProcessLookupError):
+            group.signal(name, signal.SIGCONT)
+            group.signal(name, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while any(group.alive(n) for n in running) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 class DemoSwarm:
     """One demo run: `prepare()`, `start()`, `run(stop)`, then `shutdown()` and `finish()` in a finally."""
 
@@ -397,12 +496,11 @@ class DemoSwarm:
         self.left_behind: list[str] = []
         self._chaos_runner: Any = None
         self._start_eval: asyncio.Future[float] | None = None
-        self._tape: collections.deque[dict[str, Any]] = collections.deque(maxlen=512)
-        self._tape_offsets: dict[str, int] = {}
         self._events_logged = 0
         self._chaos_down: set[str] = set()  # killed by chaos, its restart still due
         self._down_since: dict[str, float] = {}
         self.unplanned_exits: list[dict[str, Any]] = []
+        self.tapes = MergeTapes([])  # the syncers' event tapes, once `prepare` has named them
 
     def _popen_pids(self) -> set[int]:
         return {self.group.pid(name) for name in self.group.names()}
@@ -436,10 +534,13 @@ class DemoSwarm:
         syncers = [n.peer_id for n in self.nodes.values() if n.spec.role == "syncer"]
         verifiers = [n.peer_id for n in self.nodes.values() if n.spec.role == "verifier"]
         self.run_file.write_text(run_toml(self.config, syncers, verifiers))
+        self.tapes = MergeTapes([n.state_dir for n in self.nodes.values() if n.spec.role == "syncer"])
 
     async def start(self, stop: asyncio.Event) -> None:
         """Bootstrap first, then every node at once; returns when all of them serve their status API."""
-        self._start_eval = asyncio.ensure_future(asyncio.to_thread(self._evaluate_seed_model))
+        self._start_eval = asyncio.ensure_future(
+            asyncio.to_thread(seed_model_loss, self.config.num_layers, self.config.seed)
+        )
         argv = [sys.executable, "-m", "bootstrap", "--run", str(self.run_file), "--state-dir"]
         argv += [str(self.state / "bootstrap"), "--http", f"127.0.0.1:{self.config.http_port}"]
         self.group.start("bootstrap", argv)
@@ -471,63 +572,6 @@ class DemoSwarm:
             if stop.is_set():
                 raise HivenodeError(f"stopped while {name} was starting")
             await asyncio.sleep(0.2)
-
-    def _evaluate_seed_model(self) -> float:
-        """Held-out loss of version 0 (the seed model), on the batches the syncer evaluates on."""
-        import torch
-
-        from node.ml.data import evaluate, load_corpus, validation_batches
-        from node.ml.model import ModelConfig, build_model
-
-        torch.set_num_threads(1)
-        cfg = ModelConfig.from_dict({**DEMO_MODEL, "num_layers": self.config.num_layers})
-        batches = validation_batches(
-            load_corpus(None),
-            batch_size=EVAL_BATCH_SIZE,
-            context_len=cfg.context_len,
-            num_batches=EVAL_BATCHES,
-        )
-        return evaluate(build_model(cfg, self.config.seed), batches)
-
-    def _evaluate_checkpoint(self) -> float | None:
-        """Held-out loss of the syncer's last checkpoint (written when it stopped), or None if there is none."""
-        import torch
-
-        from node.diloco.sync_client import run_fragment_plan
-        from node.ml.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
-        from node.ml.data import evaluate, load_corpus, validation_batches
-        from node.ml.model import ModelConfig, build_model
-        from protocol.manifest import load_run_toml
-
-        manifest = load_run_toml(self.run_file)
-        run_id = self.last_doc.get("run_id")
-        if not run_id:
-            return None
-        cfg = ModelConfig.from_dict(manifest.model)
-        model = build_model(cfg, manifest.seed)
-        expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        path = checkpoint_path(self.state / "syncer-checkpoints", run_id)
-        try:
-            snapshot = load_checkpoint(
-                path,
-                run_id=run_id,
-                expected=expected,
-                num_fragments=run_fragment_plan(manifest).num_fragments,
-            )
-        except (FileNotFoundError, CheckpointError) as e:
-            logger.warning("no final checkpoint to evaluate: %s", e)
-            return None
-        torch.set_num_threads(1)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(snapshot.params[name])
-        batches = validation_batches(
-            load_corpus(None),
-            batch_size=EVAL_BATCH_SIZE,
-            context_len=cfg.context_len,
-            num_batches=EVAL_BATCHES,
-        )
-        return evaluate(model, batches)
 
     # ---- running ----
 
@@ -589,7 +633,7 @@ class DemoSwarm:
             return
         status = await self._syncer_status(session, doc) or {}
         # the syncers' event tapes carry every merge's quorum, grace waited, weights and tokens
-        doc["syncer_status"] = {**status, "recent_merges": self._read_tapes()}
+        doc["syncer_status"] = {**status, "recent_merges": self.tapes.read()}
         self.last_doc = doc
         self.history.observe(doc, float(doc.get("time") or time.time()))
         self._log_events()
@@ -601,28 +645,6 @@ class DemoSwarm:
             self._events_logged = events[-1]["seq"]
             with (self.out / "swarm-events.jsonl").open("a") as log:
                 log.writelines(json.dumps(e, default=str) + "\n" for e in events)
-
-    def _read_tapes(self) -> list[dict[str, Any]]:
-        """New merge lines of every syncer's events.jsonl (read incrementally), plus the recent ones."""
-        for name, started in self.nodes.items():
-            if started.spec.role != "syncer":
-                continue
-            path = events_path_of(started.state_dir)
-            offset = self._tape_offsets.get(name, 0)
-            try:
-                with path.open("rb") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-            except OSError:
-                continue
-            complete = chunk[: chunk.rfind(b"\n") + 1]
-            self._tape_offsets[name] = offset + len(complete)
-            for line in complete.splitlines():
-                with contextlib.suppress(ValueError):
-                    event = json.loads(line)
-                    if isinstance(event, dict) and event.get("event") == "merge":
-                        self._tape.append(event)
-        return list(self._tape)
 
     async def _syncer_status(
         self, session: aiohttp.ClientSession, doc: dict[str, Any]
@@ -758,7 +780,7 @@ class DemoSwarm:
         # standbys before the active syncer: it writes the final checkpoint, and none may take over from it
         per_tier = self.config.stop_timeout_s / 4
         for names in (workers, standbys, active, ["bootstrap"]):
-            await asyncio.to_thread(self._terminate, names, per_tier)
+            await asyncio.to_thread(terminate_gently, self.group, names, per_tier)
         await asyncio.to_thread(self.group.terminate_all, 2.0)
         self.left_behind = await asyncio.to_thread(kill_leftovers)
         if self.left_behind:
@@ -767,20 +789,13 @@ class DemoSwarm:
             )
         self.watch.reap()
 
-    def _terminate(self, names: list[str], timeout_s: float) -> None:
-        running = [n for n in names if n in self.group.names() and self.group.alive(n)]
-        for name in running:
-            with contextlib.suppress(ProcessLookupError):
-                self.group.signal(name, signal.SIGCONT)  # a stalled process cannot handle SIGTERM
-                self.group.signal(name, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while any(self.group.alive(n) for n in running) and time.monotonic() < deadline:
-            time.sleep(0.1)
-
     async def finish(self) -> dict[str, Any]:
         """Final held-out loss, report.json, the plots; returns the report."""
         ended_at = self.ended_at or time.time()
-        final = await asyncio.to_thread(self._evaluate_checkpoint)
+        run_id = self.last_doc.get("run_id")
+        final = (
+            await asyncio.to_thread(checkpoint_loss, self.run_file, self.state, run_id) if run_id else None
+        )
         if final is not None:
             self.history.add_eval(ended_at, final, label="final checkpoint")
         history = self.history.history_json()

@@ -142,6 +142,41 @@ class _Signer:
     def first_flag_seq(self) -> int | None:
         return next((seq for seq, flagged in self.window if flagged), None)
 
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "window": [list(item) for item in self.window],
+            "strikes": self.strikes,
+            "clean_run": self.clean_run,
+            "quarantined": self.quarantined,
+            "banned": self.banned,
+            "microbatches": self.microbatches,
+            "last_microbatch": self.last_microbatch,
+            "candidate_since": self.candidate_since,
+            "candidate_storms": self.candidate_storms,
+            "convictions": list(self.convictions),
+            "marginal": list(self.marginal),
+            "ids": [list(item) for item in self.ids],
+        }
+
+    @classmethod
+    def from_state(cls, s: dict[str, Any], window_microbatches: int) -> _Signer:
+        return cls(
+            stage=int(s["stage"]),
+            window=deque(((int(seq), int(f)) for seq, f in s["window"]), maxlen=window_microbatches),
+            strikes=int(s["strikes"]),
+            clean_run=int(s["clean_run"]),
+            quarantined=bool(s["quarantined"]),
+            banned=bool(s["banned"]),
+            microbatches=int(s["microbatches"]),
+            last_microbatch=None if s.get("last_microbatch") is None else int(s["last_microbatch"]),
+            candidate_since=None if s.get("candidate_since") is None else float(s["candidate_since"]),
+            candidate_storms=int(s.get("candidate_storms", 0)),
+            convictions=deque((int(c) for c in s.get("convictions", [])), maxlen=16),
+            marginal=deque((int(c) for c in s.get("marginal", [])), maxlen=16),
+            ids=deque((int(mb), int(seq)) for mb, seq in s.get("ids", [])),
+        )
+
 
 @dataclass(slots=True)
 class _Stage:
@@ -149,6 +184,20 @@ class _Stage:
     next_seq: int = 0
     members: frozenset[str] = frozenset()
     banned: set[str] = field(default_factory=set)
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "records": [list(r) for r in self.records],
+            "next_seq": self.next_seq,
+            "members": sorted(self.members),
+            "banned": sorted(self.banned),
+        }
+
+    @classmethod
+    def from_state(cls, s: dict[str, Any]) -> _Stage:
+        stage = cls(next_seq=int(s["next_seq"]), members=frozenset(s["members"]), banned=set(s["banned"]))
+        stage.records.extend((int(seq), str(name), bool(f)) for seq, name, f in s["records"])
+        return stage
 
 
 class ViolationLedger:
@@ -527,36 +576,9 @@ class ViolationLedger:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain containers, so a restarted verifier keeps its evidence and its bans."""
-        signers = {
-            name: {
-                "stage": st.stage,
-                "window": [list(item) for item in st.window],
-                "strikes": st.strikes,
-                "clean_run": st.clean_run,
-                "quarantined": st.quarantined,
-                "banned": st.banned,
-                "microbatches": st.microbatches,
-                "last_microbatch": st.last_microbatch,
-                "candidate_since": st.candidate_since,
-                "candidate_storms": st.candidate_storms,
-                "convictions": list(st.convictions),
-                "marginal": list(st.marginal),
-                "ids": [list(item) for item in st.ids],
-            }
-            for name, st in self._signers.items()
-        }
-        stages = {
-            stage: {
-                "records": [list(r) for r in s.records],
-                "next_seq": s.next_seq,
-                "members": sorted(s.members),
-                "banned": sorted(s.banned),
-            }
-            for stage, s in self._stages.items()
-        }
         return {
-            "signers": signers,
-            "stages": stages,
+            "signers": {name: st.to_state() for name, st in self._signers.items()},
+            "stages": {stage: s.to_state() for stage, s in self._stages.items()},
             "paused_until": self._paused_until,
             "storms": self._storms,
         }
@@ -564,30 +586,6 @@ class ViolationLedger:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._paused_until = float(state.get("paused_until", -math.inf))
         self._storms = int(state.get("storms", 0))
-        self._signers = {}
-        for name, s in state["signers"].items():
-            window: deque[tuple[int, int]] = deque(
-                ((int(seq), int(f)) for seq, f in s["window"]), maxlen=self.config.window_microbatches
-            )
-            self._signers[name] = _Signer(
-                stage=int(s["stage"]),
-                window=window,
-                strikes=int(s["strikes"]),
-                clean_run=int(s["clean_run"]),
-                quarantined=bool(s["quarantined"]),
-                banned=bool(s["banned"]),
-                microbatches=int(s["microbatches"]),
-                last_microbatch=None if s.get("last_microbatch") is None else int(s["last_microbatch"]),
-                candidate_since=None if s.get("candidate_since") is None else float(s["candidate_since"]),
-                candidate_storms=int(s.get("candidate_storms", 0)),
-                convictions=deque((int(c) for c in s.get("convictions", [])), maxlen=16),
-                marginal=deque((int(c) for c in s.get("marginal", [])), maxlen=16),
-                ids=deque((int(mb), int(seq)) for mb, seq in s.get("ids", [])),
-            )
-        self._stages = {}
-        for stage, s in state["stages"].items():
-            stage_state = _Stage(
-                next_seq=int(s["next_seq"]), members=frozenset(s["members"]), banned=set(s["banned"])
-            )
-            stage_state.records.extend((int(seq), str(name), bool(f)) for seq, name, f in s["records"])
-            self._stages[int(stage)] = stage_state
+        window = self.config.window_microbatches
+        self._signers = {name: _Signer.from_state(s, window) for name, s in state["signers"].items()}
+        self._stages = {int(stage): _Stage.from_state(s) for stage, s in state["stages"].items()}

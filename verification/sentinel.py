@@ -325,6 +325,126 @@ class _Replica:
     flagged: bool = False  # its latest check was flagged
 
 
+class _Peers:
+    """The stage's replicas as the cross-replica centre sees them: each one's recent scores and their median."""
+
+    def __init__(self, config: SentinelConfig) -> None:
+        self.config = config
+        self.replicas: dict[str, _Replica] = {}
+
+    def remember(self, signer: str, scores: np.ndarray, flagged: bool, check: int) -> None:
+        entry = self.replicas.get(signer)
+        if entry is None:
+            entry = _Replica(check, deque(maxlen=self.config.peer_recent_checks), scores)
+            self.replicas[signer] = entry
+        entry.recent.append(scores)
+        entry.last_check = check
+        entry.flagged = flagged
+        entry.median = _small_median(list(entry.recent))
+        if len(self.replicas) > 4 * self.config.peer_horizon_checks:
+            horizon = check - self.config.peer_horizon_checks
+            for gone in [s for s, r in self.replicas.items() if r.last_check < horizon]:
+                del self.replicas[gone]
+
+    def mark_flagged(self, signer: str) -> None:
+        if signer in self.replicas:
+            self.replicas[signer].flagged = True
+
+    def forget(self, signer: str) -> None:
+        self.replicas.pop(signer, None)
+
+    def centre(self, check: int) -> np.ndarray | None:
+        """Lower median over current replicas of their recent-median scores; None with too few replicas.
+
+        The lower median keeps the centre on the calmer replica when there are only two. (Leaving
+        replicas flagged at their latest check out of the centre was tried: during an lr spike the
+        set of "calm" replicas churned and the centre lagged, doubling honest flags.)"""
+        horizon = check - self.config.peer_horizon_checks
+        medians = [r.median for r in self.replicas.values() if r.last_check >= horizon]
+        if len(medians) < self.config.min_peer_replicas:
+            return None
+        centre: np.ndarray
+        if len(medians) == 2:  # the sort's answer (NaN last, so a NaN loses) in one ufunc
+            centre = np.fmin(medians[0], medians[1])
+        else:
+            centre = np.sort(np.array(medians), axis=0)[(len(medians) - 1) // 2]
+        return centre
+
+    def state(self) -> dict[str, Any]:
+        return {
+            signer: {
+                "last": r.last_check,
+                "recent": torch.from_numpy(np.stack(tuple(r.recent))),
+                "flagged": r.flagged,
+            }
+            for signer, r in self.replicas.items()
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.replicas = {}
+        for signer, entry in state.items():
+            rows = entry["recent"].detach().cpu().numpy().astype(np.float64)
+            recent = deque(list(rows), maxlen=self.config.peer_recent_checks)
+            self.replicas[signer] = _Replica(
+                int(entry["last"]), recent, _small_median(list(recent)), bool(entry.get("flagged", False))
+            )
+
+
+class _Lockout:
+    """The lock-out rule's memory (SentinelConfig.lockout_checks): who wrote a boundary's history, and which of
+    its latest checks were refused against that history alone, since when.
+
+    With a cross-replica centre a shift shared by the replicas re-anchors by itself. Without one (a
+    replica left alone on its stage) only accepted tensors move the history, so a survivor whose
+    outputs differ from those of the replicas that wrote it (it sat out a routing cooldown, or was the
+    odd one of two, while they trained on; then they died) is refused for good, or nearly: the odd
+    tensor it gets accepted moves the EMA very little (test_pipeline: 97-99 % of its microbatches dropped
+    for 21 s in one run; in another every one for 18 s, until the test gave up). Replicas that wrote the
+    history themselves are not helped: a sudden change of their own outputs is what it is there to
+    catch."""
+
+    def __init__(self, config: SentinelConfig) -> None:
+        self.config = config
+        self.writers: deque[str] = deque(maxlen=config.window_checks)  # signers of accepted tensors
+        # the last lockout_checks checks: the signer of each one flagged against the history alone, else None
+        self.recent: deque[str | None] = deque(maxlen=max(1, config.lockout_checks))
+        self.refusals = 0  # how many of them are not None
+        self.since: float | None = None  # since when they have been a lock-out's share
+
+    def wrote(self, signer: str) -> None:
+        self.writers.append(signer)
+
+    def refused_signers(self) -> set[str]:
+        return {s for s in self.recent if s is not None}
+
+    def observe(self, verdict: Verdict, now: float) -> bool:
+        """Count `verdict`; True when `lockout_fraction` of the last `lockout_checks` checks were refused against
+        the history alone, continuously for `lockout_s`, by replicas that wrote under `lockout_max_share` of
+        its recent accepted tensors."""
+        cfg = self.config
+        if cfg.lockout_checks == 0:
+            return False
+        refused = verdict.flagged and verdict.mode in ("solo", "rewarm")
+        if len(self.recent) == self.recent.maxlen and self.recent[0] is not None:
+            self.refusals -= 1
+        self.recent.append(verdict.signer if refused else None)
+        self.refusals += refused
+        full = len(self.recent) == self.recent.maxlen
+        if not (full and self.refusals >= cfg.lockout_fraction * len(self.recent)):
+            self.since = None
+            return False
+        if self.since is None:
+            self.since = now
+        if now - self.since < cfg.lockout_s:
+            return False
+        signers = self.refused_signers()
+        written = sum(1 for w in self.writers if w in signers)
+        if not self.writers or written < cfg.lockout_max_share * len(self.writers):
+            return True
+        self.since = now  # their own history: judged again after another lockout_s
+        return False
+
+
 class BoundaryMonitor:
     """SENTINEL state of one boundary (stage, direction); see the module docstring for the rule."""
 
@@ -355,12 +475,8 @@ class BoundaryMonitor:
         self._ema_projected: np.ndarray | None = None  # EMA @ projections, kept by linearity
         self._accepted = 0
         self._rewarm_left = 0
-        self._replicas: dict[str, _Replica] = {}
-        self._writers: deque[str] = deque(maxlen=self.config.window_checks)  # signers of accepted tensors
-        # the last lockout_checks checks: the signer of each one flagged against the history alone, else None
-        self._recent_refusals: deque[str | None] = deque(maxlen=max(1, self.config.lockout_checks))
-        self._refusals = 0  # how many of them are not None
-        self._lockout_since: float | None = None  # since when they have been a lock-out's share
+        self._peers = _Peers(self.config)
+        self._lockout = _Lockout(self.config)
 
     # ----------------------------------------------------------------- queries
 
@@ -453,7 +569,7 @@ class BoundaryMonitor:
         scores = self._metric_scores(x.shape[0], batch_mean, projected, rms)
         if products is not None:
             scores[_ALIGN], scores[_GAIN] = _paired(*products, rms, x.numel())
-        centre = self._peer_centre()
+        centre = self._peers.centre(self._checks)
         residual = None if centre is None else scores - centre
         summary = _Summary(batch_mean, projected, log_rms, scores, residual)
         named = dict(zip(self._metric_names, scores[self._metric_index].tolist(), strict=True))
@@ -562,23 +678,6 @@ class BoundaryMonitor:
         # The matmul stays in torch: numpy's BLAS threads spin against torch's and slow both tenfold.
         return (self._projections @ torch.from_numpy(rows).T).numpy()
 
-    def _peer_centre(self) -> np.ndarray | None:
-        """Lower median over current replicas of their recent-median scores; None with too few replicas.
-
-        The lower median keeps the centre on the calmer replica when there are only two. (Leaving
-        replicas flagged at their latest check out of the centre was tried: during an lr spike the
-        set of "calm" replicas churned and the centre lagged, doubling honest flags.)"""
-        horizon = self._checks - self.config.peer_horizon_checks
-        medians = [r.median for r in self._replicas.values() if r.last_check >= horizon]
-        if len(medians) < self.config.min_peer_replicas:
-            return None
-        centre: np.ndarray
-        if len(medians) == 2:  # the sort's answer (NaN last, so a NaN loses) in one ufunc
-            centre = np.fmin(medians[0], medians[1])
-        else:
-            centre = np.sort(np.array(medians), axis=0)[(len(medians) - 1) // 2]
-        return centre
-
     # ----------------------------------------------------------------- updates
 
     def accept(self, tensor: torch.Tensor, verdict: Verdict, now: float) -> bool:
@@ -588,78 +687,37 @@ class BoundaryMonitor:
         del tensor  # everything needed was summarised by score()
         summary = verdict._summary
         self._checks += 1
-        if self._locked_out(verdict, now):
+        if self._lockout.observe(verdict, now):
             self.reanchors += 1
             logger.warning(
                 "boundary %s/%s: %d of the last %d checks refused for %.0f s against a history that %s did not "
                 "write; it starts again on their traffic",
                 self.stage,
                 self.direction,
-                self._refusals,
-                len(self._recent_refusals),
-                now - self._lockout_since if self._lockout_since is not None else 0.0,
-                ", ".join(sorted(s[-8:] for s in self._refused_signers())),
+                self._lockout.refusals,
+                len(self._lockout.recent),
+                now - self._lockout.since if self._lockout.since is not None else 0.0,
+                ", ".join(sorted(s[-8:] for s in self._lockout.refused_signers())),
             )
             self._start_history()
             return True
         if self._rewarm_left > 0:
             self._rewarm_left -= 1
         if summary is None:
-            if verdict.flagged and verdict.signer in self._replicas:
-                self._replicas[verdict.signer].flagged = True
+            if verdict.flagged:
+                self._peers.mark_flagged(verdict.signer)
             return False
         if summary.scores is not None:
-            self._remember_replica(verdict.signer, summary.scores, verdict.flagged)
+            self._peers.remember(verdict.signer, summary.scores, verdict.flagged, self._checks)
         if verdict.flagged:
             return False
-        self._writers.append(verdict.signer)
+        self._lockout.wrote(verdict.signer)
         self._update_baseline(summary)
         if summary.scores is not None and verdict.mode != "rewarm" and self._accepted > self._settle_checks:
             self._raw_window.append(summary.scores)
             if summary.residual is not None:
                 self._residual_window.append(summary.residual)
         return False
-
-    def _locked_out(self, verdict: Verdict, now: float) -> bool:
-        """Whether the boundary is locked out after `verdict`: `lockout_fraction` of its last `lockout_checks`
-        checks flagged against the history alone, continuously for `lockout_s`, by replicas that wrote under
-        `lockout_max_share` of its recent accepted tensors.
-
-        With a cross-replica centre a shift shared by the replicas re-anchors by itself. Without one (a
-        replica left alone on its stage) only accepted tensors move the history, so a survivor whose
-        outputs differ from those of the replicas that wrote it (it sat out a routing cooldown, or was the
-        odd one of two, while they trained on; then they died) is refused for good, or nearly: the odd
-        tensor it gets accepted moves the EMA very little (test_pipeline: 97-99 % of its microbatches dropped
-        for 21 s in one run; in another every one for 18 s, until the test gave up). Replicas that wrote the
-        history themselves are not helped: a sudden change of their own outputs is what it is there to
-        catch."""
-        if self.config.lockout_checks == 0:
-            return False
-        refused = verdict.flagged and verdict.mode in ("solo", "rewarm")
-        if (
-            len(self._recent_refusals) == self._recent_refusals.maxlen
-            and self._recent_refusals[0] is not None
-        ):
-            self._refusals -= 1
-        self._recent_refusals.append(verdict.signer if refused else None)
-        self._refusals += refused
-        full = len(self._recent_refusals) == self._recent_refusals.maxlen
-        if not (full and self._refusals >= self.config.lockout_fraction * len(self._recent_refusals)):
-            self._lockout_since = None
-            return False
-        if self._lockout_since is None:
-            self._lockout_since = now
-        if now - self._lockout_since < self.config.lockout_s:
-            return False
-        signers = self._refused_signers()
-        written = sum(1 for w in self._writers if w in signers)
-        if not self._writers or written < self.config.lockout_max_share * len(self._writers):
-            return True
-        self._lockout_since = now  # their own history: judged again after another lockout_s
-        return False
-
-    def _refused_signers(self) -> set[str]:
-        return {s for s in self._recent_refusals if s is not None}
 
     def check(
         self,
@@ -697,7 +755,7 @@ class BoundaryMonitor:
 
     def forget_replica(self, signer: str) -> None:
         """Drop a banned or departed replica from the cross-replica centre."""
-        self._replicas.pop(signer, None)
+        self._peers.forget(signer)
 
     def _update_baseline(self, summary: _Summary) -> None:
         if self._ema is None or self._ema_projected is None:
@@ -713,35 +771,10 @@ class BoundaryMonitor:
             self._log_scale = self._beta * self._log_scale + (1.0 - self._beta) * summary.log_rms
         self._accepted += 1
 
-    def _remember_replica(self, signer: str, scores: np.ndarray, flagged: bool) -> None:
-        entry = self._replicas.get(signer)
-        if entry is None:
-            entry = _Replica(self._checks, deque(maxlen=self.config.peer_recent_checks), scores)
-            self._replicas[signer] = entry
-        entry.recent.append(scores)
-        entry.last_check = self._checks
-        entry.flagged = flagged
-        entry.median = _small_median(list(entry.recent))
-        if len(self._replicas) > 4 * self.config.peer_horizon_checks:
-            self._prune_replicas()
-
-    def _prune_replicas(self) -> None:
-        horizon = self._checks - self.config.peer_horizon_checks
-        for signer in [s for s, r in self._replicas.items() if r.last_check < horizon]:
-            del self._replicas[signer]
-
     # ----------------------------------------------------------------- persistence
 
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors and numbers; restoring it means a restarted verifier need not re-warm."""
-        replicas = {
-            signer: {
-                "last": r.last_check,
-                "recent": torch.from_numpy(np.stack(tuple(r.recent))),
-                "flagged": r.flagged,
-            }
-            for signer, r in self._replicas.items()
-        }
         return {
             "stage": self.stage,
             "direction": self.direction,
@@ -752,7 +785,7 @@ class BoundaryMonitor:
             "rewarm_left": self._rewarm_left,
             "raw_window": self._raw_window.state(),
             "residual_window": self._residual_window.state(),
-            "replicas": replicas,
+            "replicas": self._peers.state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -770,17 +803,8 @@ class BoundaryMonitor:
         self._raw_window.load(state["raw_window"])
         self._residual_window.load(state["residual_window"])
         # Who wrote the history is not saved: a restored one counts as written by others (lock-out rule).
-        self._writers.clear()
-        self._recent_refusals.clear()
-        self._refusals = 0
-        self._lockout_since = None
-        self._replicas = {}
-        for signer, entry in state["replicas"].items():
-            rows = entry["recent"].detach().cpu().numpy().astype(np.float64)
-            recent = deque(list(rows), maxlen=self.config.peer_recent_checks)
-            self._replicas[signer] = _Replica(
-                int(entry["last"]), recent, _small_median(list(recent)), bool(entry.get("flagged", False))
-            )
+        self._lockout = _Lockout(self.config)
+        self._peers.load(state["replicas"])
 
 
 class StageTurnover:

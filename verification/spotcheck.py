@@ -298,63 +298,74 @@ class SpotCheckPolicy:
         turbulent = self.turbulent or turbulent_elsewhere
         self._count_check()
         if not self.calibrated:
-            # Until the tolerance has adapted, "far" only means "beyond the maximum tolerance", and early
-            # in training honest replicas are that far apart: measured from scratch, one replica's first
-            # optimizer step moved its output by 0.82 (relative) while two replicas that had not stepped
-            # yet were identical, an odd one out by the rule below. Collect samples, convict nobody.
-            distances = (
-                f"o-c {first.rel_diff:.2e}, t-o {vs_original.rel_diff:.2e}, t-c {vs_checker.rel_diff:.2e}"
-            )
-            reason = f"tolerance not calibrated yet ({distances})"
-            for pair in (vs_checker, vs_original):
-                if pair.match:
-                    self._honest_rel.append(pair.rel_diff)
-            return SpotCheckVerdict("inconclusive", reason, first, vs_checker, vs_original)
+            return self._uncalibrated(first, vs_checker, vs_original)
+        outcome, reason, corroborated, marginal = self._odd_one_out(first, vs_checker, vs_original, tol)
+        turbulent = turbulent and outcome != "inconclusive"
+        reason, corroborated, marginal = self._weigh(outcome, reason, corroborated, marginal, turbulent)
+        logger.info("spot check %s: %s", outcome, reason)
+        return SpotCheckVerdict(
+            outcome, reason, first, vs_checker, vs_original, corroborated, marginal, turbulent
+        )
+
+    def _uncalibrated(
+        self, first: SpotCheckResult, vs_checker: SpotCheckResult, vs_original: SpotCheckResult
+    ) -> SpotCheckVerdict:
+        """Until the tolerance has adapted, "far" only means "beyond the maximum tolerance", and early in
+        training honest replicas are that far apart: measured from scratch, one replica's first optimizer
+        step moved its output by 0.82 (relative) while two replicas that had not stepped yet were identical,
+        an odd one out by the rule of `_odd_one_out`. Collect samples, convict nobody."""
+        reason = f"tolerance not calibrated yet ({_distances(first, vs_checker, vs_original)})"
+        for pair in (vs_checker, vs_original):
+            if pair.match:
+                self._honest_rel.append(pair.rel_diff)
+        return SpotCheckVerdict("inconclusive", reason, first, vs_checker, vs_original)
+
+    def _odd_one_out(
+        self, first: SpotCheckResult, vs_checker: SpotCheckResult, vs_original: SpotCheckResult, tol: float
+    ) -> tuple[Outcome, str, bool, bool]:
+        """The three-way rule: (outcome, reason, corroborated, marginal) before turbulence is weighed in.
+        Feeds the agreeing pair's distance to the honest sample, and notes when no two replicas agree."""
         ratio = self.config.odd_one_out_ratio
         original_odd = min(first.rel_diff, vs_original.rel_diff) > max(tol, ratio * vs_checker.rel_diff)
         checker_odd = min(first.rel_diff, vs_checker.rel_diff) > max(tol, ratio * vs_original.rel_diff)
-        distances = f"o-c {first.rel_diff:.2e}, t-o {vs_original.rel_diff:.2e}, t-c {vs_checker.rel_diff:.2e}"
-        corroborated, marginal = True, False
+        distances = _distances(first, vs_checker, vs_original)
         if original_odd:
             self._honest_rel.append(vs_checker.rel_diff)
-            outcome: Outcome = "original_faulty"
             reason = f"original is the odd one out ({distances}; tolerance {tol:.2e})"
             corroborated = not self._one_opinion(vs_checker.rel_diff)
             marginal = min(first.rel_diff, vs_original.rel_diff) < self.config.ban_margin * tol
-        elif checker_odd:
+            return "original_faulty", reason, corroborated, marginal
+        if checker_odd:
             # Always marginal: the checker answered a recomputation on its current weights, the original on
             # the weights stashed at its forward, earlier, so an honest checker that stepped since is the
             # odd one out against an original and a third that did not (measured, lr x8 runs: 15 of 20
             # honest convictions were of checkers, none of 52 attacker convictions). And a lying checker
             # drops nothing by itself (the third sides with the original); it costs a recomputation.
             self._honest_rel.append(vs_original.rel_diff)
-            outcome = "checker_faulty"
             reason = f"checker is the odd one out ({distances}; tolerance {tol:.2e})"
-            corroborated = not self._one_opinion(vs_original.rel_diff)
-            marginal = True
-        else:
-            outcome = "inconclusive"
-            reason = f"no odd one out ({distances}; tolerance {tol:.2e})"
-            if min(first.rel_diff, vs_original.rel_diff, vs_checker.rel_diff) > tol:
-                self._since_spread = 0  # no two replicas agree: honest spread beyond the tolerance
-        turbulent = turbulent and outcome != "inconclusive"
+            return "checker_faulty", reason, not self._one_opinion(vs_original.rel_diff), True
+        if min(first.rel_diff, vs_original.rel_diff, vs_checker.rel_diff) > tol:
+            self._since_spread = 0  # no two replicas agree: honest spread beyond the tolerance
+        return "inconclusive", f"no odd one out ({distances}; tolerance {tol:.2e})", True, False
+
+    def _weigh(
+        self, outcome: Outcome, reason: str, corroborated: bool, marginal: bool, turbulent: bool
+    ) -> tuple[str, bool, bool]:
+        """How much a conviction counts: nothing while turbulent or against one opinion, else full or
+        marginal; returns the reason with the why appended, corroborated and marginal."""
         if turbulent:
             reason += (
                 "; no two replicas agreed in a recent three-way check of this stage: honest spread beyond"
                 " the tolerance, not ban-grade"
             )
-            corroborated, marginal = False, False
-        elif not corroborated:
-            reason += "; the two others are identical: one opinion, not ban-grade"
-            marginal = False
-        elif marginal and outcome == "checker_faulty":
+            return reason, False, False
+        if not corroborated:
+            return reason + "; the two others are identical: one opinion, not ban-grade", False, False
+        if marginal and outcome == "checker_faulty":
             reason += "; a checker's recomputation: marginal"
         elif marginal:
             reason += f"; within {self.config.ban_margin:g} x the tolerance of the others: marginal"
-        logger.info("spot check %s: %s", outcome, reason)
-        return SpotCheckVerdict(
-            outcome, reason, first, vs_checker, vs_original, corroborated, marginal, turbulent
-        )
+        return reason, corroborated, marginal
 
     @property
     def turbulent(self) -> bool:
@@ -366,3 +377,7 @@ class SpotCheckPolicy:
     def _count_check(self) -> None:
         if self._since_spread is not None:
             self._since_spread += 1
+
+
+def _distances(first: SpotCheckResult, vs_checker: SpotCheckResult, vs_original: SpotCheckResult) -> str:
+    return f"o-c {first.rel_diff:.2e}, t-o {vs_original.rel_diff:.2e}, t-c {vs_checker.rel_diff:.2e}"

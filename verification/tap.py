@@ -244,8 +244,36 @@ class SentinelTap:
             third_output,
             turbulent_elsewhere=self._spot_policy(stage, other).turbulent,
         )
+        self._tally_spot(policy, verdict, replica, microbatch_id, first_round=third_output is None)
+        culprit = {"original": replica, "checker": checker}.get(verdict.culprit or "")
+        if culprit is not None:
+            self._convict(culprit, verdict, stage, direction, replica, microbatch_id)
+        if verdict.outcome != "match":
+            self.emit(
+                "sentinel_spotcheck",
+                replica=replica,
+                checker=checker,
+                third=third,
+                stage=stage,
+                direction=direction.value,
+                microbatch=microbatch_id,
+                outcome=verdict.outcome,
+                reason=verdict.reason,
+            )
+        return verdict
+
+    def _tally_spot(
+        self,
+        policy: SpotCheckPolicy,
+        verdict: SpotCheckVerdict,
+        replica: str,
+        microbatch_id: int,
+        *,
+        first_round: bool,
+    ) -> None:
+        """Count the outcome; a match (or a checker found odd) close enough to honest clears the flag."""
         stats = self.stats
-        if third_output is None:
+        if first_round:
             stats.spot_checks += 1
         outcome = verdict.outcome
         if outcome == "need_third":
@@ -257,42 +285,40 @@ class SentinelTap:
                 self._exonerate(replica, microbatch_id, verdict.reason)
         elif outcome == "inconclusive":
             stats.spot_inconclusive += 1
-        culprit = {"original": replica, "checker": checker}.get(verdict.culprit or "")
-        if culprit is not None:
-            stats.spot_convictions += 1
-            if culprit == replica:
-                self._taint(microbatch_id)
-                kept = next((f for f in self._recent.get(replica, ()) if f.microbatch == microbatch_id), None)
-                if kept is not None:
-                    self._remember_flag(replica, microbatch_id, kept.verdict, kept.signed)
-            dir_name: SentinelDirection = "forward" if direction is Direction.FORWARD else "backward"
-            reason = f"spot check of microbatch {microbatch_id} at stage {stage} {dir_name}: {verdict.reason}"
-            stats.spot_uncorroborated += int(not verdict.corroborated)
-            stats.spot_turbulent += int(verdict.turbulent)
-            stats.spot_marginal += int(verdict.marginal)
-            decision = self.ledger.record_evidence(
-                culprit,
-                stage,
-                self.clock(),
-                reason=reason,
-                corroborated=verdict.corroborated,
-                marginal=verdict.marginal,
-                replicas=self._replicas(stage, culprit),
-            )
-            self._act(decision, kind="spotcheck")
-        if outcome != "match":
-            self.emit(
-                "sentinel_spotcheck",
-                replica=replica,
-                checker=checker,
-                third=third,
-                stage=stage,
-                direction=direction.value,
-                microbatch=microbatch_id,
-                outcome=outcome,
-                reason=verdict.reason,
-            )
-        return verdict
+
+    def _convict(
+        self,
+        culprit: str,
+        verdict: SpotCheckVerdict,
+        stage: int,
+        direction: Direction,
+        replica: str,
+        microbatch_id: int,
+    ) -> None:
+        """A spot-check conviction: a convicted original taints its microbatch and keeps its flag as ban
+        evidence; either culprit gets the conviction in the ledger (weighted as the verdict says)."""
+        stats = self.stats
+        stats.spot_convictions += 1
+        if culprit == replica:
+            self._taint(microbatch_id)
+            kept = next((f for f in self._recent.get(replica, ()) if f.microbatch == microbatch_id), None)
+            if kept is not None:
+                self._remember_flag(replica, microbatch_id, kept.verdict, kept.signed)
+        dir_name: SentinelDirection = "forward" if direction is Direction.FORWARD else "backward"
+        reason = f"spot check of microbatch {microbatch_id} at stage {stage} {dir_name}: {verdict.reason}"
+        stats.spot_uncorroborated += int(not verdict.corroborated)
+        stats.spot_turbulent += int(verdict.turbulent)
+        stats.spot_marginal += int(verdict.marginal)
+        decision = self.ledger.record_evidence(
+            culprit,
+            stage,
+            self.clock(),
+            reason=reason,
+            corroborated=verdict.corroborated,
+            marginal=verdict.marginal,
+            replicas=self._replicas(stage, culprit),
+        )
+        self._act(decision, kind="spotcheck")
 
     def spot_cleared(self, replica: str, microbatch_id: int) -> bool:
         """Whether a spot check cleared `replica`'s tensor of `microbatch_id` (use it even if flagged)."""

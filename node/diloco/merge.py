@@ -108,18 +108,7 @@ def merge_fragment(
     (duplicate peer ids, bad clip_factor or tolerance, empty fragment).
     """
     _check_arguments(global_params, contributions, clip_factor, degenerate_tol)
-    rejected: dict[str, str] = {}
-    accepted: list[_Accepted] = []
-    for contribution in contributions:
-        problem = _problem(contribution, global_params, current_version, max_staleness)
-        if problem is None:
-            deltas, problem = _deltas(contribution, global_params)
-        if problem is not None:
-            rejected[contribution.peer_id] = problem
-            logger.info("rejected contribution from %s: %s", contribution.peer_id, problem)
-            continue
-        weight = token_weight(contribution.tokens, contribution.steps)
-        accepted.append(_Accepted(contribution.peer_id, deltas, weight, _norm(deltas.values())))
+    accepted, rejected = _screen(global_params, contributions, current_version, max_staleness)
     total = math.fsum(a.weight for a in accepted)
     if total <= 0:
         raise NothingToMerge(
@@ -129,17 +118,9 @@ def merge_fragment(
     delta_norms = {a.peer_id: a.norm for a in accepted}
     clipped = _clip(weighted, clip_factor)
     weights = {a.peer_id: a.weight / total for a in accepted}
-    outer_grad: dict[str, torch.Tensor] = {}
-    fallback: list[str] = []
-    for name in sorted(global_params):
-        items = [(weights[a.peer_id], a.deltas[name]) for a in weighted]
-        if name in embedding_names:
-            outer_grad[name] = _weighted_mean(items)
-            continue
-        merged, degenerate = _rda(items, degenerate_tol)
-        outer_grad[name] = merged
-        if degenerate:
-            fallback.append(name)
+    outer_grad, fallback = _merge_tensors(
+        sorted(global_params), weighted, weights, embedding_names, degenerate_tol
+    )
     reason = (
         f"merged {len(weighted)}/{len(contributions)} contributions"
         f"; {len(rejected)} rejected, {len(accepted) - len(weighted)} without progress"
@@ -154,6 +135,50 @@ def merge_fragment(
         delta_norms=delta_norms,
         reason=reason,
     )
+
+
+def _screen(
+    global_params: Mapping[str, torch.Tensor],
+    contributions: Sequence[Contribution],
+    current_version: int | None,
+    max_staleness: int | None,
+) -> tuple[list[_Accepted], dict[str, str]]:
+    """Split contributions into accepted ones (with their float32 deltas and token weight) and peer -> reason."""
+    rejected: dict[str, str] = {}
+    accepted: list[_Accepted] = []
+    for contribution in contributions:
+        problem = _problem(contribution, global_params, current_version, max_staleness)
+        if problem is None:
+            deltas, problem = _deltas(contribution, global_params)
+        if problem is not None:
+            rejected[contribution.peer_id] = problem
+            logger.info("rejected contribution from %s: %s", contribution.peer_id, problem)
+            continue
+        weight = token_weight(contribution.tokens, contribution.steps)
+        accepted.append(_Accepted(contribution.peer_id, deltas, weight, _norm(deltas.values())))
+    return accepted, rejected
+
+
+def _merge_tensors(
+    names: Sequence[str],
+    weighted: Sequence[_Accepted],
+    weights: Mapping[str, float],
+    embedding_names: Collection[str],
+    degenerate_tol: float,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Per tensor: the weighted mean for embeddings, RDA otherwise; also the tensors where RDA fell back."""
+    outer_grad: dict[str, torch.Tensor] = {}
+    fallback: list[str] = []
+    for name in names:
+        items = [(weights[a.peer_id], a.deltas[name]) for a in weighted]
+        if name in embedding_names:
+            outer_grad[name] = _weighted_mean(items)
+            continue
+        merged, degenerate = _rda(items, degenerate_tol)
+        outer_grad[name] = merged
+        if degenerate:
+            fallback.append(name)
+    return outer_grad, fallback
 
 
 def _check_arguments(

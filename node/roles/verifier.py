@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.config import component_config
+from node.config import component_config, run_sentinel_config
 from node.ml.data import Batch, BatchSampler, load_corpus, validation_batches
 from node.pipeline.driver import (
     DriverStats,
@@ -166,6 +166,7 @@ class VerifierRole:
             raise ValueError(f"{ctx.peer_id} is not an authorized verifier of this run")
         self.ctx = ctx
         self.config = config or verifier_config(getattr(ctx.config, "verifier", None))
+        self.sentinel = run_sentinel_config(ctx.manifest.sentinel)  # the run's policy; no local override
         if self.config.torch_threads > 0:
             torch.set_num_threads(self.config.torch_threads)
         self.manifest = ctx.manifest
@@ -192,6 +193,7 @@ class VerifierRole:
         self.tap = SentinelTap(
             verifier=ctx.peer_id,
             run_id=ctx.run_id,
+            config=self.sentinel,
             stage_replicas=lambda s: [r.peer_id for r in self._replicas if r.stage == s],
             emit=ctx.events.emit,
         )

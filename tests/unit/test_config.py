@@ -485,3 +485,141 @@ def test_heartbeat_from_a_role_status_always_fits_the_record_schema() -> None:
         limits=RecordLimits(),
     )
     assert record.signer == me.peer_id
+
+
+# ---- the bootstrap's settings: the same loader and precedence ----
+
+
+def test_bootstrap_precedence_is_defaults_then_file_then_environment_then_flags(tmp_path: Path) -> None:
+    from node.config import BootstrapConfig, load_bootstrap_config
+
+    toml = tmp_path / "bootstrap.toml"
+    toml.write_text(
+        'run_path = "~/run.toml"\nhttp_port = 1\nrepublish_period_s = 7\nlisten = ["/ip4/0.0.0.0/tcp/31337"]\n'
+        f'state_dir = "{tmp_path}"\nserve_reach_checks = false\n'
+    )
+    environ = {"HIVENODE_BOOTSTRAP": "http_port=2,swarm_cache_s=3"}
+    config = load_bootstrap_config(["--config", str(toml)], environ=environ)
+    assert config.run_path == Path("~/run.toml").expanduser() and config.state_dir == tmp_path
+    assert config.listen == ("/ip4/0.0.0.0/tcp/31337",) and not config.serve_reach_checks
+    assert (config.http_port, config.republish_period_s, config.swarm_cache_s) == (
+        2,
+        7.0,
+        3.0,
+    )  # env over file
+    flags = ["--config", str(toml), "--http", "0.0.0.0:3", "--authorize-syncer", PEER, "--log-level", "DEBUG"]
+    config = load_bootstrap_config(flags, environ=environ)
+    assert (config.http_host, config.http_port) == ("0.0.0.0", 3)  # flags over the environment
+    assert config.authorize_syncers == (PEER,) and config.log_level == "DEBUG"
+    defaults = load_bootstrap_config(["--state-dir", str(tmp_path)], environ={})
+    assert defaults == BootstrapConfig(state_dir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("toml", "environ", "fragments"),
+    [
+        ("colour = 1\n", {}, ["unknown setting 'colour' in", "bootstrap.toml", "valid keys: state_dir,"]),
+        ("", {"HIVENODE_BOOTSTRAP": "colour=1"}, ["'colour'", "HIVENODE_BOOTSTRAP", "republish_period_s"]),
+        ("http_port = 70000\n", {}, ["bootstrap.toml", "http port must be in [0, 65535]"]),
+        ("", {"HIVENODE_BOOTSTRAP": "join_timeout_s=soon"}, ["HIVENODE_BOOTSTRAP", "join_timeout_s must be"]),
+        ("run_path = 3\n", {}, ["run_path must be a path"]),
+        ("[bootstrap]\nhttp_port = 1\n", {}, ["bootstrap.toml", "'bootstrap'"]),
+    ],
+)
+def test_bootstrap_bad_keys_and_values_name_where_they_came_from(
+    tmp_path: Path, toml: str, environ: dict[str, str], fragments: list[str]
+) -> None:
+    from node.config import load_bootstrap_config
+
+    path = tmp_path / "bootstrap.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_bootstrap_config(["--config", str(path)], environ=environ)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_bootstrap_cli_reports_a_bad_setting_as_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bootstrap.__main__ import EXIT_USAGE, main
+
+    path = tmp_path / "bootstrap.toml"
+    path.write_text("colour = 1\n")
+    assert main(["--config", str(path)]) == EXIT_USAGE
+    assert "unknown setting 'colour'" in capsys.readouterr().err
+
+
+def test_every_bootstrap_setting_is_in_docs_config_md() -> None:
+    from node.config import BOOTSTRAP_FLAGS, BootstrapConfig, build_bootstrap_parser
+
+    text = DOCS.read_text()
+    for f in dataclasses.fields(BootstrapConfig):
+        assert f"| `{f.name}` |" in text.split("## Bootstrap", 1)[1], f.name
+    flags = {opt for action in build_bootstrap_parser()._actions for opt in action.option_strings}
+    assert set(BOOTSTRAP_FLAGS.values()) <= flags
+
+
+# ---- the run's SENTINEL policy (run.toml [sentinel]): read by every verifier, checked by the bootstrap ----
+
+
+def test_the_runs_sentinel_table_sets_the_monitor_the_ledger_and_the_spot_checks() -> None:
+    from node.config import run_sentinel_config
+    from verification.tap import SentinelTapConfig
+
+    assert run_sentinel_config({}) == SentinelTapConfig()
+    table = {"fence_k": 4, "warmup_checks": 50, "ledger": {"ban_flags": 4}, "spot": {"base_rate": 0.1}}
+    config = run_sentinel_config(table)
+    assert (config.sentinel.fence_k, config.sentinel.warmup_checks) == (4.0, 50)
+    assert config.ledger.ban_flags == 4 and config.spot is not None and config.spot.base_rate == 0.1
+    assert config.enabled and config.ledger.window_microbatches == 20  # the rest stays the default
+
+
+@pytest.mark.parametrize(
+    ("table", "fragments"),
+    [
+        (
+            {"window": 64},
+            ["unknown setting 'window' in [sentinel] of run.toml", "window_checks", "ledger, spot"],
+        ),
+        ({"ledger": {"bans": 1}}, ["'bans'", "[sentinel.ledger]", "ban_flags"]),
+        ({"spot": 0.5}, ["[sentinel.spot]", "must be a table"]),
+        ({"fence_k": "wide"}, ["sentinel.fence_k must be a number"]),
+        (
+            {"ledger": {"ban_flags": 1, "quarantine_flags": 2}},
+            ["[sentinel.ledger]", "quarantine_flags <= ban_flags"],
+        ),
+    ],
+)
+def test_a_bad_sentinel_setting_names_the_key_and_the_valid_ones(table: dict, fragments: list[str]) -> None:
+    from node.config import run_sentinel_config
+
+    with pytest.raises(ConfigError) as info:
+        run_sentinel_config(table, "run.toml")
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_the_verifier_applies_the_runs_sentinel_policy() -> None:
+    from types import SimpleNamespace
+
+    from node.roles.verifier import VerifierConfig, VerifierRole
+
+    manifest = dataclasses.replace(
+        authorize(RunManifest(), verifiers=[PEER]), sentinel={"fence_k": 8.0, "ledger": {"ban_flags": 5}}
+    )
+    ctx = SimpleNamespace(peer_id=PEER, manifest=manifest, config=None)
+    role = VerifierRole(ctx, VerifierConfig(torch_threads=0))  # type: ignore[arg-type]
+    assert role.sentinel.sentinel.fence_k == 8.0 and role.sentinel.ledger.ban_flags == 5
+
+
+def test_the_bootstrap_refuses_a_run_whose_sentinel_table_has_an_unknown_key(tmp_path: Path) -> None:
+    from bootstrap.server import load_manifest
+    from node.config import BootstrapConfig
+
+    run = tmp_path / "run.toml"
+    run.write_text("[sentinel]\nfence_k = 5.0\n[sentinel.ledger]\nban_flag = 3\n")
+    with pytest.raises(ConfigError, match=r"'ban_flag' in \[sentinel.ledger\] of .*run.toml"):
+        load_manifest(BootstrapConfig(state_dir=tmp_path, run_path=run))
+    run.write_text("[sentinel]\nfence_k = 5.0\n")
+    assert load_manifest(BootstrapConfig(state_dir=tmp_path, run_path=run)).sentinel == {"fence_k": 5.0}

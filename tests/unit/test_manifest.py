@@ -60,7 +60,10 @@ min_sync_interval_s = 1.5
 
 [sentinel]
 fence_k = 3.0
-window = 64
+window_checks = 64
+
+[sentinel.ledger]
+ban_flags = 4
 
 [data]
 source = "corpus/"
@@ -85,7 +88,7 @@ def test_full_run_toml_parses_with_ints_accepted_where_floats_are_meant() -> Non
     assert m.heartbeat_period_s == 5.0 and isinstance(m.heartbeat_period_s, float)
     assert m.inner.weight_decay == 0.0 and isinstance(m.inner.weight_decay, float)
     assert m.diloco.grace_tau == 2.0 and m.diloco.num_fragments == 3
-    assert m.sentinel == {"fence_k": 3.0, "window": 64}
+    assert m.sentinel == {"fence_k": 3.0, "window_checks": 64, "ledger": {"ban_flags": 4}}
     assert m.authorized_syncers == (SYNCER,) and m.authorized_verifiers == (VERIFIER,)
     assert RunManifest.from_canonical_bytes(m.to_canonical_bytes()) == m
 
@@ -116,6 +119,8 @@ def test_wire_cap_is_the_largest_tensor_a_peer_may_send() -> None:
         ("heartbeat_period_s = 0.01", "heartbeat_period_s"),
         ("[diloco]\nouter_momentum = 1.0", "outer_momentum"),
         ("name = ", "not valid TOML"),
+        ("[sentinel.ledger]\nban = [1]", "sentinel.ledger.ban must be a string"),
+        ("[sentinel.ledger.deeper]\nban = 1", "sentinel.ledger.deeper must be a string"),
     ],
 )
 def test_bad_run_toml_is_a_one_line_config_error(text: str, fragment: str) -> None:
