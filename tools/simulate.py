@@ -31,8 +31,8 @@ Failure semantics (our assumptions, documented because the paper's are unknown, 
   failure or return during a reconfiguration joins it.
 
 Parameters marked [P] come from the paper, [S] are guesses we calibrated against the paper's
-data-parallel and elastic data-parallel rows only (`benchmarks/simulate_table.py --calibrate`); the
-Decoupled DiLoCo rows are then predictions, not fits. Run ``python -m tools.simulate`` for the grid.
+data-parallel, elastic data-parallel and M = 8 rows (`benchmarks/simulate_table.py --calibrate`); the
+M = 2, 4, 16 rows are then predictions, not fits. docs/simulator.md says which parameter each row fits. Run ``python -m tools.simulate`` for the grid.
 """
 
 from __future__ import annotations
@@ -85,16 +85,15 @@ class FailureModel:
     """Chip failures, repairs and reconfiguration costs. Defaults are the calibrated values."""
 
     mtbi_chip_s: float = SECONDS_PER_YEAR  # [P] mean time between interruptions of one chip
-    # Calibrated values: `python -m benchmarks.simulate_table --calibrate` (Nelder-Mead on the dp and
-    # elastic_dp rows of Table 1 only) gave 66.9 s, 12.5 s and 19178 chips; rounded here. The loss is flat
-    # in slice_chips between about 10k and 19k chips.
+    # Calibrated values (docs/simulator.md): return_mean_s and the elastic pauses on the dp and elastic_dp rows of
+    # Table 1, restart_s on the dp row, slice_chips on the elastic_dp and M8 rows; M2, M4, M16 stay predictions.
     return_mean_s: float = 66.9  # [S, calibrated] mean time for failed chips to return
     return_weibull_k: float = 1.5  # [S, assumed] Weibull shape of the return time
     return_weibull_a: float = 2.0  # [S, assumed] exponent of the exponentiated Weibull
-    restart_s: float = 12.5  # [S, calibrated, tied to upscale_s] non-elastic restart once chips are back
+    restart_s: float = 9.0  # [S, calibrated] non-elastic restart once chips are back
     downscale_s: float = 12.5  # [P named, value calibrated, tied] elastic pause to drop a failed slice
     upscale_s: float = 12.5  # [P named, value calibrated, tied] elastic pause to re-add a returned slice
-    slice_chips: int = 19_000  # [S, calibrated] chips per elastic slice (a failure takes out its slice)
+    slice_chips: int = 9_000  # [S, calibrated] chips per elastic slice (a failure takes out its slice)
     lose_inflight_step: bool = False  # a failure also discards the step being computed
 
     def __post_init__(self) -> None:
@@ -712,8 +711,8 @@ def simulate(config: SimConfig) -> SimResult:
 
 
 # ----- the Table 1 grid -------------------------------------------------------------------------
-DEFAULT_FAILURES_TARGET = 20_000.0  # dp / elastic_dp cells: cheap (events scale with failures)
-DEFAULT_LEARNER_FAILURES_TARGET = 3_000.0  # diloco cells: cost scales with rounds, i.e. horizon / step_s
+DEFAULT_FAILURES_TARGET = 60_000.0  # dp / elastic_dp cells: cheap (events scale with failures)
+DEFAULT_LEARNER_FAILURES_TARGET = 6_000.0  # diloco cells: cost scales with rounds, i.e. horizon / step_s
 # K = 1 goodput does not depend on the step time (no one waits; failure streams are seeded per learner
 # and a unit test checks the independence), so the grid uses a coarse step to keep rounds few.
 DEFAULT_GRID_STEP_S = 30.0
