@@ -394,7 +394,9 @@ class _Engine:
                 self._on_warmup()
                 continue
             handlers[kind](a, b)
-        return self._result()
+        for unit in self.units:
+            self._advance(unit)
+        return _summarise(self)
 
     # ----- units -------------------------------------------------------------------------------
     def _advance(self, unit: _Unit) -> None:
@@ -679,30 +681,29 @@ class _Engine:
         self.stepped_at_warmup = sum(u.stepped for u in self.units)
         self.failures_at_warmup = sum(u.failures for u in self.units)
 
-    def _result(self) -> SimResult:
-        cfg = self.cfg
-        for unit in self.units:
-            self._advance(unit)
-        measured = cfg.horizon_s - cfg.warmup_s
-        useful = sum(u.useful for u in self.units) - self.useful_at_warmup
-        stepped = sum(u.stepped for u in self.units) - self.stepped_at_warmup
-        merged = self.stats["merged"] if self.diloco else 0
-        return SimResult(
-            system=cfg.system,
-            num_chips=cfg.num_chips,
-            num_learners=len(self.units),
-            goodput=useful / (cfg.num_chips * measured),
-            measured_s=measured,
-            failures=sum(u.failures for u in self.units) - self.failures_at_warmup,
-            rounds_merged=merged,
-            rounds_skipped=self.stats["skipped"] if self.diloco else 0,
-            mean_merged_learners=self.stats["learners"] / merged if merged else 0.0,
-            mean_effective_learners=self.stats["effective"] / merged if merged else 0.0,
-            merged_step_share=(
-                self.stats["steps"] / (stepped * cfg.num_fragments) if self.diloco and stepped else 0.0
-            ),
-            events=self.events,
-        )
+
+def _summarise(engine: _Engine) -> SimResult:
+    """The measured totals of a finished run (every unit already brought to the horizon)."""
+    cfg, units = engine.cfg, engine.units
+    measured = cfg.horizon_s - cfg.warmup_s
+    useful = sum(u.useful for u in units) - engine.useful_at_warmup
+    stepped = sum(u.stepped for u in units) - engine.stepped_at_warmup
+    stats = engine.stats if engine.diloco else None
+    merged = stats["merged"] if stats else 0
+    return SimResult(
+        system=cfg.system,
+        num_chips=cfg.num_chips,
+        num_learners=len(units),
+        goodput=useful / (cfg.num_chips * measured),
+        measured_s=measured,
+        failures=sum(u.failures for u in units) - engine.failures_at_warmup,
+        rounds_merged=merged,
+        rounds_skipped=stats["skipped"] if stats else 0,
+        mean_merged_learners=stats["learners"] / merged if stats and merged else 0.0,
+        mean_effective_learners=stats["effective"] / merged if stats and merged else 0.0,
+        merged_step_share=stats["steps"] / (stepped * cfg.num_fragments) if stats and stepped else 0.0,
+        events=engine.events,
+    )
 
 
 def simulate(config: SimConfig) -> SimResult:
