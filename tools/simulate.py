@@ -31,8 +31,8 @@ Failure semantics (our assumptions, documented because the paper's are unknown, 
   failure or return during a reconfiguration joins it.
 
 Parameters marked [P] come from the paper, [S] are guesses we calibrated against the paper's
-data-parallel and elastic data-parallel rows only (`benchmarks/simulate_table.py --calibrate`); the
-Decoupled DiLoCo rows are then predictions, not fits. Run ``python -m tools.simulate`` for the grid.
+data-parallel, elastic data-parallel and M = 8 rows (`benchmarks/simulate_table.py --calibrate`); the
+M = 2, 4, 16 rows are then predictions, not fits. docs/simulator.md says which parameter each row fits. Run ``python -m tools.simulate`` for the grid.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from typing import Literal, TypedDict
 from node.diloco.counters import token_weight
 from node.diloco.fragments import FragmentSchedule
 from node.diloco.quorum import QuorumConfig, QuorumPolicy
+from tools.sim_links import LinkModel, LinkTimes
 
 logger = logging.getLogger(__name__)
 
@@ -84,16 +85,15 @@ class FailureModel:
     """Chip failures, repairs and reconfiguration costs. Defaults are the calibrated values."""
 
     mtbi_chip_s: float = SECONDS_PER_YEAR  # [P] mean time between interruptions of one chip
-    # Calibrated values: `python -m benchmarks.simulate_table --calibrate` (Nelder-Mead on the dp and
-    # elastic_dp rows of Table 1 only) gave 66.9 s, 12.5 s and 19178 chips; rounded here. The loss is flat
-    # in slice_chips between about 10k and 19k chips.
+    # Calibrated values (docs/simulator.md): return_mean_s and the elastic pauses on the dp and elastic_dp rows of
+    # Table 1, restart_s on the dp row, slice_chips on the elastic_dp and M8 rows; M2, M4, M16 stay predictions.
     return_mean_s: float = 66.9  # [S, calibrated] mean time for failed chips to return
     return_weibull_k: float = 1.5  # [S, assumed] Weibull shape of the return time
     return_weibull_a: float = 2.0  # [S, assumed] exponent of the exponentiated Weibull
-    restart_s: float = 12.5  # [S, calibrated, tied to upscale_s] non-elastic restart once chips are back
+    restart_s: float = 9.0  # [S, calibrated] non-elastic restart once chips are back
     downscale_s: float = 12.5  # [P named, value calibrated, tied] elastic pause to drop a failed slice
     upscale_s: float = 12.5  # [P named, value calibrated, tied] elastic pause to re-add a returned slice
-    slice_chips: int = 19_000  # [S, calibrated] chips per elastic slice (a failure takes out its slice)
+    slice_chips: int = 9_000  # [S, calibrated] chips per elastic slice (a failure takes out its slice)
     lose_inflight_step: bool = False  # a failure also discards the step being computed
 
     def __post_init__(self) -> None:
@@ -154,6 +154,7 @@ class SimConfig:
     speed_factors: tuple[float, ...] = ()  # relative speed per learner (empty = all 1.0)
     speed_jitter: float = 0.0  # each round, speed *= 1 + N(0, jitter) (clipped to [0.5, 1.5])
     tokens_per_step: int = 1_000_000  # tokens per step of a learner with all its chips
+    links: LinkModel | None = None  # None: transfers take no time (a data-centre network next to a step)
 
     def __post_init__(self) -> None:
         if self.system not in ("dp", "elastic_dp", "diloco"):
@@ -175,6 +176,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be finite and >= 0")
         if not self.step_s > 0 or self.tokens_per_step < 1:
             raise ValueError("step_s must be > 0 and tokens_per_step >= 1")
+        if self.links is not None:
+            self.links.timings(self.num_learners, self.num_fragments)  # one link per learner, or one for all
         # Validates P, H, tau.
         FragmentSchedule(
             num_fragments=self.num_fragments,
@@ -200,7 +203,7 @@ class SimResult:
 
 
 _RUNNING, _PAUSED, _STALLED = 0, 1, 2
-_FAIL, _RETURN, _PAUSE_END, _CHECK, _MERGE_DONE, _WARMUP, _END = range(7)
+_FAIL, _RETURN, _PAUSE_END, _CHECK, _MERGE_DONE, _FETCH_DONE, _WARMUP, _END = range(8)
 _EPS = 1e-9
 
 
@@ -250,6 +253,13 @@ class _Unit:
         "tokens",
         "down_since",
         "failures",
+        "cap",
+        "link",
+        "next_upload",
+        "up_free",
+        "down_free",
+        "delivered",
+        "fetching",
     )
 
     def __init__(self, index: int, chips: float, slice_chips: int, elastic: bool, rng: random.Random) -> None:
@@ -273,6 +283,14 @@ class _Unit:
         self.tokens = 0.0  # tokens processed
         self.down_since: float | None = None  # set while every slice is gone
         self.failures = 0
+        self.cap = math.inf  # the step it may not pass before a merged fragment arrives (diloco)
+        # links (diloco with a LinkModel only)
+        self.link: LinkTimes | None = None
+        self.next_upload = 0  # the first round whose contribution is not yet on the uplink
+        self.up_free = 0.0  # when the uplink finishes its queued uploads
+        self.down_free = 0.0  # when the downlink finishes its queued fetches
+        self.delivered: dict[int, float] = {}  # round -> when its contribution reaches the syncer
+        self.fetching: dict[int, float] = {}  # round -> its step, merged but not yet fetched
 
 
 class _Engine:
@@ -283,7 +301,6 @@ class _Engine:
         self.seq = 0
         self.now = 0.0
         self.events = 0
-        self.cap = math.inf
         self._init_units()
         self.diloco = config.system == "diloco"
         if self.diloco:
@@ -326,7 +343,13 @@ class _Engine:
         self.merging: dict[int, float] = {}  # closed, broadcast not yet usable: round -> step
         self.newest = -1
         self._open_round(0)
-        self.cap = self._round_step(0) + cfg.overlap_steps
+        timings = cfg.links.timings(m, p) if cfg.links is not None else None
+        for unit in self.units:
+            unit.cap = self._round_step(0) + cfg.overlap_steps
+            if timings is not None:
+                unit.link = timings[unit.index]
+        # the grace window's xi_sync: merge time plus a typical learner's fetch of the merged fragment
+        self.mean_fetch_s = math.fsum(t.fetch_s + t.latency_s for t in timings) / m if timings else 0.0
         self.stats: _SyncerStats = {
             "merged": 0,
             "skipped": 0,
@@ -359,6 +382,7 @@ class _Engine:
             _PAUSE_END: self._on_pause_end,
             _CHECK: self._on_check,
             _MERGE_DONE: self._on_merge_done,
+            _FETCH_DONE: self._on_fetch_done,
         }
         while self.heap:
             at, _, kind, a, b = heapq.heappop(self.heap)
@@ -370,20 +394,35 @@ class _Engine:
                 self._on_warmup()
                 continue
             handlers[kind](a, b)
-        return self._result()
+        for unit in self.units:
+            self._advance(unit)
+        return _summarise(self)
 
     # ----- units -------------------------------------------------------------------------------
     def _advance(self, unit: _Unit) -> None:
         """Bring `unit` to self.now, crediting the steps it computed (never beyond the cap)."""
         if unit.state == _RUNNING and self.now > unit.t:
-            target = min(self.cap, unit.progress + unit.rate * (self.now - unit.t))
+            target = min(unit.cap, unit.progress + unit.rate * (self.now - unit.t))
             done = target - unit.progress
             if done > 0:
+                start_progress = unit.progress
                 unit.useful += unit.active_chips * done / unit.rate
                 unit.stepped += done
                 unit.tokens += done * self.cfg.tokens_per_step * unit.active_chips / unit.chips
                 unit.progress = target
+                if unit.link is not None:
+                    self._queue_uploads(unit, start_progress)
         unit.t = self.now
+
+    def _queue_uploads(self, unit: _Unit, start_progress: float) -> None:
+        """Put the contribution of every round `unit` reached since `unit.t` on its uplink, in order."""
+        link = unit.link
+        assert link is not None
+        while (step := self._round_step(unit.next_upload)) <= unit.progress + _EPS:
+            reached = unit.t + max(0.0, step - start_progress) / unit.rate
+            unit.up_free = max(reached, unit.up_free) + link.upload_s
+            unit.delivered[unit.next_upload] = unit.up_free + link.latency_s
+            unit.next_upload += 1
 
     def _drop_partial_step(self, unit: _Unit) -> None:
         partial = unit.progress - math.floor(unit.progress + _EPS)
@@ -477,7 +516,11 @@ class _Engine:
     def _recover(self, unit: _Unit) -> None:
         """A learner back from losing every chip fetches a live peer's state and resumes at its step."""
         leader = max((self._progress_at(u) for u in self.units if u.state == _RUNNING), default=0.0)
-        unit.progress = min(self.cap, max(unit.progress, leader))
+        self._refresh_cap(unit)
+        unit.progress = min(unit.cap, max(unit.progress, leader))
+        if unit.link is not None:  # the rounds it jumped over are never sent
+            while self._round_step(unit.next_upload) <= unit.progress + _EPS:
+                unit.next_upload += 1
         for p in range(self.cfg.num_fragments):
             self.mark_steps[unit.index][p] = unit.progress
             self.mark_tokens[unit.index][p] = unit.tokens
@@ -485,16 +528,25 @@ class _Engine:
     def _progress_at(self, unit: _Unit) -> float:
         if unit.state != _RUNNING:
             return unit.progress
-        return min(self.cap, unit.progress + unit.rate * (self.now - unit.t))
+        return min(unit.cap, unit.progress + unit.rate * (self.now - unit.t))
 
-    def _arrival(self, unit: _Unit, step: float) -> float:
-        """When `unit` reaches `step`: -inf if it has, inf if it cannot without a state change."""
+    def _arrival(self, unit: _Unit, rnd: _Round) -> float:
+        """When `unit`'s contribution to `rnd` reaches the syncer: -inf if it has (no links: once the unit
+        reached the round's step), inf if it cannot without a state change. With links, the caller has
+        brought `unit` to now, so a contribution it computed is on its uplink already."""
+        link = unit.link
+        if link is not None and rnd.index < unit.next_upload:
+            return unit.delivered.get(rnd.index, math.inf)  # absent: jumped over on recovery
         progress = self._progress_at(unit)
-        if progress >= step - _EPS:
+        if link is None and progress >= rnd.step - _EPS:
             return -math.inf
-        if unit.state != _RUNNING or self.cap < step - _EPS:
+        if unit.state != _RUNNING or unit.cap < rnd.step - _EPS:
             return math.inf
-        return self.now + (step - progress) / unit.rate
+        reached = self.now + max(0.0, rnd.step - progress) / unit.rate
+        if link is None:
+            return reached
+        # an earliest bound (later rounds may queue ahead of it): a check at that time looks again
+        return max(reached, unit.up_free) + link.upload_s + link.latency_s
 
     def _expected(self) -> tuple[int, float]:
         """Learners the membership believes alive, and when that belief next changes."""
@@ -513,9 +565,12 @@ class _Engine:
         rnd = self.rounds.get(r)
         if rnd is None or gen != rnd.gen:
             return
-        arrivals = [self._arrival(u, rnd.step) for u in self.units]
-        arrived = [u for u, at in zip(self.units, arrivals, strict=True) if at <= self.now]
-        future = sorted(at for at in arrivals if self.now < at < math.inf)
+        if self.cfg.links is not None:
+            for unit in self.units:
+                self._advance(unit)
+        arrivals = [self._arrival(u, rnd) for u in self.units]
+        arrived = [u for u, at in zip(self.units, arrivals, strict=True) if at <= self.now + _EPS]
+        future = sorted(at for at in arrivals if self.now + _EPS < at < math.inf)
         expected, membership_change = self._expected()
         required = self.policy.required(expected)
         if rnd.quorum_at is None and len(arrived) >= required:
@@ -565,29 +620,58 @@ class _Engine:
                 self.stats["skipped"] += 1
         if arrived:
             self.policy.observe_step(sum(1.0 / u.rate for u in arrived) / len(arrived))
-        self.policy.observe_sync(cfg.sync_s)
+        self.policy.observe_sync(cfg.sync_s + self.mean_fetch_s)
         del self.rounds[rnd.index]
+        for unit in self.units:
+            unit.delivered.pop(rnd.index, None)
         self.merging[rnd.index] = rnd.step
         self.push(self.now + cfg.sync_s, _MERGE_DONE, rnd.index, 0)
 
     def _on_merge_done(self, r: int, _: int) -> None:
         for unit in self.units:
             self._advance(unit)
-        del self.merging[r]
+        step = self.merging.pop(r)
         p = self._round_fragment(r)
         for unit in self.units:
-            if unit.down_since is None:  # the broadcast overwrites the fragment and resets its counters
-                self.mark_steps[unit.index][p] = unit.progress
-                self.mark_tokens[unit.index][p] = unit.tokens
-        pending = [rnd.step for rnd in self.rounds.values()]
-        pending.extend(self.merging.values())
-        self.cap = min(pending) + self.cfg.overlap_steps
+            if unit.down_since is not None:  # gone: it recovers from a peer's state instead
+                continue
+            if unit.link is None:
+                self._overwrite(unit, p)
+            else:  # fetched in turn on its downlink; until then it may not pass step + tau
+                unit.down_free = max(self.now, unit.down_free) + unit.link.fetch_s
+                unit.fetching[r] = step
+                self.push(unit.down_free + unit.link.latency_s, _FETCH_DONE, unit.index, r)
+        for unit in self.units:
+            self._refresh_cap(unit)
         if self.cfg.speed_jitter > 0:
             jitter = self.cfg.speed_jitter
             for unit in self.units:
                 noise = min(0.5, max(-0.5, self.jitter_rng.gauss(0.0, jitter)))
                 unit.rate = unit.base_rate * (1.0 + noise)
         self._learner_changed()
+
+    def _on_fetch_done(self, index: int, r: int) -> None:
+        unit = self.units[index]
+        self._advance(unit)
+        del unit.fetching[r]
+        if unit.down_since is None:
+            self._overwrite(unit, self._round_fragment(r))
+        self._refresh_cap(unit)
+        self._learner_changed()
+
+    def _overwrite(self, unit: _Unit, fragment: int) -> None:
+        """The merged fragment overwrites the learner's copy and resets that fragment's counters."""
+        self.mark_steps[unit.index][fragment] = unit.progress
+        self.mark_tokens[unit.index][fragment] = unit.tokens
+
+    def _refresh_cap(self, unit: _Unit) -> None:
+        """`unit` may not pass step s + tau before it holds the merge of every round up to step s."""
+        pending = min(
+            min((rnd.step for rnd in self.rounds.values()), default=math.inf),
+            min(self.merging.values(), default=math.inf),
+            min(unit.fetching.values(), default=math.inf),
+        )
+        unit.cap = pending + self.cfg.overlap_steps
 
     # ----- accounting --------------------------------------------------------------------------
     def _on_warmup(self) -> None:
@@ -597,30 +681,29 @@ class _Engine:
         self.stepped_at_warmup = sum(u.stepped for u in self.units)
         self.failures_at_warmup = sum(u.failures for u in self.units)
 
-    def _result(self) -> SimResult:
-        cfg = self.cfg
-        for unit in self.units:
-            self._advance(unit)
-        measured = cfg.horizon_s - cfg.warmup_s
-        useful = sum(u.useful for u in self.units) - self.useful_at_warmup
-        stepped = sum(u.stepped for u in self.units) - self.stepped_at_warmup
-        merged = self.stats["merged"] if self.diloco else 0
-        return SimResult(
-            system=cfg.system,
-            num_chips=cfg.num_chips,
-            num_learners=len(self.units),
-            goodput=useful / (cfg.num_chips * measured),
-            measured_s=measured,
-            failures=sum(u.failures for u in self.units) - self.failures_at_warmup,
-            rounds_merged=merged,
-            rounds_skipped=self.stats["skipped"] if self.diloco else 0,
-            mean_merged_learners=self.stats["learners"] / merged if merged else 0.0,
-            mean_effective_learners=self.stats["effective"] / merged if merged else 0.0,
-            merged_step_share=(
-                self.stats["steps"] / (stepped * cfg.num_fragments) if self.diloco and stepped else 0.0
-            ),
-            events=self.events,
-        )
+
+def _summarise(engine: _Engine) -> SimResult:
+    """The measured totals of a finished run (every unit already brought to the horizon)."""
+    cfg, units = engine.cfg, engine.units
+    measured = cfg.horizon_s - cfg.warmup_s
+    useful = sum(u.useful for u in units) - engine.useful_at_warmup
+    stepped = sum(u.stepped for u in units) - engine.stepped_at_warmup
+    stats = engine.stats if engine.diloco else None
+    merged = stats["merged"] if stats else 0
+    return SimResult(
+        system=cfg.system,
+        num_chips=cfg.num_chips,
+        num_learners=len(units),
+        goodput=useful / (cfg.num_chips * measured),
+        measured_s=measured,
+        failures=sum(u.failures for u in units) - engine.failures_at_warmup,
+        rounds_merged=merged,
+        rounds_skipped=stats["skipped"] if stats else 0,
+        mean_merged_learners=stats["learners"] / merged if stats and merged else 0.0,
+        mean_effective_learners=stats["effective"] / merged if stats and merged else 0.0,
+        merged_step_share=stats["steps"] / (stepped * cfg.num_fragments) if stats and stepped else 0.0,
+        events=engine.events,
+    )
 
 
 def simulate(config: SimConfig) -> SimResult:
@@ -629,8 +712,8 @@ def simulate(config: SimConfig) -> SimResult:
 
 
 # ----- the Table 1 grid -------------------------------------------------------------------------
-DEFAULT_FAILURES_TARGET = 20_000.0  # dp / elastic_dp cells: cheap (events scale with failures)
-DEFAULT_LEARNER_FAILURES_TARGET = 3_000.0  # diloco cells: cost scales with rounds, i.e. horizon / step_s
+DEFAULT_FAILURES_TARGET = 60_000.0  # dp / elastic_dp cells: cheap (events scale with failures)
+DEFAULT_LEARNER_FAILURES_TARGET = 6_000.0  # diloco cells: cost scales with rounds, i.e. horizon / step_s
 # K = 1 goodput does not depend on the step time (no one waits; failure streams are seeded per learner
 # and a unit test checks the independence), so the grid uses a coarse step to keep rounds few.
 DEFAULT_GRID_STEP_S = 30.0

@@ -6,7 +6,10 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
+from protocol.compress import CodecSpec, encode
+from tools.sim_links import LinkModel, PeerLink
 from tools.simulate import (
     FailureModel,
     GridConfig,
@@ -116,3 +119,88 @@ def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
     )
     out = capsys.readouterr().out
     assert "dp" in out and "M2" in out and "300k" in out and "max |ours - paper|" in out
+
+
+# ----- links -------------------------------------------------------------------------------------
+def _links_config(
+    mbps: float, *, codec: str = "fp32", peers: tuple[PeerLink, ...] | None = None
+) -> SimConfig:
+    links = LinkModel(
+        model_params=124_000_000,
+        peers=peers if peers is not None else (PeerLink.symmetric(mbps, 20.0),),
+        codec=CodecSpec(codec=codec),  # type: ignore[arg-type]
+    )
+    return SimConfig(
+        system="diloco",
+        num_chips=8,
+        num_learners=8,
+        horizon_s=400.0,
+        warmup_s=40.0,
+        failures=replace(FailureModel(), mtbi_chip_s=math.inf),
+        step_s=2.0,
+        links=links,
+    )
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "topk"])
+def test_round_bytes_are_the_encoded_length(codec: str) -> None:
+    spec = CodecSpec(codec=codec)  # type: ignore[arg-type]
+    links = LinkModel(model_params=100_003, codec=spec)
+    numel = links.fragment_numel(24)
+    assert numel == 4_167  # ceil(100003 / 24): the last fragment is no larger than the others
+    encoded = encode(torch.randn(numel, generator=torch.Generator().manual_seed(0)), spec)
+    assert links.upload_bytes(24) == links.fetch_bytes(24) == encoded.nbytes
+    fp32_fetch = LinkModel(model_params=100_003, codec=spec, fetch_codec=CodecSpec())
+    assert fp32_fetch.fetch_bytes(24) == 4 * numel
+
+
+def test_a_slower_link_lowers_goodput_monotonically() -> None:
+    speeds = (1000.0, 100.0, 50.0, 10.0)
+    goodputs = [simulate(_links_config(mbps)).goodput for mbps in speeds]
+    assert goodputs == sorted(goodputs, reverse=True)
+    assert goodputs[0] == pytest.approx(1.0, abs=1e-3)  # 20.7 MB in 0.17 s: well inside the 4 s overlap
+    # 10 Mbit/s carries a 20.7 MB fragment each way in 16.5 s: throughput-bound near 2 s / 16.5 s
+    assert goodputs[-1] == pytest.approx(2.0 / (20.67e6 * 8 / 10e6), rel=0.1)
+
+
+def test_a_smaller_codec_recovers_goodput_on_a_slow_link() -> None:
+    g = {
+        codec: simulate(_links_config(10.0, codec=codec)).goodput
+        for codec in ("fp32", "int8", "int4", "topk")
+    }
+    assert g["fp32"] < g["int8"] < g["int4"] < g["topk"]
+    assert g["topk"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_unconstrained_links_change_nothing() -> None:
+    free = _links_config(math.inf, peers=(PeerLink(),))
+    plain = replace(free, links=None)
+    a, b = simulate(free), simulate(plain)
+    assert a.goodput == pytest.approx(b.goodput, abs=1e-9)
+    assert a.mean_merged_learners == pytest.approx(b.mean_merged_learners)
+
+
+def test_latency_beyond_the_overlap_budget_stalls() -> None:
+    near, far = (replace(_links_config(math.inf), links=None), _links_config(math.inf))
+    far_links = LinkModel(model_params=1, peers=(PeerLink(latency_ms=2_500.0),))
+    far = replace(far, links=far_links)  # 5 s round trip against tau * step = 4 s
+    assert simulate(near).goodput == pytest.approx(1.0, abs=1e-3)
+    assert simulate(far).goodput < 0.9
+
+
+def test_one_slow_peer_stalls_a_synchronous_syncer_not_a_decoupled_one() -> None:
+    peers = (PeerLink.symmetric(10.0, 20.0),) + (PeerLink.symmetric(1000.0, 20.0),) * 7
+    decoupled = _links_config(0.0, peers=peers)
+    synchronous = replace(decoupled, quorum=QuorumConfig.synchronous(8))
+    g_dec, g_sync = simulate(decoupled).goodput, simulate(synchronous).goodput
+    assert g_dec > 0.85  # only the slow learner waits for its own fetches
+    assert g_sync < 0.3  # everyone waits for the slow learner's contribution
+
+
+def test_link_validation() -> None:
+    with pytest.raises(ValueError):
+        PeerLink(uplink_mbps=0.0)
+    with pytest.raises(ValueError):
+        PeerLink(latency_ms=-1.0)
+    with pytest.raises(ValueError):
+        _links_config(10.0, peers=(PeerLink(),) * 3)  # neither one link nor one per learner
