@@ -7,10 +7,11 @@ error and the encode/decode times. Then, over `--steps` outer rounds of correlat
 plus fresh noise, as consecutive pseudo-gradients are), it measures how far the sum of decoded updates drifts from
 the sum of true deltas with and without learner-side error feedback (`node.diloco.compression.ErrorFeedback`).
 
-Not measured here: the loss gap at equal tokens (needs a live 4-learner swarm run with a wired codec, issue 20's
-later parts) and activations (part 2); the JSON says so rather than leaving the keys out.
+Then, live (`benchmarks.bandwidth_live`): one failure-free swarm per codec (fp32 and the recommended one; 4 learners
+and a syncer on the built-in corpus, the same seeds), the held-out loss at equal merged tokens and the bytes the
+learners' pushes actually carried. Not measured here: activations (issue 20 part 2); the JSON says so.
 
-Run: `python -m benchmarks.bandwidth [--numel 4194304] [--ef-numel 1048576] [--steps 20]`.
+Run: `python -m benchmarks.bandwidth [--numel 4194304] [--ef-numel 1048576] [--steps 20] [--live-s 90 | --live-s 0]`.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from typing import Any
 
 import torch
 
+from benchmarks.bandwidth_live import run_live
 from benchmarks.common import plot_path, write_result
 from node.diloco.compression import ErrorFeedback, relative_error
 from protocol.codec import TensorLimits
 from protocol.compress import CodecSpec, decode, encode
 
 NAME = "bandwidth"
-NOT_MEASURED = "not measured (needs a live swarm run with the codec wired in; see the issue's later parts)"
+NOT_MEASURED = "not measured (run with --live-s > 0)"
 CODECS: dict[str, CodecSpec] = {
     "fp32": CodecSpec(codec="fp32"),
     "int8 b128": CodecSpec(codec="int8", block=128),
@@ -163,6 +165,10 @@ def main() -> None:
     parser.add_argument("--ef-numel", type=int, default=1 << 20)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--inner-steps", type=int, default=24, help="AdamW steps behind the model delta (H)")
+    parser.add_argument(
+        "--live-s", type=float, default=90.0, help="seconds per live swarm arm (0: skip them)"
+    )
+    parser.add_argument("--min-step-s", type=float, default=0.25, help="live learners' step floor")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a shared 2-core box: one thread keeps the timings comparable run to run
     limits = TensorLimits(max_bytes=4 * max(args.numel, args.ef_numel))
@@ -173,6 +179,11 @@ def main() -> None:
     model_rows = [_one_shot(name, spec, model_delta, limits) for name, spec in CODECS.items()]
     feedback = _feedback(args.ef_numel, args.steps, limits)
     best = next(r for r in rows if r["codec"] == RECOMMENDED)
+    live = (
+        run_live({"fp32": CODECS["fp32"], RECOMMENDED: CODECS[RECOMMENDED]}, args.live_s, args.min_step_s)
+        if args.live_s > 0
+        else {}
+    )
     headline = {
         "outer_codec": RECOMMENDED,
         "outer_compression": round(best["ratio"], 1),
@@ -185,7 +196,8 @@ def main() -> None:
         "feedback_steps": args.steps,
         "int8_compression": round(next(r["ratio"] for r in rows if r["codec"] == "int8 b128"), 2),
         "int4_compression": round(next(r["ratio"] for r in rows if r["codec"] == "int4 b128 fp16"), 2),
-        "outer_loss_gap": NOT_MEASURED,
+        "outer_loss_gap": live[RECOMMENDED]["loss_gap"] if live else NOT_MEASURED,
+        "outer_live_compression": live[RECOMMENDED]["live_compression"] if live else NOT_MEASURED,
         "activation_compression": "not measured (issue 20 part 2)",
         "activation_loss_gap": "not measured (issue 20 part 2)",
     }
@@ -195,6 +207,7 @@ def main() -> None:
         "codecs": rows,
         "model_delta": {"numel": model_delta.numel(), "inner_steps": args.inner_steps, "codecs": model_rows},
         "feedback": feedback,
+        "live": live,
     }
     path = write_result(NAME, headline, detail)
     _plot(rows, feedback, args.steps)
