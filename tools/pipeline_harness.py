@@ -31,8 +31,10 @@ import torch
 
 from node.ml.data import BatchSampler, Corpus, load_corpus, validation_batches
 from node.ml.model import ModelConfig, build_model, lm_loss, load_state_subset, stage_state_subset
-from node.pipeline.driver import DirectTransport, MicrobatchOutcome, PipelineDriver
+from node.pipeline.accounting import MicrobatchOutcome
+from node.pipeline.driver import PipelineDriver
 from node.pipeline.routing import ReplicaInfo, ReplicaRouter, RoutingConfig
+from node.pipeline.transport import DirectTransport
 from node.roles.stage import StageConfig, StageService, build_core
 from node.swarm.bans import BanWatchConfig, BanWatcher
 from protocol.envelope import Direction, Header
