@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import plot_path, write_result  # noqa: E402
 from node.ml.data import BatchSampler, DataConfig, load_corpus  # noqa: E402
 from node.ml.model import ModelConfig, build_model  # noqa: E402
-from node.pipeline.driver import FramedTransport, PipelineDriver  # noqa: E402
+from node.pipeline.driver import PipelineDriver  # noqa: E402
 from node.pipeline.routing import ReplicaInfo, RetryPolicy  # noqa: E402
+from node.pipeline.transport import FramedTransport  # noqa: E402
 from node.roles.stage import StageConfig, StageService, build_core
 from protocol.identity import NodeIdentity  # noqa: E402
 from protocol.manifest import InnerOptimizerSpec, RunManifest, WireSpec  # noqa: E402

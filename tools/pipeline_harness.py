@@ -29,10 +29,12 @@ from typing import Any
 
 import torch
 
-from node.ml.data import BatchSampler, Corpus, load_corpus, validation_batches
+from node.ml.data import Batch, BatchSampler, Corpus, load_corpus, validation_batches
 from node.ml.model import ModelConfig, build_model, lm_loss, load_state_subset, stage_state_subset
-from node.pipeline.driver import DirectTransport, MicrobatchOutcome, PipelineDriver
+from node.pipeline.accounting import MicrobatchOutcome
+from node.pipeline.driver import PipelineDriver
 from node.pipeline.routing import ReplicaInfo, ReplicaRouter, RoutingConfig
+from node.pipeline.transport import DirectTransport
 from node.roles.stage import StageConfig, StageService, build_core
 from node.swarm.bans import BanWatchConfig, BanWatcher
 from protocol.envelope import Direction, Header
@@ -261,6 +263,9 @@ def pretrained_state(
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+ReplicaPlan = tuple[NodeIdentity, int, CountingAttack | None]  # identity, stage, its attack (attackers only)
+
+
 def build_arm(
     config: HarnessConfig,
     *,
@@ -276,20 +281,8 @@ def build_arm(
     verifier = verifier or NodeIdentity.generate()
     run = manifest_for(config, verifier)
     clock = {"t": 0.0}
-    spec = parse_attack(attack) if attack is not None else None
-    services: dict[str, StageService] = {}
-    stages: dict[str, int] = {}
-    pending: list[tuple[NodeIdentity, int, CountingAttack | None]] = []
-    for stage, count in enumerate(config.replicas):
-        for index in range(count):
-            evil = spec is not None and stage == config.attacked_stage and index < config.attackers
-            attack_obj = None
-            if evil:
-                assert spec is not None
-                # Each attacker its own noise stream; the same attack otherwise.
-                attack_obj = CountingAttack(dataclasses.replace(spec, seed=spec.seed + 101 * index))
-            pending.append((NodeIdentity.generate(), stage, attack_obj))
-    attacks = {identity.peer_id: a for identity, _, a in pending if a is not None}
+    replicas = plan_replicas(config, parse_attack(attack) if attack is not None else None)
+    attacks = {identity.peer_id: a for identity, _, a in replicas if a is not None}
     tap = RecordingTap(
         verifier=verifier.peer_id,
         run_id=RUN_ID,
@@ -308,21 +301,11 @@ def build_arm(
         outbox=tap.pending,
         clock=lambda: clock["t"],
     )
-    for identity, stage, attack_obj in pending:
-        core = build_core(run, RUN_ID, stage, StageConfig())
-        if weights is not None:
-            with torch.no_grad():
-                load_state_subset(core.module, stage_state_subset(core.module, weights))
-            core.weights_changed()
-        services[identity.peer_id] = StageService(
-            identity,
-            RUN_ID,
-            core,
-            authorized=run.authorized_verifiers,
-            is_banned=watcher.is_banned,
-            attack=attack_obj,
-        )
-        stages[identity.peer_id] = stage
+    services = {
+        identity.peer_id: stage_service(run, identity, stage, attack_obj, weights, watcher)
+        for identity, stage, attack_obj in replicas
+    }
+    stages = {identity.peer_id: stage for identity, stage, _ in replicas}
     tap.stage_replicas = lambda s: [p for p, st in stages.items() if st == s]
     driver = PipelineDriver(
         identity=verifier,
@@ -338,6 +321,43 @@ def build_arm(
         clock=lambda: clock["t"],
     )
     return Arm(config, driver, services, stages, tap, watcher, attacks, clock)
+
+
+def plan_replicas(config: HarnessConfig, spec: AttackConfig | None) -> list[ReplicaPlan]:
+    """Every replica's identity and stage, stage by stage; replicas 0..attackers-1 of the attacked stage get
+    the attack (when one is given), each with its own noise stream."""
+    replicas: list[ReplicaPlan] = []
+    for stage, count in enumerate(config.replicas):
+        for index in range(count):
+            attack_obj = None
+            if spec is not None and stage == config.attacked_stage and index < config.attackers:
+                attack_obj = CountingAttack(dataclasses.replace(spec, seed=spec.seed + 101 * index))
+            replicas.append((NodeIdentity.generate(), stage, attack_obj))
+    return replicas
+
+
+def stage_service(
+    run: RunManifest,
+    identity: NodeIdentity,
+    stage: int,
+    attack: CountingAttack | None,
+    weights: Mapping[str, torch.Tensor] | None,
+    watcher: BanWatcher,
+) -> StageService:
+    """One replica: the production stage core and service, from `weights` if given, enforcing `watcher`'s bans."""
+    core = build_core(run, RUN_ID, stage, StageConfig())
+    if weights is not None:
+        with torch.no_grad():
+            load_state_subset(core.module, stage_state_subset(core.module, weights))
+        core.weights_changed()
+    return StageService(
+        identity,
+        RUN_ID,
+        core,
+        authorized=run.authorized_verifiers,
+        is_banned=watcher.is_banned,
+        attack=attack,
+    )
 
 
 def merge_stages(arm: Arm) -> None:
@@ -409,7 +429,6 @@ def drive(
     multiple of `merge_every` to measure right after a merge, when every replica of a stage holds the same
     weights and routing does not matter. `events` maps a microbatch count to a call made once that many
     microbatches are done (honest shifts for tests: `set_lr`, `shift_weights`)."""
-    pending_events = sorted((events or {}).items())
     cfg = arm.config
     context_len = int(cfg.model["context_len"])
     data = corpus()
@@ -422,59 +441,90 @@ def drive(
     held_out = validation_batches(
         data, batch_size=cfg.batch_size, context_len=context_len, num_batches=cfg.held_out_batches
     )
-    attacker_routes_after_ban = 0
-    completed = 0
-    outcomes: list[MicrobatchOutcome] = []
-    checkpoints: list[Checkpoint] = []
-
-    async def evaluate(done: int) -> None:
-        first_id = EVAL_FIRST_ID + len(checkpoints) * cfg.held_out_batches
-        loss = await arm.driver.evaluate(held_out, first_id)
-        checkpoints.append(Checkpoint(done, arm.driver.stats.tokens, loss))
-
-    async def go() -> None:
-        nonlocal attacker_routes_after_ban, completed
-        await evaluate(0)
-        for first in range(0, microbatches, cfg.concurrency):
-            arm.clock["t"] = float(first)
-            ids = range(first, min(first + cfg.concurrency, microbatches))
-            batches = [sampler.next_batch() for _ in ids]
-            results = await asyncio.gather(
-                *(arm.driver.run_microbatch(i, *b) for i, b in zip(ids, batches, strict=True))
-            )
-            done = ids[-1] + 1
-            banned_now = arm.watcher.active()
-            for o in results:
-                completed += o.completed
-                if any(a in banned_now and a in o.replicas for a in arm.attackers):
-                    attacker_routes_after_ban += 1
-            outcomes.extend(results)
-            if cfg.merge_every and done % cfg.merge_every == 0:
-                merge_stages(arm)
-            while pending_events and pending_events[0][0] <= done:
-                pending_events.pop(0)[1](arm)
-            if first % cfg.poll_every == 0:
-                await arm.watcher.publish_pending()
-                await arm.watcher.poll(arm.services)
-            arm.account_bans()
-            if (eval_every and done % eval_every == 0) or done >= microbatches:
-                await evaluate(done)
-            if progress is not None:
-                progress(done, arm)
-        await arm.watcher.publish_pending()
-        await arm.watcher.poll(arm.services)
-        arm.account_bans()
-
-    asyncio.run(go())
+    tally = DriveTally()
+    schedule = DriveSchedule(microbatches, eval_every, sorted((events or {}).items()), progress)
+    asyncio.run(drive_rounds(arm, sampler, held_out, tally, schedule))
     return {
-        "loss": checkpoints[-1].loss,
-        "losses": [(c.microbatches, c.loss) for c in checkpoints],
-        "completed": completed,
-        "attacker_routes_after_ban": attacker_routes_after_ban,
+        "loss": tally.checkpoints[-1].loss,
+        "losses": [(c.microbatches, c.loss) for c in tally.checkpoints],
+        "completed": tally.completed,
+        "attacker_routes_after_ban": tally.attacker_routes_after_ban,
         "tokens": arm.driver.stats.tokens,
-        "checkpoints": checkpoints,
-        "outcomes": outcomes,
+        "checkpoints": tally.checkpoints,
+        "outcomes": tally.outcomes,
     }
+
+
+@dataclass(slots=True)
+class DriveSchedule:
+    """What `drive` does when: how many microbatches, held-out loss every `eval_every`, the pending events
+    (microbatch count -> call, in order) and the progress callback."""
+
+    microbatches: int
+    eval_every: int
+    events: list[tuple[int, Callable[[Arm], None]]]
+    progress: Callable[[int, Arm], None] | None
+
+
+@dataclass(slots=True)
+class DriveTally:
+    """What `drive` counts while it runs."""
+
+    completed: int = 0
+    attacker_routes_after_ban: int = 0  # microbatches applied by an attacker banned by the end of their round
+    outcomes: list[MicrobatchOutcome] = field(default_factory=list)
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+
+    def add(self, arm: Arm, results: list[MicrobatchOutcome]) -> None:
+        banned_now = arm.watcher.active()
+        for o in results:
+            self.completed += o.completed
+            if any(a in banned_now and a in o.replicas for a in arm.attackers):
+                self.attacker_routes_after_ban += 1
+        self.outcomes.extend(results)
+
+
+async def drive_rounds(
+    arm: Arm, sampler: BatchSampler, held_out: list[Batch], tally: DriveTally, schedule: DriveSchedule
+) -> None:
+    """`drive`'s loop: one round of `concurrency` microbatches per clock second, then what is due after it."""
+    cfg, total = arm.config, schedule.microbatches
+    await evaluate_held_out(arm, held_out, tally, 0)
+    for first in range(0, total, cfg.concurrency):
+        arm.clock["t"] = float(first)
+        ids = range(first, min(first + cfg.concurrency, total))
+        batches = [sampler.next_batch() for _ in ids]
+        results = await asyncio.gather(
+            *(arm.driver.run_microbatch(i, *b) for i, b in zip(ids, batches, strict=True))
+        )
+        done = ids[-1] + 1
+        tally.add(arm, results)
+        if cfg.merge_every and done % cfg.merge_every == 0:
+            merge_stages(arm)
+        while schedule.events and schedule.events[0][0] <= done:
+            schedule.events.pop(0)[1](arm)
+        if first % cfg.poll_every == 0:
+            await exchange_bans(arm)
+        arm.account_bans()
+        if (schedule.eval_every and done % schedule.eval_every == 0) or done >= total:
+            await evaluate_held_out(arm, held_out, tally, done)
+        if schedule.progress is not None:
+            schedule.progress(done, arm)
+    await exchange_bans(arm)
+    arm.account_bans()
+
+
+async def evaluate_held_out(arm: Arm, held_out: list[Batch], tally: DriveTally, done: int) -> None:
+    """The held-out loss through the pipeline after `done` microbatches, as a new checkpoint."""
+    first_id = EVAL_FIRST_ID + len(tally.checkpoints) * arm.config.held_out_batches
+    loss = await arm.driver.evaluate(held_out, first_id)
+    tally.checkpoints.append(Checkpoint(done, arm.driver.stats.tokens, loss))
+
+
+async def exchange_bans(arm: Arm) -> None:
+    """Publish the tap's pending ban notices and poll the ban records (the stages enforce what is active)."""
+    await arm.watcher.publish_pending()
+    await arm.watcher.poll(arm.services)
 
 
 __all__ = [

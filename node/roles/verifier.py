@@ -43,20 +43,15 @@ import torch
 
 from node.config import component_config, run_sentinel_config
 from node.ml.data import Batch, BatchSampler, load_corpus, validation_batches
-from node.pipeline.driver import (
-    DriverStats,
-    FramedTransport,
-    HopError,
-    MicrobatchAbandoned,
-    MicrobatchOutcome,
-    PipelineDriver,
-)
+from node.pipeline.accounting import DriverStats, HopError, MicrobatchAbandoned, MicrobatchOutcome
+from node.pipeline.driver import PipelineDriver
 from node.pipeline.routing import (
     ReplicaInfo,
     ReplicaRouter,
     RetryPolicy,
     RoutingConfig,
 )
+from node.pipeline.transport import FramedTransport
 from node.roles.stage import replicas_from_peers
 from protocol.pipeline import (
     MAX_CONTROL_BYTES,

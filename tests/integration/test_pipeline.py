@@ -20,8 +20,9 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from node.pipeline.driver import FramedTransport, PipelineDriver
+from node.pipeline.driver import PipelineDriver
 from node.pipeline.routing import ReplicaInfo
+from node.pipeline.transport import FramedTransport
 from protocol.envelope import Context, Direction, Kind, max_frame_bytes, seal
 from protocol.errors import RemoteRefused, SignerMismatch
 from protocol.identity import NodeIdentity

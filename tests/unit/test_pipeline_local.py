@@ -17,8 +17,10 @@ import torch
 
 from node.ml.data import DataConfig, evaluate, load_corpus, validation_batches
 from node.ml.model import ModelConfig, build_model, load_state_subset
-from node.pipeline.driver import DirectTransport, PipelineDriver, ReceiptBook
+from node.pipeline.accounting import ReceiptBook
+from node.pipeline.driver import PipelineDriver
 from node.pipeline.routing import ReplicaInfo, ReplicaRouter, RetryPolicy, RoutingConfig
+from node.pipeline.transport import DirectTransport
 from node.roles.stage import StageConfig, StageCore, StageService, build_core
 from protocol.envelope import Context, Direction, Kind, open_envelope, seal
 from protocol.errors import ProtocolError, RemoteRefused, SignerMismatch

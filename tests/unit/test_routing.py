@@ -212,7 +212,7 @@ def scripted_transport(script: dict[tuple[str, str], list[str]]) -> type:
     the request went out), "gone" (cannot be reached), "busy" (answers only to a caller that waits BUSY_S)."""
     import asyncio
 
-    from node.pipeline.driver import DirectTransport
+    from node.pipeline.transport import DirectTransport
     from protocol.errors import StreamClosed
 
     class Scripted(DirectTransport):

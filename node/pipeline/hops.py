@@ -1,0 +1,191 @@
+"""One hop: the driver's request to one stage replica, sealed, sent through a `HopTransport`, and its answer
+opened and checked against what was asked (`HopClient`); every failure on the way becomes a `HopError`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from node.pipeline.accounting import DriverStats, HopError
+from node.pipeline.routing import HopFailure, ReplicaRouter, RetryPolicy
+from node.pipeline.transport import FramedTransport, HopTransport
+from protocol.codec import TensorLimits
+from protocol.envelope import Context, Direction, Kind, Opened, max_frame_bytes, open_envelope, seal
+from protocol.errors import ProtocolError, RemoteRefused, StreamClosed
+from protocol.identity import NodeIdentity
+from protocol.pipeline import BACKWARD_RPC, EVAL_META, NO_CONTEXT, NOT_SERVING, PIPELINE_REPLAY
+from protocol.replay import ReplayGuard
+from protocol.rpc import PeerStrikes
+from verification.bans import SignedBoundaryHeader, signed_header_of
+
+
+class HopClient:
+    """Sends the driver's requests and opens their answers. Keeps what that needs across hops: the replay
+    window, strikes against replicas that answered badly, time spent sealing/calling/opening (`stats.timings`),
+    and the signed header of each training answer until the tap judges it (`pop_signed`). `step` is the
+    verifier's step stamped on every request."""
+
+    def __init__(
+        self,
+        *,
+        identity: NodeIdentity,
+        run_id: str,
+        limits: TensorLimits,
+        transport: HopTransport,
+        router: ReplicaRouter,
+        retry: RetryPolicy,
+        stats: DriverStats,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+    ) -> None:
+        self.identity = identity
+        self.run_id = run_id
+        self.limits = limits
+        self.transport = transport
+        self.router = router
+        self.retry = retry
+        self.stats = stats
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.step = 0
+        self.replay = ReplayGuard(PIPELINE_REPLAY)
+        self.strikes = PeerStrikes()
+        # (microbatch, stage, direction) -> the signed header of the answer just opened, for the tap (evidence,
+        # equivocation); popped by the tap call that follows the hop without an await in between.
+        self._signed: dict[tuple[int, int, str], SignedBoundaryHeader] = {}
+
+    async def call(
+        self,
+        replica: str,
+        rpc: str,
+        stage: int,
+        answer_direction: Direction,
+        microbatch: int,
+        tensors: dict[str, torch.Tensor],
+        answer_kind: Kind,
+        x: torch.Tensor,
+        *,
+        request_kind: Kind | None = None,
+        request_direction: Direction | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Opened:
+        """Seal a request for `replica`, send it, and open its answer; every failure becomes a HopError."""
+        if request_kind is None:
+            request_kind = _request_kind(rpc, stage)
+        timings = self.stats.timings
+        started = time.perf_counter()
+        request = Context(
+            run_id=self.run_id,
+            kind=request_kind,
+            receiver=replica,
+            stage=stage,
+            direction=request_direction or answer_direction,
+        )
+        frame = seal(
+            self.identity,
+            request,
+            microbatch=microbatch,
+            step=self.step,
+            now=self.wall_clock(),
+            tensors=tensors if len(tensors) > 1 else None,
+            tensor=tensors[""] if len(tensors) == 1 else None,
+            meta=meta,
+        )
+        sent = time.perf_counter()
+        timings["seal_s"] += sent - started
+        raw = await self._send(replica, rpc, frame)
+        answered = time.perf_counter()
+        timings["call_s"] += answered - sent
+        answer = Context(
+            run_id=self.run_id,
+            kind=answer_kind,
+            receiver=self.identity.peer_id,
+            stage=stage,
+            direction=answer_direction,
+        )
+        try:
+            opened = self._open_answer(raw, replica, answer, microbatch)
+        finally:
+            timings["open_s"] += time.perf_counter() - answered
+        self.router.record_success(replica, tokens=int(x.shape[0] * x.shape[1]), seconds=answered - started)
+        return opened
+
+    def pop_signed(self, microbatch: int, stage: int, direction: Direction) -> SignedBoundaryHeader | None:
+        """The signed header of the answer just opened for (microbatch, stage, direction), once."""
+        return self._signed.pop((microbatch, stage, direction.value), None)
+
+    def forget(self, replica: str) -> None:
+        """`replica` was unreachable: dial its announced addresses again before the next request."""
+        if isinstance(self.transport, FramedTransport):
+            self.transport.forget(replica)
+
+    async def _send(self, replica: str, rpc: str, frame: bytes | bytearray) -> bytes | bytearray:
+        timeout_s = self.router.hop_timeout_s(replica, self.retry)  # longer after timeouts in a row
+        self.router.started(replica)
+        try:
+            return await self.transport.call(
+                replica,
+                rpc,
+                frame,
+                timeout_s=timeout_s,
+                max_response_bytes=max_frame_bytes(self.limits),
+            )
+        except RemoteRefused as e:
+            failure = HopFailure.NO_CONTEXT if e.reason in (NO_CONTEXT, NOT_SERVING) else HopFailure.REFUSED
+            raise HopError(failure, e.reason) from None
+        except asyncio.TimeoutError:
+            self.router.record_timeout(replica, self.clock(), slowdown=self.retry.timeout_growth)
+            raise HopError(HopFailure.TIMEOUT, f"no answer in {timeout_s:g} s") from None
+        except StreamClosed as e:  # the request went out; its answer did not come back whole
+            raise HopError(HopFailure.LOST, str(e)) from None
+        except ProtocolError as e:
+            self.strikes.record(replica, e.reason)
+            raise HopError(HopFailure.BAD_REPLY, e.reason) from None
+        except Exception as e:  # dial/stream failures arrive as P2PDaemonError, ConnectionError, OSError...
+            if isinstance(e, (AssertionError, TypeError, NameError, AttributeError)):
+                raise
+            raise HopError(HopFailure.UNREACHABLE, f"{type(e).__name__}: {e}") from None
+        finally:
+            self.router.finished(replica)
+
+    def _open_answer(self, raw: bytes | bytearray, replica: str, expect: Context, microbatch: int) -> Opened:
+        try:
+            opened = open_envelope(
+                raw,
+                remote_peer=replica,
+                expect=expect,
+                limits=self.limits,
+                replay=self.replay,
+                now=self.wall_clock(),
+            )
+        except ProtocolError as e:
+            # signed by someone else than the replica we asked, tampered, replayed, wrong context...
+            self.strikes.record(replica, e.reason)
+            self.stats.bad_replies += 1
+            raise HopError(HopFailure.BAD_REPLY, e.reason) from None
+        if opened.header.microbatch != microbatch:
+            raise HopError(HopFailure.BAD_REPLY, "answer for another microbatch")
+        if opened.tensors and opened.meta.get(EVAL_META) is not True:
+            signed = signed_header_of(raw)
+            if len(self._signed) > 4096:  # answers whose tap call never came (a failed shape check)
+                self._signed.clear()
+            if signed is not None:
+                self._signed[(microbatch, expect.stage, expect.direction.value)] = signed
+        return opened
+
+
+def one_tensor(opened: Opened, replica: str) -> torch.Tensor:
+    """The answer's single tensor; a BAD_REPLY HopError if it carries other ones."""
+    if list(opened.tensors) != [""]:
+        raise HopError(HopFailure.BAD_REPLY, f"{replica[-8:]} answered tensors {sorted(opened.tensors)[:3]}")
+    return opened.tensors[""]
+
+
+def _request_kind(rpc: str, stage: int) -> Kind:
+    if rpc == BACKWARD_RPC:
+        return Kind.GRADIENT
+    return Kind.TOKENS if stage == 0 else Kind.ACTIVATION
