@@ -3,7 +3,8 @@ a standby needs (a lapsed lease may be a partition hiding a live holder). Pure: 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,3 +53,55 @@ def takeover_quorum(
         return 0, 0
     members = [t for t in seen.values() if t >= lease_seen_at - memory_s]
     return sum(1 for t in members if t >= lease_seen_at + fresh_after_s), len(members)
+
+
+class TakeoverWatch:
+    """A standby's memory for `takeover_quorum`: when (the caller's monotonic clock) it last saw each learner or
+    stage and a live lease (ours or not), the last (live, members) count, and whether it already refused a
+    takeover during this lapse (so the refusal is logged once)."""
+
+    def __init__(
+        self, *, enabled: bool, heartbeat_ttl_s: float, lease_s: float, membership_refresh_s: float
+    ) -> None:
+        self.enabled = (
+            enabled  # off: any lapsed lease may be taken over (the partition test's negative control)
+        )
+        # heartbeats stored after the lease lapsed can show who is still here only once a full TTL has passed
+        self.fresh_after_s = heartbeat_ttl_s + membership_refresh_s
+        self.memory_s = lease_s + heartbeat_ttl_s  # sightings older than this before the lease make no member
+        self.holders_seen: dict[str, float] = {}
+        self.lease_seen_at: float | None = None
+        self.live_read_at = -math.inf  # when the live holders were last read
+        self.quorum: tuple[int, int] = (0, 0)
+        self.refused = False
+
+    def lease_seen(self, now: float) -> None:
+        self.lease_seen_at = now
+        self.refused = False
+
+    def holders_read(self, peers: Iterable[str], now: float) -> None:
+        self.live_read_at = now
+        for peer in peers:
+            self.holders_seen[peer] = now
+        if self.lease_seen_at is not None:  # older sightings can no longer make anyone a member
+            horizon = self.lease_seen_at - self.memory_s
+            self.holders_seen = {p: t for p, t in self.holders_seen.items() if t >= horizon}
+
+    def has_quorum(self) -> bool | None:
+        """Whether a standby may take over now; None until heartbeats stored since the lease lapsed could show."""
+        self.quorum = takeover_quorum(
+            self.holders_seen,
+            lease_seen_at=self.lease_seen_at,
+            memory_s=self.memory_s,
+            fresh_after_s=self.fresh_after_s,
+        )
+        live_holders, members = self.quorum
+        if not self.enabled or not members or 2 * live_holders > members:
+            return True
+        assert self.lease_seen_at is not None  # members are only counted relative to a lease seen
+        return False if self.live_read_at >= self.lease_seen_at + self.fresh_after_s else None
+
+    def first_refusal(self) -> bool:
+        """True the first time a takeover is refused in this lapse."""
+        first, self.refused = not self.refused, True
+        return first

@@ -6,7 +6,7 @@ The pieces:
 * `SyncerCore` (node.diloco.syncer_core; no sockets, no clock of its own): the global parameters, fragment
   versions and momentum; one open round per fragment; admission of a contribution; the quorum/grace decision;
   the merge, split into a heavy `compute_merge` (run in a worker thread) and a cheap `commit_merge`.
-* `lease_action` / `takeover_quorum` (node.diloco.lease): the pure lease decisions.
+* `lease_action`, `takeover_quorum`, `TakeoverWatch` (node.diloco.lease): the pure lease decisions and the quorum memory.
 * `SyncerService` (node.roles.syncer_rpc): the framed, signed RPC routes (`node.diloco.sync_client` names
   them): push a contribution, long-poll the version vector, fetch a fragment version, offer versions signed
   by an earlier syncer, and (syncers only) read the state for mirroring.
@@ -46,7 +46,7 @@ import torch
 
 from node.config import component_config
 from node.diloco.fragments import FragmentPlan
-from node.diloco.lease import LeaseView, lease_action, takeover_quorum
+from node.diloco.lease import LeaseView, TakeoverWatch, lease_action
 from node.diloco.merge import NothingToMerge
 from node.diloco.quorum import QuorumConfig
 from node.diloco.screening import ScreeningConfig
@@ -71,6 +71,7 @@ from node.ml.checkpoint import (
 )
 from node.roles.syncer_mirror import StateMirror
 from node.roles.syncer_rpc import SyncerService, wall_offset
+from node.swarm.membership import HEARTBEAT_TTL_PERIODS
 from protocol.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -205,13 +206,13 @@ class SyncerRole:
         self.takeover_source = ""
         self.adopted = 0
         self.live: dict[str, Any] = {}
-        self._live_read_at = -math.inf
         self._vacant_looks = 0
-        # for `takeover_quorum`: when (monotonic) we last saw each learner/stage, and a live lease (ours or not)
-        self._holders_seen: dict[str, float] = {}
-        self._lease_seen_at: float | None = None
-        self._quorum: tuple[int, int] = (0, 0)  # (live, members) at the last look; see `takeover_quorum`
-        self._takeover_refused = False
+        self.watch = TakeoverWatch(
+            enabled=self.config.takeover_quorum,
+            heartbeat_ttl_s=HEARTBEAT_TTL_PERIODS * manifest.heartbeat_period_s,
+            lease_s=self.config.lease_s,
+            membership_refresh_s=self.config.membership_refresh_s,
+        )
         self._lease_expiration = 0.0
         self._lease_until = 0.0
         self.merge_lock = asyncio.Lock()
@@ -277,23 +278,8 @@ class SyncerRole:
             screening=self.config.screening,
         )
 
-    def _build_eval(self) -> Any:
-        from node.ml.data import load_corpus, validation_batches
-        from node.ml.model import ModelConfig, build_model
-
-        manifest = self.ctx.manifest
-        cfg = ModelConfig.from_dict(manifest.model)
-        corpus = load_corpus(self.ctx.config.data or _data_spec(manifest))
-        batches = validation_batches(
-            corpus,
-            batch_size=self.config.eval_batch_size,
-            context_len=cfg.context_len,
-            num_batches=self.config.eval_batches,
-        )
-        return build_model(cfg, manifest.seed), batches
-
     async def _load_eval(self) -> None:
-        self._eval = await asyncio.to_thread(self._build_eval)
+        self._eval = await asyncio.to_thread(build_eval, self.ctx, self.config)
         if self.active:
             await self._evaluate()  # the loss the run starts (or resumes) from
 
@@ -330,19 +316,17 @@ class SyncerRole:
         view = LeaseView(live_active=live, highest_term=max([r.state.term for r in found] + [self.term]))
         self._vacant_looks = 0 if live else self._vacant_looks + 1
         if live or self.active:
-            self._lease_seen_at = time.monotonic()
-            self._takeover_refused = False
+            self.watch.lease_seen(time.monotonic())
         action = lease_action(
             me=self.ctx.peer_id,
             active=self.active,
             term=self.term,
             view=view,
             vacant_looks=self._vacant_looks,
-            quorum=self._has_takeover_quorum(),
+            quorum=self.watch.has_quorum(),
         )
-        if action == "no_quorum" and not self._takeover_refused:  # once per lapse
-            self._takeover_refused = True
-            live_holders, members = self._quorum
+        if action == "no_quorum" and self.watch.first_refusal():  # once per lapse
+            live_holders, members = self.watch.quorum
             self.ctx.events.emit("takeover_refused", live=live_holders, members=members, term=self.term)
             logger.warning(
                 "no live syncer lease, but only %d of the %d learners/stages seen with it are here: not taking "
@@ -364,29 +348,6 @@ class SyncerRole:
             await self._publish_lease()
         else:
             await self._publish_lease()
-
-    def _heartbeat_ttl_s(self) -> float:
-        from node.swarm import HEARTBEAT_TTL_PERIODS
-
-        return HEARTBEAT_TTL_PERIODS * self.ctx.manifest.heartbeat_period_s
-
-    def _quorum_memory_s(self) -> float:
-        return self.config.lease_s + self._heartbeat_ttl_s()
-
-    def _has_takeover_quorum(self) -> bool | None:
-        """Whether a standby may take over now; None until heartbeats stored since the lease lapsed could show."""
-        fresh_after_s = self._heartbeat_ttl_s() + self.config.membership_refresh_s
-        self._quorum = takeover_quorum(
-            self._holders_seen,
-            lease_seen_at=self._lease_seen_at,
-            memory_s=self._quorum_memory_s(),
-            fresh_after_s=fresh_after_s,
-        )
-        live_holders, members = self._quorum
-        if not self.config.takeover_quorum or not members or 2 * live_holders > members:
-            return True
-        assert self._lease_seen_at is not None  # members are only counted relative to a lease seen
-        return False if self._live_read_at >= self._lease_seen_at + fresh_after_s else None
 
     async def _publish_lease(self, *, release: bool = False) -> None:
         from protocol.records import SyncerState
@@ -415,7 +376,9 @@ class SyncerRole:
     async def _take_over(self, term: int) -> None:
         assert self.core is not None
         async with self.merge_lock:
-            source, seen_term = await self._restore_best()
+            source, seen_term = await restore_best(
+                self.core, self.checkpoint_file, self.ctx.run_id, self.mirror.snapshot
+            )
             # terms never go back, even when every lease record has expired: the saved state knows its term
             term = self.term = max(term, seen_term + 1, self.term + 1)
             self.active = True
@@ -435,34 +398,6 @@ class SyncerRole:
         """Wake every versions long-poll; later polls wait on a fresh event."""
         self.published.set()
         self.published = asyncio.Event()
-
-    async def _restore_best(self) -> tuple[str, int]:
-        """Resume from the freshest of the checkpoint file and the mirror (by total version count)."""
-        assert self.core is not None
-        candidates: list[tuple[int, str, SyncerSnapshot]] = []
-        try:
-            snapshot = await asyncio.to_thread(
-                load_checkpoint,
-                self.checkpoint_file,
-                run_id=self.ctx.run_id,
-                expected=self.core.shapes,
-                num_fragments=self.plan.num_fragments,
-            )
-            candidates.append((sum(snapshot.versions), "checkpoint", snapshot))
-        except FileNotFoundError:
-            pass
-        except CheckpointError as e:
-            logger.warning("ignoring checkpoint: %s", e)
-        mirror = self.mirror.snapshot
-        if mirror is not None:
-            candidates.append((sum(mirror.versions), "mirror", mirror))
-        current = sum(self.core.versions)
-        seen_term = max((c[2].term for c in candidates), default=0)
-        best = max(candidates, key=lambda c: (c[0], c[1] == "checkpoint"), default=None)
-        if best is None or best[0] < current:
-            return ("memory" if current else "seed"), seen_term
-        self.core.restore(best[2], time.monotonic(), wall_offset=wall_offset())
-        return best[1], seen_term
 
     async def _step_down(self, winner: str | None, term: int) -> None:
         async with self.merge_lock:
@@ -494,12 +429,7 @@ class SyncerRole:
         except asyncio.TimeoutError:
             return
         self.live = {p.peer_id: p.heartbeat for p in peers if p.heartbeat.role in HOLDER_ROLES}
-        self._live_read_at = time.monotonic()
-        for peer in self.live:
-            self._holders_seen[peer] = self._live_read_at
-        if self._lease_seen_at is not None:  # older sightings can no longer make anyone a member
-            horizon = self._lease_seen_at - self._quorum_memory_s()
-            self._holders_seen = {p: t for p, t in self._holders_seen.items() if t >= horizon}
+        self.watch.holders_read(self.live, time.monotonic())
 
     def holders(self, fragment: int) -> set[str]:
         """Live peers that hold the fragment: every learner, and the replicas of its pipeline stage."""
@@ -511,7 +441,7 @@ class SyncerRole:
             raise refuse("banned", f"{peer[-8:]} is banned")
         if peer in self.live:
             return
-        if time.monotonic() - self._live_read_at > 0.5:
+        if time.monotonic() - self.watch.live_read_at > 0.5:
             await self._refresh_members()
         if peer not in self.live:
             raise refuse("unknown peer", f"{peer[-8:]} has no live learner or stage heartbeat")
@@ -629,44 +559,93 @@ class SyncerRole:
     # ---- status ----
 
     def status(self) -> dict[str, Any]:
-        core = self.core
-        if core is None:
-            return {"state": "joining", "mode": self.mode}
-        policy = core.policy
-        return {
-            "state": "syncing" if self.active else "standby",
-            "mode": self.mode,
-            "term": self.term,
-            "primary": self.primary,
-            "recovering": self.active and time.monotonic() < self.recovering_until,
-            # an active syncer whose lease renewals failed for lease_s still answers but merges nothing
-            "lease_left_s": round(self._lease_until - time.monotonic(), 3) if self.active else None,
-            "takeover_source": self.takeover_source,
-            "versions": list(core.versions),
-            "merges": core.merges,
-            "tokens_merged": core.tokens_merged,
-            "inner_step": core.merges,
-            "tokens": core.tokens_merged,
-            "loss": self.held_out_loss,
-            "held_out_loss": self.held_out_loss,
-            "open_rounds": {str(f): len(r.entries) for f, r in core.rounds.items()},
-            "live_holders": len(self.live),
-            "takeover_quorum": list(self._quorum),
-            "lease_vacant_looks": self._vacant_looks,
-            "grace_s": round(policy.grace_s(), 4),
-            "xi_step_s": policy.xi_step,
-            "xi_quorum_s": policy.xi_quorum,
-            "xi_sync_s": policy.xi_sync,
-            "adopted": self.adopted,
-            **self.service.status(),
-            "strikes": self.strikes.snapshot(),
-            "checkpoint": str(self.checkpoint_file),
-            "last_checkpoint_at": self.last_checkpoint_at,
-            "mirror_versions": list(mirror.versions)
-            if (mirror := self.mirror.snapshot) is not None
-            else None,
-            "recent_merges": list(self.recent_merges),
-        }
+        return role_status(self)
+
+
+def role_status(role: SyncerRole) -> dict[str, Any]:
+    """The syncer's /api/status."""
+    core = role.core
+    if core is None:
+        return {"state": "joining", "mode": role.mode}
+    policy = core.policy
+    return {
+        "state": "syncing" if role.active else "standby",
+        "mode": role.mode,
+        "term": role.term,
+        "primary": role.primary,
+        "recovering": role.active and time.monotonic() < role.recovering_until,
+        # an active syncer whose lease renewals failed for lease_s still answers but merges nothing
+        "lease_left_s": round(role._lease_until - time.monotonic(), 3) if role.active else None,
+        "takeover_source": role.takeover_source,
+        "versions": list(core.versions),
+        "merges": core.merges,
+        "tokens_merged": core.tokens_merged,
+        "inner_step": core.merges,
+        "tokens": core.tokens_merged,
+        "loss": role.held_out_loss,
+        "held_out_loss": role.held_out_loss,
+        "open_rounds": {str(f): len(r.entries) for f, r in core.rounds.items()},
+        "live_holders": len(role.live),
+        "takeover_quorum": list(role.watch.quorum),
+        "lease_vacant_looks": role._vacant_looks,
+        "grace_s": round(policy.grace_s(), 4),
+        "xi_step_s": policy.xi_step,
+        "xi_quorum_s": policy.xi_quorum,
+        "xi_sync_s": policy.xi_sync,
+        "adopted": role.adopted,
+        **role.service.status(),
+        "strikes": role.strikes.snapshot(),
+        "checkpoint": str(role.checkpoint_file),
+        "last_checkpoint_at": role.last_checkpoint_at,
+        "mirror_versions": list(mirror.versions) if (mirror := role.mirror.snapshot) is not None else None,
+        "recent_merges": list(role.recent_merges),
+    }
+
+
+async def restore_best(
+    core: SyncerCore, checkpoint_file: Path, run_id: str, mirror: SyncerSnapshot | None
+) -> tuple[str, int]:
+    """Resume from the freshest of the checkpoint file and the mirror (by total version count)."""
+    candidates: list[tuple[int, str, SyncerSnapshot]] = []
+    try:
+        snapshot = await asyncio.to_thread(
+            load_checkpoint,
+            checkpoint_file,
+            run_id=run_id,
+            expected=core.shapes,
+            num_fragments=core.plan.num_fragments,
+        )
+        candidates.append((sum(snapshot.versions), "checkpoint", snapshot))
+    except FileNotFoundError:
+        pass
+    except CheckpointError as e:
+        logger.warning("ignoring checkpoint: %s", e)
+    if mirror is not None:
+        candidates.append((sum(mirror.versions), "mirror", mirror))
+    current = sum(core.versions)
+    seen_term = max((c[2].term for c in candidates), default=0)
+    best = max(candidates, key=lambda c: (c[0], c[1] == "checkpoint"), default=None)
+    if best is None or best[0] < current:
+        return ("memory" if current else "seed"), seen_term
+    core.restore(best[2], time.monotonic(), wall_offset=wall_offset())
+    return best[1], seen_term
+
+
+def build_eval(ctx: NodeContext, config: SyncerConfig) -> tuple[Any, list[Any]]:
+    """The syncer's held-out set and a model to evaluate the global parameters in (seeded; overwritten)."""
+    from node.ml.data import load_corpus, validation_batches
+    from node.ml.model import ModelConfig, build_model
+
+    manifest = ctx.manifest
+    cfg = ModelConfig.from_dict(manifest.model)
+    corpus = load_corpus(ctx.config.data or _data_spec(manifest))
+    batches = validation_batches(
+        corpus,
+        batch_size=config.eval_batch_size,
+        context_len=cfg.context_len,
+        num_batches=config.eval_batches,
+    )
+    return build_model(cfg, manifest.seed), batches
 
 
 def _fragment_stages(manifest: Any, plan: FragmentPlan) -> list[int]:

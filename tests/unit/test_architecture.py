@@ -36,7 +36,13 @@ FORBIDDEN = (
     ("bootstrap", "node.roles", "the bootstrap runs no training role in-process"),
 )
 # Pure cores: no event loop, socket or P2P import (the simulator and the unit tests drive them with a fake clock).
-PURE_PACKAGES = ("verification", "node.diloco")
+PURE_PACKAGES = (
+    "verification",
+    "node.diloco",
+    "node.pipeline.picker",
+    "node.pipeline.accounting",
+    "node.pipeline.routing",
+)
 PURE_EXEMPT = frozenset(
     {"protocol.rpc", "protocol.dht_io"}
 )  # the framed-stream and DHT codecs are the I/O edge

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from node.roles.syncer import LeaseView, lease_action, takeover_quorum
+from node.diloco.lease import LeaseView, TakeoverWatch, lease_action, takeover_quorum
 
 EMPTY = LeaseView(live_active=(), highest_term=1)
 
@@ -41,3 +41,32 @@ def test_lease_action_waits_for_a_known_quorum_and_refuses_without_one() -> None
     assert act(me="b", active=False, term=1, view=EMPTY, vacant_looks=1, quorum=True) == "wait"
     assert act(me="b", active=False, term=1, view=EMPTY, vacant_looks=2, quorum=True) == "take_over"
     assert act(me="b", active=True, term=1, view=EMPTY, vacant_looks=2, quorum=False) == "renew"
+
+
+def _watch(enabled: bool = True) -> TakeoverWatch:
+    return TakeoverWatch(enabled=enabled, heartbeat_ttl_s=2.0, lease_s=3.0, membership_refresh_s=1.0)
+
+
+def test_watch_waits_for_fresh_heartbeats_then_refuses_a_minority_once() -> None:
+    watch = _watch()
+    watch.holders_read(["a", "b", "c", "d"], 100.0)
+    watch.lease_seen(101.0)  # the lease was live at 101, then lapsed
+    watch.holders_read(["a"], 102.0)  # too soon after the lapse: the others' heartbeats may not have expired
+    assert watch.has_quorum() is None
+    watch.holders_read(["a"], 104.5)  # a TTL and a refresh later, only one of four is still here
+    assert watch.has_quorum() is False and watch.quorum == (1, 4)
+    assert watch.first_refusal() and not watch.first_refusal()  # logged once per lapse
+    watch.lease_seen(105.0)
+    assert watch.first_refusal()  # a new lapse logs again
+
+
+def test_watch_grants_a_majority_and_the_disabled_check() -> None:
+    watch, off = _watch(), _watch(enabled=False)
+    for w in (watch, off):
+        w.holders_read(["a", "b", "c"], 100.0)
+        w.lease_seen(101.0)
+        w.holders_read(["a"], 104.5)
+    assert watch.has_quorum() is False
+    assert off.has_quorum() is True  # negative control: without the check a minority takes over
+    watch.holders_read(["a", "b"], 105.0)
+    assert watch.has_quorum() is True  # two of three
