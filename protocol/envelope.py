@@ -32,6 +32,7 @@ import secrets
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import blake3
 import msgpack
@@ -486,6 +487,46 @@ def _refuse_ext(code: int, data: bytes) -> object:
 
 
 def _decode_header(raw: bytes, limits: TensorLimits) -> Header:
+    (
+        version,
+        run_id,
+        kind,
+        sender,
+        receiver,
+        stage,
+        direction,
+        microbatch,
+        step,
+        timestamp,
+        nonce,
+        specs,
+        digest,
+        meta,
+    ) = _unpack_header_fields(raw, limits)
+    _check_scalar_fields(version, run_id, kind, sender, receiver, stage, direction, microbatch, step)
+    _require(type(timestamp) is float and math.isfinite(timestamp), "timestamp must be a finite float")
+    _require(type(nonce) is bytes and len(nonce) == NONCE_SIZE, "bad nonce")
+    _require(type(digest) is bytes and len(digest) == DIGEST_SIZE, "bad digest")
+    return Header(
+        version=version,
+        run_id=run_id,
+        kind=_KINDS[kind],
+        sender=sender,
+        receiver=receiver,
+        stage=stage,
+        direction=_DIRECTIONS[direction],
+        microbatch=microbatch,
+        step=step,
+        timestamp=timestamp,
+        nonce=nonce,
+        tensors=_decode_specs(specs, limits),
+        digest=digest,
+        meta=_check_meta(meta),
+    )
+
+
+def _unpack_header_fields(raw: bytes, limits: TensorLimits) -> list[Any]:
+    """msgpack with every length bounded before allocation, no ext types; the list of header fields."""
     try:
         fields = msgpack.unpackb(
             raw,
@@ -506,22 +547,20 @@ def _decode_header(raw: bytes, limits: TensorLimits) -> Header:
         raise MalformedFrame(f"header is not valid msgpack: {type(e).__name__}") from None
     if type(fields) is not list or len(fields) != _NUM_HEADER_FIELDS:
         raise MalformedFrame("header is not a list of the expected fields")
-    (
-        version,
-        run_id,
-        kind,
-        sender,
-        receiver,
-        stage,
-        direction,
-        microbatch,
-        step,
-        timestamp,
-        nonce,
-        specs,
-        digest,
-        meta,
-    ) = fields
+    return fields
+
+
+def _check_scalar_fields(
+    version: object,
+    run_id: object,
+    kind: object,
+    sender: object,
+    receiver: object,
+    stage: object,
+    direction: object,
+    microbatch: object,
+    step: object,
+) -> None:
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise MalformedFrame(
             f"protocol version {str(version)[:16]} is not {PROTOCOL_VERSION}", reason="unsupported version"
@@ -536,25 +575,6 @@ def _decode_header(raw: bytes, limits: TensorLimits) -> Header:
     _require(_is_int_in(stage, NO_STAGE, MAX_STAGE), "stage out of range")
     _require(
         _is_int_in(microbatch, 0, MAX_U63) and _is_int_in(step, 0, MAX_U63), "microbatch or step out of range"
-    )
-    _require(type(timestamp) is float and math.isfinite(timestamp), "timestamp must be a finite float")
-    _require(type(nonce) is bytes and len(nonce) == NONCE_SIZE, "bad nonce")
-    _require(type(digest) is bytes and len(digest) == DIGEST_SIZE, "bad digest")
-    return Header(
-        version=version,
-        run_id=run_id,
-        kind=_KINDS[kind],
-        sender=sender,
-        receiver=receiver,
-        stage=stage,
-        direction=_DIRECTIONS[direction],
-        microbatch=microbatch,
-        step=step,
-        timestamp=timestamp,
-        nonce=nonce,
-        tensors=_decode_specs(specs, limits),
-        digest=digest,
-        meta=_check_meta(meta),
     )
 
 
