@@ -1,9 +1,12 @@
 """The signed run manifest: what a run trains and who is trusted in it.
 
 `run.toml` (or the built-in default run) parses to a `RunManifest`. Its canonical bytes (msgpack, sorted keys,
-no timestamps) are signed by the owner key into a `SignedManifest`; the `run_id` is a hash of the owner key and
-those bytes, so the run id alone commits to every setting and to who owns the run. Nodes verify the signature
-and pin the owner key per run id on first use (`OwnerPins`, in `<state-dir>/trusted_owners.json`).
+no timestamps) are signed by the owner key into a `SignedManifest`. The manifest has two parts: the run's
+identity (`IDENTITY_KEYS`: name, seed, model, the stage cut, the fragment count, the data spec: what names its
+checkpoints and fixes their layout) and operational settings (optimiser, quorum, timeouts, limits, trusted
+peers, codecs, SENTINEL). The `run_id` is a hash of the owner key and the identity alone, so an owner may change
+operational settings (raising `revision`) without orphaning a checkpoint, a pin or a peer's state. Nodes verify
+the signature and pin the owner key per run id on first use (`OwnerPins`, in `<state-dir>/trusted_owners.json`).
 
 Authorized syncers and verifiers are listed by peer id; an owner adds them in `run.toml` or with
 `python -m bootstrap --authorize-syncer PEER_ID --authorize-verifier PEER_ID` (see `authorize`).
@@ -14,6 +17,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -46,7 +50,10 @@ FORMAT_VERSION = 1
 DEFAULT_RUN_NAME = "default"
 MAX_MANIFEST_BYTES = 16 * 1024
 _SIGN_DOMAIN = b"hivenode-manifest-v1\x00"
-_RUN_ID_DOMAIN = b"hivenode-run-id-v1\x00"
+_RUN_ID_DOMAIN = b"hivenode-run-id-v2\x00"  # v2: the hash covers the identity part only
+# The top-level settings that make the run's identity (plus diloco.num_fragments, which fixes the checkpoint's
+# version vector); every other setting is operational and may change under the same run id.
+IDENTITY_KEYS = ("name", "seed", "model", "num_stages", "data")
 _FLOAT32_BYTES = 4
 _INT64_BYTES = 8
 REQUIRED_MODEL_KEYS = ("vocab_size", "context_len", "num_layers", "width", "num_heads")
@@ -208,6 +215,7 @@ class RunManifest:
     authorized_verifiers: tuple[str, ...] = ()  # peer ids
     wire: WireSpec = field(default_factory=WireSpec)
     heartbeat_period_s: float = 2.0  # how often each peer refreshes its heartbeat record
+    revision: int = 0  # the owner raises it with each change of operational settings (same run id)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and 0 < len(self.name) <= 64, "name must be 1-64 characters")
@@ -224,6 +232,7 @@ class RunManifest:
         _check_peer_ids("authorized_verifiers", self.authorized_verifiers)
         hb = self.heartbeat_period_s
         _require(_is_real(hb) and 0.2 <= hb <= 600, f"heartbeat_period_s must be in [0.2, 600], got {hb!r}")
+        _require(_is_int(self.revision) and 0 <= self.revision < 2**31, "revision must be an int >= 0")
 
     @property
     def max_tensor_bytes(self) -> int:
@@ -246,6 +255,17 @@ class RunManifest:
 
     def to_canonical_bytes(self) -> bytes:
         return msgpack.packb({"format": FORMAT_VERSION, "run": self.to_dict()}, use_bin_type=True)
+
+    def identity(self) -> dict[str, Any]:
+        """The settings that name the run (and its checkpoints); see `IDENTITY_KEYS`."""
+        plain = self.to_dict()
+        ident = {key: plain[key] for key in IDENTITY_KEYS}
+        ident["num_fragments"] = plain["diloco"]["num_fragments"]
+        return ident
+
+    def identity_bytes(self) -> bytes:
+        packed: bytes = msgpack.packb({"format": FORMAT_VERSION, "identity": _sorted(self.identity())})
+        return packed
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunManifest:
@@ -370,12 +390,21 @@ def authorize(
         raise ConfigError(f"cannot authorize: {e}") from None
 
 
-def derive_run_id(manifest_bytes: bytes, owner_peer_id: str) -> str:
-    """The run id: a hash of the owner's public key and the canonical manifest bytes (hex, 40 chars)."""
+def derive_run_id(identity_bytes: bytes, owner_peer_id: str) -> str:
+    """The run id: a hash of the owner's public key and the manifest's identity bytes (hex, 40 chars)."""
     owner_key = public_key_from_peer_id(owner_peer_id)
     raw = owner_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    digest = hashlib.sha256(_RUN_ID_DOMAIN + raw + manifest_bytes).hexdigest()
+    digest = hashlib.sha256(_RUN_ID_DOMAIN + raw + identity_bytes).hexdigest()
     return digest[:RUN_ID_HEX_CHARS]
+
+
+@functools.lru_cache(maxsize=64)
+def _run_id_of(manifest_bytes: bytes, owner_peer_id: str) -> str:
+    try:
+        manifest = RunManifest.from_canonical_bytes(manifest_bytes)
+    except (ValueError, TypeError) as e:
+        raise ManifestRejected(f"run manifest is invalid: {e}") from None
+    return derive_run_id(manifest.identity_bytes(), owner_peer_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,7 +425,8 @@ class SignedManifest:
 
     @property
     def run_id(self) -> str:
-        return derive_run_id(self.manifest_bytes, self.owner)
+        """Derived from the identity part (parsed once per manifest); ManifestRejected if the bytes are invalid."""
+        return _run_id_of(self.manifest_bytes, self.owner)
 
     def verify(self) -> RunManifest:
         """The manifest, if the owner signed exactly these bytes and they are a valid canonical manifest."""
@@ -464,7 +494,7 @@ def short_key(peer_id: str) -> str:
 class OwnerPins:
     """Trust on first use, keyed by run id: the owner key first seen for each run id, in `trusted_owners.json`.
 
-    "The same run" means the same run id. The run id is a hash of the owner key and the canonical manifest
+    "The same run" means the same run id. The run id is a hash of the owner key and the manifest's identity
     bytes (`derive_run_id`), so it already commits to its owner: a verified manifest can never present another
     owner for a pinned run id, and finding one (an edited pin file, a manifest whose id does not match its
     owner) is refused with `OwnerPinMismatch`, resolved by `python -m node trust forget RUN_ID`. A run *name*

@@ -136,14 +136,43 @@ def test_unreadable_run_file_names_the_path(tmp_path: Path) -> None:
     assert load_run_toml(tmp_path / "run.toml").name == "tiny-wiki"
 
 
-def test_run_id_commits_to_owner_and_every_setting() -> None:
+def test_run_id_commits_to_owner_and_the_identity_but_not_to_operational_settings() -> None:
     m = default_manifest()
     signed = SignedManifest.sign(m, OWNER)
     assert signed.run_id == SignedManifest.sign(m, OWNER).run_id  # deterministic, no timestamps
     assert len(signed.run_id) == 40
     assert SignedManifest.sign(m, NodeIdentity.generate()).run_id != signed.run_id
-    changed = dataclasses.replace(m, seed=1)
-    assert SignedManifest.sign(changed, OWNER).run_id != signed.run_id
+    identity_changes = [
+        dataclasses.replace(m, seed=1),
+        dataclasses.replace(m, name="other"),
+        dataclasses.replace(m, model={**m.model, "width": 64}),
+        dataclasses.replace(m, num_stages=1),
+        dataclasses.replace(m, data={"source": "files", "path": "/corpus"}),
+        dataclasses.replace(m, diloco=dataclasses.replace(m.diloco, num_fragments=2)),
+    ]
+    for changed in identity_changes:
+        assert SignedManifest.sign(changed, OWNER).run_id != signed.run_id, changed.identity()
+    operational_changes = [
+        dataclasses.replace(m, revision=3),
+        dataclasses.replace(m, inner=dataclasses.replace(m.inner, lr=3e-4)),
+        dataclasses.replace(m, diloco=dataclasses.replace(m.diloco, min_quorum=2, min_sync_interval_s=1.0)),
+        dataclasses.replace(m, heartbeat_period_s=5.0, bans_required=2),
+        authorize(m, syncers=[SYNCER], verifiers=[VERIFIER]),
+        dataclasses.replace(m, sentinel={"warmup": 10}),
+    ]
+    for changed in operational_changes:
+        resigned = SignedManifest.sign(changed, OWNER)
+        assert resigned.manifest_bytes != signed.manifest_bytes  # a different signed document...
+        assert resigned.run_id == signed.run_id  # ...of the same run: checkpoints and pins carry over
+
+
+def test_revision_is_checked_and_a_garbled_manifest_has_no_run_id() -> None:
+    with pytest.raises(ConfigError, match="revision"):
+        parse_run_toml("revision = -1")
+    assert parse_run_toml("revision = 4").revision == 4
+    garbled = SignedManifest(b"\x93garbage", OWNER.peer_id, b"\x00" * 64)
+    with pytest.raises(ManifestRejected, match="invalid"):
+        _ = garbled.run_id
 
 
 def test_authorize_adds_peers_sorted_so_the_run_id_ignores_flag_order() -> None:
