@@ -417,7 +417,7 @@ def checkpoint_loss(run_file: Path, state: Path, run_id: str) -> float | None:
     import torch
 
     from node.diloco.sync_client import run_fragment_plan
-    from node.ml.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+    from node.ml.checkpoint import CheckpointError, CheckpointStore
     from node.ml.data import evaluate, load_corpus, validation_batches
     from node.ml.model import ModelConfig, build_model
     from protocol.manifest import load_run_toml
@@ -426,11 +426,9 @@ def checkpoint_loss(run_file: Path, state: Path, run_id: str) -> float | None:
     cfg = ModelConfig.from_dict(manifest.model)
     model = build_model(cfg, manifest.seed)
     expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    path = checkpoint_path(state / "syncer-checkpoints", run_id)
+    store = CheckpointStore(state / "syncer-checkpoints", run_id)
     try:
-        snapshot = load_checkpoint(
-            path,
-            run_id=run_id,
+        snapshot = store.load_latest(
             expected=expected,
             num_fragments=run_fragment_plan(manifest).num_fragments,
         )

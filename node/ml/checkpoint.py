@@ -3,21 +3,29 @@
 Layout: tensors `param/<name>` (the global parameters, float32) and `outer_momentum/<name>` (the Nesterov
 buffers, as `OuterNesterov.state_dict` names them), plus string metadata: `format`, `run_id`, `term`,
 `versions` (JSON list, one per fragment of the run plan), `merges`, `tokens_merged`, `merged` (the ledger) and
-`published_wall` (JSON list: when each fragment's version was published, wall clock). Files are written
-to a temporary name and renamed, so a reader (a standby syncer sharing the directory, or this syncer after
-a crash) sees either the previous checkpoint or the new one, never half of one. Nothing is unpickled.
+`published_wall` (JSON list: when each fragment's version was published, wall clock). Nothing is unpickled.
+
+`CheckpointStore` keeps a run's checkpoints in one directory, content-addressed
+(`syncer-<run16>-<blake3 of the file, 16 hex>.safetensors`): each is written to a temporary name, fsynced,
+renamed and the directory fsynced, so a reader (a standby syncer sharing the directory, or this syncer after a
+crash) never sees half of one; the newest `keep` are kept; a file whose bytes no longer match its name (a torn
+copy, a bad disk) is skipped for the one before it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import blake3
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -53,11 +61,98 @@ class CheckpointError(ValueError):
 
 
 def checkpoint_path(directory: Path, run_id: str) -> Path:
+    """The single-file name used before checkpoints were content-addressed (still read, as the oldest)."""
     return directory / f"syncer-{run_id[:16]}.safetensors"
 
 
-def save_checkpoint(path: Path, snapshot: SyncerSnapshot) -> None:
-    """Write `snapshot` atomically (temp file in the same directory, fsync, rename)."""
+_HASH_HEX = 16
+_TMP_STALE_S = 3600.0  # a temporary file this old belongs to a writer that died
+
+
+class CheckpointStore:
+    """A run's syncer checkpoints in one directory: content-addressed, atomic, the newest `keep` kept."""
+
+    def __init__(self, directory: Path, run_id: str, *, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        self.directory, self.run_id, self.keep = directory, run_id, keep
+        self._name = re.compile(rf"syncer-{re.escape(run_id[:16])}-([0-9a-f]{{{_HASH_HEX}}})\.safetensors")
+
+    def save(self, snapshot: SyncerSnapshot) -> Path:
+        """Write `snapshot` (temp file, fsync, rename to its content name, fsync the directory); prune."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / f".syncer-{self.run_id[:16]}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        try:
+            save_checkpoint(tmp, snapshot, final=False)
+            path = self.directory / f"syncer-{self.run_id[:16]}-{_file_hash(tmp)}.safetensors"
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        os.utime(path)  # the same content saved again is the newest again
+        _fsync_dir(self.directory)
+        self._prune()
+        return path
+
+    def paths(self) -> list[Path]:
+        """Checkpoint files of this run, newest first (the legacy single file last)."""
+        if not self.directory.is_dir():
+            return []
+        found = [p for p in self.directory.iterdir() if self._name.fullmatch(p.name)]
+        found.sort(key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        legacy = checkpoint_path(self.directory, self.run_id)
+        return found + ([legacy] if legacy.exists() else [])
+
+    def load_latest(self, *, expected: Mapping[str, tuple[int, ...]], num_fragments: int) -> SyncerSnapshot:
+        """The newest checkpoint that is whole and fits; FileNotFoundError if there is none at all,
+        CheckpointError if every one is damaged (each is logged)."""
+        paths = self.paths()
+        if not paths:
+            raise FileNotFoundError(self.directory)
+        errors = []
+        for path in paths:
+            try:
+                self.check_hash(path)
+                return load_checkpoint(
+                    path, run_id=self.run_id, expected=expected, num_fragments=num_fragments
+                )
+            except (CheckpointError, FileNotFoundError) as e:  # pruned by another writer meanwhile: older one
+                logger.warning("skipping checkpoint %s: %s", path.name, e)
+                errors.append(str(e))
+        raise CheckpointError(f"no usable checkpoint in {self.directory}: {'; '.join(errors)[:500]}")
+
+    def check_hash(self, path: Path) -> None:
+        match = self._name.fullmatch(path.name)
+        if match is not None and _file_hash(path) != match.group(1):
+            raise CheckpointError(f"{path}: content does not match its name (torn or damaged)")
+
+    def _prune(self) -> None:
+        for old in self.paths()[self.keep :]:
+            old.unlink(missing_ok=True)
+        now = time.time()
+        for tmp in self.directory.glob(f".syncer-{self.run_id[:16]}.*.tmp"):
+            with contextlib.suppress(FileNotFoundError):  # another writer's sweep
+                if now - tmp.stat().st_mtime > _TMP_STALE_S:
+                    tmp.unlink()
+
+
+def _file_hash(path: Path) -> str:
+    digest = blake3.blake3()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()[:_HASH_HEX]
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(path: Path, snapshot: SyncerSnapshot, *, final: bool = True) -> None:
+    """Write `snapshot` to `path`, fsynced; with `final`, atomically (a temp file renamed onto `path`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {
         PARAM_PREFIX + name: t.detach().to("cpu", torch.float32).contiguous()
@@ -77,11 +172,12 @@ def save_checkpoint(path: Path, snapshot: SyncerSnapshot) -> None:
         "merged": json.dumps([list(entry) for entry in snapshot.merged]),
         "published_wall": json.dumps([float(t) for t in snapshot.published_wall]),
     }
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp") if final else path
     save_file(tensors, str(tmp), metadata=metadata)
     with open(tmp, "rb") as handle:
         os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    if final:
+        os.replace(tmp, path)
 
 
 def load_checkpoint(

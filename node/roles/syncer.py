@@ -62,13 +62,7 @@ from node.diloco.syncer_core import (
     SyncerCore,
     refuse,
 )
-from node.ml.checkpoint import (
-    CheckpointError,
-    SyncerSnapshot,
-    checkpoint_path,
-    load_checkpoint,
-    save_checkpoint,
-)
+from node.ml.checkpoint import CheckpointError, CheckpointStore, SyncerSnapshot
 from node.roles.syncer_mirror import StateMirror
 from node.roles.syncer_rpc import SyncerService, wall_offset
 from node.swarm.membership import HEARTBEAT_TTL_PERIODS
@@ -96,6 +90,9 @@ class SyncerConfig:
     recovery_s: float = 6.0  # after a takeover: collect offers from learners before merging
     checkpoint_every_merges: int = 16  # also on takeover and on shutdown
     checkpoint_dir: str = ""  # "" = <state_dir>/syncer; point primary and standby at one shared dir
+    checkpoint_keep: int = (
+        3  # newest checkpoints kept (content-addressed; a damaged one falls back to the next)
+    )
     mirror_every_s: float = 2.0  # a standby pulls the active syncer's changed fragments this often
     max_steps_per_s: float = 50.0  # cap on claimed inner steps per second of elapsed time
     max_staleness: int = 2  # contributions built on a version older than current - this are refused
@@ -130,8 +127,8 @@ class SyncerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"syncer.{name} must be an int >= 0, got {value!r}")
-        if self.eval_batch_size < 1 or self.max_merged_keys < 1:
-            raise ValueError("syncer.eval_batch_size and max_merged_keys must be >= 1")
+        if self.eval_batch_size < 1 or self.max_merged_keys < 1 or self.checkpoint_keep < 1:
+            raise ValueError("syncer.eval_batch_size, max_merged_keys and checkpoint_keep must be >= 1")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], *, heartbeat_period_s: float) -> SyncerConfig:
@@ -191,7 +188,8 @@ class SyncerRole:
             if self.config.checkpoint_dir
             else ctx.config.state_dir / "syncer"
         )
-        self.checkpoint_file = checkpoint_path(directory, ctx.run_id)
+        self.checkpoints = CheckpointStore(directory, ctx.run_id, keep=self.config.checkpoint_keep)
+        self.checkpoint_file: Path | None = None  # the last one written
         from protocol.rpc import PeerStrikes
 
         self.strikes = PeerStrikes()
@@ -249,7 +247,7 @@ class SyncerRole:
             "syncer ready: mode %s, %d fragments, checkpoints in %s",
             self.mode,
             self.plan.num_fragments,
-            self.checkpoint_file,
+            self.checkpoints.directory,
         )
         try:
             await stop.wait()
@@ -376,9 +374,7 @@ class SyncerRole:
     async def _take_over(self, term: int) -> None:
         assert self.core is not None
         async with self.merge_lock:
-            source, seen_term = await restore_best(
-                self.core, self.checkpoint_file, self.ctx.run_id, self.mirror.snapshot
-            )
+            source, seen_term = await restore_best(self.core, self.checkpoints, self.mirror.snapshot)
             # terms never go back, even when every lease record has expired: the saved state knows its term
             term = self.term = max(term, seen_term + 1, self.term + 1)
             self.active = True
@@ -526,7 +522,7 @@ class SyncerRole:
             return
         async with self.merge_lock:
             snapshot = core.snapshot(self.ctx.run_id, self.term, wall_offset=wall_offset())
-        await asyncio.to_thread(save_checkpoint, self.checkpoint_file, snapshot)
+        self.checkpoint_file = await asyncio.to_thread(self.checkpoints.save, snapshot)
         self._merges_since_checkpoint = 0
         self.last_checkpoint_at = time.time()
         self.ctx.events.emit(
@@ -595,7 +591,7 @@ def role_status(role: SyncerRole) -> dict[str, Any]:
         "adopted": role.adopted,
         **role.service.status(),
         "strikes": role.strikes.snapshot(),
-        "checkpoint": str(role.checkpoint_file),
+        "checkpoint": str(role.checkpoint_file or role.checkpoints.directory),
         "last_checkpoint_at": role.last_checkpoint_at,
         "mirror_versions": list(mirror.versions) if (mirror := role.mirror.snapshot) is not None else None,
         "recent_merges": list(role.recent_merges),
@@ -603,17 +599,13 @@ def role_status(role: SyncerRole) -> dict[str, Any]:
 
 
 async def restore_best(
-    core: SyncerCore, checkpoint_file: Path, run_id: str, mirror: SyncerSnapshot | None
+    core: SyncerCore, checkpoints: CheckpointStore, mirror: SyncerSnapshot | None
 ) -> tuple[str, int]:
-    """Resume from the freshest of the checkpoint file and the mirror (by total version count)."""
+    """Resume from the freshest of the newest whole checkpoint and the mirror (by total version count)."""
     candidates: list[tuple[int, str, SyncerSnapshot]] = []
     try:
         snapshot = await asyncio.to_thread(
-            load_checkpoint,
-            checkpoint_file,
-            run_id=run_id,
-            expected=core.shapes,
-            num_fragments=core.plan.num_fragments,
+            partial(checkpoints.load_latest, expected=core.shapes, num_fragments=core.plan.num_fragments)
         )
         candidates.append((sum(snapshot.versions), "checkpoint", snapshot))
     except FileNotFoundError:
