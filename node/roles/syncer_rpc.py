@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -29,9 +30,10 @@ from node.diloco.sync_client import (
 from node.diloco.syncer_core import Refusal, SyncerCore, refuse, wire_params
 from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
 from protocol.errors import MalformedFrame, ProtocolError
+from protocol.limits import LimitsConfig
 from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
 from protocol.replay import ReplayGuard
-from protocol.rpc import FramedServer, Route
+from protocol.rpc import FramedServer, Route, StreamConfig, route_limits
 
 if TYPE_CHECKING:
     from node.context import NodeContext
@@ -83,6 +85,17 @@ class SyncerHost(Protocol):
     def notify(self) -> None: ...
 
 
+def fragment_server_limits(routes: Mapping[str, Route], fragment_frame_bytes: int) -> LimitsConfig:
+    """The stream layer's default caps, with room for fragments of any size: one peer may hold one whole
+    fragment frame (or its largest request) in flight, and all peers together two fragments' worth (or the
+    defaults, if larger). Request bytes are still reserved from the declared size before any is allocated."""
+    base = route_limits(routes, StreamConfig())
+    largest_request = max(route.max_request_bytes for route in routes.values())
+    per_peer = max(base.max_bytes_in_flight_per_peer, largest_request)
+    total = max(base.max_bytes_in_flight_total, 2 * fragment_frame_bytes, per_peer)
+    return dataclasses.replace(base, max_bytes_in_flight_per_peer=per_peer, max_bytes_in_flight_total=total)
+
+
 class SyncerService:
     """The routes of one syncer, and what they refused and verified (for /api/status)."""
 
@@ -114,7 +127,12 @@ class SyncerService:
             STATE_ROUTE: Route(self._handle_state, control),
         }
         self._server = FramedServer(
-            p2p, routes, strikes=self.role.strikes, on_reject=self._on_reject, on_throttle=on_throttle
+            p2p,
+            routes,
+            strikes=self.role.strikes,
+            on_reject=self._on_reject,
+            on_throttle=on_throttle,
+            limits=fragment_server_limits(routes, max_frame_bytes(self.push_limits)),
         )
         await self._server.start()
 
