@@ -14,6 +14,13 @@ Three checks, in this order:
    dropped and its timestamp becomes that sender's floor (anything at or below it is refused as stale), so eviction
    can never re-open a replay.
 
+The sender table is bounded too. Identities cost nothing, so a Sybil flood (one signed frame from each of many
+fresh identities) must not lock new honest senders out: when the table is full of live senders, the least
+recently active *newcomer* (fewer than `established_frames` accepted frames) is evicted, an established sender
+only when no newcomer is left. An evicted sender's newest timestamp raises a table-wide floor: a frame from a sender
+the table does not hold is refused as stale at or below it, so an eviction never re-opens a replay either (an
+honest newcomer whose frame predates the floor is refused once, as stale, and its next frame passes).
+
 `check` does not change state and `record` commits, so a receiver records a frame only after every later check
 (byte count, digest, tensor policy) has passed. Not thread-safe: use it from one thread (the node's event loop).
 """
@@ -38,6 +45,9 @@ class ReplayConfig:
     max_seen_per_sender: int = 4096  # remembered frame ids per sender
     max_senders: int = 4096  # senders tracked at once
     max_channels_per_sender: int = 64  # (kind, stage, direction) step windows per sender
+    # a full sender table evicts a newcomer (else refuses new senders: the behaviour a Sybil flood defeats)
+    evict_when_full: bool = True
+    established_frames: int = 8  # accepted frames after which a sender is evicted only after every newcomer
 
     def __post_init__(self) -> None:
         if self.window_steps < 0 or self.max_ahead_steps < 0:
@@ -46,6 +56,8 @@ class ReplayConfig:
             raise ValueError(f"max_skew_s must be a positive number, got {self.max_skew_s}")
         if min(self.max_seen_per_sender, self.max_senders, self.max_channels_per_sender) <= 0:
             raise ValueError("max_seen_per_sender, max_senders and max_channels_per_sender must be positive")
+        if self.established_frames < 1:
+            raise ValueError("established_frames must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +88,9 @@ class _SenderState:
     by_time: list[tuple[float, tuple[str, int, str, int, int, bytes]]] = field(default_factory=list)
     floor_ts: float = -math.inf  # entries at or below were evicted before they expired
     highest_step: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    newest_ts: float = -math.inf  # the newest timestamp accepted from it
+    last_active: float = -math.inf  # our clock when it last had a frame accepted
+    accepted: int = 0
 
     def expire(self, now: float, max_skew_s: float) -> None:
         while self.by_time and now - self.by_time[0][0] > max_skew_s:
@@ -100,6 +115,8 @@ class ReplayGuard:
         self.config = config or ReplayConfig()
         self._senders: dict[str, _SenderState] = {}
         self._latest_now = -math.inf
+        self._evicted_floor = -math.inf  # newest timestamp of any evicted sender
+        self.num_evicted = 0
 
     @property
     def num_seen(self) -> int:
@@ -132,6 +149,10 @@ class ReplayGuard:
         state = self._senders.get(frame.sender)
         self._check_step(frame, state, current_step)
         if state is None:
+            if frame.timestamp <= self._evicted_floor:
+                raise StaleFrame(  # the floor is others' doing: never strike the sender for it
+                    "frame is older than the replay history of evicted senders", blame_sender=False
+                )
             return
         state.expire(now, cfg.max_skew_s)
         if frame.key in state.seen:
@@ -168,6 +189,9 @@ class ReplayGuard:
             state.evict_oldest()
         state.seen[frame.key] = frame.timestamp
         heapq.heappush(state.by_time, (frame.timestamp, frame.key))
+        state.newest_ts = max(state.newest_ts, frame.timestamp)
+        state.last_active = now
+        state.accepted += 1
         channel = frame.channel
         if channel in state.highest_step or len(state.highest_step) < cfg.max_channels_per_sender:
             state.highest_step[channel] = max(frame.step, state.highest_step.get(channel, frame.step))
@@ -180,6 +204,8 @@ class ReplayGuard:
     def _admit_sender(self, sender: str, now: float) -> _SenderState:
         if len(self._senders) >= self.config.max_senders:
             self.forget_idle(now)
+        if len(self._senders) >= self.config.max_senders and self.config.evict_when_full:
+            self._evict_one(now)
         if len(self._senders) >= self.config.max_senders:
             raise ProtocolError(
                 f"replay table holds {len(self._senders)} live senders",
@@ -188,6 +214,20 @@ class ReplayGuard:
             )
         state = self._senders[sender] = _SenderState()
         return state
+
+    def _evict_one(self, now: float) -> None:
+        """Drop the least recently active newcomer (else sender); its newest timestamp, capped at our clock,
+        raises the floor (uncapped, one future-dated Sybil frame would refuse every newcomer for max_skew_s; the
+        cost is that a replay of an evicted sender's frames dated past our clock, by its clock's lead, passes)."""
+        established = self.config.established_frames
+        victim = min(
+            self._senders,
+            key=lambda s: (self._senders[s].accepted >= established, self._senders[s].last_active),
+        )
+        state = self._senders.pop(victim)
+        self._evicted_floor = max(self._evicted_floor, min(max(state.newest_ts, state.floor_ts), now))
+        self.num_evicted += 1
+        logger.debug("replay table full: evicted sender %s (%d frames)", victim[:16], state.accepted)
 
     def forget_idle(self, now: float) -> int:
         """Drop senders with nothing left to remember; return how many were dropped."""

@@ -112,8 +112,8 @@ def test_full_seen_set_evicts_oldest_and_raises_the_floor() -> None:
         guard.admit(frame(nonce=1, ts=T0 + 1), now=T0 + 3)
 
 
-def test_sender_table_full_refuses_new_senders_until_old_ones_go_idle() -> None:
-    guard = ReplayGuard(ReplayConfig(max_senders=2, max_skew_s=60))
+def test_without_eviction_a_full_table_refuses_new_senders_until_old_ones_go_idle() -> None:
+    guard = ReplayGuard(ReplayConfig(max_senders=2, max_skew_s=60, evict_when_full=False))
     guard.admit(frame("a"), now=T0)
     guard.admit(frame("b"), now=T0)
     with pytest.raises(ProtocolError) as err:
@@ -177,3 +177,35 @@ class ReplayMachine(RuleBasedStateMachine):
 
 ReplayMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 test_replay_state_machine = ReplayMachine.TestCase
+
+
+def test_a_sybil_flood_cannot_lock_new_senders_out_of_a_full_table() -> None:
+    cfg = ReplayConfig(max_senders=4, max_skew_s=60, established_frames=3)
+    flood = [frame(f"sybil{i}", ts=T0 + 0.1 * i, nonce=i) for i in range(40)]
+    # negative control: without eviction, one frame from each of a few fresh identities refuses everyone new
+    closed = ReplayGuard(dataclasses.replace(cfg, evict_when_full=False))
+    for f in flood[:4]:
+        closed.admit(f, now=T0 + 5)
+    with pytest.raises(ProtocolError, match="live senders"):
+        closed.admit(frame("honest", ts=T0 + 5), now=T0 + 5)
+
+    guard = ReplayGuard(cfg)
+    for i in range(3):  # an established peer
+        guard.admit(frame("known", nonce=100 + i, ts=T0 + i), now=T0 + i)
+    for f in flood:
+        guard.admit(f, now=T0 + 5)
+    guard.admit(frame("honest", ts=T0 + 6, nonce=7), now=T0 + 6)  # a newcomer after the flood gets in
+    assert guard.num_senders == 4 and guard.num_evicted == 38
+    with pytest.raises(ReplayedFrame):  # the established peer was never evicted: its history holds
+        guard.admit(frame("known", nonce=101, ts=T0 + 1), now=T0 + 6)
+    for f in flood[:36]:  # an evicted sender's frames stay refused: the floor replaces their history
+        with pytest.raises(StaleFrame) as err:
+            guard.admit(f, now=T0 + 6)
+        assert err.value.blame_sender is False
+
+
+def test_a_future_dated_flood_raises_the_floor_only_to_our_clock() -> None:
+    guard = ReplayGuard(ReplayConfig(max_senders=2, max_skew_s=60))
+    for i in range(6):
+        guard.admit(frame(f"sybil{i}", ts=T0 + 59, nonce=i), now=T0)  # dated a minute ahead
+    guard.admit(frame("honest", ts=T0 + 0.5), now=T0 + 0.5)  # not locked out for a minute
