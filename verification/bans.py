@@ -31,7 +31,16 @@ EVIDENCE_KINDS: tuple[str, ...] = ("statistical", "spotcheck", "equivocation")
 MAX_EVIDENCE_BYTES = 8 * 1024  # protocol.records.RecordLimits.max_evidence_bytes
 _EVIDENCE_VERSION = 1
 # Positions in protocol.envelope's canonical header array (see `_encode_header` there).
-_H_RUN, _H_SENDER, _H_STAGE, _H_DIRECTION, _H_MICROBATCH, _H_DIGEST, _H_META = 1, 3, 5, 6, 7, 12, 13
+_H_RUN, _H_SENDER, _H_STAGE, _H_DIRECTION, _H_MICROBATCH, _H_STEP, _H_DIGEST, _H_META = (
+    1,
+    3,
+    5,
+    6,
+    7,
+    8,
+    12,
+    13,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +134,9 @@ class HeaderSlot:
     microbatch: int
     digest: bytes
     input_digest: str = ""  # which request the payload answered (stages bind it in their output headers)
+    step: int = (
+        -1
+    )  # the signer's inner step when it computed the payload (see verification.equivocation.Slot)
 
 
 def _input_digest(fields: list[Any]) -> str:
@@ -159,6 +171,7 @@ def verified_slot(signer: str, signed: SignedBoundaryHeader) -> HeaderSlot | Non
             microbatch=int(fields[_H_MICROBATCH]),
             digest=bytes(fields[_H_DIGEST]),
             input_digest=_input_digest(fields),
+            step=int(fields[_H_STEP]),
         )
     except Exception:  # a validly signed header we cannot read proves nothing
         return None
@@ -166,7 +179,7 @@ def verified_slot(signer: str, signed: SignedBoundaryHeader) -> HeaderSlot | Non
 
 
 def proves_equivocation(evidence: BanEvidence, run_id: str) -> bool:
-    """Two headers validly signed by the offender for one (run, microbatch, stage, direction, input) with
+    """Two headers validly signed by the offender for one (run, microbatch, stage, direction, input, step) with
     different payload digests. Checked from the offender's peer id alone: no trust in the verifier needed."""
     slots = [verified_slot(evidence.offender, h) for h in evidence.headers[:2]]
     if len(slots) != 2:
@@ -174,12 +187,13 @@ def proves_equivocation(evidence: BanEvidence, run_id: str) -> bool:
     a, b = slots
     if a is None or b is None:
         return False
-    same_slot = (a.run_id, a.stage, a.direction, a.microbatch, a.input_digest) == (
+    same_slot = (a.run_id, a.stage, a.direction, a.microbatch, a.input_digest, a.step) == (
         b.run_id,
         b.stage,
         b.direction,
         b.microbatch,
         b.input_digest,
+        b.step,
     )
     return a.run_id == run_id and same_slot and a.digest != b.digest
 

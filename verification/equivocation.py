@@ -2,7 +2,8 @@
 
 Every boundary tensor is signed over a header that binds (run, microbatch, stage, direction) and the
 digest of the payload. An honest replica sends exactly one payload per slot (a retry resends the same
-bytes). Two valid signatures by the same signer over different digests for the same slot prove that the
+bytes); the slot includes the request it answers and the inner step it computed at, so neither a rerouted
+input nor a context rebuilt after the replica stepped frames it. Two valid signatures by the same signer over different digests for the same slot prove that the
 signer equivocated, for example sending one tensor to the next stage and another to a spot-checker or a
 second verifier. The proof is the pair of signed headers: anyone can re-check it from the signer's public
 key, so it is ban-grade evidence that needs no statistics (the ledger may let it bypass the stage cap).
@@ -39,6 +40,9 @@ class Slot:
     stage: int
     direction: str
     input_digest: str = ""  # the request the payload answers: a new input for a microbatch is a new slot
+    # the signer's inner step it computed at (bound in its signed header): a context rebuilt after the replica
+    # stepped answers the same input with other weights, honestly, so it is a new slot, never a proof
+    step: int = -1
 
 
 @dataclass(frozen=True, slots=True)

@@ -416,7 +416,14 @@ class SentinelTap:
         signed: SignedBoundaryHeader,
         now: float,
     ) -> bool:
-        slot = Slot(self.run_id, microbatch_id, stage, direction, str(header.meta.get("input_digest", "")))
+        slot = Slot(
+            self.run_id,
+            microbatch_id,
+            stage,
+            direction,
+            str(header.meta.get("input_digest", "")),
+            header.step,
+        )
         proof = self.equivocation.observe(
             replica, slot, SignedHeader(signed.header, signed.signature, header.digest), now
         )

@@ -11,6 +11,7 @@ from verification.bans import (
     BanEvidence,
     BanList,
     BanVote,
+    SignedBoundaryHeader,
     decide_bans,
     proves_equivocation,
     signed_header_of,
@@ -156,3 +157,47 @@ def test_a_verifier_that_accuses_alone_is_suspicious() -> None:
     assert suspicious_verifiers(votes, required=2) == {V3: 5}
     agreeing = [vote(v, offender=o) for o in offenders[:3] for v in (V1, V2, V3)]
     assert suspicious_verifiers(agreeing, required=2) == {}
+
+
+def _answer(step: int, value: float, *, input_digest: str = "ab" * 32) -> SignedBoundaryHeader | None:
+    ctx = Context(run_id=RUN, kind=Kind.ACTIVATION, receiver=V1, stage=1, direction=Direction.FORWARD)
+    sealed = seal(
+        OFFENDER,
+        ctx,
+        microbatch=7,
+        step=step,
+        now=1000.0,
+        tensor=torch.full((2, 3, 4), value),
+        meta={"input_digest": input_digest},
+    )
+    return signed_header_of(sealed)
+
+
+def test_a_context_rebuilt_after_a_step_never_frames_an_honest_replica() -> None:
+    # The replica answered microbatch 7 at inner step 3, lost the context, stepped, and answered the same input
+    # again at step 4 with its new weights: two honest statements, each signed with the step it computed at.
+    first, rebuilt = _answer(3, 1.0), _answer(4, 2.0)
+    evidence = BanEvidence(
+        offender=OFFENDER.peer_id, verifier=V1, kind="equivocation", reason="x", headers=(first, rebuilt)
+    )
+    assert not proves_equivocation(evidence, RUN)
+    assert (
+        decide_bans(
+            [vote(V1, evidence=evidence.to_bytes())], authorized=AUTHORIZED, required=2, run_id=RUN, now=0.0
+        )
+        == []
+    )
+    # two payloads at one step for one input are still a proof
+    lie = BanEvidence(
+        offender=OFFENDER.peer_id,
+        verifier=V1,
+        kind="equivocation",
+        reason="x",
+        headers=(rebuilt, _answer(4, 3.0)),
+    )
+    assert proves_equivocation(lie, RUN)
+    # negative control: compared without the step (the slot before it was bound), the rebuilt context was "proof"
+    a, b = verified_slot(OFFENDER.peer_id, first), verified_slot(OFFENDER.peer_id, rebuilt)
+    assert a is not None and b is not None and (a.step, b.step) == (3, 4)
+    without_step = [(s.run_id, s.stage, s.direction, s.microbatch, s.input_digest) for s in (a, b)]
+    assert without_step[0] == without_step[1] and a.digest != b.digest

@@ -85,3 +85,19 @@ def test_config_validation() -> None:
         EquivocationConfig(max_entries=0)
     with pytest.raises(ValueError):
         EquivocationConfig(ttl_s=0.0)
+
+
+def test_a_context_rebuilt_after_the_replica_stepped_is_a_new_slot() -> None:
+    det = EquivocationDetector()
+    at_step = {
+        s: Slot(run_id="run", microbatch_id=7, stage=1, direction="forward", input_digest="aa", step=s)
+        for s in (3, 4)
+    }
+    assert det.observe("peer", at_step[3], signed(b"\x01" * 32), now=1.0) is None
+    assert det.observe("peer", at_step[4], signed(b"\x02" * 32), now=2.0) is None  # new weights, honest
+    assert det.observe("peer", at_step[4], signed(b"\x03" * 32), now=3.0) is not None  # same step: a lie
+    # negative control: a slot that ignores the step turns the honest rebuild into a proof
+    blind = Slot(run_id="run", microbatch_id=7, stage=1, direction="forward", input_digest="aa")
+    det2 = EquivocationDetector()
+    assert det2.observe("peer", blind, signed(b"\x01" * 32), now=1.0) is None
+    assert det2.observe("peer", blind, signed(b"\x02" * 32), now=2.0) is not None
