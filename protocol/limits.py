@@ -42,6 +42,7 @@ STORE_RECORDS = "store records"
 STORE_BYTES = "store bytes"
 GLOBAL_STORE_RECORDS = "global store records"
 SUBKEYS = "subkeys per key"
+INVALID_RECORD = "invalid record"  # refused by the record validator before it could count toward a quota
 
 # Only these are the peer's own doing; global caps and a full table can be hit by honest peers when someone
 # else floods, so they never count towards a flooding report.
@@ -599,6 +600,14 @@ class StoreQuota:
             return Admission(ok=False, reason=reason)
         self._commit(peer, key, subkey, value_size, expiration_time, now)
         return ADMITTED
+
+    def refuse_invalid(self, peer: str) -> Admission:
+        """Count a record the validator refused before admission (it never touches a quota or a subkey count)."""
+        self._rejected[INVALID_RECORD] += 1
+        window = self._peers.get(peer)
+        if window is not None:
+            window.rejected[INVALID_RECORD] += 1
+        return Admission(ok=False, reason=INVALID_RECORD)
 
     def stats(self) -> QuotaStats:
         return QuotaStats(

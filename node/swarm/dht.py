@@ -79,6 +79,10 @@ class QuotaDHTProtocol(DHTProtocol):
     """
 
     quota_config: QuotaConfig | None = None
+    # Validate (schema, signature) before a record counts toward any quota: else unsigned junk admitted by the
+    # quota fills the subkey cap of `<run>/peers` and the like, and honest records are refused. False: the order
+    # of old (quota, then hivemind's validators), kept for the tests' negative control.
+    validate_first: bool = True
 
     def __init__(self, *, _initialized_with_create: bool = False) -> None:
         super().__init__(_initialized_with_create=_initialized_with_create)
@@ -135,6 +139,8 @@ class QuotaDHTProtocol(DHTProtocol):
             subkey = None if tag == self.IS_REGULAR_VALUE else tag
             if subkey is not None and not self._is_subkey(subkey):
                 return False
+            if self.validate_first and not self._validate_record(key, tag, value, expiration):
+                return self._note(quota.refuse_invalid(peer), peer)
             return self._note(quota.admit_store(peer, key, len(value), expiration, now, subkey=subkey), peer)
         try:
             dictionary = self.serializer.loads(value)
@@ -142,6 +148,8 @@ class QuotaDHTProtocol(DHTProtocol):
             return False
         if not isinstance(dictionary, DictionaryDHTValue) or not len(dictionary):
             return False  # an empty dictionary stores nothing; hivemind would still answer "stored"
+        if self.validate_first and not self._validate_dictionary(key, dictionary):
+            return self._note(quota.refuse_invalid(peer), peer)
         for subkey, item in dictionary.items():
             blob, item_expiration = item.value, item.expiration_time
             if not isinstance(blob, bytes) or type(item_expiration) not in (int, float):
@@ -199,8 +207,11 @@ class DetachedDHT(hivemind.DHT):
     `store_quota` (None: no quotas) is applied by `QuotaDHTProtocol`, which this process alone uses.
     """
 
-    def __init__(self, *args: Any, store_quota: QuotaConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, store_quota: QuotaConfig | None = None, validate_first: bool = True, **kwargs: Any
+    ) -> None:
         self._store_quota = store_quota  # read in run(), in the DHT process (forked with this attribute)
+        self._validate_first = validate_first
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
@@ -211,6 +222,7 @@ class DetachedDHT(hivemind.DHT):
         if self._store_quota is not None:
             # This process is ours alone: hivemind's DHTNode builds its protocol from this module-level name.
             QuotaDHTProtocol.quota_config = self._store_quota
+            QuotaDHTProtocol.validate_first = self._validate_first
             hivemind.dht.node.DHTProtocol = QuotaDHTProtocol
         super().run()  # hivemind then ignores SIGINT in this process
 
@@ -246,12 +258,14 @@ def start_dht(
     *,
     store_quota: QuotaConfig | None = None,
     client_mode: bool | None = None,
+    validate_first: bool = True,
 ) -> hivemind.DHT:
     """Start hivemind's DHT with our Ed25519 identity (its peer id is `identity.peer_id`); raise JoinError.
 
     hivemind's own identity-in-use check only works for RSA keys, so it is off; `IdentityLock` covers it.
     Blocks for the daemon start, at most `network.join_timeout_s`. `store_quota` defaults to `dht_store_quota()`;
-    `client_mode` to `network.client_mode`.
+    `client_mode` to `network.client_mode`. `validate_first=False` (tests only) lets records count toward the
+    quota before they are validated, as hivenode did before.
     """
     if identity.path is None:
         raise ValueError("the DHT needs an identity stored in a file")
@@ -269,6 +283,7 @@ def start_dht(
             use_relay=network.use_relay,
             use_auto_relay=network.use_auto_relay,
             store_quota=store_quota or dht_store_quota(),
+            validate_first=validate_first,
             # hivemind's default sends every value a GET found to the nearest peer that lacked it, one record
             # per subkey, charged to the reader's store quota there: a bootstrap polling the swarm directory
             # once a second went over 240 records a minute, and its own heartbeat was refused with the rest

@@ -40,8 +40,8 @@ from protocol.dht_io import SwarmRecords
 from protocol.identity import NodeIdentity
 from protocol.limits import (
     EXPIRATION_TOO_FAR,
-    STORE_RECORDS,
-    VALUE_TOO_LARGE,
+    INVALID_RECORD,
+    SUBKEYS,
     QuotaConfig,
     QuotaStats,
 )
@@ -179,12 +179,16 @@ def swarm_factory(tmp_path: Path) -> Iterator[Any]:
     started: list[Any] = []
     network = NetworkConfig(join_timeout_s=20, request_timeout_s=5)
 
-    def make(*, quota: bool, allow_foreign: bool) -> Swarm:
+    def make(
+        *, quota: bool, allow_foreign: bool, validate_first: bool = True, quota_config: QuotaConfig = QUOTA
+    ) -> Swarm:
         victim_id = NodeIdentity.load_or_create(tmp_path / f"victim{len(started)}.key")
         honest_id = NodeIdentity.load_or_create(tmp_path / f"honest{len(started)}.key")
         validator = HivenodeRecordValidator([RULES], allow_foreign=allow_foreign)
         if quota:
-            victim = start_dht(victim_id, [], network, validator, store_quota=QUOTA)
+            victim = start_dht(
+                victim_id, [], network, validator, store_quota=quota_config, validate_first=validate_first
+            )
         else:
             victim = _start_without_quota(victim_id, network, validator)
         started.append(victim)
@@ -282,16 +286,14 @@ def test_a_storage_flood_is_held_to_the_quota_and_the_schema(swarm_factory: Any)
 
     assert result["sent"] == {"big": NUM_BIG, "far": NUM_FAR, "schema": NUM_SCHEMA, "spam": NUM_SPAM}
     assert result["seconds"] < QUOTA.window_s  # the whole flood fell inside one quota window
-    # The quota's arithmetic, exactly: size and horizon are refused first, then records past the per-peer budget.
-    # (A peer's own table entry starts with its first admitted record, so the refusals that come before it are
-    # only in the global counts; the honest peer is never refused, so the global counts are the attacker's.)
-    assert stats.rejected_by_reason.get(VALUE_TOO_LARGE) == NUM_BIG
-    assert stats.rejected_by_reason.get(EXPIRATION_TOO_FAR) == NUM_FAR
-    admitted = QUOTA.max_records_per_peer
-    assert mine == {STORE_RECORDS: NUM_SCHEMA + NUM_SPAM - admitted}
-    assert sum(stats.rejected_by_reason.values()) == NUM_BIG + NUM_FAR + NUM_SCHEMA + NUM_SPAM - admitted
+    # Every record is validated before it may count toward a quota: none of the attacker's is a valid hivenode
+    # record (foreign, oversized, out of schema), so all are refused as invalid and the quota admits none of them.
+    # (A peer's table entry starts with its first admitted record, so the attacker has none: the global counts
+    # are its refusals, the honest peer is never refused.)
+    total = NUM_BIG + NUM_FAR + NUM_SCHEMA + NUM_SPAM
+    assert stats.rejected_by_reason == {INVALID_RECORD: total}, stats.rejected_by_reason
+    assert mine == {}
     assert swarm.honest.peer_id.to_base58() not in stats.rejected_by_peer
-    # Of what the quota let through, the validator kept nothing: out of schema, or not a hivenode record at all.
     assert sum(result["stored"].values()) == 0
     assert census["far"] == 0
     assert census["records"] <= 2  # the honest heartbeat (and nothing else)
@@ -312,7 +314,9 @@ def test_a_shared_dht_without_the_quota_stores_the_whole_flood(swarm_factory: An
     assert stored.get("big", 0) == 0  # the validator's own size cap refuses 1 MiB values in both cases
     if quota:
         # At most the per-peer budget entered storage; nothing that outlives the horizon cap.
-        assert stored.get("spam", 0) <= QUOTA.max_records_per_peer - NUM_SCHEMA
+        assert stored.get("spam", 0) <= QUOTA.max_records_per_peer  # out-of-schema records never count
+        assert stats is not None and stats.rejected_by_reason.get(EXPIRATION_TOO_FAR) == NUM_FAR
+        assert stats.rejected_by_reason.get(INVALID_RECORD) == NUM_BIG + NUM_SCHEMA
         assert stored.get("far", 0) == 0 and census["far"] == 0
         assert census["records"] <= QUOTA.max_records_per_peer + 2
         assert outcome.rss_growth_kib < RSS_BOUND_MIB * 1024
@@ -322,6 +326,44 @@ def test_a_shared_dht_without_the_quota_stores_the_whole_flood(swarm_factory: An
         assert stored.get("far", 0) == NUM_FAR and census["far"] == NUM_FAR
         assert census["records"] >= NUM_SPAM
         assert outcome.rss_growth_kib >= RSS_BOUND_MIB * 1024  # ~50 MiB here: a stored flood costs memory
+
+
+async def _junk_subkeys_coro(_dht: Any, node: Any, victim: str, count: int) -> int:
+    """The attacker: `count` unsigned junk subkeys under the run's peer directory; how many the victim stored."""
+    from hivemind.p2p import PeerID
+    from hivemind.proto import dht_pb2
+
+    now = get_dht_time()
+    key = keys.key_id(keys.peers_key(RUN_ID))
+    request = dht_pb2.StoreRequest(
+        keys=[key] * count,
+        subkeys=[MSGPackSerializer.dumps(f"junk{i}") for i in range(count)],
+        values=[msgpack.packb({"junk": i}) for i in range(count)],
+        expiration_time=[now + 300] * count,
+        in_cache=[False] * count,
+        peer=node.protocol.node_info,
+    )
+    response = await node.protocol.get_stub(PeerID.from_base58(victim)).rpc_store(request, timeout=30)
+    return sum(response.store_ok)
+
+
+@pytest.mark.parametrize("validate_first", [True, False], ids=["validated-first", "quota-first-control"])
+def test_junk_subkeys_cannot_lock_the_peer_directory(swarm_factory: Any, validate_first: bool) -> None:
+    """Junk under `<run>/peers` must not count toward its subkey cap: the cap would then refuse honest
+    heartbeats for as long as the junk claims to live. Control: counted before validation, the junk wins."""
+    config = dataclasses.replace(QUOTA, max_subkeys_per_key=16)
+    swarm = swarm_factory(quota=True, allow_foreign=False, validate_first=validate_first, quota_config=config)
+    victim = swarm.victim.peer_id.to_base58()
+    stored = swarm.attacker.run_coroutine(functools.partial(_junk_subkeys_coro, victim=victim, count=32))
+    assert stored == 0  # the validator keeps junk out of storage either way
+    stats: QuotaStats = dht_quota_stats(swarm.victim)
+    if validate_first:
+        assert stats.rejected_by_reason.get(INVALID_RECORD) == 32
+        assert asyncio.run(_publish(swarm)), "an honest heartbeat was refused after the junk"
+        assert asyncio.run(swarm.honest_records.list_peers())
+    else:  # the junk filled the subkey cap before hivemind's validators refused it: honest peers are locked out
+        assert stats.rejected_by_reason.get(SUBKEYS) == 32 - config.max_subkeys_per_key
+        assert not asyncio.run(_publish(swarm))
 
 
 def _log(name: str, outcome: Outcome, stats: QuotaStats | None, census: dict[str, Any]) -> None:
