@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -180,6 +180,12 @@ class LimitsConfig:
     max_streams_per_peer: int = 8
     # Each stream holds a handler task and a reassembly buffer; 64 keeps the worst case inside memory.
     max_streams_total: int = 64
+    # When the server names its preferred peers (`PeerLimiter.prefer`: a stage's authorized verifiers), the
+    # others ("guests") share what is left after `reserved_streams`, at most `max_streams_per_guest` each: eight
+    # fresh identities with eight streams each (long-polls included) can no longer take every slot. At most half
+    # of `max_streams_total` is reserved, whatever this says.
+    reserved_streams: int = 16
+    max_streams_per_guest: int = 4
     # One activation of the demo model is ~1 MiB (16 x 128 x 128 fp32); 64 MiB per peer leaves room for
     # larger models while keeping one peer to a bounded share of the node's memory.
     max_bytes_in_flight_per_peer: int = 64 * MiB
@@ -204,6 +210,8 @@ class LimitsConfig:
         _require(
             self.max_streams_total >= self.max_streams_per_peer, "max_streams_total < max_streams_per_peer"
         )
+        _require(self.reserved_streams >= 0, "reserved_streams must be >= 0")
+        _require(self.max_streams_per_guest >= 1, "max_streams_per_guest must be >= 1")
         _require(_is_positive(self.flood_window_s), "flood_window_s must be positive")
 
     def rate_for(self, rpc: str) -> tuple[str, RateLimit]:
@@ -238,6 +246,7 @@ class _PeerState:
     buckets: dict[str, TokenBucket] = field(default_factory=dict)
     streams: Counter[str] = field(default_factory=Counter)
     num_streams: int = 0
+    guest_streams: int = 0  # of num_streams, those opened while the peer was not preferred
     bytes_in_flight: int = 0
     throttled: Counter[str] = field(default_factory=Counter)
     recent_throttles: deque[float] = field(default_factory=deque)  # own-fault throttle times, bounded
@@ -274,9 +283,15 @@ class PeerLimiter:
         self._num_flood_reports = 0
         self._num_evicted = 0
         self._num_streams = 0
+        self._num_guest_streams = 0
         self._bytes_in_flight = 0
+        self._preferred: Callable[[str], bool] | None = None  # None: every peer is preferred
 
     # ---- public API -----------------------------------------------------------------------------------
+
+    def prefer(self, preferred: Callable[[str], bool] | None) -> None:
+        """Name the peers that may use the reserved stream slots (None: everyone, no reservation)."""
+        self._preferred = preferred
 
     def admit(self, peer: str, rpc: str, now: float, cost: float = 1.0) -> Admission:
         """May `peer` make one unary `rpc` call (weighing `cost` tokens) at `now`?"""
@@ -294,7 +309,8 @@ class PeerLimiter:
     def open_stream(self, peer: str, rpc: str, now: float) -> Admission:
         """May `peer` open one streaming `rpc` call now? Takes a rate token and a stream slot if so."""
         state = self._peers.get(peer)
-        refusal = self._check_streams(state)
+        guest = self._preferred is not None and not self._preferred(peer)
+        refusal = self._check_streams(state, guest)
         if refusal is None:  # a stream refused for slots must not also spend a rate token
             refusal = self._check_rate(state, rpc, now, 1.0)
         if refusal is not None:
@@ -306,6 +322,9 @@ class PeerLimiter:
         state.streams[rpc] += 1
         state.num_streams += 1
         self._num_streams += 1
+        if guest:
+            state.guest_streams += 1
+            self._num_guest_streams += 1
         self._num_admitted += 1
         return ADMITTED
 
@@ -318,6 +337,9 @@ class PeerLimiter:
         if state.streams[rpc] == 0:
             del state.streams[rpc]
         state.num_streams -= 1
+        if state.guest_streams > state.num_streams:  # a guest stream closed (which one does not matter)
+            state.guest_streams -= 1
+            self._num_guest_streams -= 1
         self._num_streams -= 1
 
     @contextmanager
@@ -415,10 +437,19 @@ class PeerLimiter:
             taken = self._global_bucket.try_take(now, cost) and taken
         assert taken, "tokens vanished between check and take"
 
-    def _check_streams(self, state: _PeerState | None) -> Admission | None:
-        if state is not None and state.num_streams >= self.config.max_streams_per_peer:
+    def _check_streams(self, state: _PeerState | None, guest: bool) -> Admission | None:
+        config = self.config
+        per_peer = (
+            min(config.max_streams_per_peer, config.max_streams_per_guest)
+            if guest
+            else config.max_streams_per_peer
+        )
+        if state is not None and state.num_streams >= per_peer:
             return Admission(ok=False, reason=STREAMS)
-        if self._num_streams >= self.config.max_streams_total:
+        if self._num_streams >= config.max_streams_total:
+            return Admission(ok=False, reason=GLOBAL_STREAMS)
+        reserved = min(config.reserved_streams, config.max_streams_total // 2)  # guests keep half at least
+        if guest and self._num_guest_streams >= config.max_streams_total - reserved:
             return Admission(ok=False, reason=GLOBAL_STREAMS)
         return None
 

@@ -885,6 +885,8 @@ class StageRole:
         server = FramedServer(
             self._p2p, self.service.routes(), strikes=self.strikes, on_throttle=self._on_throttle
         )
+        # only verifiers send work: the reserved stream slots are theirs, whoever else opens streams at us
+        server.limiter.prefer(lambda peer: peer in self.service.authorized())
         try:
             await self._start_sync(stop)
             await server.start()

@@ -450,3 +450,27 @@ def test_quota_config_validation() -> None:
         with pytest.raises(ValueError):
             QuotaConfig(**bad)  # type: ignore[arg-type]
     QuotaConfig()  # the defaults are consistent
+
+
+def test_guests_cannot_take_the_stream_slots_reserved_for_preferred_peers() -> None:
+    """Sixteen fresh identities with eight streams each against a stage's 64 slots; the verifier must get in."""
+    rate = RateLimit(rate_per_s=1000.0, burst=1000.0)
+
+    def flood(limiter: limits.PeerLimiter) -> int:
+        return sum(bool(limiter.open_stream(f"sybil{i}", "forward", 0.0)) for i in range(16) for _ in range(8))
+
+    # negative control: nobody preferred (the old behaviour), the Sybils hold every slot
+    open_door = _limiter(default_rate=rate, global_rate=None)
+    assert flood(open_door) == 64
+    assert open_door.open_stream("verifier", "forward", 0.0).reason == limits.GLOBAL_STREAMS
+
+    guarded = _limiter(default_rate=rate, global_rate=None)
+    guarded.prefer(lambda peer: peer == "verifier")
+    assert flood(guarded) == 48  # 4 streams per guest, 64 - 16 reserved for all guests together
+    assert guarded.open_stream("sybil0", "forward", 0.0).reason == limits.STREAMS
+    assert guarded.open_stream("sybil99", "forward", 0.0).reason == limits.GLOBAL_STREAMS
+    for _ in range(8):
+        assert guarded.open_stream("verifier", "forward", 0.0)  # its own per-peer cap, in the reserve
+    assert guarded.open_stream("verifier", "forward", 0.0).reason == limits.STREAMS
+    guarded.close_stream("sybil0", "forward")
+    assert guarded.open_stream("sybil99", "forward", 0.0), "a closed guest stream frees a guest slot"
