@@ -29,6 +29,8 @@ only then are tensors built (one private copy each, with the finite-value policy
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import enum
 import math
@@ -36,6 +38,7 @@ import secrets
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import blake3
 import msgpack
@@ -68,6 +71,7 @@ MAX_META_KEY_CHARS = 64
 MAX_META_STR_CHARS = 4096
 MAX_META_LIST_LEN = 1024
 MAX_U63 = (1 << 63) - 1
+BACKGROUND_HASH_BYTES = 256 << 10  # stream pieces from this size are hashed on the hashing thread
 PARALLEL_DIGEST_BYTES = 1 << 20  # measured: threads lose at 256 KiB (44 vs 35 us), win from 1 MiB
 SEAL_PIECE_BYTES = 1 << 20  # seal copies and hashes the payload in pieces that stay in a core's 2 MiB L2
 NO_STAGE = -1  # frames that do not belong to a pipeline stage
@@ -307,6 +311,49 @@ def seal_streaming(
     return StreamingFrame(identity, header, views)
 
 
+class _BackgroundHasher:
+    """A BLAKE3 hasher whose big updates run on the process's hashing thread, in the order they were given.
+
+    BLAKE3 releases the GIL while it hashes, so the event loop goes on moving the next chunk while the thread hashes
+    the last one: on a machine with a core to spare the digest costs the transfer almost nothing. Pieces under
+    `BACKGROUND_HASH_BYTES` are hashed at once (handing them over would cost more than hashing them). The caller
+    must not change a piece's bytes until `digest` returns (the stream layer never does: sent or received bytes are
+    not written again).
+    """
+
+    __slots__ = ("_hasher", "_last")
+
+    def __init__(self, hasher: Any) -> None:
+        self._hasher = hasher
+        self._last: concurrent.futures.Future[None] | None = None
+
+    def update(self, piece: memoryview) -> None:
+        if len(piece) < BACKGROUND_HASH_BYTES and self._last is None:
+            self._hasher.update(piece)
+        else:  # once one piece went to the thread, every later one must follow it there
+            self._last = _hashing_thread().submit(self._hasher.update, piece)
+
+    async def settled(self) -> None:
+        """Wait, without blocking the event loop, until every piece given so far is hashed."""
+        if self._last is not None:
+            await asyncio.wrap_future(self._last)
+
+    def digest(self, length: int = DIGEST_SIZE) -> bytes:
+        if self._last is not None:
+            self._last.result()
+        return bytes(self._hasher.digest(length))
+
+
+_HASHING: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _hashing_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """One worker for the whole process, made on first use: updates of one digest must run in order."""
+    if not _HASHING:
+        _HASHING.append(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="blake3"))
+    return _HASHING[0]
+
+
 class PayloadHasher:
     """The payload digest of one transmission of a `StreamingFrame`, fed piece by piece in payload order."""
 
@@ -314,11 +361,14 @@ class PayloadHasher:
 
     def __init__(self, num_bytes: int) -> None:
         self.hashed_bytes = 0
-        self._hasher = _new_hasher(num_bytes)
+        self._hasher = _BackgroundHasher(_new_hasher(num_bytes))
 
     def update(self, piece: memoryview) -> None:
         self._hasher.update(piece)
         self.hashed_bytes += len(piece)
+
+    async def settled(self) -> None:
+        await self._hasher.settled()
 
     def digest(self) -> bytes:
         return self._hasher.digest(DIGEST_SIZE)
@@ -399,7 +449,7 @@ class FrameDigester:
     def __init__(self, frame_bytes: int, *, payload_start: int | None = None) -> None:
         self.frame_bytes = frame_bytes
         self.payload_start: int | None = None  # known once four bytes have arrived, or given
-        self._hasher: blake3.blake3 | None = None
+        self._hasher: _BackgroundHasher | None = None
         self._hashed = 0  # frame offset up to which the payload is hashed
         if payload_start is not None:  # the head comes last (a `StreamingFrame`): the payload arrives first
             self._start_at(payload_start)
@@ -408,7 +458,7 @@ class FrameDigester:
         self.payload_start = start
         if start - _OVERHEAD_BYTES > MAX_HEADER_BYTES or start > self.frame_bytes:
             return  # not a frame open_envelope accepts; it says why
-        self._hasher = _new_hasher(self.frame_bytes - start)
+        self._hasher = _BackgroundHasher(_new_hasher(self.frame_bytes - start))
         self._hashed = start
 
     def advance(self, frame: memoryview, filled: int) -> None:

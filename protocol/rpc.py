@@ -364,6 +364,7 @@ async def _write_streaming(
         writer.write(piece)
         hasher.update(piece)  # while the daemon reads what the socket took
         await asyncio.wait_for(writer.drain(), config.chunk_timeout_s)
+    await hasher.settled()
     head = memoryview(frame.head(hasher))
     for offset in range(0, len(head), chunk):
         writer.write(_CHUNK_HEADER.pack(len(head[offset : offset + chunk])))

@@ -14,7 +14,16 @@ from node.pipeline.accounting import DriverStats, HopError
 from node.pipeline.routing import HopFailure, ReplicaRouter, RetryPolicy
 from node.pipeline.transport import FramedTransport, HopTransport
 from protocol.codec import TensorLimits
-from protocol.envelope import Context, Direction, Kind, Opened, max_frame_bytes, open_envelope, seal
+from protocol.envelope import (
+    Context,
+    Direction,
+    Kind,
+    Opened,
+    StreamingFrame,
+    max_frame_bytes,
+    open_envelope,
+    seal_streaming,
+)
 from protocol.errors import ProtocolError, RemoteRefused, StreamClosed
 from protocol.identity import NodeIdentity
 from protocol.pipeline import BACKWARD_RPC, EVAL_META, NO_CONTEXT, NOT_SERVING, PIPELINE_REPLAY
@@ -85,7 +94,8 @@ class HopClient:
             stage=stage,
             direction=request_direction or answer_direction,
         )
-        frame = seal(
+        # signed while it streams: the payload is hashed as it is sent, the head signed after it (`seal_streaming`)
+        frame = seal_streaming(
             self.identity,
             request,
             microbatch=microbatch,
@@ -123,7 +133,7 @@ class HopClient:
         if isinstance(self.transport, FramedTransport):
             self.transport.forget(replica)
 
-    async def _send(self, replica: str, rpc: str, frame: bytes | bytearray) -> bytes | bytearray:
+    async def _send(self, replica: str, rpc: str, frame: StreamingFrame) -> bytes | bytearray:
         timeout_s = self.router.hop_timeout_s(replica, self.retry)  # longer after timeouts in a row
         self.router.started(replica)
         try:

@@ -204,3 +204,51 @@ def test_a_metadata_only_frame_is_sent_in_order() -> None:
     data = wire_bytes(frame)
     assert struct.unpack_from(">H", data, 6) == (0,)
     assert receive(read_wire(data)).meta["loss"] == 1.5
+
+
+def test_big_pieces_are_hashed_on_the_hashing_thread_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces from BACKGROUND_HASH_BYTES go to the hashing thread on both ends; the digests still match, and a
+    tampered piece is still refused."""
+    submitted: list[int] = []
+    real = envelope._hashing_thread()
+    real_submit = real.submit
+    monkeypatch.setattr(
+        real, "submit", lambda fn, piece: submitted.append(len(piece)) or real_submit(fn, piece)
+    )
+    tensor = torch.randn(3 << 18)  # 3 MiB
+    frame = seal_streaming(ALICE, CTX, microbatch=3, step=2, now=NOW, tensor=tensor, nonce=b"b" * 16)
+    writer = BufferWriter()
+    asyncio.run(write_message(writer, Status.REQUEST, frame, config=StreamConfig()))  # type: ignore[arg-type]
+
+    async def read(data: bytes) -> ReceivedFrame:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return (
+            await read_message(
+                reader,
+                max_bytes=4 << 20,
+                config=StreamConfig(),
+                statuses=frozenset({Status.REQUEST}),
+                digest=True,
+            )
+        )[1]
+
+    limits = TensorLimits(max_bytes=4 << 20)
+    received = asyncio.run(read(bytes(writer.data)))
+    opened = open_envelope(
+        received, remote_peer=ALICE.peer_id, expect=CTX, limits=limits, replay=ReplayGuard(), now=NOW
+    )
+    assert torch.equal(opened.tensors[""], tensor)
+    assert submitted.count(1 << 20) == 6  # three pieces sent, three received
+    tampered = bytearray(writer.data)
+    tampered[20 + 4 + (2 << 20)] ^= 0x01  # in the second piece
+    with pytest.raises(DigestMismatch):
+        open_envelope(
+            asyncio.run(read(bytes(tampered))),
+            remote_peer=ALICE.peer_id,
+            expect=CTX,
+            limits=limits,
+            replay=ReplayGuard(),
+            now=NOW,
+        )
