@@ -58,6 +58,7 @@ from node.pipeline.routing import (
     Verdict,
 )
 from node.swarm.bans import ban_watcher_for
+from protocol import boundary_codec
 from protocol.codec import TensorLimits
 from protocol.envelope import (
     Context,
@@ -730,6 +731,9 @@ class StageService:
             if moved is not None and self.wall_clock() - moved < self.core.config.context_timeout_s:
                 raise StageRefusal(f"{e} (this replica moved stages recently)", reason=NOT_SERVING) from None
             raise
+        opened = boundary_codec.decode_opened(
+            opened, self.core.shape.codec, limits
+        )  # before any use or check
         self.timings["open_s"] += time.perf_counter() - started
         return opened
 
@@ -761,6 +765,12 @@ class StageService:
             stage=request.stage,  # not self.stage: the replica may have moved while computing this answer
             direction=direction,
         )
+        extra: dict[str, Any] = {}
+        if tensor is not None and kind in (
+            Kind.ACTIVATION,
+            Kind.GRADIENT,
+        ):  # encoded after the stage computed
+            tensor, extra = boundary_codec.encode(tensor, self.core.shape.codec)
         # Binding the request's digest makes "one payload per (microbatch, input)" checkable: an honest replica
         # that gets a new input for a microbatch (the verifier rerouted upstream) is never mistaken for a liar.
         frame = seal(
@@ -770,7 +780,7 @@ class StageService:
             step=self.core.inner_step,
             now=self.wall_clock(),
             tensor=tensor,
-            meta={**(meta or {}), INPUT_DIGEST_META: request.digest.hex()},
+            meta={**(meta or {}), **extra, INPUT_DIGEST_META: request.digest.hex()},
         )
         self.timings["seal_s"] += time.perf_counter() - started
         self.timings["requests"] += 1
