@@ -76,7 +76,7 @@ class HarnessConfig:
     # production router, which in one process learns timings of a shared CPU and keeps to the replicas it
     # measured first.
     even_routing: bool = False
-    activation_codec: BoundaryCodecName = "fp32"  # how boundary tensors travel (the manifest's [activation_codec])
+    activation_codec: BoundaryCodecName = "fp32"  # the manifest's [activation_codec]
 
     def __post_init__(self) -> None:
         if len(self.replicas) < 2 or min(self.replicas) < 1:
