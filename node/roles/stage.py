@@ -66,9 +66,10 @@ from protocol.envelope import (
     Header,
     Kind,
     Opened,
+    StreamingFrame,
     max_frame_bytes,
     open_envelope,
-    seal,
+    seal_streaming,
 )
 from protocol.errors import TensorPolicyError, WrongContext
 from protocol.identity import NodeIdentity
@@ -605,7 +606,7 @@ class StageService:
 
     # ---- handlers
 
-    async def rpc_forward(self, frame: bytearray, remote_peer: str) -> bytes:
+    async def rpc_forward(self, frame: bytearray, remote_peer: str) -> StreamingFrame:
         core = self.core
         kind = Kind.TOKENS if core.is_first else Kind.ACTIVATION
         opened = self._open(frame, remote_peer, kind, Direction.FORWARD, limits=self.limits)
@@ -650,7 +651,7 @@ class StageService:
         out = self._attacked(out, "forward", header.microbatch)
         return self._seal(remote_peer, Kind.ACTIVATION, Direction.FORWARD, header, tensor=out)
 
-    async def rpc_backward(self, frame: bytearray, remote_peer: str) -> bytes:
+    async def rpc_backward(self, frame: bytearray, remote_peer: str) -> StreamingFrame:
         core = self.core
         # opened first: a backward for the stage this replica left is refused `not serving`, never blamed
         opened = self._open(frame, remote_peer, Kind.GRADIENT, Direction.BACKWARD, limits=self.limits)
@@ -756,7 +757,7 @@ class StageService:
         *,
         tensor: torch.Tensor | None = None,
         meta: Mapping[str, Any] | None = None,
-    ) -> bytearray:
+    ) -> StreamingFrame:
         started = time.perf_counter()
         context = Context(
             run_id=self.run_id,
@@ -773,7 +774,7 @@ class StageService:
             tensor, extra = boundary_codec.encode(tensor, self.core.shape.codec)
         # Binding the request's digest makes "one payload per (microbatch, input)" checkable: an honest replica
         # that gets a new input for a microbatch (the verifier rerouted upstream) is never mistaken for a liar.
-        frame = seal(
+        frame = seal_streaming(  # signed while it streams: hashed as sent, head signed last
             self.identity,
             context,
             microbatch=request.microbatch,
