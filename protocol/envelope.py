@@ -437,11 +437,12 @@ class FrameDigester:
     """The payload digest of one frame, computed while the frame's bytes arrive (fed by `rpc.Reassembler`).
 
     A frame's payload starts after `[u32 header length][header][signature]`, so the digester reads the header
-    length from the first four bytes and from then on hashes every newly arrived byte past that offset. The hash
-    runs between chunk reads, while the daemon already moves the next chunk, on bytes still in cache where the
-    stream layer put them (no copy, no pass after the last chunk); `open_envelope` compares it at the same point of
-    its check order as a digest of its own. A header length over the cap, or one
-    that runs past the frame, disables it; `open_envelope` then rejects the frame for that reason.
+    length from the first four bytes (or is given the payload's offset, when the head comes last) and from then on
+    hashes every newly arrived byte past that offset. Chunks from `BACKGROUND_HASH_BYTES` are hashed on the
+    process's hashing thread while the loop reads the next one, smaller ones at once (no copy, no pass after the
+    last chunk); `open_envelope` compares the digest at the same point of its check order as a digest of its own.
+    A header length over the cap, or one that runs past the frame, disables it; `open_envelope` then rejects the
+    frame for that reason.
     """
 
     __slots__ = ("frame_bytes", "payload_start", "_hasher", "_hashed")
