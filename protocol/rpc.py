@@ -257,10 +257,11 @@ class Reassembler:
             if not self._head:
                 view[start : start + len(data)] = data
             else:  # read order: payload, then head; buffer order: head, then payload
-                split = max(0, min(len(data), self._payload - start))
+                split = max(0, min(len(data), self._payload - start))  # bytes of this chunk in the payload
                 view[self._head + start : self._head + start + split] = data[:split]
-                head_at = start + split - self._payload
-                view[head_at : head_at + len(data) - split] = data[split:]
+                if split < len(data):
+                    head_at = start + split - self._payload
+                    view[head_at : head_at + len(data) - split] = data[split:]
             self.received_bytes += len(data)
             self.received_chunks += 1
             if self._buffer.digester is not None:
