@@ -188,7 +188,8 @@ def parse_preamble(
     """Check a peer's preamble against our caps; nothing is allocated from its numbers before this passes.
 
     Raises:
-        MalformedFrame: bad magic, version, status, or a chunk count that does not fit the total.
+        MalformedFrame: bad magic, version, status, a chunk count that does not fit the total, or a head larger
+            than the total (or on an ERROR answer).
         FrameTooLarge: the declared total is over `max_bytes` (`MAX_ERROR_BYTES` for an ERROR answer).
     """
     magic, version, status, head_bytes, total, num_chunks = _PREAMBLE.unpack(raw)
@@ -225,10 +226,9 @@ class Reassembler:
         self.received_bytes = 0
         self.received_chunks = 0
         self._buffer = ReceivedFrame(preamble.total_bytes)  # already checked against our cap
+        # when the head comes last: its size, and the payload bytes read before it
         self._head = preamble.head_bytes
-        self._payload = (
-            preamble.total_bytes - preamble.head_bytes
-        )  # bytes read before the head, when it comes last
+        self._payload = preamble.total_bytes - preamble.head_bytes
         start = self._head if self._head else None
         self._buffer.digester = FrameDigester(preamble.total_bytes, payload_start=start) if digest else None
 
@@ -265,11 +265,7 @@ class Reassembler:
             self.received_bytes += len(data)
             self.received_chunks += 1
             if self._buffer.digester is not None:
-                arrived = (
-                    self.received_bytes
-                    if not self._head
-                    else self._head + min(self.received_bytes, self._payload)
-                )
+                arrived = self._head + min(self.received_bytes, self._payload)  # in-order: 0 + all received
                 self._buffer.digester.advance(view, arrived)
 
     def finish(self) -> ReceivedFrame:
