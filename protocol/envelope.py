@@ -212,32 +212,17 @@ def seal(
         ValueError: bad arguments or metadata.
         TensorPolicyError: a tensor with a dtype or shape that never travels.
     """
-    if tensor is not None and tensors is not None:
-        raise ValueError("pass either tensor or tensors, not both")
-    named = {"": tensor} if tensor is not None else dict(tensors or {})
-    specs, views = [], []
-    for name, value in named.items():
-        dtype, shape = codec.tensor_spec(value)
-        specs.append(TensorSpec(name, dtype, shape))
-        views.append(codec.tensor_bytes(value))
-    header = Header(
-        version=PROTOCOL_VERSION,
-        run_id=context.run_id,
-        kind=context.kind,
-        sender=identity.peer_id,
-        receiver=context.receiver,
-        stage=context.stage,
-        direction=context.direction,
+    return seal_streaming(
+        identity,
+        context,
         microbatch=microbatch,
         step=step,
-        timestamp=float(now),
-        nonce=secrets.token_bytes(NONCE_SIZE) if nonce is None else nonce,
-        tensors=tuple(specs),
-        digest=bytes(DIGEST_SIZE),  # a placeholder of the digest's size: the header's length does not change
-        meta=dict(meta or {}),
-    )
-    _validate_header(header)
-    return _seal_frame(identity, header, views)
+        now=now,
+        tensor=tensor,
+        tensors=tensors,
+        meta=meta,
+        nonce=nonce,
+    ).to_bytes()
 
 
 def _seal_frame(identity: NodeIdentity, header: Header, views: list[memoryview]) -> bytearray:
