@@ -9,28 +9,37 @@ the sum of true deltas with and without learner-side error feedback (`node.diloc
 
 Then, live (`benchmarks.bandwidth_live`): one failure-free swarm per codec (fp32 and the recommended one; 4 learners
 and a syncer on the built-in corpus, the same seeds), the held-out loss at equal merged tokens and the bytes the
-learners' pushes actually carried. Not measured here: activations (issue 20 part 2); the JSON says so.
+learners' pushes actually carried.
 
-Run: `python -m benchmarks.bandwidth [--numel 4194304] [--ef-numel 1048576] [--steps 20] [--live-s 90 | --live-s 0]`.
+Activations (issue 20 part 2, `benchmarks.bandwidth_activations`): one in-process pipeline per boundary codec, the
+same seeds, bytes per microbatch of every frame and held-out loss at equal tokens against fp32 (`activation_*`
+headline keys). `--activations-only` measures just these and rewrites them (and `activations`) into the existing
+results file, keeping every other key as it was measured (`activations_measured_at` dates them).
+
+Run: `python -m benchmarks.bandwidth [--numel 4194304] [--ef-numel 1048576] [--steps 20] [--live-s 90 | --live-s 0]
+[--activation-microbatches 600 | --activations-only]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import bandwidth_activations
 from benchmarks.bandwidth_live import run_live
-from benchmarks.common import plot_path, write_result
+from benchmarks.common import RESULTS_DIR, plot_path, write_result
 from node.diloco.compression import ErrorFeedback, relative_error
 from protocol.codec import TensorLimits
 from protocol.compress import CodecSpec, decode, encode
 
 NAME = "bandwidth"
 NOT_MEASURED = "not measured (run with --live-s > 0)"
+NOT_MEASURED_ACTIVATIONS = "not measured (run with --activation-microbatches > 0)"
 CODECS: dict[str, CodecSpec] = {
     "fp32": CodecSpec(codec="fp32"),
     "int8 b128": CodecSpec(codec="int8", block=128),
@@ -159,6 +168,18 @@ def _plot(rows: list[dict[str, Any]], feedback: dict[str, Any], steps: int) -> N
     plt.close(fig)
 
 
+def _update_activations(microbatches: int) -> None:
+    """Measure the activation arms and rewrite their keys into the existing results file (others kept)."""
+    path = RESULTS_DIR / f"{NAME}.json"
+    previous = json.loads(path.read_text())
+    activations = bandwidth_activations.measure(microbatches)
+    previous["headline"] |= bandwidth_activations.headline(activations)
+    previous["activations"] = activations
+    previous["activations_measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    path.write_text(json.dumps(previous, indent=2, default=float) + "\n")
+    print(f"headline {previous['headline']}\nwrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=1 << 22)
@@ -169,7 +190,16 @@ def main() -> None:
         "--live-s", type=float, default=90.0, help="seconds per live swarm arm (0: skip them)"
     )
     parser.add_argument("--min-step-s", type=float, default=0.25, help="live learners' step floor")
+    parser.add_argument(
+        "--activation-microbatches", type=int, default=600, help="microbatches per activation arm (0: skip)"
+    )
+    parser.add_argument(
+        "--activations-only", action="store_true", help="measure activations only, into the existing results"
+    )
     args = parser.parse_args()
+    if args.activations_only:
+        _update_activations(args.activation_microbatches)
+        return
     torch.set_num_threads(1)  # a shared 2-core box: one thread keeps the timings comparable run to run
     limits = TensorLimits(max_bytes=4 * max(args.numel, args.ef_numel))
     delta = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)) * 1e-3
@@ -198,8 +228,8 @@ def main() -> None:
         "int4_compression": round(next(r["ratio"] for r in rows if r["codec"] == "int4 b128 fp16"), 2),
         "outer_loss_gap": live[RECOMMENDED]["loss_gap"] if live else NOT_MEASURED,
         "outer_live_compression": live[RECOMMENDED]["live_compression"] if live else NOT_MEASURED,
-        "activation_compression": "not measured (issue 20 part 2)",
-        "activation_loss_gap": "not measured (issue 20 part 2)",
+        "activation_compression": NOT_MEASURED_ACTIVATIONS,
+        "activation_loss_gap": NOT_MEASURED_ACTIVATIONS,
     }
     detail = {
         "numel": args.numel,
@@ -209,6 +239,10 @@ def main() -> None:
         "feedback": feedback,
         "live": live,
     }
+    if args.activation_microbatches > 0:
+        activations = bandwidth_activations.measure(args.activation_microbatches)
+        headline |= bandwidth_activations.headline(activations)
+        detail["activations"] = activations
     path = write_result(NAME, headline, detail)
     _plot(rows, feedback, args.steps)
     print(f"headline {headline}\nwrote {path} and {plot_path(NAME)}")

@@ -6,20 +6,22 @@ throughput), sampled in turns so that every path sees the same background load, 
 
 - `transfer_s`: the median round trip of a plain (unsigned) payload of that size (tensor to bytes, call, frombuffer)
   to a handler that answers 32 bytes;
-- `crypto_s`: during real signed round trips (seal, call, `open_frame` with every check), the median total time
-  spent inside the crypto calls of both ends: every BLAKE3 update and digest, the signature and the verification,
-  timed where they run (see `crypto_timed`), hidden behind the transfer or not; `signing_share` = crypto_s /
-  transfer_s (goal: < 3 %). This is the headline: the same sum as before (sign + verify + the payload digested on
-  both ends), now measured in the path rather than in separate calls;
-- the same for the previous path, side by side in the same turns: a digest pass over the tensor before the copy
-  in `seal`, and a separate digest pass over the received payload in `open_frame` (`old_crypto_s`,
-  `old_signing_share`);
-- `crypto_wall_s`: median over the turns of (signed round trip - the same path with the crypto switched off, see
-  `crypto_off`), `signing_share_wall` = crypto_wall_s / transfer_s: the wall time the crypto really adds, so with
-  credit for hashing that overlaps the transfer; a difference of two round trips, so noisy under load;
-- `crypto_cpu_s`: the crypto steps timed alone (2 x one-pass digest of the payload + one signature + one
-  verification), `crypto_cpu_share` = crypto_cpu_s / transfer_s (what `signing_share` was before this revision);
-- `end_to_end_overhead` = median(signed) / median(transfer) - 1: crypto plus header, frame copy and finite check.
+- `signing_share` (the headline, goal < 3 %): the wall time the crypto adds to the streaming path
+  (`seal_streaming`: payload sent first straight from the tensor and hashed piece by piece as it is written, head
+  signed and sent last; the receiver hashes each chunk as it lands), as the median over turns of (signed round trip -
+  the same path with every digest, signature and verification switched off, see `crypto_off`) / `transfer_s`;
+- `old_signing_share`: the same for the previous path, measured in the same turns: `seal` copies the tensor into the
+  frame and hashes it before a byte is sent, then the frame streams (the receiver side is the same);
+- `crypto_in_path_share` / `old_crypto_in_path_share`: the time spent inside the crypto calls of both ends (every
+  BLAKE3 update and digest, the signature, the verification; see `crypto_timed`) / `transfer_s`, with no credit for
+  overlap: the CPU the crypto costs, whether or not it hides behind the transfer (the headline before streaming);
+- `crypto_cpu_share`: the crypto steps timed alone (2 x one-pass digest of the payload + one signature + one
+  verification) / `transfer_s`;
+- `end_to_end_overhead` = median(signed, streaming) / median(transfer) - 1: crypto plus header and finite check
+  (`old_end_to_end_overhead`: the previous path, which also copies the tensor into the frame).
+
+Sender and receiver live in one process here (one event loop thread for both ends, plus two p2pd daemons), on a
+2-core machine shared with other work: read the figures with the load average recorded beside them.
 
 Codec: `codec_vs_clone` = throughput of the codec round trip (tensor -> wire bytes -> checked tensor, i.e. two copies
 and a finite-value scan) divided by the throughput of `tensor.clone()` of the same 16 MiB tensor (one copy).
@@ -28,8 +30,8 @@ Everything is measured twice: with glibc's default allocator (the headline: what
 `mallopt` tells glibc to keep freed memory (see `keep_freed_memory`), which removes the page faults of fresh
 multi-MiB buffers that otherwise dominate the codec and part of the signed path.
 
-Torch runs with one intra-op thread (see `main`). BLAKE3 hashes on one thread in `seal` and on the stream (pieces hot
-in cache), and with its own threads from 1 MiB in a separate pass (the previous path, and the timed-alone digest).
+Torch runs with one intra-op thread (see `main`). BLAKE3 hashes on one thread on the stream and in `seal` (pieces hot
+in cache), and with its own threads from 1 MiB in the timed-alone digest.
 Run: `python -m benchmarks.protocol [--reps N]`.
 """
 
@@ -41,7 +43,6 @@ import contextlib
 import ctypes
 import dataclasses
 import os
-import secrets
 import statistics
 import sys
 import tempfile
@@ -57,19 +58,15 @@ from benchmarks.common import plot_path, write_result
 from protocol import codec, envelope
 from protocol.codec import TensorLimits
 from protocol.envelope import (
-    NONCE_SIZE,
-    PROTOCOL_VERSION,
     SIGNATURE_DOMAIN,
     Context,
     Direction,
-    Header,
     Kind,
-    TensorSpec,
-    encode_frame,
     max_frame_bytes,
     open_frame,
     payload_digest,
     seal,
+    seal_streaming,
 )
 from protocol.identity import NodeIdentity, verify_signature
 from protocol.replay import ReplayGuard
@@ -181,24 +178,6 @@ def crypto_off() -> contextlib.AbstractContextManager[None]:
     )
 
 
-def old_seal(identity: NodeIdentity, context: Context, *, microbatch: int, tensor: torch.Tensor) -> bytes:
-    """`seal` as it was: a digest pass over the tensor, then the frame laid out by a join (a second read)."""
-    view = codec.tensor_bytes(tensor)
-    dtype, shape = codec.tensor_spec(tensor)
-    header = Header(
-        version=PROTOCOL_VERSION,
-        **dataclasses.asdict(context),  # run_id, kind, receiver, stage, direction
-        sender=identity.peer_id,
-        microbatch=microbatch,
-        step=1,
-        timestamp=time.time(),
-        nonce=secrets.token_bytes(NONCE_SIZE),
-        tensors=(TensorSpec("", dtype, shape),),
-        digest=payload_digest([view]),
-    )
-    return encode_frame(identity, header, [view])
-
-
 def codec_vs_clone(num_bytes: int, reps: int) -> dict[str, float]:
     """Codec round trip (encode to wire bytes, checked decode) against `tensor.clone()`, plus its two halves."""
     tensor = torch.randn(num_bytes // 4)
@@ -267,9 +246,7 @@ async def measure_wire(reps: int) -> dict[int, dict[str, float]]:
         cap = max_frame_bytes(LIMITS)
         routes = {
             "raw": Route(raw, cap, digest_payload=False),
-            # the payload digest runs while the chunks arrive; without it, open_frame digests in a pass of its own
-            "signed": Route(signed, cap),
-            "signed_separate": Route(signed, cap, digest_payload=False),
+            "signed": Route(signed, cap),  # the payload digest runs while the chunks arrive
         }
         # One 64 MiB frame is over the default bytes-in-flight cap of a peer; the benchmark measures the path, not it.
         limits = dataclasses.replace(
@@ -290,51 +267,64 @@ async def measure_wire(reps: int) -> dict[int, dict[str, float]]:
             await server_p2p.shutdown()
 
 
-async def _measure_size(
-    client_p2p: P2P, server_id: NodeIdentity, client_id: NodeIdentity, ctx: Context, mib: int, reps: int
-) -> dict[str, float]:
-    reps = max(5, reps * 4 // (mib + 3))  # fewer repetitions for the big sizes
-    tensor = torch.randn(mib * MIB // 4)
+def _paths(
+    call: Callable[[str, Any], Awaitable[None]], client_id: NodeIdentity, ctx: Context, tensor: torch.Tensor
+) -> tuple[dict[str, Callable[[], Awaitable[None]]], dict[str, list[float]]]:
+    """The round trips measured in turns, and the crypto time each signed one spends in the path."""
     counter = iter(range(1 << 30))
+    in_path: dict[str, list[float]] = {"streamed": [], "sealed": []}
 
-    async def call(name: str, frame: bytes | bytearray) -> None:
-        await call_framed(client_p2p, server_id.peer_id, name, frame, max_response_bytes=64, timeout_s=60)
+    def frame(streamed: bool) -> Any:
+        sealer = seal_streaming if streamed else seal
+        return sealer(client_id, ctx, microbatch=next(counter), step=1, now=time.time(), tensor=tensor)
+
+    def signed(name: str) -> Callable[[], Awaitable[None]]:
+        async def once() -> None:
+            clock = [0.0]
+            with crypto_timed(clock):
+                await call("signed", frame(name == "streamed"))
+            in_path[name].append(clock[0])
+
+        return once
+
+    def nocrypto(streamed: bool) -> Callable[[], Awaitable[None]]:
+        async def once() -> None:
+            with crypto_off():  # the same path with digests, signature and verification off
+                await call("signed", frame(streamed))
+
+        return once
 
     async def raw_once() -> None:
         await call("raw", codec.encode_tensor(tensor)[2])
 
-    in_path: dict[str, list[float]] = {"signed": [], "old_signed": []}
-
-    def sealed() -> bytearray:
-        return seal(client_id, ctx, microbatch=next(counter), step=1, now=time.time(), tensor=tensor)
-
-    async def signed_once() -> None:
-        clock = [0.0]
-        with crypto_timed(clock):
-            await call("signed", sealed())
-        in_path["signed"].append(clock[0])
-
-    async def nocrypto_once() -> None:
-        with crypto_off():  # through the route without the streaming digest: none of its bookkeeping either
-            await call("signed_separate", sealed())
-
-    async def old_once() -> None:
-        clock = [0.0]
-        with crypto_timed(clock):
-            await call("signed_separate", old_seal(client_id, ctx, microbatch=next(counter), tensor=tensor))
-        in_path["old_signed"].append(clock[0])
-
-    paths: dict[str, Callable[[], Awaitable[None]]] = {
+    paths = {
         "transfer": raw_once,
-        "signed": signed_once,
-        "nocrypto": nocrypto_once,
-        "old_signed": old_once,
+        "streamed": signed("streamed"),
+        "streamed_nocrypto": nocrypto(True),
+        "sealed": signed("sealed"),
+        "sealed_nocrypto": nocrypto(False),
     }
+    return paths, in_path
+
+
+async def _measure_size(
+    client_p2p: P2P, server_id: NodeIdentity, client_id: NodeIdentity, ctx: Context, mib: int, reps: int
+) -> dict[str, float]:
+    reps = max(9, reps * 4 // (mib + 3))  # fewer repetitions for the big sizes
+    tensor = torch.randn(mib * MIB // 4)
+
+    async def call(name: str, frame: Any) -> None:
+        await call_framed(client_p2p, server_id.peer_id, name, frame, max_response_bytes=64, timeout_s=60)
+
+    paths, in_path = _paths(call, client_id, ctx, tensor)
     for once in paths.values():  # warm the connection and every path
         await once()
     for clocks in in_path.values():
         clocks.clear()
-    frame, payload = sealed(), codec.tensor_bytes(tensor)  # for the crypto steps timed alone: never sent
+    frame, payload = (
+        seal(client_id, ctx, microbatch=0, step=1, now=time.time(), tensor=tensor),
+        codec.tensor_bytes(tensor),
+    )
     times: dict[str, list[float]] = {name: [] for name in paths}
     crypto_samples = []
     for _ in range(reps):  # in turns, so that every path sees the same background load
@@ -343,37 +333,43 @@ async def _measure_size(
             await once()
             times[name].append(time.perf_counter() - start)
         crypto_samples.append(crypto_costs_s(client_id, frame, payload))
-    median = {name: statistics.median(t) for name, t in times.items()}
     crypto = {key: statistics.median(sample[key] for sample in crypto_samples) for key in crypto_samples[0]}
-    crypto_s, old_crypto_s = (statistics.median(in_path[name]) for name in ("signed", "old_signed"))
+    return _summary(mib, reps, times, in_path, crypto)
+
+
+def _summary(
+    mib: int,
+    reps: int,
+    times: dict[str, list[float]],
+    in_path: dict[str, list[float]],
+    crypto: dict[str, float],
+) -> dict[str, float]:
+    median = {name: statistics.median(t) for name, t in times.items()}
+    transfer_s = median["transfer"]
     # Paired by turn: the load a turn saw cancels out of its difference (not out of its noise).
     wall_s, old_wall_s = (
-        statistics.median(s - n for s, n in zip(times[name], times["nocrypto"], strict=True))
-        for name in ("signed", "old_signed")
+        statistics.median(s - n for s, n in zip(times[name], times[f"{name}_nocrypto"], strict=True))
+        for name in ("streamed", "sealed")
     )
-    transfer_s = median["transfer"]
+    crypto_s, old_crypto_s = (statistics.median(in_path[name]) for name in ("streamed", "sealed"))
     return {
         "reps": reps,
         "transfer_s": transfer_s,
-        "signed_transfer_s": median["signed"],
-        "nocrypto_transfer_s": median["nocrypto"],
-        "old_signed_transfer_s": median["old_signed"],
+        **{f"{name}_transfer_s": median[name] for name in times if name != "transfer"},
         "throughput_mib_s": mib / transfer_s,
-        "signed_throughput_mib_s": mib / median["signed"],
-        "crypto_s": crypto_s,
-        "signing_share": crypto_s / transfer_s,
-        "old_crypto_s": old_crypto_s,
-        "old_signing_share": old_crypto_s / transfer_s,
+        "signed_throughput_mib_s": mib / median["streamed"],
         "crypto_wall_s": wall_s,
-        "signing_share_wall": wall_s / transfer_s,
+        "signing_share": wall_s / transfer_s,
         "old_crypto_wall_s": old_wall_s,
-        "old_signing_share_wall": old_wall_s / transfer_s,
+        "old_signing_share": old_wall_s / transfer_s,
+        "crypto_s": crypto_s,
+        "crypto_in_path_share": crypto_s / transfer_s,
+        "old_crypto_s": old_crypto_s,
+        "old_crypto_in_path_share": old_crypto_s / transfer_s,
         **crypto,
         "crypto_cpu_share": crypto["crypto_cpu_s"] / transfer_s,
-        # a projection, not a measurement: the same crypto next to the wire time alone on a 1 Gbit/s link
-        "signing_share_at_1gbit_projected": crypto_s / (mib * MIB * 8 / 1e9),
-        "end_to_end_overhead": median["signed"] / transfer_s - 1,
-        "old_end_to_end_overhead": median["old_signed"] / transfer_s - 1,
+        "end_to_end_overhead": median["streamed"] / transfer_s - 1,
+        "old_end_to_end_overhead": median["sealed"] / transfer_s - 1,
     }
 
 
@@ -389,12 +385,16 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     floor_ms = 1e-3  # the log axis needs a positive bar
     series = (
         ("transfer (unsigned)", "transfer_s", None),
-        ("crypto in the path, previous (separate digest passes)", "old_crypto_s", "old_signing_share"),
-        ("crypto in the path, now (digests fused with copy and transfer)", "crypto_s", "signing_share"),
+        (
+            "wall time the crypto adds, previous (hash in seal, then send)",
+            "old_crypto_wall_s",
+            "old_signing_share",
+        ),
+        ("wall time the crypto adds, now (hashed while streaming)", "crypto_wall_s", "signing_share"),
     )
     for k, (label, key, share_key) in enumerate(series):
         xs = [i + (k - 1) * 0.27 for i in x]
-        heights = [max(wire[m][key] * 1e3, floor_ms) for m in SIZES_MIB]
+        heights = [max(wire[m][key] * 1e3, floor_ms) for m in SIZES_MIB]  # a negative difference: noise
         ax1.bar(xs, heights, 0.27, label=label)
         if share_key is not None:
             for xi, h, mib in zip(xs, heights, SIZES_MIB, strict=True):
@@ -436,20 +436,23 @@ def main(argv: list[str] | None = None) -> int:
         runs["keep_freed_memory"] = measure(args.reps)
     wire, codec_figures = runs["default_malloc"]["wire"], runs["default_malloc"]["codec"]
     headline = {f"signing_share_{mib}mib": round(wire[mib]["signing_share"], 4) for mib in SHARE_SIZES_MIB}
+    headline |= {
+        f"old_signing_share_{mib}mib": round(wire[mib]["old_signing_share"], 4) for mib in SHARE_SIZES_MIB
+    }
     headline["codec_vs_clone"] = round(codec_figures["codec_vs_clone"], 3)
     detail = {
         # other processes share these 2 cores: read the figures with the load around them
         "load_average_1min": os.getloadavg()[0],
         "load_average_1min_at_start": load_before,
         "definitions": {
-            "signing_share": "median time inside the crypto calls of a signed round trip (BLAKE3 on both ends, "
-            "sign, verify; timed where they run, no credit for overlap) / median unsigned transfer round trip",
-            "old_signing_share": "the same for the previous path (digest pass before the frame copy in seal, "
-            "separate digest pass over the received payload), measured in the same turns",
-            "signing_share_wall": "median per turn of (signed round trip - the same with digests, signature and "
-            "verification off) / median unsigned transfer round trip",
+            "signing_share": "median per turn of (streaming signed round trip - the same with digests, signature and "
+            "verification off) / median unsigned transfer round trip: the wall time the crypto adds",
+            "old_signing_share": "the same for the previous path (seal hashes the payload before it is sent), "
+            "measured in the same turns",
+            "crypto_in_path_share": "median time inside the crypto calls of a streaming signed round trip (BLAKE3 on "
+            "both ends, sign, verify; no credit for overlap) / median unsigned transfer round trip",
             "crypto_cpu_share": "(sign + verify + one-pass BLAKE3 digest of the payload twice, each timed alone) / "
-            "median unsigned transfer round trip (what signing_share measured before this revision)",
+            "median unsigned transfer round trip",
             "end_to_end_overhead": "median signed round trip (seal+call+open) / median unsigned round trip - 1",
             "codec_vs_clone": "clone time / codec round-trip time (encode + checked decode) for 16 MiB float32",
         },
@@ -468,9 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         for mib, f in run["wire"].items():
             print(
                 f"    {mib:>2} MiB: transfer {f['transfer_s'] * 1e3:7.1f} ms ({f['throughput_mib_s']:.0f} MiB/s), "
-                f"crypto {f['crypto_s'] * 1e3:5.2f} ms ({f['signing_share']:.2%}; "
-                f"old path {f['old_signing_share']:.2%}; wall {f['signing_share_wall']:.2%}, "
-                f"old {f['old_signing_share_wall']:.2%}; alone {f['crypto_cpu_share']:.2%}), "
+                f"crypto adds {f['crypto_wall_s'] * 1e3:5.2f} ms ({f['signing_share']:.2%}; "
+                f"old path {f['old_signing_share']:.2%}; in path {f['crypto_in_path_share']:.2%}, "
+                f"old {f['old_crypto_in_path_share']:.2%}; alone {f['crypto_cpu_share']:.2%}), "
                 f"end-to-end overhead {f['end_to_end_overhead']:+.1%}"
             )
     return 0

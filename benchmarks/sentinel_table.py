@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from protocol.boundary_codec import BOUNDARY_CODECS, BoundaryCodecName
 from tools.pipeline_harness import Arm, Checkpoint, HarnessConfig, build_arm, drive, pretrained_state
 
 # name -> (attack spec without direction and start, adaptive?). The adaptive ones are the issue's: on/off,
@@ -86,6 +87,7 @@ class TableConfig:
     held_out_batches: int = 8
     direction: str = "both"
     model: Mapping[str, int] = field(default_factory=lambda: dict(MODEL))
+    activation_codec: BoundaryCodecName = "fp32"  # how boundary tensors travel; SENTINEL sees them decoded
 
     def harness(self) -> HarnessConfig:
         return HarnessConfig(
@@ -95,6 +97,7 @@ class TableConfig:
             merge_every=self.merge_every,
             held_out_batches=self.held_out_batches,
             even_routing=True,
+            activation_codec=self.activation_codec,
         )
 
 
@@ -471,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attack-start", type=int, default=None, help="attackers' honest own microbatches")
     parser.add_argument("--direction", choices=["forward", "backward", "both"], default=None)
     parser.add_argument("--no-cost", action="store_true", help="skip the offline cost measurement")
+    parser.add_argument(
+        "--activation-codec", choices=BOUNDARY_CODECS, default=None, help="boundary codec (default fp32)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on shared cores)")
     parser.add_argument("--name", default=None, help="result name (default sentinel_table[_quick])")
     args = parser.parse_args(argv)
@@ -481,7 +487,14 @@ def main(argv: list[str] | None = None) -> int:
         overrides["seeds"] = tuple(int(s) for s in args.seeds.split(","))
     if args.replicas:
         overrides["replicas"] = tuple(int(s) for s in args.replicas.split(","))
-    for key in ("attackers", "microbatches", "clean_microbatches", "attack_start", "direction"):
+    for key in (
+        "attackers",
+        "microbatches",
+        "clean_microbatches",
+        "attack_start",
+        "direction",
+        "activation_codec",
+    ):
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key)
     if overrides:

@@ -14,6 +14,10 @@ as an envelope. BLAKE3 rather than SHA-256 or BLAKE2b: on one core here it hashe
 Where the digest is computed: `seal` copies the payload into the frame piece by piece and hashes each piece right
 after copying it; on receipt, the framed stream (`protocol.rpc`) hashes the payload chunk by chunk as it arrives
 (`FrameDigester`, carried by the `ReceivedFrame` it fills), so neither end makes a separate pass over the payload.
+`seal_streaming` goes further on the sending side: it copies and hashes nothing up front. The stream layer sends the
+payload first, straight from the tensors, hashes each piece while the daemon moves it, and sends the head (length,
+header with the digest, signature) last; the receiver puts the head back in front, so the frame it opens is laid out
+and checked exactly as above (`StreamingFrame`).
 The streamed digest is only used, never trusted beyond the bytes it saw: `open_envelope` compares it with the signed
 one at the same point of its order as a digest of its own, and digests any other frame itself.
 
@@ -25,6 +29,8 @@ only then are tensors built (one private copy each, with the finite-value policy
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import enum
 import math
@@ -65,6 +71,7 @@ MAX_META_KEY_CHARS = 64
 MAX_META_STR_CHARS = 4096
 MAX_META_LIST_LEN = 1024
 MAX_U63 = (1 << 63) - 1
+BACKGROUND_HASH_BYTES = 256 << 10  # stream pieces from this size are hashed on the hashing thread
 PARALLEL_DIGEST_BYTES = 1 << 20  # measured: threads lose at 256 KiB (44 vs 35 us), win from 1 MiB
 SEAL_PIECE_BYTES = 1 << 20  # seal copies and hashes the payload in pieces that stay in a core's 2 MiB L2
 NO_STAGE = -1  # frames that do not belong to a pipeline stage
@@ -205,32 +212,17 @@ def seal(
         ValueError: bad arguments or metadata.
         TensorPolicyError: a tensor with a dtype or shape that never travels.
     """
-    if tensor is not None and tensors is not None:
-        raise ValueError("pass either tensor or tensors, not both")
-    named = {"": tensor} if tensor is not None else dict(tensors or {})
-    specs, views = [], []
-    for name, value in named.items():
-        dtype, shape = codec.tensor_spec(value)
-        specs.append(TensorSpec(name, dtype, shape))
-        views.append(codec.tensor_bytes(value))
-    header = Header(
-        version=PROTOCOL_VERSION,
-        run_id=context.run_id,
-        kind=context.kind,
-        sender=identity.peer_id,
-        receiver=context.receiver,
-        stage=context.stage,
-        direction=context.direction,
+    return seal_streaming(
+        identity,
+        context,
         microbatch=microbatch,
         step=step,
-        timestamp=float(now),
-        nonce=secrets.token_bytes(NONCE_SIZE) if nonce is None else nonce,
-        tensors=tuple(specs),
-        digest=bytes(DIGEST_SIZE),  # a placeholder of the digest's size: the header's length does not change
-        meta=dict(meta or {}),
-    )
-    _validate_header(header)
-    return _seal_frame(identity, header, views)
+        now=now,
+        tensor=tensor,
+        tensors=tensors,
+        meta=meta,
+        nonce=nonce,
+    ).to_bytes()
 
 
 def _seal_frame(identity: NodeIdentity, header: Header, views: list[memoryview]) -> bytearray:
@@ -258,6 +250,165 @@ def _seal_frame(identity: NodeIdentity, header: Header, views: list[memoryview])
     return frame
 
 
+def seal_streaming(
+    identity: NodeIdentity,
+    context: Context,
+    *,
+    microbatch: int,
+    step: int,
+    now: float,
+    tensor: torch.Tensor | None = None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    meta: Mapping[str, MetaValue] | None = None,
+    nonce: bytes | None = None,
+) -> StreamingFrame:
+    """`seal`, but the payload is hashed while the stream layer sends it and the header is signed after it.
+
+    Takes the arguments of `seal` and raises what it raises. Nothing is copied or hashed here: the frame holds
+    views of the tensors (do not change them until it is sent) and is signed once per transmission, see
+    `StreamingFrame`.
+    """
+    if tensor is not None and tensors is not None:
+        raise ValueError("pass either tensor or tensors, not both")
+    named = {"": tensor} if tensor is not None else dict(tensors or {})
+    specs, views = [], []
+    for name, value in named.items():
+        dtype, shape = codec.tensor_spec(value)
+        specs.append(TensorSpec(name, dtype, shape))
+        views.append(codec.tensor_bytes(value))
+    header = Header(
+        version=PROTOCOL_VERSION,
+        run_id=context.run_id,
+        kind=context.kind,
+        sender=identity.peer_id,
+        receiver=context.receiver,
+        stage=context.stage,
+        direction=context.direction,
+        microbatch=microbatch,
+        step=step,
+        timestamp=float(now),
+        nonce=secrets.token_bytes(NONCE_SIZE) if nonce is None else nonce,
+        tensors=tuple(specs),
+        digest=bytes(DIGEST_SIZE),
+        meta=dict(meta or {}),
+    )
+    _validate_header(header)
+    return StreamingFrame(identity, header, views)
+
+
+class _BackgroundHasher:
+    """A BLAKE3 hasher whose big updates run on the process's hashing thread, in the order they were given.
+
+    BLAKE3 releases the GIL while it hashes, so the event loop goes on moving the next chunk while the thread hashes
+    the last one: on a machine with a core to spare the digest costs the transfer almost nothing. Pieces under
+    `BACKGROUND_HASH_BYTES` are hashed at once (handing them over would cost more than hashing them). The caller
+    must not change a piece's bytes until `digest` returns (the stream layer never does: sent or received bytes are
+    not written again).
+    """
+
+    __slots__ = ("_hasher", "_last")
+
+    def __init__(self, hasher: Any) -> None:
+        self._hasher = hasher
+        self._last: concurrent.futures.Future[None] | None = None
+
+    def update(self, piece: memoryview) -> None:
+        if len(piece) < BACKGROUND_HASH_BYTES and self._last is None:
+            self._hasher.update(piece)
+        else:  # once one piece went to the thread, every later one must follow it there
+            self._last = _hashing_thread().submit(self._hasher.update, piece)
+
+    async def settled(self) -> None:
+        """Wait, without blocking the event loop, until every piece given so far is hashed."""
+        if self._last is not None:
+            await asyncio.wrap_future(self._last)
+
+    def digest(self, length: int = DIGEST_SIZE) -> bytes:
+        if self._last is not None:
+            self._last.result()
+        return bytes(self._hasher.digest(length))
+
+
+_HASHING: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _hashing_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """One worker for the whole process, made on first use: updates of one digest must run in order."""
+    if not _HASHING:
+        _HASHING.append(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="blake3"))
+    return _HASHING[0]
+
+
+class PayloadHasher:
+    """The payload digest of one transmission of a `StreamingFrame`, fed piece by piece in payload order."""
+
+    __slots__ = ("hashed_bytes", "_hasher")
+
+    def __init__(self, num_bytes: int) -> None:
+        self.hashed_bytes = 0
+        self._hasher = _BackgroundHasher(_new_hasher(num_bytes))
+
+    def update(self, piece: memoryview) -> None:
+        self._hasher.update(piece)
+        self.hashed_bytes += len(piece)
+
+    async def settled(self) -> None:
+        await self._hasher.settled()
+
+    def digest(self) -> bytes:
+        return self._hasher.digest(DIGEST_SIZE)
+
+
+class StreamingFrame:
+    """A frame whose payload digest is made while the payload is sent: the frame layout is `seal`'s, the order on
+    the wire is not.
+
+    The stream layer (`rpc.write_message`) sends the payload first, straight from the tensors' memory, and hashes
+    each piece right after handing it to the socket, while the daemon moves it; after the last piece it asks for
+    the head (`[u32 header length][header with the digest][signature]`), which is signed then and sent last. The
+    receiver puts the head back in front (`rpc.Reassembler`), so `open_envelope` reads the usual frame and runs its
+    checks in their usual order, digest included: a tampered piece is refused before any tensor is built.
+    `to_bytes` gives the same frame laid out in one buffer (for transports that need bytes).
+    """
+
+    __slots__ = ("identity", "header", "head_bytes", "payload_bytes", "_views", "_header_len")
+
+    def __init__(self, identity: NodeIdentity, header: Header, views: list[memoryview]) -> None:
+        self._header_len = len(_encode_header(header))  # the digest placeholder has the digest's size
+        if self._header_len > MAX_HEADER_BYTES:
+            raise ValueError(f"header of {self._header_len} bytes > {MAX_HEADER_BYTES}")
+        self.identity = identity
+        self.header = header
+        self.head_bytes = _OVERHEAD_BYTES + self._header_len
+        self.payload_bytes = sum(len(v) for v in views)
+        self._views = views
+
+    def __len__(self) -> int:
+        return self.head_bytes + self.payload_bytes
+
+    def pieces(self, max_bytes: int) -> list[memoryview]:
+        """The payload in order, cut into pieces of at most `max_bytes` (no piece spans two tensors)."""
+        return [v[s : s + max_bytes] for v in self._views for s in range(0, len(v), max_bytes)]
+
+    def new_hasher(self) -> PayloadHasher:
+        """A digest for one transmission: feed it every piece of `pieces`, in order, then ask for `head`."""
+        return PayloadHasher(self.payload_bytes)
+
+    def head(self, hasher: PayloadHasher) -> bytes:
+        """The frame's head, signed over the header that carries `hasher`'s digest of the whole payload."""
+        if hasher.hashed_bytes != self.payload_bytes:
+            raise ValueError(f"{hasher.hashed_bytes} of {self.payload_bytes} payload bytes were hashed")
+        header_bytes = _encode_header(dataclasses.replace(self.header, digest=hasher.digest()))
+        if len(header_bytes) != self._header_len:
+            raise AssertionError("header length changed with its digest")
+        signature = self.identity.sign(SIGNATURE_DOMAIN + header_bytes)
+        return _LENGTH.pack(self._header_len) + header_bytes + signature
+
+    def to_bytes(self) -> bytearray:
+        """The whole frame in one buffer, as `seal` lays it out (copy and hash fused)."""
+        return _seal_frame(self.identity, self.header, self._views)
+
+
 def payload_digest(parts: list[memoryview] | list[bytes]) -> bytes:
     """BLAKE3-256 over the concatenated parts in one pass; multithreaded from 1 MiB (up to 2x faster on 2 idle
     cores). Frames that arrived on a framed stream (`ReceivedFrame`) were already digested on the way."""
@@ -271,33 +422,40 @@ class FrameDigester:
     """The payload digest of one frame, computed while the frame's bytes arrive (fed by `rpc.Reassembler`).
 
     A frame's payload starts after `[u32 header length][header][signature]`, so the digester reads the header
-    length from the first four bytes and from then on hashes every newly arrived byte past that offset. The hash
-    runs between chunk reads, while the daemon already moves the next chunk, on bytes still in cache where the
-    stream layer put them (no copy, no pass after the last chunk); `open_envelope` compares it at the same point of
-    its check order as a digest of its own. A header length over the cap, or one
-    that runs past the frame, disables it; `open_envelope` then rejects the frame for that reason.
+    length from the first four bytes (or is given the payload's offset, when the head comes last) and from then on
+    hashes every newly arrived byte past that offset. Chunks from `BACKGROUND_HASH_BYTES` are hashed on the
+    process's hashing thread while the loop reads the next one, smaller ones at once (no copy, no pass after the
+    last chunk); `open_envelope` compares the digest at the same point of its check order as a digest of its own.
+    A header length over the cap, or one that runs past the frame, disables it; `open_envelope` then rejects the
+    frame for that reason.
     """
 
     __slots__ = ("frame_bytes", "payload_start", "_hasher", "_hashed")
 
-    def __init__(self, frame_bytes: int) -> None:
+    def __init__(self, frame_bytes: int, *, payload_start: int | None = None) -> None:
         self.frame_bytes = frame_bytes
-        self.payload_start: int | None = None  # known once four bytes have arrived
-        self._hasher: blake3.blake3 | None = None
+        self.payload_start: int | None = None  # known once four bytes have arrived, or given
+        self._hasher: _BackgroundHasher | None = None
         self._hashed = 0  # frame offset up to which the payload is hashed
+        if payload_start is not None:  # the head comes last (a `StreamingFrame`): the payload arrives first
+            self._start_at(payload_start)
+
+    def _start_at(self, start: int) -> None:
+        self.payload_start = start
+        if start - _OVERHEAD_BYTES > MAX_HEADER_BYTES or start > self.frame_bytes:
+            return  # not a frame open_envelope accepts; it says why
+        self._hasher = _BackgroundHasher(_new_hasher(self.frame_bytes - start))
+        self._hashed = start
 
     def advance(self, frame: memoryview, filled: int) -> None:
-        """`frame[:filled]` has arrived (and will not change): hash the payload bytes among it not hashed yet."""
+        """`frame[:filled]` has arrived (and will not change): hash the payload bytes among it not hashed yet.
+
+        With a given `payload_start` (the head comes last), `frame[payload_start:filled]` has arrived."""
         if self.payload_start is None:
             if filled < _LENGTH.size:
                 return
             (header_len,) = _LENGTH.unpack_from(frame)
-            start = _OVERHEAD_BYTES + header_len
-            self.payload_start = start
-            if header_len > MAX_HEADER_BYTES or start > self.frame_bytes:
-                return  # not a frame open_envelope accepts; it says why
-            self._hasher = _new_hasher(self.frame_bytes - start)
-            self._hashed = start
+            self._start_at(_OVERHEAD_BYTES + header_len)
         if self._hasher is not None and filled > self._hashed:
             self._hasher.update(frame[self._hashed : filled])
             self._hashed = filled

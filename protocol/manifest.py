@@ -35,6 +35,7 @@ from typing import Any
 import msgpack
 from cryptography.hazmat.primitives import serialization
 
+from protocol.boundary_codec import BoundaryCodecSpec
 from protocol.compress import CodecSpec
 from protocol.errors import ConfigError, IdentityError, ManifestRejected, OwnerPinMismatch
 from protocol.identity import NodeIdentity, public_key_from_peer_id, verify_signature
@@ -206,6 +207,9 @@ class RunManifest:
     # how learners encode outer gradients (fragment deltas); the syncer decodes only this one. fp32: the
     # learner sends its parameters themselves, as before there were codecs (docs/diloco.md, "Compression")
     outer_codec: CodecSpec = field(default_factory=CodecSpec)
+    # how stages and verifiers send boundary activations and gradients (protocol.boundary_codec): fp32 until a
+    # run measures its loss with another (docs/pipeline.md, "Compressed boundaries")
+    activation_codec: BoundaryCodecSpec = field(default_factory=BoundaryCodecSpec)
     # SENTINEL policy every verifier of the run applies (node.config.run_sentinel_config reads it): the monitor's
     # settings as scalars, the ledger's and the spot checks' as the sub-tables `ledger` and `spot`; empty = defaults
     sentinel: dict[str, Scalar | dict[str, Scalar]] = field(default_factory=dict)
@@ -279,6 +283,7 @@ class RunManifest:
             "diloco": DilocoSpec,
             "wire": WireSpec,
             "outer_codec": CodecSpec,
+            "activation_codec": BoundaryCodecSpec,
         }
         for name, spec in nested.items():
             if name in kwargs:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from protocol.boundary_codec import BoundaryCodecSpec
 from protocol.codec import TensorLimits
 from protocol.errors import ProtocolError, TensorPolicyError
 from protocol.manifest import RunManifest
@@ -99,6 +100,7 @@ class BoundaryShape:
     context_len: int
     width: int
     vocab_size: int
+    codec: BoundaryCodecSpec = BoundaryCodecSpec()  # how activations and gradients travel between stages
 
     @classmethod
     def from_manifest(cls, manifest: RunManifest) -> BoundaryShape:
@@ -108,19 +110,22 @@ class BoundaryShape:
             context_len=m["context_len"],
             width=m["width"],
             vocab_size=m["vocab_size"],
+            codec=manifest.activation_codec,
         )
 
     @property
     def limits(self) -> TensorLimits:
         """Caps of one pipeline frame: an activation or gradient plus, to the last stage, int64 targets; a
-        spot check's backward recomputation carries an activation and a gradient (hence two)."""
+        spot check's backward recomputation carries an activation and a gradient (hence two). With a boundary
+        codec, the encoded payload (uint8) travels instead of an activation or gradient, and decodes under the same
+        caps (`boundary_codec.decode_opened`)."""
         activation = self.max_batch * self.context_len * self.width * 4
         tokens = self.max_batch * self.context_len * 8
         return TensorLimits(
             max_bytes=2 * activation + tokens,
             max_rank=3,
             max_tensors=2,
-            allowed_dtypes=frozenset({"float32", "int64"}),
+            allowed_dtypes=frozenset({"float32", "int64", *(("uint8",) if self.codec.enabled else ())}),
         )
 
     def check_tokens(self, tokens: torch.Tensor, what: str = "tokens") -> None:

@@ -4,8 +4,13 @@ hivemind's protobuf handlers read each message whole, with a length the peer dec
 that declares 1 GiB can make the receiver buffer hundreds of MiB. So every RPC of ours is a raw libp2p stream
 (`P2P.add_binary_stream_handler`) carrying our own framing::
 
-    preamble: magic "HVNF" | u8 version | u8 status | u16 reserved | u64 total bytes | u32 chunk count   (20 bytes)
+    preamble: magic "HVNF" | u8 version | u8 status | u16 head bytes | u64 total bytes | u32 chunk count  (20 bytes)
     chunks:   u32 length (1..max_chunk_bytes) | bytes          (repeated exactly `chunk count` times)
+
+`head bytes` is 0 for a body sent in order. A signed frame sealed while it streams (`envelope.StreamingFrame`) is
+sent payload first and head last: then it is the size of the head, and the receiver writes the first
+`total - head bytes` bytes it reads after the head's place and the last ones in front, so the body it hands on is
+the frame in its usual layout, its payload hashed as it arrived.
 
 The receiver checks the preamble against the cap of that handler (which comes from our config, never from the peer)
 before it reads or allocates anything else, then reads each chunk under a timeout, counting chunks and bytes and
@@ -45,7 +50,7 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 
-from protocol.envelope import FrameDigester, ReceivedFrame
+from protocol.envelope import FrameDigester, ReceivedFrame, StreamingFrame
 from protocol.errors import (
     FrameTooLarge,
     MalformedFrame,
@@ -77,8 +82,10 @@ MAX_ERROR_BYTES = 1024
 _PREAMBLE = struct.Struct(">4sBBHQI")
 _CHUNK_HEADER = struct.Struct(">I")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_MAX_HEAD_BYTES = 0xFFFF  # the preamble's u16
 
-Handler = Callable[[bytearray, str], Awaitable[bytes | None]]
+Body = bytes | bytearray | memoryview | StreamingFrame
+Handler = Callable[[bytearray, str], Awaitable[Body | None]]
 RejectHook = Callable[[str, str, ProtocolError], None]  # (remote peer, handler name, error)
 ThrottleHook = Callable[[str, str, Admission], None]  # (remote peer, handler name, refusal)
 THROTTLED_PREFIX = "throttled: "
@@ -146,6 +153,7 @@ class Preamble:
     status: Status
     total_bytes: int
     num_chunks: int
+    head_bytes: int = 0  # > 0: the body's first head_bytes bytes come last on the wire
 
 
 def protocol_name(name: str) -> str:
@@ -166,9 +174,12 @@ def blames_remote(error: ProtocolError) -> bool:
 # ------------------------------------------------------------------------------------------------ pure framing
 
 
-def encode_preamble(status: Status, total_bytes: int, chunk_bytes: int) -> bytes:
-    num_chunks = -(-total_bytes // chunk_bytes)
-    return _PREAMBLE.pack(MAGIC, WIRE_VERSION, status, 0, total_bytes, num_chunks)
+def encode_preamble(
+    status: Status, total_bytes: int, chunk_bytes: int, *, head_bytes: int = 0, num_chunks: int | None = None
+) -> bytes:
+    if num_chunks is None:
+        num_chunks = -(-total_bytes // chunk_bytes)
+    return _PREAMBLE.pack(MAGIC, WIRE_VERSION, status, head_bytes, total_bytes, num_chunks)
 
 
 def parse_preamble(
@@ -177,10 +188,11 @@ def parse_preamble(
     """Check a peer's preamble against our caps; nothing is allocated from its numbers before this passes.
 
     Raises:
-        MalformedFrame: bad magic, version, status, or a chunk count that does not fit the total.
+        MalformedFrame: bad magic, version, status, a chunk count that does not fit the total, or a head larger
+            than the total (or on an ERROR answer).
         FrameTooLarge: the declared total is over `max_bytes` (`MAX_ERROR_BYTES` for an ERROR answer).
     """
-    magic, version, status, _reserved, total, num_chunks = _PREAMBLE.unpack(raw)
+    magic, version, status, head_bytes, total, num_chunks = _PREAMBLE.unpack(raw)
     if magic != MAGIC:
         raise MalformedFrame("stream does not start with the framing magic")
     if version != WIRE_VERSION:
@@ -194,7 +206,11 @@ def parse_preamble(
     # a peer cannot make us loop over empty chunks.
     if not -(-total // max_chunk_bytes) <= num_chunks <= total:
         raise MalformedFrame(f"{num_chunks} chunks cannot carry {total} bytes")
-    return Preamble(Status(status), total, num_chunks)
+    if head_bytes > total or (head_bytes and status == Status.ERROR):
+        raise MalformedFrame(
+            f"a head of {head_bytes} bytes does not fit a {total}-byte {Status(status).name}"
+        )
+    return Preamble(Status(status), total, num_chunks, head_bytes)
 
 
 class Reassembler:
@@ -210,7 +226,11 @@ class Reassembler:
         self.received_bytes = 0
         self.received_chunks = 0
         self._buffer = ReceivedFrame(preamble.total_bytes)  # already checked against our cap
-        self._buffer.digester = FrameDigester(preamble.total_bytes) if digest else None
+        # when the head comes last: its size, and the payload bytes read before it
+        self._head = preamble.head_bytes
+        self._payload = preamble.total_bytes - preamble.head_bytes
+        start = self._head if self._head else None
+        self._buffer.digester = FrameDigester(preamble.total_bytes, payload_start=start) if digest else None
 
     @property
     def done(self) -> bool:
@@ -234,11 +254,19 @@ class Reassembler:
     def add(self, data: bytes) -> None:
         start = self.received_bytes
         with memoryview(self._buffer) as view:  # not bytearray item assignment, which drops the digest
-            view[start : start + len(data)] = data
+            if not self._head:
+                view[start : start + len(data)] = data
+            else:  # read order: payload, then head; buffer order: head, then payload
+                split = max(0, min(len(data), self._payload - start))  # bytes of this chunk in the payload
+                view[self._head + start : self._head + start + split] = data[:split]
+                if split < len(data):
+                    head_at = start + split - self._payload
+                    view[head_at : head_at + len(data) - split] = data[split:]
             self.received_bytes += len(data)
             self.received_chunks += 1
             if self._buffer.digester is not None:
-                self._buffer.digester.advance(view, self.received_bytes)
+                arrived = self._head + min(self.received_bytes, self._payload)  # in-order: 0 + all received
+                self._buffer.digester.advance(view, arrived)
 
     def finish(self) -> ReceivedFrame:
         if not self.done or self.received_bytes != self.preamble.total_bytes:
@@ -291,11 +319,20 @@ async def _read_chunks(
 async def write_message(
     writer: asyncio.StreamWriter,
     status: Status,
-    body: bytes | bytearray | memoryview,
+    body: Body,
     *,
     config: StreamConfig,
 ) -> None:
-    """Frame `body` as one message (preamble, then chunks of `config.max_chunk_bytes`), draining as it goes."""
+    """Frame `body` as one message (preamble, then chunks of `config.max_chunk_bytes`), draining as it goes.
+
+    A `StreamingFrame` goes payload first, each piece hashed once it is handed to the socket, and its signed head
+    last (`head bytes` in the preamble); one whose head does not fit the preamble's u16 is laid out and sent whole.
+    """
+    if isinstance(body, StreamingFrame):
+        if 0 < body.head_bytes <= _MAX_HEAD_BYTES and body.payload_bytes:
+            await _write_streaming(writer, status, body, config=config)
+            return
+        body = body.to_bytes()
     view = memoryview(body).cast("B")
     chunk = config.max_chunk_bytes
     writer.write(encode_preamble(status, len(view), chunk))
@@ -304,6 +341,31 @@ async def write_message(
         writer.write(_CHUNK_HEADER.pack(len(part)))
         writer.write(part)
         await asyncio.wait_for(writer.drain(), config.chunk_timeout_s)
+    await asyncio.wait_for(writer.drain(), config.chunk_timeout_s)
+
+
+async def _write_streaming(
+    writer: asyncio.StreamWriter, status: Status, frame: StreamingFrame, *, config: StreamConfig
+) -> None:
+    chunk = config.max_chunk_bytes
+    pieces = frame.pieces(chunk)
+    head_chunks = -(-frame.head_bytes // chunk)
+    writer.write(
+        encode_preamble(
+            status, len(frame), chunk, head_bytes=frame.head_bytes, num_chunks=len(pieces) + head_chunks
+        )
+    )
+    hasher = frame.new_hasher()
+    for piece in pieces:
+        writer.write(_CHUNK_HEADER.pack(len(piece)))
+        writer.write(piece)
+        hasher.update(piece)  # while the daemon reads what the socket took
+        await asyncio.wait_for(writer.drain(), config.chunk_timeout_s)
+    await hasher.settled()
+    head = memoryview(frame.head(hasher))
+    for offset in range(0, len(head), chunk):
+        writer.write(_CHUNK_HEADER.pack(len(head[offset : offset + chunk])))
+        writer.write(head[offset : offset + chunk])
     await asyncio.wait_for(writer.drain(), config.chunk_timeout_s)
 
 
@@ -525,7 +587,7 @@ class FramedServer:
         except (ConnectionError, asyncio.TimeoutError) as e:
             logger.debug("%s: answer to %s not delivered: %r", name, remote[:16], e)
 
-    async def _handle(self, route: Route, remote: str, reader: asyncio.StreamReader) -> bytes:
+    async def _handle(self, route: Route, remote: str, reader: asyncio.StreamReader) -> Body:
         """Read the request under the caps (its bytes reserved before they are allocated), then run the handler."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.message_timeout_s
@@ -617,7 +679,7 @@ async def call_framed(
     p2p: P2P,
     peer_id: str,
     name: str,
-    frame: bytes | bytearray | memoryview,
+    frame: Body,
     *,
     max_response_bytes: int,
     timeout_s: float,
@@ -641,7 +703,7 @@ async def _call_framed(
     p2p: P2P,
     peer_id: str,
     name: str,
-    frame: bytes | bytearray | memoryview,
+    frame: Body,
     max_response_bytes: int,
     config: StreamConfig,
 ) -> bytearray:
@@ -671,8 +733,6 @@ async def _call_framed(
     return body
 
 
-async def _send_request(
-    writer: asyncio.StreamWriter, frame: bytes | bytearray | memoryview, config: StreamConfig
-) -> None:
+async def _send_request(writer: asyncio.StreamWriter, frame: Body, config: StreamConfig) -> None:
     with suppress(ConnectionError, asyncio.TimeoutError):  # if the server hung up, its answer says why
         await write_message(writer, Status.REQUEST, frame, config=config)

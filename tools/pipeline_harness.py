@@ -37,6 +37,7 @@ from node.pipeline.routing import ReplicaInfo, ReplicaRouter, RoutingConfig
 from node.pipeline.transport import DirectTransport
 from node.roles.stage import StageConfig, StageService, build_core
 from node.swarm.bans import BanWatchConfig, BanWatcher
+from protocol.boundary_codec import BoundaryCodecName, BoundaryCodecSpec
 from protocol.envelope import Direction, Header
 from protocol.identity import NodeIdentity
 from protocol.manifest import InnerOptimizerSpec, RunManifest, WireSpec
@@ -75,6 +76,7 @@ class HarnessConfig:
     # production router, which in one process learns timings of a shared CPU and keeps to the replicas it
     # measured first.
     even_routing: bool = False
+    activation_codec: BoundaryCodecName = "fp32"  # the manifest's [activation_codec]
 
     def __post_init__(self) -> None:
         if len(self.replicas) < 2 or min(self.replicas) < 1:
@@ -236,6 +238,7 @@ def manifest_for(config: HarnessConfig, verifier: NodeIdentity) -> RunManifest:
         inner=InnerOptimizerSpec(lr=config.lr, batch_size=config.batch_size, weight_decay=0.01),
         wire=WireSpec(max_batch=config.batch_size),
         authorized_verifiers=(verifier.peer_id,),
+        activation_codec=BoundaryCodecSpec(codec=config.activation_codec),
     )
 
 

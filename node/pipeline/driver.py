@@ -100,6 +100,7 @@ class PipelineDriver:
             stats=self.stats,
             clock=clock,
             wall_clock=wall_clock,
+            codec=shape.codec,
         )
         self.strikes = self.hops.strikes
         self.checks = AnswerChecks(

@@ -13,8 +13,19 @@ import torch
 from node.pipeline.accounting import DriverStats, HopError
 from node.pipeline.routing import HopFailure, ReplicaRouter, RetryPolicy
 from node.pipeline.transport import FramedTransport, HopTransport
+from protocol import boundary_codec
+from protocol.boundary_codec import BoundaryCodecSpec
 from protocol.codec import TensorLimits
-from protocol.envelope import Context, Direction, Kind, Opened, max_frame_bytes, open_envelope, seal
+from protocol.envelope import (
+    Context,
+    Direction,
+    Kind,
+    Opened,
+    StreamingFrame,
+    max_frame_bytes,
+    open_envelope,
+    seal_streaming,
+)
 from protocol.errors import ProtocolError, RemoteRefused, StreamClosed
 from protocol.identity import NodeIdentity
 from protocol.pipeline import BACKWARD_RPC, EVAL_META, NO_CONTEXT, NOT_SERVING, PIPELINE_REPLAY
@@ -41,8 +52,10 @@ class HopClient:
         stats: DriverStats,
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
+        codec: BoundaryCodecSpec | None = None,
     ) -> None:
         self.identity = identity
+        self.codec = codec or BoundaryCodecSpec()  # the manifest's: requests encoded with it, answers decoded
         self.run_id = run_id
         self.limits = limits
         self.transport = transport
@@ -85,7 +98,9 @@ class HopClient:
             stage=stage,
             direction=request_direction or answer_direction,
         )
-        frame = seal(
+        tensors, meta = self._encoded(request_kind, tensors, meta)
+        # signed while it streams: the payload is hashed as it is sent, the head signed after it (`seal_streaming`)
+        frame = seal_streaming(
             self.identity,
             request,
             microbatch=microbatch,
@@ -114,6 +129,15 @@ class HopClient:
         self.router.record_success(replica, tokens=int(x.shape[0] * x.shape[1]), seconds=answered - started)
         return opened
 
+    def _encoded(
+        self, kind: Kind, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """A boundary activation or gradient as the run's codec sends it (the input "" only)."""
+        if kind not in (Kind.ACTIVATION, Kind.GRADIENT) or "" not in tensors or not self.codec.enabled:
+            return tensors, meta
+        encoded, extra = boundary_codec.encode(tensors[""], self.codec)
+        return {**tensors, "": encoded}, {**(meta or {}), **extra}
+
     def pop_signed(self, microbatch: int, stage: int, direction: Direction) -> SignedBoundaryHeader | None:
         """The signed header of the answer just opened for (microbatch, stage, direction), once."""
         return self._signed.pop((microbatch, stage, direction.value), None)
@@ -123,7 +147,7 @@ class HopClient:
         if isinstance(self.transport, FramedTransport):
             self.transport.forget(replica)
 
-    async def _send(self, replica: str, rpc: str, frame: bytes | bytearray) -> bytes | bytearray:
+    async def _send(self, replica: str, rpc: str, frame: StreamingFrame) -> bytes | bytearray:
         timeout_s = self.router.hop_timeout_s(replica, self.retry)  # longer after timeouts in a row
         self.router.started(replica)
         try:
@@ -162,6 +186,7 @@ class HopClient:
                 replay=self.replay,
                 now=self.wall_clock(),
             )
+            opened = boundary_codec.decode_opened(opened, self.codec, self.limits)  # before any check sees it
         except ProtocolError as e:
             # signed by someone else than the replica we asked, tampered, replayed, wrong context...
             self.strikes.record(replica, e.reason)

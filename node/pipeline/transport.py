@@ -8,8 +8,9 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from protocol.envelope import StreamingFrame
 from protocol.errors import ProtocolError, RemoteRefused
-from protocol.rpc import Route, call_framed
+from protocol.rpc import Body, Route, call_framed
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ class HopTransport(Protocol):
     """
 
     async def call(
-        self, peer_id: str, rpc: str, frame: bytes, *, timeout_s: float, max_response_bytes: int
+        self, peer_id: str, rpc: str, frame: Body, *, timeout_s: float, max_response_bytes: int
     ) -> bytes | bytearray: ...
 
 
@@ -59,7 +60,7 @@ class FramedTransport:
             logger.debug("dialing %s failed: %r", peer_id[-8:], e)
 
     async def call(
-        self, peer_id: str, rpc: str, frame: bytes, *, timeout_s: float, max_response_bytes: int
+        self, peer_id: str, rpc: str, frame: Body, *, timeout_s: float, max_response_bytes: int
     ) -> bytes | bytearray:
         await self._dial(peer_id)
         return await call_framed(
@@ -82,17 +83,20 @@ class DirectTransport:
         self.services = services
 
     async def call(
-        self, peer_id: str, rpc: str, frame: bytes, *, timeout_s: float, max_response_bytes: int
+        self, peer_id: str, rpc: str, frame: Body, *, timeout_s: float, max_response_bytes: int
     ) -> bytes | bytearray:
         service = self.services.get(peer_id)
         if service is None:
             raise ConnectionError(f"no replica {peer_id[-8:]} in this process")
         handler = service.routes()[rpc].handler
         try:
-            answer = await asyncio.wait_for(handler(bytearray(frame), self.caller), timeout_s)
+            request = frame.to_bytes() if isinstance(frame, StreamingFrame) else bytearray(frame)
+            answer = await asyncio.wait_for(handler(request, self.caller), timeout_s)
         except ProtocolError as e:
             raise RemoteRefused(f"{peer_id[-8:]} refused {rpc}: {e.reason}", reason=e.reason) from None
         answer = answer or b""
+        if isinstance(answer, StreamingFrame):
+            answer = answer.to_bytes()
         if len(answer) > max_response_bytes:
             raise ProtocolError("answer over the cap")
         return answer

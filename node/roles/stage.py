@@ -58,6 +58,7 @@ from node.pipeline.routing import (
     Verdict,
 )
 from node.swarm.bans import ban_watcher_for
+from protocol import boundary_codec
 from protocol.codec import TensorLimits
 from protocol.envelope import (
     Context,
@@ -65,9 +66,10 @@ from protocol.envelope import (
     Header,
     Kind,
     Opened,
+    StreamingFrame,
     max_frame_bytes,
     open_envelope,
-    seal,
+    seal_streaming,
 )
 from protocol.errors import TensorPolicyError, WrongContext
 from protocol.identity import NodeIdentity
@@ -604,7 +606,7 @@ class StageService:
 
     # ---- handlers
 
-    async def rpc_forward(self, frame: bytearray, remote_peer: str) -> bytes:
+    async def rpc_forward(self, frame: bytearray, remote_peer: str) -> StreamingFrame:
         core = self.core
         kind = Kind.TOKENS if core.is_first else Kind.ACTIVATION
         opened = self._open(frame, remote_peer, kind, Direction.FORWARD, limits=self.limits)
@@ -649,7 +651,7 @@ class StageService:
         out = self._attacked(out, "forward", header.microbatch)
         return self._seal(remote_peer, Kind.ACTIVATION, Direction.FORWARD, header, tensor=out)
 
-    async def rpc_backward(self, frame: bytearray, remote_peer: str) -> bytes:
+    async def rpc_backward(self, frame: bytearray, remote_peer: str) -> StreamingFrame:
         core = self.core
         # opened first: a backward for the stage this replica left is refused `not serving`, never blamed
         opened = self._open(frame, remote_peer, Kind.GRADIENT, Direction.BACKWARD, limits=self.limits)
@@ -730,6 +732,9 @@ class StageService:
             if moved is not None and self.wall_clock() - moved < self.core.config.context_timeout_s:
                 raise StageRefusal(f"{e} (this replica moved stages recently)", reason=NOT_SERVING) from None
             raise
+        opened = boundary_codec.decode_opened(
+            opened, self.core.shape.codec, limits
+        )  # before any use or check
         self.timings["open_s"] += time.perf_counter() - started
         return opened
 
@@ -752,7 +757,7 @@ class StageService:
         *,
         tensor: torch.Tensor | None = None,
         meta: Mapping[str, Any] | None = None,
-    ) -> bytearray:
+    ) -> StreamingFrame:
         started = time.perf_counter()
         context = Context(
             run_id=self.run_id,
@@ -761,16 +766,22 @@ class StageService:
             stage=request.stage,  # not self.stage: the replica may have moved while computing this answer
             direction=direction,
         )
+        extra: dict[str, Any] = {}
+        if tensor is not None and kind in (
+            Kind.ACTIVATION,
+            Kind.GRADIENT,
+        ):  # encoded after the stage computed
+            tensor, extra = boundary_codec.encode(tensor, self.core.shape.codec)
         # Binding the request's digest makes "one payload per (microbatch, input)" checkable: an honest replica
         # that gets a new input for a microbatch (the verifier rerouted upstream) is never mistaken for a liar.
-        frame = seal(
+        frame = seal_streaming(  # signed while it streams: hashed as sent, head signed last
             self.identity,
             context,
             microbatch=request.microbatch,
             step=self.core.inner_step,
             now=self.wall_clock(),
             tensor=tensor,
-            meta={**(meta or {}), INPUT_DIGEST_META: request.digest.hex()},
+            meta={**(meta or {}), **extra, INPUT_DIGEST_META: request.digest.hex()},
         )
         self.timings["seal_s"] += time.perf_counter() - started
         self.timings["requests"] += 1

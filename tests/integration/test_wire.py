@@ -41,6 +41,7 @@ from protocol.envelope import (
     open_frame,
     payload_digest,
     seal,
+    seal_streaming,
 )
 from protocol.errors import FrameTooLarge, RemoteRefused
 from protocol.identity import NodeIdentity
@@ -55,6 +56,7 @@ from protocol.rpc import (
     encode_preamble,
     protocol_name,
     read_message,
+    write_message,
 )
 
 pytestmark = pytest.mark.integration
@@ -64,6 +66,7 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 LIMITS = TensorLimits(max_bytes=64 << 20)
 SERVER_CONFIG = StreamConfig(chunk_timeout_s=1.0, message_timeout_s=20.0, max_streams_per_peer=4)
 RSS_BUDGET_MIB = 64
+REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 async def start_p2p(identity_path: Path, initial_peers: list[Any] | None = None) -> P2P:
@@ -453,6 +456,74 @@ async def raw_stream(
     return sent, answer
 
 
+# ------------------------------------------------------------------------------------------------ signed while streaming
+
+
+class FlipWriter:
+    """A man in the middle on the sender's side of the stream: flips one bit of the byte at stream offset `at`."""
+
+    def __init__(self, writer: asyncio.StreamWriter, at: int) -> None:
+        self.writer, self.at, self.offset = writer, at, 0
+
+    def write(self, data: Any) -> None:
+        data = bytes(data)
+        if self.offset <= self.at < self.offset + len(data):
+            i = self.at - self.offset
+            data = data[:i] + bytes([data[i] ^ 0x10]) + data[i + 1 :]
+        self.offset += len(data)
+        self.writer.write(data)
+
+    async def drain(self) -> None:
+        await self.writer.drain()
+
+
+async def _send_tampered(wire: Wire, frame: Any, at: int) -> tuple[Status, bytes]:
+    _, reader, writer = await wire.alice_p2p.call_binary_stream_handler(
+        PeerID.from_base58(wire.server_id.peer_id), protocol_name("act.s0")
+    )
+    try:
+        await write_message(FlipWriter(writer, at), Status.REQUEST, frame, config=StreamConfig())  # type: ignore[arg-type]
+        status, body = await read_message(
+            reader, max_bytes=1024, config=StreamConfig(), statuses=frozenset({Status.OK, Status.ERROR})
+        )
+        return status, bytes(body)
+    finally:
+        writer.close()
+
+
+def streaming(wire: Wire, tensor: torch.Tensor) -> envelope.StreamingFrame:
+    return seal_streaming(wire.alice_id, wire.expect(0), microbatch=1, step=1, now=time.time(), tensor=tensor)
+
+
+def test_a_frame_signed_while_it_streams_arrives_whole(loop_thread: Any, wire: Wire) -> None:
+    tensor = torch.randn(3 << 18)  # 3 MiB: three 1 MiB pieces, hashed on the hashing thread at both ends
+    built = len(wire.built)
+    assert call(loop_thread, wire, "act.s0", streaming(wire, tensor)) == tensor_digest(tensor)  # type: ignore[arg-type]
+    assert wire.built[built:] == ["float32"]
+
+
+def test_a_chunk_tampered_in_flight_is_refused_and_the_control_lets_it_through(
+    loop_thread: Any, wire: Wire, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tensor = torch.randn(3 << 18)
+    at = 20 + 4 + (1 << 20) + 4 + 12345  # inside the second payload chunk on the wire
+    built = len(wire.built)
+    status, body = loop_thread.run(_send_tampered(wire, streaming(wire, tensor), at), timeout_s=40)
+    assert (status, body) == (Status.ERROR, b"digest mismatch")
+    assert wire.built[built:] == []  # refused before any tensor was built
+    # negative control: the receiver's digest check off, the same tampering delivers a tensor that is not the sent one
+    monkeypatch.setattr(
+        envelope,
+        "_digest_of",
+        lambda frame, payload: (
+            envelope._decode_header(bytes(frame[4 : 4 + struct.unpack_from(">I", frame)[0]]), LIMITS).digest
+        ),
+    )
+    status, body = loop_thread.run(_send_tampered(wire, streaming(wire, tensor), at), timeout_s=40)
+    assert status == Status.OK and body != tensor_digest(tensor)
+    assert wire.built[built:] == ["float32"]
+
+
 # ------------------------------------------------------------------------------------------------ memory bound
 
 
@@ -470,6 +541,11 @@ def test_declared_oversize_and_overlong_streams_keep_receiver_memory_bounded(
     maddrs = loop_thread.run(wire.alice_p2p.get_visible_maddrs())
     child = subprocess.Popen(
         [sys.executable, __file__, "--receiver", str(tmp_path / "receiver.key"), *map(str, maddrs)],
+        # this checkout's code, not whatever the venv's editable install points at
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
+        },
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -22,7 +22,7 @@ from node.pipeline.driver import PipelineDriver
 from node.pipeline.routing import ReplicaInfo, ReplicaRouter, RetryPolicy, RoutingConfig
 from node.pipeline.transport import DirectTransport
 from node.roles.stage import StageConfig, StageCore, StageService, build_core
-from protocol.envelope import Context, Direction, Kind, open_envelope, seal
+from protocol.envelope import Context, Direction, Kind, StreamingFrame, open_envelope, seal
 from protocol.errors import ProtocolError, RemoteRefused, SignerMismatch
 from protocol.identity import NodeIdentity
 from protocol.manifest import InnerOptimizerSpec, RunManifest, WireSpec
@@ -251,12 +251,14 @@ def request(
     return bytearray(seal(signer, ctx, microbatch=mb, step=0, now=service.wall_clock(), tensor=tensor))
 
 
-def answer(service: StageService, frame: bytes, kind: Kind, direction: Direction) -> torch.Tensor | None:
+def answer(
+    service: StageService, frame: StreamingFrame, kind: Kind, direction: Direction
+) -> torch.Tensor | None:
     ctx = Context(
         run_id=RUN_ID, kind=kind, receiver=VERIFIER.peer_id, stage=service.stage, direction=direction
     )
     opened = open_envelope(
-        frame,
+        frame.to_bytes(),  # answers are signed while they stream; laid out whole here
         remote_peer=service.identity.peer_id,
         expect=ctx,
         limits=service.limits,
@@ -379,10 +381,10 @@ def test_a_reply_signed_by_another_key_is_rejected_and_retried_elsewhere() -> No
     someone_else = NodeIdentity.generate()
 
     class Forger(StageService):
-        async def rpc_forward(self, frame: bytearray, remote_peer: str) -> bytes:
+        async def rpc_forward(self, frame: bytearray, remote_peer: str) -> bytes:  # type: ignore[override]
             genuine = await honest.rpc_forward(frame, remote_peer)
             opened = open_envelope(  # re-sign the genuine answer with another key
-                genuine,
+                genuine.to_bytes(),
                 remote_peer=self.identity.peer_id,
                 expect=Context(
                     run_id=RUN_ID,

@@ -1,0 +1,157 @@
+"""Compressed activations and gradients between pipeline stages, negotiated in the run manifest (issue 20, part 2).
+
+Codecs (`[activation_codec]` in run.toml; every peer of a run uses the one its signed manifest names):
+
+- ``fp32``: boundary tensors travel as float32, as before codecs (the default until a run measures otherwise).
+- ``int8``: per channel (the last dimension, the model width): scale_c = absmax_c / 127 over every other position,
+  q = round(x / scale_c) in [-127, 127]; ~4x smaller.
+- ``int4``: the same with q in [-7, 7], two values per byte (low nibble first), stored as q + 8; ~8x smaller.
+
+Payload, the frame's "" tensor (1-D uint8)::
+
+    channels x float32 scale | numel x int8   (int4: ceil(numel / 2) bytes of nibbles)
+
+with the header, ``{"codec", "shape"}``, in the frame's meta under `META_PREFIX`. The sender encodes after its stage
+computed (`encode`); the receiver decodes right after `open_envelope` and before the tensor is used or checked
+(`decode_opened`), so SENTINEL and the spot checks see decoded tensors. The header is untrusted: `decode_opened`
+checks its schema, the codec against the manifest's, the declared shape against the receiver's `TensorLimits` for
+the float32 tensor it would build (the cap, before anything is allocated), the payload's exact length, and the
+scales (finite, >= 0, <= `compress.MAX_SCALE`); each refusal is a `CompressionError` with a reason tag.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import torch
+
+from protocol.codec import TensorLimits, check_spec
+from protocol.compress import (
+    BAD_HEADER,
+    MAX_SCALE,
+    TOO_LARGE,
+    WRONG_CODEC,
+    WRONG_LENGTH,
+    _pack_nibbles,
+    _read_scales,
+    _scales,
+    header_from_meta,
+)
+from protocol.envelope import MetaScalar, MetaValue, Opened
+from protocol.errors import CompressionError, TensorPolicyError
+
+BoundaryCodecName = Literal["fp32", "int8", "int4"]
+BOUNDARY_CODECS: tuple[BoundaryCodecName, ...] = ("fp32", "int8", "int4")
+META_PREFIX = "b_"  # the header's keys in a pipeline frame's meta
+_QMAX = {"int8": 127, "int4": 7}
+_SCALE_BYTES = 4  # float32 scales: a channel's absmax may be anywhere an activation's range goes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BoundaryCodecSpec:
+    """How boundary activations and gradients travel; the run manifest fixes one (`[activation_codec]`)."""
+
+    codec: BoundaryCodecName = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.codec not in BOUNDARY_CODECS:
+            raise ValueError(f"bad activation codec {str(self.codec)[:16]!r}: one of {BOUNDARY_CODECS}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.codec != "fp32"
+
+
+def payload_size(codec: BoundaryCodecName, shape: tuple[int, ...]) -> int:
+    """Bytes of the payload for a tensor of `shape` (float32 bytes for fp32)."""
+    numel = math.prod(shape)
+    if codec == "fp32":
+        return 4 * numel
+    values = numel if codec == "int8" else -(-numel // 2)
+    return shape[-1] * _SCALE_BYTES + values
+
+
+def compression_ratio(codec: BoundaryCodecName, shape: tuple[int, ...]) -> float:
+    return 4 * math.prod(shape) / payload_size(codec, shape)
+
+
+def encode(tensor: torch.Tensor, spec: BoundaryCodecSpec) -> tuple[torch.Tensor, dict[str, MetaValue]]:
+    """(the tensor to seal, the meta to add): `tensor` itself and no meta for fp32, else the uint8 payload.
+
+    A tensor the codec cannot carry (an empty dimension, NaN or Inf, a channel max above 127 x `MAX_SCALE`) travels
+    as it is, in fp32: the receiver's finite-value policy and the verifier's checks then judge it as they would
+    without a codec (a codec must not turn a detectable fault into an encoding error).
+    """
+    shape = tuple(int(d) for d in tensor.shape)
+    if not spec.enabled or not shape or any(d <= 0 for d in shape):
+        return tensor, {}
+    rows = tensor.detach().to("cpu", torch.float32).reshape(-1, shape[-1])
+    absmax = rows.abs().amax(dim=0)
+    qmax = _QMAX[spec.codec]
+    if not bool(torch.isfinite(absmax).all()) or float(absmax.max()) > qmax * MAX_SCALE:
+        return tensor, {}
+    stored = _scales(absmax, float(qmax), 32)
+    safe = torch.where(stored > 0, stored, torch.ones_like(stored))  # an all-zero channel has scale 0: q = 0
+    q = torch.round(rows / safe).clamp_(-qmax, qmax).to(torch.int8).reshape(-1)
+    values = q.view(torch.uint8) if spec.codec == "int8" else _pack_nibbles(q)
+    payload = torch.cat([stored.contiguous().view(torch.uint8), values])
+    meta: dict[str, MetaValue] = {
+        META_PREFIX + "codec": spec.codec,
+        META_PREFIX + "shape": cast("list[MetaScalar]", list(shape)),
+    }
+    return payload, meta
+
+
+def decode_opened(opened: Opened, spec: BoundaryCodecSpec, limits: TensorLimits) -> Opened:
+    """`opened` with its "" tensor decoded, if the frame says it is encoded; a frame without the header is returned
+    as it is (fp32 boundary tensors, tokens, losses). Raises CompressionError before allocating anything it
+    refuses."""
+    header = header_from_meta(opened.meta, META_PREFIX)
+    if not header:
+        return opened
+    codec, shape = _parse_header(header, spec, limits)
+    data = opened.tensors.get("")
+    if data is None or data.dtype != torch.uint8 or data.dim() != 1:
+        raise CompressionError("an encoded boundary tensor is a 1-D uint8 payload", reason=BAD_HEADER)
+    expected = payload_size(codec, shape)
+    if data.numel() != expected:
+        raise CompressionError(
+            f"{data.numel()} payload bytes, the header implies {expected}", reason=WRONG_LENGTH
+        )
+    channels = shape[-1]
+    scales = _read_scales(data, channels, 8 * _SCALE_BYTES)
+    values = data[channels * _SCALE_BYTES :]
+    if codec == "int8":
+        q = values.view(torch.int8)
+    else:  # low nibble first; an odd numel's pad nibble is dropped
+        q = (
+            torch.stack([values & 0x0F, values >> 4], dim=1).reshape(-1)[: math.prod(shape)].to(torch.int8)
+            - 8
+        )
+    decoded = q.to(torch.float32).view(-1, channels).mul_(scales).view(shape)
+    return Opened(opened.header, {**opened.tensors, "": decoded})
+
+
+def _parse_header(
+    header: Mapping[str, object], spec: BoundaryCodecSpec, limits: TensorLimits
+) -> tuple[BoundaryCodecName, tuple[int, ...]]:
+    if set(header) != {"codec", "shape"}:
+        raise CompressionError("a boundary header has exactly the fields codec and shape", reason=BAD_HEADER)
+    codec = header["codec"]
+    if type(codec) is not str or codec not in _QMAX:
+        raise CompressionError(f"unknown boundary codec {str(codec)[:16]!r}", reason=BAD_HEADER)
+    if codec != spec.codec:
+        raise CompressionError(f"got {codec}, the run's manifest says {spec.codec}", reason=WRONG_CODEC)
+    raw_shape = header["shape"]
+    try:
+        check_spec("float32", raw_shape, limits)  # the float32 tensor decode would build, against our cap
+    except TensorPolicyError as e:
+        reason = TOO_LARGE if e.reason == "tensor too large" else BAD_HEADER
+        raise CompressionError(f"declared shape refused: {e}", reason=reason) from None
+    shape = tuple(cast("list[int]", raw_shape))
+    if not shape or min(shape) <= 0:
+        raise CompressionError(f"declared shape {shape} has an empty dimension", reason=BAD_HEADER)
+    return codec, shape

@@ -1,0 +1,194 @@
+"""Compressed boundary activations and gradients: the codec's accuracy and size, its negotiation in the manifest,
+decode bombs refused before allocation (each with a negative control), and the pipeline driven with the codec on."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from protocol import boundary_codec
+from protocol.boundary_codec import META_PREFIX, BoundaryCodecSpec, compression_ratio, decode_opened, encode
+from protocol.codec import TensorLimits
+from protocol.compress import BAD_HEADER, BAD_SCALE, TOO_LARGE, WRONG_CODEC, WRONG_LENGTH
+from protocol.envelope import Context, Direction, Kind, Opened, open_envelope, seal
+from protocol.errors import CompressionError
+from protocol.identity import NodeIdentity
+from protocol.manifest import RunManifest, WireSpec
+from protocol.pipeline import BoundaryShape
+from protocol.replay import ReplayGuard
+from tests.unit import test_pipeline_local as local
+
+NOW = 1_700_000_000.0
+ALICE, BOB = NodeIdentity.generate(), NodeIdentity.generate()
+CTX = Context(run_id="r", kind=Kind.ACTIVATION, receiver=BOB.peer_id, stage=1, direction=Direction.FORWARD)
+INT8, INT4 = BoundaryCodecSpec(codec="int8"), BoundaryCodecSpec(codec="int4")
+SHAPE = BoundaryShape(max_batch=8, context_len=32, width=64, vocab_size=256, codec=INT8)
+
+
+def activation(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 32, 64, generator=g)
+    return x * torch.linspace(
+        0.1, 8.0, 64
+    )  # channels of very different ranges: what per-channel scales are for
+
+
+def through_frame(
+    payload: torch.Tensor,
+    meta: dict[str, Any],
+    spec: BoundaryCodecSpec = INT8,
+    limits: TensorLimits | None = None,
+) -> Opened:
+    limits = limits or dataclasses.replace(SHAPE, codec=spec).limits
+    frame = seal(ALICE, CTX, microbatch=1, step=1, now=NOW, tensor=payload, meta=meta)
+    opened = open_envelope(
+        frame, remote_peer=ALICE.peer_id, expect=CTX, limits=limits, replay=ReplayGuard(), now=NOW
+    )
+    return decode_opened(opened, spec, limits)
+
+
+@pytest.mark.parametrize(("spec", "min_ratio", "qmax"), [(INT8, 3.85, 127), (INT4, 7.5, 7)])
+def test_round_trip_within_half_a_step_per_channel(
+    spec: BoundaryCodecSpec, min_ratio: float, qmax: int
+) -> None:
+    x = activation()
+    payload, meta = encode(x, spec)
+    assert payload.dtype == torch.uint8 and payload.numel() == boundary_codec.payload_size(
+        spec.codec, (4, 32, 64)
+    )
+    assert compression_ratio(spec.codec, (4, 32, 64)) > min_ratio
+    back = through_frame(payload, meta, spec).tensors[""]
+    step = x.abs().amax(dim=(0, 1)) / qmax  # one scale per channel
+    assert back.shape == x.shape and bool(((back - x).abs() <= step / 2 + 1e-6).all())
+
+
+def test_fp32_is_the_default_and_changes_nothing() -> None:
+    x = activation()
+    assert RunManifest().activation_codec == BoundaryCodecSpec()
+    same, meta = encode(x, BoundaryCodecSpec())
+    assert same is x and meta == {}
+    assert "uint8" not in BoundaryShape.from_manifest(RunManifest()).limits.allowed_dtypes
+
+
+def test_a_tensor_the_codec_cannot_carry_travels_as_fp32() -> None:
+    x = activation()
+    x[0, 0, 0] = float("nan")  # a faulty stage's output: the receiver's finite policy must still see it
+    same, meta = encode(x, INT8)
+    assert same is x and meta == {}
+
+
+def test_the_manifest_negotiates_the_codec() -> None:
+    run = RunManifest.from_dict({"activation_codec": {"codec": "int4"}, "wire": {"max_batch": 8}})
+    assert run.activation_codec == INT4 and BoundaryShape.from_manifest(run).codec == INT4
+    assert RunManifest.from_canonical_bytes(run.to_canonical_bytes()) == run
+    with pytest.raises(ValueError, match="activation codec"):
+        RunManifest.from_dict({"activation_codec": {"codec": "int2"}})
+    with pytest.raises(ValueError, match="unknown"):
+        RunManifest.from_dict({"activation_codec": {"codec": "int8", "block": 3}})
+
+
+# ---------------------------------------------------------------------------------------------------- decode bombs
+
+
+def refused(payload: torch.Tensor, meta: dict[str, Any], spec: BoundaryCodecSpec = INT8, **kw: Any) -> str:
+    with pytest.raises(CompressionError) as e:
+        through_frame(payload, meta, spec, **kw)
+    return e.value.reason
+
+
+def test_a_declared_shape_over_the_cap_is_refused_before_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    big = torch.randn(8, 32, 1024)  # an honest encoding of a tensor 16x the run's width: 1 MiB decoded
+    payload, meta = encode(big, INT8)
+    loose = dataclasses.replace(SHAPE.limits, max_bytes=4 << 20)
+    frame = seal(ALICE, CTX, microbatch=1, step=1, now=NOW, tensor=payload, meta=meta)
+    opened = open_envelope(
+        frame, remote_peer=ALICE.peer_id, expect=CTX, limits=loose, replay=ReplayGuard(), now=NOW
+    )
+    allocated: list[int] = []
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(
+        torch.Tensor, "to", lambda t, *a, **k: allocated.append(t.numel()) or real_to(t, *a, **k)
+    )
+    tight = dataclasses.replace(SHAPE.limits, max_bytes=1 << 19)  # our cap: 512 KiB (the payload: 256 KiB)
+    with pytest.raises(CompressionError) as e:
+        decode_opened(opened, INT8, tight)
+    assert e.value.reason == TOO_LARGE and allocated == []
+    # control: the same frame under a cap that does not hold it back decodes into the big float32 tensor
+    assert decode_opened(opened, INT8, loose).tensors[""].numel() == big.numel()
+    assert allocated == [big.numel()]
+
+
+def test_a_payload_shorter_or_longer_than_declared_is_refused() -> None:
+    payload, meta = encode(activation(), INT8)
+    assert refused(payload[:-1], meta) == WRONG_LENGTH
+    assert refused(torch.cat([payload, payload[:1]]), meta) == WRONG_LENGTH
+    huge_shape = {**meta, META_PREFIX + "shape": [8, 32, 64 * 1024 * 1024]}  # a decode bomb's header
+    assert refused(payload, huge_shape) == TOO_LARGE
+    assert through_frame(payload, meta).tensors[""].shape == (4, 32, 64)  # control: the honest frame decodes
+
+
+def test_nan_and_negative_scales_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    payload, meta = encode(activation(), INT8)
+    for bad in (float("nan"), float("inf"), -1.0):
+        poisoned = payload.clone()
+        poisoned[:4].view(torch.float32)[0] = bad  # channel 0's scale
+        assert refused(poisoned, meta) == BAD_SCALE
+    # negative control: with the scale check off, the NaN scale reaches the decoded tensor
+    poisoned = payload.clone()
+    poisoned[:4].view(torch.float32)[0] = float("nan")
+    monkeypatch.setattr(
+        boundary_codec, "_read_scales", lambda data, n, bits: data[: n * 4].view(torch.float32)
+    )
+    assert bool(through_frame(poisoned, meta).tensors[""][..., 0].isnan().all())
+
+
+def test_headers_out_of_schema_or_codec_are_refused() -> None:
+    payload, meta = encode(activation(), INT8)
+    assert refused(payload, meta, INT4) == WRONG_CODEC  # the manifest says int4
+    assert refused(payload, {**meta, META_PREFIX + "codec": "int2"}) == BAD_HEADER
+    assert refused(payload, {**meta, META_PREFIX + "extra": 1}) == BAD_HEADER
+    assert refused(payload, {**meta, META_PREFIX + "shape": [4, 0, 64]}) == BAD_HEADER
+    assert refused(payload, {**meta, META_PREFIX + "shape": "4x32x64"}) == BAD_HEADER
+    assert refused(torch.zeros(4, 32, 64), meta) == BAD_HEADER  # the header on a float32 tensor
+    fp32_run = dataclasses.replace(SHAPE, codec=BoundaryCodecSpec())
+    with pytest.raises(CompressionError) as e:  # an fp32 run refuses an encoded tensor
+        frame_limits = dataclasses.replace(fp32_run.limits, allowed_dtypes=frozenset({"float32", "uint8"}))
+        through_frame(payload, meta, BoundaryCodecSpec(), limits=frame_limits)
+    assert e.value.reason == WRONG_CODEC
+
+
+# ---------------------------------------------------------------------------------------------------- pipeline
+
+
+class CountingTransport:
+    """DirectTransport that counts the bytes of the boundary tensors each way (requests and answers)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.bytes = inner, 0
+
+    async def call(self, peer_id: str, rpc: str, frame: Any, **kw: Any) -> Any:
+        self.bytes += len(frame)
+        answer = await self.inner.call(peer_id, rpc, frame, **kw)
+        self.bytes += len(answer)
+        return answer
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_the_pipeline_trains_with_the_codec_on_and_sends_fewer_bytes(codec: str) -> None:
+    losses, sent = {}, {}
+    for name in ("fp32", codec):
+        run = dataclasses.replace(
+            local.manifest(), activation_codec=BoundaryCodecSpec(codec=name), wire=WireSpec(max_batch=8)
+        )
+        pipe = local.build_pipeline(run)
+        counter = CountingTransport(pipe.driver.transport)
+        pipe.driver.hops.transport = counter
+        outcomes = local.drive_all(pipe, range(1, 5))
+        assert all(o.completed for o in outcomes)
+        losses[name] = sum(o.loss for o in outcomes) / len(outcomes)
+        sent[name] = counter.bytes
+    assert sent[codec] < sent["fp32"] / (2.5 if codec == "int8" else 4.0)  # tokens and headers do not shrink
+    assert abs(losses[codec] - losses["fp32"]) / losses["fp32"] < 0.01  # the same first steps, within noise
