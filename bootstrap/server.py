@@ -34,6 +34,7 @@ from aiohttp import web
 from hivemind.utils import get_dht_time
 
 from bootstrap.gauges import SwarmGauges
+from bootstrap.owner_roles import OwnerRole, OwnerRoles, local_join_maddr, prepare_roles
 from node.config import BootstrapConfig, NetworkConfig, run_sentinel_config
 from node.context import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
 from node.status.http import metrics_response, start_site, summarize_bans
@@ -71,11 +72,24 @@ MAX_SYNCER_STATUS_BYTES = 1 << 20  # the syncer's /api/status we read for merge 
 MAX_NOTES_BYTES = 1 << 16  # of <state_dir>/notes.jsonl read per snapshot
 
 
-def load_manifest(config: BootstrapConfig) -> RunManifest:
-    """The run to publish; its SENTINEL settings are checked here, so a typo stops the owner, not every verifier."""
+def load_manifest(config: BootstrapConfig, owner_roles: tuple[OwnerRole, ...] = ()) -> RunManifest:
+    """The run to publish; its SENTINEL settings are checked here, so a typo stops the owner, not every verifier.
+    It authorizes the keys of `--authorize-*` and those of the roles the bootstrap runs itself."""
     manifest = load_run_toml(config.run_path) if config.run_path is not None else default_manifest()
     run_sentinel_config(manifest.sentinel, str(config.run_path or "the built-in run"))
-    return authorize(manifest, syncers=config.authorize_syncers, verifiers=config.authorize_verifiers)
+    own = {role: tuple(r.peer_id for r in owner_roles if r.role == role) for role in ("syncer", "verifier")}
+    return authorize(
+        manifest,
+        syncers=(*config.authorize_syncers, *own["syncer"]),
+        verifiers=(*config.authorize_verifiers, *own["verifier"]),
+    )
+
+
+def read_run(config: BootstrapConfig) -> tuple[RunManifest, tuple[OwnerRole, ...]]:
+    """The manifest to sign and the owner's roles it authorizes (their keys created on first use)."""
+    plain = load_manifest(config)
+    owner_roles = prepare_roles(config, plain)
+    return load_manifest(config, owner_roles), owner_roles
 
 
 class Bootstrap:
@@ -117,6 +131,7 @@ class Bootstrap:
         self._snapshot: tuple[float, dict[str, Any]] | None = None
         self._snapshot_lock = asyncio.Lock()
         self._started_at = time.monotonic()
+        self.owner_roles: OwnerRoles | None = None  # the syncer/verifier children, once started
 
     @property
     def run_id(self) -> str:
@@ -293,6 +308,7 @@ class Bootstrap:
             "maddrs": list(self.maddrs),
             "version": VERSION,
             "uptime_s": round(time.monotonic() - self._started_at, 1),
+            "owner_roles": self.owner_roles.status() if self.owner_roles is not None else [],
         }
 
     async def _handle_status(self, _request: web.Request) -> web.Response:
@@ -409,6 +425,8 @@ def announce_lines(bootstrap: Bootstrap) -> list[str]:
     if bootstrap.maddrs:
         lines.append(f"join with: python -m node --join {bootstrap.maddrs[0]}")
     lines.append(f"dashboard: http://{bootstrap.http_address}/")
+    for role in bootstrap.owner_roles.roles if bootstrap.owner_roles is not None else ():
+        lines.append(f"owner's {role.role}: {role.peer_id} (log: {role.log_path})")
     return lines
 
 
@@ -419,7 +437,7 @@ async def run_bootstrap(
     log_context: LogContext | None = None,
 ) -> None:
     """The whole life of a bootstrap process; raises HivenodeError subclasses with one-line messages."""
-    manifest = load_manifest(config)
+    manifest, owner_roles = read_run(config)
     identity = NodeIdentity.load_or_create(config.identity_file)
     if log_context is not None:
         log_context.peer_id = identity.peer_id
@@ -429,7 +447,16 @@ async def run_bootstrap(
         bootstrap = Bootstrap(config, identity, owner, manifest)
         try:
             await bootstrap.start()
+            children = OwnerRoles(
+                owner_roles, local_join_maddr(bootstrap.maddrs), config_path=config.roles_config_path
+            )
+            bootstrap.owner_roles = children
             on_ready(bootstrap)
-            await bootstrap.run(stop)
+            kept = asyncio.ensure_future(children.run(stop))
+            try:
+                await bootstrap.run(stop)
+            finally:
+                stop.set()  # the children get their graceful stop while our DHT still answers them
+                await kept
         finally:
             await bootstrap.close()
