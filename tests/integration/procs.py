@@ -221,9 +221,7 @@ class Procs:
         proc.remember_children()
         return proc
 
-    def start_node(
-        self, *args: str, state: str | None = None, wait: bool = True, light: bool = True
-    ) -> Node:
+    def start_node(self, *args: str, state: str | None = None, wait: bool = True, light: bool = True) -> Node:
         """`python -m node --state-dir <root/state> args`; `light` (unless args name a --config) slows learners."""
         state_dir = self.root / (state or f"node{self._count + 1}")
         if (
