@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from protocol.identity import NodeIdentity
 from protocol.manifest import OwnerPins
 from tests.integration.procs import Node, get_json, procs, wait_until
 
@@ -126,3 +127,28 @@ def _is_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_an_external_authorized_syncer_beside_the_owners_is_its_standby(tmp_path: Path) -> None:
+    """`--authorize-syncer` still works with the owner's syncer running: the external key joins as a standby
+    that mirrors the active one (the failover itself: test_diloco.py::test_syncer_failover)."""
+    key = tmp_path / "external.key"
+    external = NodeIdentity.load_or_create(key).peer_id
+    with procs(tmp_path) as group:
+        bootstrap = group.start_bootstrap(
+            "--authorize-syncer", external, "--no-verifier", owner_roles=True, state="bootstrap"
+        )
+        ours = wait_until(lambda: owner_roles(bootstrap.http_url), 10, what="the owner's syncer")[0][
+            "peer_id"
+        ]
+        assert sorted(bootstrap.swarm()["settings"]["authorized_syncers"]) == sorted([ours, external])
+        wait_until(
+            lambda: [
+                s for s in bootstrap.swarm()["syncer"] if s["peer_id"] == ours and s["state"] == "active"
+            ],
+            JOIN_S,
+            what="the owner's syncer active",
+        )
+        standby = group.start_node("--join", bootstrap.maddr, "--role", "syncer", "--identity", str(key))
+        assert standby.status()["peer_id"] == external
+        wait_until(lambda: standby.try_status().get("state") == "standby", 30, what="the external standby")
