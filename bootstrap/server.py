@@ -51,7 +51,14 @@ from node.swarm import (
 from protocol.dht_io import SwarmRecords, publish_discovery
 from protocol.errors import HivenodeError
 from protocol.identity import IdentityLock, NodeIdentity
-from protocol.manifest import RunManifest, SignedManifest, authorize, default_manifest, load_run_toml
+from protocol.manifest import (
+    RunManifest,
+    SignedManifest,
+    authorize,
+    default_manifest,
+    load_run_toml,
+    run_bootstraps,
+)
 from protocol.records import Heartbeat, HivenodeRecordValidator, RecordLimits, RunRules
 from protocol.rpc import FramedServer
 
@@ -72,9 +79,11 @@ MAX_SYNCER_STATUS_BYTES = 1 << 20  # the syncer's /api/status we read for merge 
 MAX_NOTES_BYTES = 1 << 16  # of <state_dir>/notes.jsonl read per snapshot
 
 
-def load_manifest(config: BootstrapConfig, owner_roles: tuple[OwnerRole, ...] = ()) -> RunManifest:
+def load_manifest(
+    config: BootstrapConfig, owner_roles: tuple[OwnerRole, ...] = (), bootstraps: tuple[str, ...] = ()
+) -> RunManifest:
     """The run to publish; its SENTINEL settings are checked here, so a typo stops the owner, not every verifier.
-    It authorizes the keys of `--authorize-*` and those of the roles the bootstrap runs itself."""
+    It authorizes the keys of `--authorize-*`, those of the roles the bootstrap runs itself and `bootstraps`."""
     manifest = load_run_toml(config.run_path) if config.run_path is not None else default_manifest()
     run_sentinel_config(manifest.sentinel, str(config.run_path or "the built-in run"))
     own = {role: tuple(r.peer_id for r in owner_roles if r.role == role) for role in ("syncer", "verifier")}
@@ -82,14 +91,19 @@ def load_manifest(config: BootstrapConfig, owner_roles: tuple[OwnerRole, ...] = 
         manifest,
         syncers=(*config.authorize_syncers, *own["syncer"]),
         verifiers=(*config.authorize_verifiers, *own["verifier"]),
+        bootstraps=(*config.authorize_bootstraps, *bootstraps),
     )
 
 
-def read_run(config: BootstrapConfig) -> tuple[RunManifest, tuple[OwnerRole, ...]]:
-    """The manifest to sign and the owner's roles it authorizes (their keys created on first use)."""
+def read_run(
+    config: BootstrapConfig, identity: str | None = None, owner: str | None = None
+) -> tuple[RunManifest, tuple[OwnerRole, ...]]:
+    """The manifest to sign and the owner's roles it authorizes (their keys created on first use); our own
+    peer id `identity` is listed among the run's bootstraps when it is not the `owner`'s."""
     plain = load_manifest(config)
     owner_roles = prepare_roles(config, plain)
-    return load_manifest(config, owner_roles), owner_roles
+    ours = (identity,) if identity is not None and identity != owner else ()
+    return load_manifest(config, owner_roles, ours), owner_roles
 
 
 class Bootstrap:
@@ -104,6 +118,7 @@ class Bootstrap:
         self.manifest = manifest
         self.signed = SignedManifest.sign(manifest, owner)
         self.rules = RunRules.from_manifest(self.signed, manifest)
+        self.bootstrap_peers = run_bootstraps(self.signed, manifest)  # who may be listed as a bootstrap
         self.metrics = NodeMetrics()
         self.gauges = SwarmGauges(self.metrics.registry)
         self.history = SwarmHistory(ViewConfig(sample_period_s=manifest.heartbeat_period_s))
@@ -352,7 +367,13 @@ class Bootstrap:
         for peer in peers:
             by_role[peer.heartbeat.role] = by_role.get(peer.heartbeat.role, 0) + 1
         self.gauges.set_roles(by_role)
-        other_bootstraps = [m for p in peers if p.heartbeat.role == "bootstrap" for m in p.heartbeat.maddrs]
+        # only the bootstraps the owner signed into the manifest: a heartbeat claiming the role adds nothing
+        other_bootstraps = [
+            m
+            for p in peers
+            if p.heartbeat.role == "bootstrap" and p.peer_id in self.bootstrap_peers
+            for m in p.heartbeat.maddrs
+        ]
         document: dict[str, Any] = {
             "run_id": self.run_id,
             "run_name": self.manifest.name,
@@ -437,12 +458,13 @@ async def run_bootstrap(
     log_context: LogContext | None = None,
 ) -> None:
     """The whole life of a bootstrap process; raises HivenodeError subclasses with one-line messages."""
-    manifest, owner_roles = read_run(config)
+    load_manifest(config)  # a bad run file is the first thing to hear about
     identity = NodeIdentity.load_or_create(config.identity_file)
     if log_context is not None:
         log_context.peer_id = identity.peer_id
     # never create an owner key on the fly: a typo would silently start a different run
     owner = NodeIdentity.load(config.owner_key_path) if config.owner_key_path else identity
+    manifest, owner_roles = read_run(config, identity.peer_id, owner.peer_id)
     with IdentityLock(config.identity_file):
         bootstrap = Bootstrap(config, identity, owner, manifest)
         try:

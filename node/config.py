@@ -141,6 +141,9 @@ class BootstrapConfig:
     run_path: Path | None = None  # run.toml; none = the built-in default run
     authorize_syncers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized syncers
     authorize_verifiers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized verifiers
+    # peer ids of the run's other bootstraps (ours is added when its key is not the owner's): only these are
+    # listed in /api/swarm and vouch for the run to joining nodes
+    authorize_bootstraps: tuple[str, ...] = ()
     # the owner's own syncer, a child `python -m node --role syncer` whose key (<state_dir>/roles/syncer/) is
     # created here and authorized in the manifest: with it, a default swarm merges; false = the owner runs one
     run_syncer: bool = True
@@ -541,6 +544,7 @@ BOOTSTRAP_FLAGS = {  # BootstrapConfig field -> the flag that sets it
     "run_path": "--run",
     "authorize_syncers": "--authorize-syncer",
     "authorize_verifiers": "--authorize-verifier",
+    "authorize_bootstraps": "--authorize-bootstrap",
     "run_syncer": "--no-syncer",
     "run_verifier": "--no-verifier",
     "roles_config_path": "--roles-config",
@@ -571,6 +575,7 @@ def build_bootstrap_parser() -> argparse.ArgumentParser:
     add("--owner-key", type=Path, metavar="PATH", help="key that signs the manifest (default: --identity)")
     add("--authorize-syncer", action="append", metavar="PEER_ID", help="add an authorized syncer")
     add("--authorize-verifier", action="append", metavar="PEER_ID", help="add an authorized verifier")
+    add("--authorize-bootstrap", action="append", metavar="PEER_ID", help="add another bootstrap of the run")
     add(
         "--no-syncer",
         dest="run_syncer",
@@ -628,6 +633,7 @@ def _bootstrap_flags(args: argparse.Namespace) -> dict[str, Any]:
         "run_path": args.run,
         "authorize_syncers": args.authorize_syncer,
         "authorize_verifiers": args.authorize_verifier,
+        "authorize_bootstraps": args.authorize_bootstrap,
         "run_syncer": args.run_syncer,
         "run_verifier": args.run_verifier,
         "roles_config_path": args.roles_config,
