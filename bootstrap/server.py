@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Callable
 from functools import partial
@@ -34,6 +35,7 @@ from aiohttp import web
 from hivemind.utils import get_dht_time
 
 from bootstrap.gauges import SwarmGauges
+from bootstrap.ledger import LEDGER_FILENAME, ContributionLedger, LeaderboardApi
 from bootstrap.owner_roles import OwnerRole, OwnerRoles, local_join_maddr, prepare_roles
 from node.config import BootstrapConfig, NetworkConfig, run_sentinel_config
 from node.context import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
@@ -147,6 +149,7 @@ class Bootstrap:
         self._snapshot_lock = asyncio.Lock()
         self._started_at = time.monotonic()
         self.owner_roles: OwnerRoles | None = None  # the syncer/verifier children, once started
+        self.ledger: ContributionLedger | None = None  # who contributed what (bootstrap/ledger.py)
 
     @property
     def run_id(self) -> str:
@@ -172,6 +175,7 @@ class Bootstrap:
             metrics=self.metrics,
         )
         await self.publish_manifest()
+        self.ledger = ContributionLedger(config.state_dir / LEDGER_FILENAME, self.run_id)
         self._runner, self.http_address = await start_site(self._app(), config.http_host, config.http_port)
         if config.serve_reach_checks:
             await self._serve_reach_checks()
@@ -234,6 +238,21 @@ class Bootstrap:
                     logger.warning("the DHT did not answer a swarm snapshot in time")
                     continue
                 self._syncer_status = await _fetch_syncer_status(session, document.get("syncer") or [])
+                self._update_ledger(document)
+
+    def _update_ledger(self, document: dict[str, Any]) -> None:
+        """Live peers and the active syncer's recent merges into the contribution ledger."""
+        if self.ledger is None:
+            return
+        now = time.time()
+        try:
+            peers = [(str(p["peer_id"]), str(p["role"])) for p in document.get("peers") or []]
+            self.ledger.observe_peers(peers, now, self.manifest.heartbeat_period_s)
+            self.ledger.record_merges((self._syncer_status or {}).get("recent_merges") or [], now)
+        except (
+            sqlite3.Error
+        ) as e:  # a full disk or a locked file: the swarm goes on, the ledger catches up later
+            logger.warning("cannot update the contribution ledger %s: %s", self.ledger.path, e)
 
     def _log_events(self) -> None:
         """Append new swarm events (joins, departures, stragglers, merges, bans) to `<state_dir>/swarm-events.jsonl`."""
@@ -295,6 +314,9 @@ class Bootstrap:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
 
     # ---- HTTP ----
 
@@ -303,6 +325,8 @@ class Bootstrap:
         app.router.add_get("/api/status", self._handle_status)
         app.router.add_get("/api/swarm", self._handle_swarm)
         app.router.add_get("/metrics", self._handle_metrics)
+        if self.ledger is not None:
+            LeaderboardApi(self.ledger, self.swarm_document).add_routes(app)
         app.router.add_get("/", self._handle_index)
         if STATIC_DIR.is_dir():
             app.router.add_static("/static/", STATIC_DIR)

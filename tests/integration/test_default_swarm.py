@@ -17,7 +17,7 @@ import pytest
 
 from protocol.identity import NodeIdentity
 from protocol.manifest import OwnerPins
-from tests.integration.procs import Node, get_json, procs, wait_until
+from tests.integration.procs import Node, get_json, get_text, procs, run_cli, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -49,7 +49,10 @@ def test_a_plain_bootstrap_and_two_plain_joins_merge_and_both_apply_the_merges(t
         assert settings["authorized_syncers"] == [roles["syncer"]["peer_id"]]
         assert settings["authorized_verifiers"] == [roles["verifier"]["peer_id"]]
         started = time.monotonic()
-        volunteers = [group.start_node("--join", bootstrap.maddr, light=False, wait=False) for _ in range(2)]
+        volunteers = [
+            group.start_node("--join", bootstrap.maddr, light=False, wait=False, state=f"v{i}")
+            for i in range(2)
+        ]
         for node in volunteers:
             group.wait_node(node, timeout_s=JOIN_S)
         first = wait_until(
@@ -76,6 +79,28 @@ def test_a_plain_bootstrap_and_two_plain_joins_merge_and_both_apply_the_merges(t
         print(
             f"\nfirst merge applied on both volunteers {merged_after_s:.0f} s after the joins; versions {first}"
         )
+        ids = {n.status()["peer_id"] for n in volunteers}
+        credited = wait_until(
+            lambda: (
+                {
+                    r["peer_id"]
+                    for r in get_json(bootstrap.http_url + "/api/leaderboard")["peers"]
+                    if r["verified_tokens"] > 0 and r["accepted"] > 0 and r["uptime_s"] > 0
+                }
+                >= ids
+            ),
+            20,
+            what="both volunteers credited in the bootstrap's ledger",
+        )
+        assert credited
+        exported = get_text(bootstrap.http_url + "/api/leaderboard.csv").splitlines()
+        assert exported[0].startswith("peer_id,role,verified_tokens") and len(exported) >= 3
+        mine = run_cli(
+            "node", "status", bootstrap.http_url, "--state-dir", str(tmp_path / "v0"), root=tmp_path
+        )
+        assert mine.returncode == 0, mine.stderr
+        credit = next(line for line in mine.stdout.splitlines() if line.startswith("credit of "))
+        assert " 0 verified tokens" not in credit and "why:" not in mine.stdout, mine.stdout
         bootstrap.signal(signal.SIGTERM)
         assert bootstrap.wait_exit(40) == 0
         for role in roles.values():  # the children ended with it
@@ -89,9 +114,22 @@ def test_without_the_owner_roles_a_volunteer_is_told_it_trains_alone(tmp_path: P
         settings = bootstrap.swarm()["settings"]
         assert settings["authorized_syncers"] == settings["authorized_verifiers"] == []
         assert owner_roles(bootstrap.http_url) == []
-        volunteer = group.start_node("--join", bootstrap.maddr)
+        volunteer = group.start_node("--join", bootstrap.maddr, state="v")
         assert volunteer.status()["role"] == "learner"
         volunteer.wait_line("authorizes no syncer: training locally", 30, source="stderr")
+        # and `node status` tells the volunteer why its credit is zero
+        peer_id = volunteer.status()["peer_id"]
+        wait_until(
+            lambda: peer_id in get_text(bootstrap.http_url + "/api/leaderboard.csv"),
+            20,
+            what="the volunteer in the ledger",
+        )
+        mine = run_cli(
+            "node", "status", bootstrap.http_url, "--state-dir", str(tmp_path / "v"), root=tmp_path
+        )
+        assert mine.returncode == 0, mine.stderr
+        assert f"credit of {peer_id}: 0 verified tokens" in mine.stdout, mine.stdout
+        assert "why: waiting for a syncer" in mine.stdout, mine.stdout
 
 
 def test_one_volunteer_state_dir_joins_two_unrelated_default_swarms_in_turn(tmp_path: Path) -> None:
