@@ -211,6 +211,10 @@ class LeaderboardApi:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/api/leaderboard", self.handle_json)
         app.router.add_get("/api/leaderboard.csv", self.handle_csv)
+        app.router.add_get("/leaderboard", self.handle_page)
+
+    async def handle_page(self, _request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(Path(__file__).resolve().parent / "static" / "leaderboard.html")
 
     async def handle_json(self, request: web.Request) -> web.Response:
         peer_id = request.query.get("peer")

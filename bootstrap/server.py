@@ -246,7 +246,8 @@ class Bootstrap:
             return
         now = time.time()
         try:
-            peers = [(str(p["peer_id"]), str(p["role"])) for p in document.get("peers") or []]
+            live = document.get("peers") or []
+            peers = [(str(p["peer_id"]), str(p["role"])) for p in live if p.get("role") != "bootstrap"]
             self.ledger.observe_peers(peers, now, self.manifest.heartbeat_period_s)
             self.ledger.record_merges((self._syncer_status or {}).get("recent_merges") or [], now)
         except (
