@@ -169,8 +169,13 @@ class OwnerRoles:
         backoff = self._backoff or Backoff()
         while not stop.is_set():
             started = time.monotonic()
-            child = await self._spawn(role)
-            code = await child.wait()
+            try:
+                child = await self._spawn(role)
+            except OSError as e:  # no such interpreter, no file descriptors left: try again later
+                logger.warning("cannot start the owner's %s: %s", role.role, e)
+                code, pid = -1, 0
+            else:
+                code, pid = await child.wait(), child.pid
             self.last_exit[role.role] = code
             if stop.is_set():
                 return
@@ -178,7 +183,7 @@ class OwnerRoles:
             logger.warning(
                 "the owner's %s (pid %d) exited with %d; restarting in %.0f s (log: %s)",
                 role.role,
-                child.pid,
+                pid,
                 code,
                 delay,
                 role.log_path,
@@ -217,3 +222,4 @@ class OwnerRoles:
             with contextlib.suppress(ProcessLookupError):
                 child.kill()
             await child.wait()
+        self.last_exit[name] = child.returncode

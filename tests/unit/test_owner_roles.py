@@ -64,3 +64,38 @@ def test_restart_backoff_doubles_for_quick_exits_and_resets_after_a_healthy_run(
     assert backoff.after_exit(1.0) == 4.0
     with pytest.raises(ValueError):
         Backoff(base_s=0.0)
+
+
+def test_a_child_that_exits_is_restarted_and_stop_ends_a_running_one(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Real child processes (a tiny Python in place of `python -m node`): one exits at once and is restarted
+    after its backoff; one runs until the stop, which SIGTERMs it; nothing is left running."""
+    import asyncio
+    import sys
+
+    from bootstrap import owner_roles
+    from bootstrap.owner_roles import OwnerRole, OwnerRoles
+
+    programs = {"syncer": "raise SystemExit(3)", "verifier": "import time; time.sleep(60)"}
+    monkeypatch.setattr(
+        owner_roles, "child_argv", lambda role, join, config: [sys.executable, "-c", programs[role.role]]
+    )
+    roles = tuple(OwnerRole(name, tmp_path / name, f"peer-{name}") for name in programs)
+    kept = OwnerRoles(roles, "/ip4/127.0.0.1/tcp/1/p2p/X", stop_timeout_s=5.0, backoff=Backoff(base_s=0.1))
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        running = asyncio.ensure_future(kept.run(stop))
+        deadline = asyncio.get_running_loop().time() + 20
+        while kept.starts["syncer"] < 3 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(running, 10)
+
+    asyncio.run(scenario())
+    status = {s["role"]: s for s in kept.status()}
+    assert status["syncer"]["starts"] >= 3 and status["syncer"]["last_exit"] in (
+        3,
+        -15,
+    )  # -15: a restart stopped
+    assert status["verifier"]["starts"] == 1 and status["verifier"]["last_exit"] == -15  # SIGTERM at the stop
+    assert (tmp_path / "syncer" / "node.log").exists()
