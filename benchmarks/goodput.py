@@ -197,6 +197,8 @@ class Swarm:
                 str(self.root / "bootstrap"),
                 "--maddrs-file",
                 str(maddrs),
+                "--no-syncer",  # the benchmark runs its own two syncers
+                "--no-verifier",
             ],
         )
         maddr = wait_for(lambda: maddrs.exists() and maddrs.read_text().split(), 60, "bootstrap")[0]

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Callable
 from functools import partial
@@ -34,6 +35,8 @@ from aiohttp import web
 from hivemind.utils import get_dht_time
 
 from bootstrap.gauges import SwarmGauges
+from bootstrap.ledger import LEDGER_FILENAME, ContributionLedger, LeaderboardApi
+from bootstrap.owner_roles import OwnerRole, OwnerRoles, local_join_maddr, prepare_roles
 from node.config import BootstrapConfig, NetworkConfig, run_sentinel_config
 from node.context import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
 from node.status.http import metrics_response, start_site, summarize_bans
@@ -50,7 +53,14 @@ from node.swarm import (
 from protocol.dht_io import SwarmRecords, publish_discovery
 from protocol.errors import HivenodeError
 from protocol.identity import IdentityLock, NodeIdentity
-from protocol.manifest import RunManifest, SignedManifest, authorize, default_manifest, load_run_toml
+from protocol.manifest import (
+    RunManifest,
+    SignedManifest,
+    authorize,
+    default_manifest,
+    load_run_toml,
+    run_bootstraps,
+)
 from protocol.records import Heartbeat, HivenodeRecordValidator, RecordLimits, RunRules
 from protocol.rpc import FramedServer
 
@@ -71,11 +81,31 @@ MAX_SYNCER_STATUS_BYTES = 1 << 20  # the syncer's /api/status we read for merge 
 MAX_NOTES_BYTES = 1 << 16  # of <state_dir>/notes.jsonl read per snapshot
 
 
-def load_manifest(config: BootstrapConfig) -> RunManifest:
-    """The run to publish; its SENTINEL settings are checked here, so a typo stops the owner, not every verifier."""
+def load_manifest(
+    config: BootstrapConfig, owner_roles: tuple[OwnerRole, ...] = (), bootstraps: tuple[str, ...] = ()
+) -> RunManifest:
+    """The run to publish; its SENTINEL settings are checked here, so a typo stops the owner, not every verifier.
+    It authorizes the keys of `--authorize-*`, those of the roles the bootstrap runs itself and `bootstraps`."""
     manifest = load_run_toml(config.run_path) if config.run_path is not None else default_manifest()
     run_sentinel_config(manifest.sentinel, str(config.run_path or "the built-in run"))
-    return authorize(manifest, syncers=config.authorize_syncers, verifiers=config.authorize_verifiers)
+    own = {role: tuple(r.peer_id for r in owner_roles if r.role == role) for role in ("syncer", "verifier")}
+    return authorize(
+        manifest,
+        syncers=(*config.authorize_syncers, *own["syncer"]),
+        verifiers=(*config.authorize_verifiers, *own["verifier"]),
+        bootstraps=(*config.authorize_bootstraps, *bootstraps),
+    )
+
+
+def read_run(
+    config: BootstrapConfig, identity: str | None = None, owner: str | None = None
+) -> tuple[RunManifest, tuple[OwnerRole, ...]]:
+    """The manifest to sign and the owner's roles it authorizes (their keys created on first use); our own
+    peer id `identity` is listed among the run's bootstraps when it is not the `owner`'s."""
+    plain = load_manifest(config)
+    owner_roles = prepare_roles(config, plain)
+    ours = (identity,) if identity is not None and identity != owner else ()
+    return load_manifest(config, owner_roles, ours), owner_roles
 
 
 class Bootstrap:
@@ -90,6 +120,7 @@ class Bootstrap:
         self.manifest = manifest
         self.signed = SignedManifest.sign(manifest, owner)
         self.rules = RunRules.from_manifest(self.signed, manifest)
+        self.bootstrap_peers = run_bootstraps(self.signed, manifest)  # who may be listed as a bootstrap
         self.metrics = NodeMetrics()
         self.gauges = SwarmGauges(self.metrics.registry)
         self.history = SwarmHistory(ViewConfig(sample_period_s=manifest.heartbeat_period_s))
@@ -117,6 +148,8 @@ class Bootstrap:
         self._snapshot: tuple[float, dict[str, Any]] | None = None
         self._snapshot_lock = asyncio.Lock()
         self._started_at = time.monotonic()
+        self.owner_roles: OwnerRoles | None = None  # the syncer/verifier children, once started
+        self.ledger: ContributionLedger | None = None  # who contributed what (bootstrap/ledger.py)
 
     @property
     def run_id(self) -> str:
@@ -142,6 +175,7 @@ class Bootstrap:
             metrics=self.metrics,
         )
         await self.publish_manifest()
+        self.ledger = ContributionLedger(config.state_dir / LEDGER_FILENAME, self.run_id)
         self._runner, self.http_address = await start_site(self._app(), config.http_host, config.http_port)
         if config.serve_reach_checks:
             await self._serve_reach_checks()
@@ -204,6 +238,22 @@ class Bootstrap:
                     logger.warning("the DHT did not answer a swarm snapshot in time")
                     continue
                 self._syncer_status = await _fetch_syncer_status(session, document.get("syncer") or [])
+                self._update_ledger(document)
+
+    def _update_ledger(self, document: dict[str, Any]) -> None:
+        """Live peers and the active syncer's recent merges into the contribution ledger."""
+        if self.ledger is None:
+            return
+        now = time.time()
+        try:
+            live = document.get("peers") or []
+            peers = [(str(p["peer_id"]), str(p["role"])) for p in live if p.get("role") != "bootstrap"]
+            self.ledger.observe_peers(peers, now, self.manifest.heartbeat_period_s)
+            self.ledger.record_merges((self._syncer_status or {}).get("recent_merges") or [], now)
+        except (
+            sqlite3.Error
+        ) as e:  # a full disk or a locked file: the swarm goes on, the ledger catches up later
+            logger.warning("cannot update the contribution ledger %s: %s", self.ledger.path, e)
 
     def _log_events(self) -> None:
         """Append new swarm events (joins, departures, stragglers, merges, bans) to `<state_dir>/swarm-events.jsonl`."""
@@ -265,6 +315,9 @@ class Bootstrap:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
 
     # ---- HTTP ----
 
@@ -273,6 +326,8 @@ class Bootstrap:
         app.router.add_get("/api/status", self._handle_status)
         app.router.add_get("/api/swarm", self._handle_swarm)
         app.router.add_get("/metrics", self._handle_metrics)
+        if self.ledger is not None:
+            LeaderboardApi(self.ledger, self.swarm_document).add_routes(app)
         app.router.add_get("/", self._handle_index)
         if STATIC_DIR.is_dir():
             app.router.add_static("/static/", STATIC_DIR)
@@ -293,6 +348,7 @@ class Bootstrap:
             "maddrs": list(self.maddrs),
             "version": VERSION,
             "uptime_s": round(time.monotonic() - self._started_at, 1),
+            "owner_roles": self.owner_roles.status() if self.owner_roles is not None else [],
         }
 
     async def _handle_status(self, _request: web.Request) -> web.Response:
@@ -336,7 +392,13 @@ class Bootstrap:
         for peer in peers:
             by_role[peer.heartbeat.role] = by_role.get(peer.heartbeat.role, 0) + 1
         self.gauges.set_roles(by_role)
-        other_bootstraps = [m for p in peers if p.heartbeat.role == "bootstrap" for m in p.heartbeat.maddrs]
+        # only the bootstraps the owner signed into the manifest: a heartbeat claiming the role adds nothing
+        other_bootstraps = [
+            m
+            for p in peers
+            if p.heartbeat.role == "bootstrap" and p.peer_id in self.bootstrap_peers
+            for m in p.heartbeat.maddrs
+        ]
         document: dict[str, Any] = {
             "run_id": self.run_id,
             "run_name": self.manifest.name,
@@ -409,6 +471,8 @@ def announce_lines(bootstrap: Bootstrap) -> list[str]:
     if bootstrap.maddrs:
         lines.append(f"join with: python -m node --join {bootstrap.maddrs[0]}")
     lines.append(f"dashboard: http://{bootstrap.http_address}/")
+    for role in bootstrap.owner_roles.roles if bootstrap.owner_roles is not None else ():
+        lines.append(f"owner's {role.role}: {role.peer_id} (log: {role.log_path})")
     return lines
 
 
@@ -419,17 +483,27 @@ async def run_bootstrap(
     log_context: LogContext | None = None,
 ) -> None:
     """The whole life of a bootstrap process; raises HivenodeError subclasses with one-line messages."""
-    manifest = load_manifest(config)
+    load_manifest(config)  # a bad run file is the first thing to hear about
     identity = NodeIdentity.load_or_create(config.identity_file)
     if log_context is not None:
         log_context.peer_id = identity.peer_id
     # never create an owner key on the fly: a typo would silently start a different run
     owner = NodeIdentity.load(config.owner_key_path) if config.owner_key_path else identity
+    manifest, owner_roles = read_run(config, identity.peer_id, owner.peer_id)
     with IdentityLock(config.identity_file):
         bootstrap = Bootstrap(config, identity, owner, manifest)
         try:
             await bootstrap.start()
+            children = OwnerRoles(
+                owner_roles, local_join_maddr(bootstrap.maddrs), config_path=config.roles_config_path
+            )
+            bootstrap.owner_roles = children
             on_ready(bootstrap)
-            await bootstrap.run(stop)
+            kept = asyncio.ensure_future(children.run(stop))
+            try:
+                await bootstrap.run(stop)
+            finally:
+                stop.set()  # the children get their graceful stop while our DHT still answers them
+                await kept
         finally:
             await bootstrap.close()

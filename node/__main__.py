@@ -23,6 +23,7 @@ from node.config import (
 from node.context import LogContext, NodeContext, setup_logging
 from protocol.errors import ConfigError, HivenodeError
 from protocol.identity import NodeIdentity
+from protocol.keys import is_peer_id
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -63,8 +64,26 @@ def status(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m node status", description="Summarize a swarm.")
     parser.add_argument("target", metavar="URL_OR_MULTIADDR", help="a bootstrap URL or multiaddr")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS")
+    mine = parser.add_mutually_exclusive_group()
+    mine.add_argument(
+        "--peer", metavar="PEER_ID", help="also show this peer's credit and why it is what it is"
+    )
+    mine.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="the same for the node of this state dir (its identity.key)",
+    )
     args = parser.parse_args(argv)
-    return asyncio.run(status_command(args.target, args.timeout))
+    if args.peer is not None and not is_peer_id(args.peer):
+        parser.error(f"--peer {args.peer!r} is not a peer id (12D3KooW...)")
+    peer = args.peer or (own_peer_id(args.state_dir) if args.state_dir is not None else None)
+    return asyncio.run(status_command(args.target, args.timeout, peer=peer))
+
+
+def own_peer_id(state_dir: Path) -> str:
+    """The peer id of the node whose state dir this is; never creates a key."""
+    return NodeIdentity.load(state_dir / "identity.key").peer_id
 
 
 def demo(argv: Sequence[str]) -> int:

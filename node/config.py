@@ -141,6 +141,14 @@ class BootstrapConfig:
     run_path: Path | None = None  # run.toml; none = the built-in default run
     authorize_syncers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized syncers
     authorize_verifiers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized verifiers
+    # peer ids of the run's other bootstraps (ours is added when its key is not the owner's): only these are
+    # listed in /api/swarm and vouch for the run to joining nodes
+    authorize_bootstraps: tuple[str, ...] = ()
+    # the owner's own syncer, a child `python -m node --role syncer` whose key (<state_dir>/roles/syncer/) is
+    # created here and authorized in the manifest: with it, a default swarm merges; false = the owner runs one
+    run_syncer: bool = True
+    run_verifier: bool = True  # the same for a verifier, when the run has pipeline stages
+    roles_config_path: Path | None = None  # node.toml (`--config`) for those children; none = node defaults
     listen: tuple[str, ...] = (DEFAULT_LISTEN,)  # DHT listen multiaddrs; a fixed port: a stable multiaddr
     announce: tuple[str, ...] = ()  # multiaddrs to announce (public IP, explicit port)
     join: tuple[str, ...] = ()  # other bootstraps or hivemind-dht peers to connect to
@@ -536,6 +544,10 @@ BOOTSTRAP_FLAGS = {  # BootstrapConfig field -> the flag that sets it
     "run_path": "--run",
     "authorize_syncers": "--authorize-syncer",
     "authorize_verifiers": "--authorize-verifier",
+    "authorize_bootstraps": "--authorize-bootstrap",
+    "run_syncer": "--no-syncer",
+    "run_verifier": "--no-verifier",
+    "roles_config_path": "--roles-config",
     "listen": "--listen",
     "announce": "--announce",
     "join": "--join",
@@ -563,6 +575,22 @@ def build_bootstrap_parser() -> argparse.ArgumentParser:
     add("--owner-key", type=Path, metavar="PATH", help="key that signs the manifest (default: --identity)")
     add("--authorize-syncer", action="append", metavar="PEER_ID", help="add an authorized syncer")
     add("--authorize-verifier", action="append", metavar="PEER_ID", help="add an authorized verifier")
+    add("--authorize-bootstrap", action="append", metavar="PEER_ID", help="add another bootstrap of the run")
+    add(
+        "--no-syncer",
+        dest="run_syncer",
+        action="store_false",
+        default=None,
+        help="do not run the owner's syncer (authorize yours with --authorize-syncer)",
+    )
+    add(
+        "--no-verifier",
+        dest="run_verifier",
+        action="store_false",
+        default=None,
+        help="do not run the owner's verifier (pipeline runs; authorize yours with --authorize-verifier)",
+    )
+    add("--roles-config", type=Path, metavar="node.toml", help="settings of the owner's syncer and verifier")
     add("--http", metavar="HOST:PORT", help="HTTP address (default 127.0.0.1:0)")
     add("--maddrs-file", type=Path, metavar="PATH", help="write our multiaddrs here, one per line")
     add(
@@ -605,6 +633,10 @@ def _bootstrap_flags(args: argparse.Namespace) -> dict[str, Any]:
         "run_path": args.run,
         "authorize_syncers": args.authorize_syncer,
         "authorize_verifiers": args.authorize_verifier,
+        "authorize_bootstraps": args.authorize_bootstrap,
+        "run_syncer": args.run_syncer,
+        "run_verifier": args.run_verifier,
+        "roles_config_path": args.roles_config,
         "listen": args.listen,
         "announce": args.announce,
         "join": args.join,

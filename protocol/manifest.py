@@ -217,6 +217,9 @@ class RunManifest:
     data: dict[str, Scalar] = field(default_factory=lambda: {"source": "builtin"})  # corpus spec
     authorized_syncers: tuple[str, ...] = ()  # peer ids
     authorized_verifiers: tuple[str, ...] = ()  # peer ids
+    # peer ids of the run's entry points besides the owner key (a bootstrap whose DHT key is not the owner's):
+    # only these are listed as bootstraps (/api/swarm) and vouch for the run to a node that dials them
+    bootstraps: tuple[str, ...] = ()
     wire: WireSpec = field(default_factory=WireSpec)
     heartbeat_period_s: float = 2.0  # how often each peer refreshes its heartbeat record
     revision: int = 0  # the owner raises it with each change of operational settings (same run id)
@@ -234,6 +237,7 @@ class RunManifest:
         _require(isinstance(self.data.get("source"), str), "data.source must be a string")
         _check_peer_ids("authorized_syncers", self.authorized_syncers)
         _check_peer_ids("authorized_verifiers", self.authorized_verifiers)
+        _check_peer_ids("bootstraps", self.bootstraps)
         hb = self.heartbeat_period_s
         _require(_is_real(hb) and 0.2 <= hb <= 600, f"heartbeat_period_s must be in [0.2, 600], got {hb!r}")
         _require(_is_int(self.revision) and 0 <= self.revision < 2**31, "revision must be an int >= 0")
@@ -288,7 +292,7 @@ class RunManifest:
         for name, spec in nested.items():
             if name in kwargs:
                 kwargs[name] = _build_nested(spec, name, kwargs[name])
-        for name in ("authorized_syncers", "authorized_verifiers"):
+        for name in ("authorized_syncers", "authorized_verifiers", "bootstraps"):
             if name in kwargs:
                 _require(isinstance(kwargs[name], list | tuple), f"{name} must be a list of peer ids")
                 _require(all(isinstance(p, str) for p in kwargs[name]), f"{name} must be a list of peer ids")
@@ -382,7 +386,11 @@ def load_run_toml(path: Path) -> RunManifest:
 
 
 def authorize(
-    manifest: RunManifest, *, syncers: Iterable[str] = (), verifiers: Iterable[str] = ()
+    manifest: RunManifest,
+    *,
+    syncers: Iterable[str] = (),
+    verifiers: Iterable[str] = (),
+    bootstraps: Iterable[str] = (),
 ) -> RunManifest:
     """A copy of `manifest` with more authorized peers (kept sorted, so the run id does not depend on order)."""
     try:
@@ -390,9 +398,21 @@ def authorize(
             manifest,
             authorized_syncers=tuple(sorted(set(manifest.authorized_syncers) | set(syncers))),
             authorized_verifiers=tuple(sorted(set(manifest.authorized_verifiers) | set(verifiers))),
+            bootstraps=tuple(sorted(set(manifest.bootstraps) | set(bootstraps))),
         )
     except ValueError as e:
         raise ConfigError(f"cannot authorize: {e}") from None
+
+
+def run_bootstraps(signed: SignedManifest, manifest: RunManifest) -> frozenset[str]:
+    """The peer ids that are this run's entry points, as its owner signed them: the owner key and `bootstraps`."""
+    return frozenset({signed.owner, *manifest.bootstraps})
+
+
+def maddr_peer_id(maddr: str) -> str | None:
+    """The peer id of a multiaddr's last `/p2p/` part, or None when it has none."""
+    _, sep, tail = maddr.rpartition("/p2p/")
+    return tail.split("/", 1)[0] or None if sep else None
 
 
 def derive_run_id(identity_bytes: bytes, owner_peer_id: str) -> str:

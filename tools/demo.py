@@ -541,6 +541,7 @@ class DemoSwarm:
         )
         argv = [sys.executable, "-m", "bootstrap", "--run", str(self.run_file), "--state-dir"]
         argv += [str(self.state / "bootstrap"), "--http", f"127.0.0.1:{self.config.http_port}"]
+        argv += ["--no-syncer", "--no-verifier"]  # the demo runs its own, and kills them on its schedule
         self.group.start("bootstrap", argv)
         text = await self._wait_log("bootstrap", [_DASHBOARD, _MADDR], stop)
         self.dashboard = _DASHBOARD.search(text).group(1) + "/"  # type: ignore[union-attr]

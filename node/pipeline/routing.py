@@ -472,11 +472,15 @@ class RebalanceConfig:
     # shows in its heartbeat and restarts everyone's dwell. Keep it above heartbeat period + check period.
     slow_margin: float = 1.25
     stagger_s: float = 30.0
+    # A stage with no replica at all stops the whole pipeline (two nodes joining at once both pick the same
+    # stage): a replica of a stage that others also serve moves there after `empty_dwell_s`, cooldown or not,
+    # the k-th candidate (by peer id) only after `empty_dwell_s + k * stagger_s`.
+    empty_dwell_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 < self.starve_ratio < 1:
             raise ValueError(f"starve_ratio must be in (0, 1), got {self.starve_ratio}")
-        for name in ("check_period_s", "dwell_s", "cooldown_s", "stagger_s"):
+        for name in ("check_period_s", "dwell_s", "cooldown_s", "stagger_s", "empty_dwell_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be >= 0, got {value}")
@@ -504,11 +508,13 @@ class Rebalancer:
     started_at: float  # when this replica began serving its stage (counts as a move for the cooldown)
     _starved_since: dict[int, float] = field(default_factory=dict)
     _members: dict[int, frozenset[str]] = field(default_factory=dict)  # replicas per stage at the last check
+    _empty_since: dict[int, float] = field(default_factory=dict)  # stages with no replica, since when
     last_reason: str = "no check yet"
 
     def moved(self, now: float) -> None:
         self.started_at = now
         self._starved_since.clear()
+        self._empty_since.clear()
 
     def decide(
         self,
@@ -520,13 +526,13 @@ class Rebalancer:
         replicas: Sequence[ReplicaInfo],
         spans: Sequence[tuple[int, int]],
     ) -> Move | None:
-        """A move for this replica, or None (`last_reason` says why not).
-
-        `replicas`: the live replicas of every stage, those still joining a stage included (a replica that is
-        moving counts where it goes, so nobody follows it there)."""
+        """A move for this replica, or None (`last_reason` says why not). `replicas`: the live replicas of every
+        stage, those still joining a stage included (one moving counts where it goes: nobody follows it there)."""
         cfg = self.config
         loads = stage_loads(replicas, spans, exclude=me)
         mine = loads[my_stage]
+        if (hole := self._track_empty(now, loads, my_stage)) is not None:
+            return self._fill_empty(now, me, my_stage, hole, replicas)
         own = max(0.0, my_throughput) if math.isfinite(my_throughput) else 0.0
         here = (mine.throughput + own) / mine.num_layers  # per layer, with us
         starved = [s for s in loads if s.stage != my_stage and s.per_layer < cfg.starve_ratio * here]
@@ -569,6 +575,30 @@ class Rebalancer:
             f"for {held_s:.0f} s"
         )
         return Move(to_stage=target.stage, reason=self.last_reason)
+
+    def _track_empty(self, now: float, loads: Sequence[StageLoad], my_stage: int) -> int | None:
+        """Keep the clocks of the stages nobody serves; the first of them if others also serve ours (we may go)."""
+        empty = [s.stage for s in loads if s.replicas == 0 and s.stage != my_stage]
+        self._empty_since = {stage: self._empty_since.get(stage, now) for stage in empty}
+        return empty[0] if empty and loads[my_stage].replicas >= 1 else None
+
+    def _fill_empty(
+        self, now: float, me: str, my_stage: int, target: int, replicas: Sequence[ReplicaInfo]
+    ) -> Move | None:
+        """Move to the replica-less stage `target` once it has been empty `empty_dwell_s` (plus a stagger per
+        candidate ahead of us: the replicas of our stage in peer id order, which every one of them sees alike)."""
+        candidates = sorted({r.peer_id for r in replicas if r.stage == my_stage} | {me})
+        rank = candidates.index(me)
+        held_s = now - self._empty_since[target]
+        needed_s = self.config.empty_dwell_s + rank * self.config.stagger_s
+        if held_s < needed_s:
+            self.last_reason = (
+                f"stage {target} has no replica for {held_s:.0f} s < {needed_s:.0f} s "
+                f"(candidate {rank + 1} of stage {my_stage} to move)"
+            )
+            return None
+        self.last_reason = f"stage {target} had no replica for {held_s:.0f} s; stage {my_stage} keeps others"
+        return Move(to_stage=target, reason=self.last_reason)
 
     def _track(self, now: float, replicas: Sequence[ReplicaInfo], me: str, starved: set[int]) -> None:
         """Starvation clocks: started when a stage becomes starved, restarted when it gains a replica."""

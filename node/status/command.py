@@ -114,16 +114,46 @@ async def swarm_from_dht(maddrs: list[str], network: NetworkConfig) -> list[dict
             dht.shutdown()
 
 
-async def status_command(target: str, timeout_s: float = 10.0) -> int:
-    """Print a summary of the swarm behind `target` (a bootstrap URL or a multiaddr); return an exit code."""
+async def status_command(target: str, timeout_s: float = 10.0, *, peer: str | None = None) -> int:
+    """Print a summary of the swarm behind `target` (a bootstrap URL or a multiaddr), and with `peer` that peer's
+    credit from the bootstrap's ledger; return an exit code."""
     from node.swarm import check_multiaddr, fetch_json, is_url, swarm_url
 
     if is_url(target):
         print(render_swarm(await fetch_json(swarm_url(target), timeout_s)))
+        if peer is not None:
+            url = swarm_url(target).removesuffix("/api/swarm") + f"/api/leaderboard?peer={peer}"
+            print(render_credit(await fetch_json(url, timeout_s)))
         return 0
     network = NetworkConfig(join_timeout_s=timeout_s, request_timeout_s=min(timeout_s, 5.0), client_mode=True)
     summaries = await swarm_from_dht([check_multiaddr(target)], network)
     if not summaries:
         raise HivenodeError(f"no hivenode run is published on the DHT behind {target}")
     print("\n\n".join(render_swarm(s) for s in summaries))
+    if peer is not None:
+        ledgers = [
+            p["http"] for s in summaries for p in s["peers"] if p.get("role") == "bootstrap" and p.get("http")
+        ]
+        if not ledgers:
+            raise HivenodeError("no bootstrap in this swarm serves HTTP: its ledger holds the credit")
+        print(render_credit(await fetch_json(f"http://{ledgers[0]}/api/leaderboard?peer={peer}", timeout_s)))
     return 0
+
+
+def render_credit(data: dict[str, Any]) -> str:
+    """A peer's line of the bootstrap's ledger, why its credit is held back, and its latest contributions."""
+    peer_id = str(data.get("peer_id", "?"))
+    row = data.get("peer") or {}
+    lines = [
+        f"credit of {peer_id}: {row.get('verified_tokens', 0):.0f} verified tokens, {row.get('accepted', 0)} "
+        f"accepted and {row.get('rejected', 0)} rejected contribution(s), uptime {row.get('uptime_s', 0):.0f} s"
+    ]
+    lines += [f"  why: {reason}" for reason in data.get("reasons") or []]
+    for entry in (data.get("recent") or [])[:5]:
+        verdict = (
+            f"accepted, {entry.get('tokens', 0):.0f} tokens"
+            if entry.get("accepted")
+            else f"rejected: {entry.get('reason')}"
+        )
+        lines.append(f"  fragment {entry.get('fragment')} version {entry.get('version')}: {verdict}")
+    return "\n".join(lines)

@@ -20,7 +20,7 @@ from node.swarm.targets import JoinPlan, resolve_join
 from protocol.dht_io import SwarmRecords, fetch_discovery, fetch_manifest, manifest_rejections
 from protocol.errors import JoinError, ManifestRejected
 from protocol.identity import NodeIdentity
-from protocol.manifest import OwnerPins, RunManifest, SignedManifest
+from protocol.manifest import OwnerPins, RunManifest, SignedManifest, run_bootstraps
 from protocol.records import HivenodeRecordValidator, RunRules
 
 logger = logging.getLogger(__name__)
@@ -48,13 +48,25 @@ class Joined:
 
 
 def pick_run(
-    candidates: Sequence[SignedManifest], *, run_id: str | None, pins: OwnerPins
+    candidates: Sequence[SignedManifest],
+    *,
+    run_id: str | None,
+    pins: OwnerPins,
+    entry_ids: frozenset[str] = frozenset(),
 ) -> SignedManifest | None:
-    """Choose among verified manifests: the requested run id, else the only one, else the only one whose run id
-    is pinned (to the owner that signs it)."""
+    """Choose among verified manifests: the requested run id; else, when some were signed by (or name as a
+    bootstrap) a peer we dialled (`entry_ids`, the /p2p/ ids of --join), only those: anyone can publish a
+    discovery record of a run of their own, and it must not stand in for the run of the bootstrap the user
+    named. Among what is left: the only one, else the only one whose run id is pinned to the owner signing it."""
     if run_id is not None:
         return next((c for c in candidates if c.run_id == run_id), None)
-    unique = list({c.run_id: c for c in candidates}.values())
+    vouched = [c for c in candidates if entry_ids & run_bootstraps(c, c.verify())]
+    if vouched and len(vouched) < len(candidates):
+        logger.info(
+            "the DHT holds %d run(s) that no entry point vouches for (ignored)",
+            len(candidates) - len(vouched),
+        )
+    unique = list({c.run_id: c for c in vouched or candidates}.values())
     if len(unique) <= 1:
         return unique[0] if unique else None
     pinned = [c for c in unique if pins.pinned(c.run_id) == c.owner]
@@ -81,7 +93,7 @@ async def discover_run(
                 candidates += [direct] if direct is not None else []
         except asyncio.TimeoutError:
             candidates = []  # a slow DHT answer is "not found yet": retry until the deadline
-        chosen = pick_run(candidates, run_id=config.run_id, pins=pins)
+        chosen = pick_run(candidates, run_id=config.run_id, pins=pins, entry_ids=plan.entry_ids)
         if chosen is not None:
             return chosen
         await _refuse_tampered_manifests(dht, timeout_s)
@@ -112,10 +124,10 @@ async def _refuse_tampered_manifests(dht: hivemind.DHT, timeout_s: float) -> Non
 async def join(config: NodeConfig, identity: NodeIdentity) -> Joined:
     """Reach the swarm, find and verify the run, pin its owner. Raises ConfigError/JoinError/ManifestRejected/
     OwnerPinMismatch with one-line messages; on failure nothing is left running."""
-    plan = await resolve_join(config.join, config.network.request_timeout_s)
+    pins = OwnerPins(config.state_dir / OwnerPins.FILENAME)
+    plan = await resolve_join(config.join, config.network.request_timeout_s, pins)
     dht, reachability = await start_reachable_dht(identity, plan.maddrs, config.network)
     try:
-        pins = OwnerPins(config.state_dir / OwnerPins.FILENAME)
         signed = await discover_run(dht, plan, config, pins)
         manifest = signed.verify()
         pins.check_and_pin(signed.run_id, signed.owner, run_name=manifest.name)  # logs a new pin itself

@@ -201,9 +201,15 @@ class Procs:
         self.started.append(proc)
         return proc
 
-    def start_bootstrap(self, *args: str, state: str | None = None, wait: bool = True) -> Bootstrap:
+    def start_bootstrap(
+        self, *args: str, state: str | None = None, wait: bool = True, owner_roles: bool = False
+    ) -> Bootstrap:
+        """`python -m bootstrap`; without `owner_roles` it runs no syncer or verifier of its own (`--no-syncer
+        --no-verifier`): most tests start the roles they need themselves, with keys they authorize."""
         state_dir = self.root / (state or f"bootstrap{self._count + 1}")
         argv = [PYTHON, "-m", "bootstrap", "--state-dir", str(state_dir), *args]
+        if not owner_roles:
+            argv += ["--no-syncer", "--no-verifier"]
         proc: Bootstrap = self._spawn(Bootstrap, "bootstrap", argv)
         if wait:
             self.wait_bootstrap(proc)
@@ -215,10 +221,11 @@ class Procs:
         proc.remember_children()
         return proc
 
-    def start_node(self, *args: str, state: str | None = None, wait: bool = True) -> Node:
+    def start_node(self, *args: str, state: str | None = None, wait: bool = True, light: bool = True) -> Node:
+        """`python -m node --state-dir <root/state> args`; `light` (unless args name a --config) slows learners."""
         state_dir = self.root / (state or f"node{self._count + 1}")
         if (
-            "--config" not in args
+            light and "--config" not in args
         ):  # learners in membership tests train, but slowly: keep the 2 cores for the test
             light = self.root / "light-node.toml"
             light.write_text("[learner]\nmin_step_s = 0.5\n")

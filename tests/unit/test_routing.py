@@ -400,7 +400,7 @@ def test_the_imbalance_must_hold_continuously() -> None:
 
 
 def test_no_move_that_would_starve_the_donor_or_empty_a_stage() -> None:
-    rebalancer = Rebalancer(RebalanceConfig(dwell_s=0.0, cooldown_s=0.0), started_at=0.0)
+    rebalancer = Rebalancer(RebalanceConfig(dwell_s=0.0, cooldown_s=0.0, empty_dwell_s=0.0), started_at=0.0)
     spans = [(0, 1), (1, 2)]
 
     def reason(replicas: list[ReplicaInfo], me: str = "me", mine: float = 100.0) -> str | None:
@@ -485,6 +485,44 @@ def test_equal_replicas_of_the_donor_move_one_at_a_time() -> None:
     assert decide("b", 54.0, fresh) is None and "starved for 0 s" in rebalancers["b"].last_reason
     assert decide("b", 58.0, fresh) is None  # 4 s since n arrived < dwell 5 s (9 s since stage 1 emptied)
     assert decide("b", 59.0, fresh) == 1  # still nothing measured at n after a full dwell: b goes too
+
+
+def test_two_replicas_that_joined_one_stage_at_once_fill_the_empty_one_before_any_cooldown() -> None:
+    """Two volunteers joining a fresh pipeline at the same moment both see no replica anywhere and both pick stage
+    0; nothing flows through a pipeline missing a stage, so every throughput stays 0 and the throughput rule
+    never calls stage 1 starved (the negative control below). The empty-stage rule moves the first by peer id
+    after `empty_dwell_s`, though both joined (a move, for the cooldown) just now, and only it."""
+    cfg = RebalanceConfig(cooldown_s=120.0, dwell_s=30.0, empty_dwell_s=5.0, stagger_s=30.0)
+    spans = [(0, 2), (2, 4)]
+    joined_at = 100.0
+    view = [replica("a", 0, 0.0), replica("b", 0, 0.0)]
+    rebalancers = {name: Rebalancer(cfg, started_at=joined_at) for name in ("a", "b")}
+
+    def decide(name: str, now: float, replicas: list[ReplicaInfo] = view) -> int | None:
+        move = rebalancers[name].decide(
+            now=now, me=name, my_stage=0, my_throughput=0.0, replicas=replicas, spans=spans
+        )
+        return None if move is None else move.to_stage
+
+    assert [decide(n, 110.0) for n in "ab"] == [None, None]  # stage 1 empty since 110: the dwell runs
+    assert "no replica" in rebalancers["a"].last_reason
+    assert [decide(n, 115.0) for n in "ab"] == [1, None]  # a goes, 15 s after it joined; b waits a stagger
+    assert "candidate 2" in rebalancers["b"].last_reason
+    moved = [replica("a", 1, 0.0), replica("b", 0, 0.0)]
+    assert decide("b", 150.0, moved) is None  # a arrived: b stays for good
+    # the lone replica of a stage never leaves it for an empty one (that would only move the hole)
+    alone = Rebalancer(cfg, started_at=0.0)
+    assert (
+        alone.decide(now=999.0, me="a", my_stage=0, my_throughput=0.0, replicas=view[:1], spans=spans) is None
+    )
+    # negative control: with a replica on stage 1 that does nothing (as the empty stage would look to the
+    # throughput rule), zero against zero is no starvation, so nobody would ever move
+    idle = [*view, replica("c", 1, 0.0)]
+    control = Rebalancer(cfg, started_at=0.0)
+    assert (
+        control.decide(now=999.0, me="a", my_stage=0, my_throughput=0.0, replicas=idle, spans=spans) is None
+    )
+    assert control.last_reason == "no stage is starved"
 
 
 def test_one_slow_sample_does_not_sink_the_throughput_rebalancing_reads() -> None:
