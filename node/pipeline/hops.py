@@ -98,6 +98,7 @@ class HopClient:
             stage=stage,
             direction=request_direction or answer_direction,
         )
+        eval_request = meta is not None and meta.get(EVAL_META) is True
         tensors, meta = self._encoded(request_kind, tensors, meta)
         # signed while it streams: the payload is hashed as it is sent, the head signed after it (`seal_streaming`)
         frame = seal_streaming(
@@ -123,7 +124,7 @@ class HopClient:
             direction=answer_direction,
         )
         try:
-            opened = self._open_answer(raw, replica, answer, microbatch)
+            opened = self._open_answer(raw, replica, answer, microbatch, eval_request)
         finally:
             timings["open_s"] += time.perf_counter() - answered
         self.router.record_success(replica, tokens=int(x.shape[0] * x.shape[1]), seconds=answered - started)
@@ -176,7 +177,9 @@ class HopClient:
         finally:
             self.router.finished(replica)
 
-    def _open_answer(self, raw: bytes | bytearray, replica: str, expect: Context, microbatch: int) -> Opened:
+    def _open_answer(
+        self, raw: bytes | bytearray, replica: str, expect: Context, microbatch: int, eval_request: bool
+    ) -> Opened:
         try:
             opened = open_envelope(
                 raw,
@@ -194,7 +197,13 @@ class HopClient:
             raise HopError(HopFailure.BAD_REPLY, e.reason) from None
         if opened.header.microbatch != microbatch:
             raise HopError(HopFailure.BAD_REPLY, "answer for another microbatch")
-        if opened.tensors and opened.meta.get(EVAL_META) is not True:
+        # whether an answer is an evaluation (no evidence kept, no training effect) is ours to say, not the
+        # replica's: a liar flagging its training answers "eval" would keep its signed headers out of evidence
+        if (opened.meta.get(EVAL_META) is True) != eval_request:
+            self.strikes.record(replica, "eval flag mismatch")
+            self.stats.bad_replies += 1
+            raise HopError(HopFailure.BAD_REPLY, "answer's eval flag differs from the request's")
+        if opened.tensors and not eval_request:
             signed = signed_header_of(raw)
             if len(self._signed) > 4096:  # answers whose tap call never came (a failed shape check)
                 self._signed.clear()

@@ -29,6 +29,7 @@ from protocol.manifest import InnerOptimizerSpec, RunManifest, WireSpec
 from protocol.pipeline import (
     ALREADY_APPLIED,
     BACKWARD_RPC,
+    EVAL_META,
     FORWARD_RPC,
     NO_CONTEXT,
     UNAUTHORIZED,
@@ -418,6 +419,55 @@ def test_a_reply_signed_by_another_key_is_rejected_and_retried_elsewhere() -> No
     assert all(o.replicas[1] != forger_peer for o in outcomes)
     assert pipe.driver.stats.bad_replies >= 1
     assert pipe.driver.strikes.count(forger_peer, SignerMismatch.reason) >= 1
+
+
+def test_a_training_answer_flagged_eval_by_the_replica_is_refused() -> None:
+    """Whether an answer is an evaluation is the verifier's to say: a replica that flags its training answers
+    `eval` would keep its signed headers out of the evidence a ban needs (#18)."""
+    pipe = build_pipeline(manifest(batch_size=64), replicas_per_stage=2)
+    liar_peer = next(p for p, s in pipe.stages.items() if s == 0)
+    honest = pipe.services[liar_peer]
+
+    class EvalLiar(StageService):
+        async def rpc_forward(self, frame: bytearray, remote_peer: str) -> StreamingFrame:  # type: ignore[override]
+            genuine = await honest.rpc_forward(frame, remote_peer)
+            opened = open_envelope(
+                genuine.to_bytes(),
+                remote_peer=self.identity.peer_id,
+                expect=Context(
+                    run_id=RUN_ID,
+                    kind=Kind.ACTIVATION,
+                    receiver=remote_peer,
+                    stage=0,
+                    direction=Direction.FORWARD,
+                ),
+                limits=self.limits,
+                replay=ReplayGuard(),
+                now=self.wall_clock(),
+            )
+            ctx = Context(
+                run_id=RUN_ID,
+                kind=Kind.ACTIVATION,
+                receiver=remote_peer,
+                stage=0,
+                direction=Direction.FORWARD,
+            )
+            return seal(  # its own key, its own answer, one more flag
+                self.identity,
+                ctx,
+                microbatch=opened.header.microbatch,
+                step=opened.header.step,
+                now=self.wall_clock(),
+                tensor=opened.tensors[""],
+                meta={**opened.meta, EVAL_META: True},
+            )
+
+    pipe.services[liar_peer] = EvalLiar(honest.identity, RUN_ID, honest.core, authorized=honest.authorized())
+    pipe.driver.rng = random.Random(3)
+    outcomes = drive_all(pipe, range(1, 5))
+    assert all(o.completed for o in outcomes)
+    assert all(o.replicas[0] != liar_peer for o in outcomes)  # every microbatch went through the honest one
+    assert pipe.driver.strikes.count(liar_peer, "eval flag mismatch") >= 1
 
 
 def test_an_activation_dropped_by_every_replica_drops_the_microbatch() -> None:
