@@ -199,7 +199,7 @@ class HopClient:
             raise HopError(HopFailure.BAD_REPLY, "answer for another microbatch")
         # whether an answer is an evaluation (no evidence kept, no training effect) is ours to say, not the
         # replica's: a liar flagging its training answers "eval" would keep its signed headers out of evidence
-        if (opened.meta.get(EVAL_META) is True) != eval_request:
+        if opened.tensors and (opened.meta.get(EVAL_META) is True) != eval_request:  # a loss carries none
             self.strikes.record(replica, "eval flag mismatch")
             self.stats.bad_replies += 1
             raise HopError(HopFailure.BAD_REPLY, "answer's eval flag differs from the request's")
