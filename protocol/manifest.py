@@ -35,6 +35,7 @@ from protocol.compress import CodecSpec
 from protocol.errors import ConfigError, IdentityError, ManifestRejected, OwnerPinMismatch
 from protocol.identity import NodeIdentity, public_key_from_peer_id, verify_signature
 from protocol.keys import RUN_ID_HEX_CHARS, is_run_id
+from protocol.model_spec import BYTE_VOCAB, largest_param_elements, resolve_model
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,8 +50,6 @@ _SIGN_DOMAIN = b"hivenode-manifest-v1\x00"
 _RUN_ID_DOMAIN = b"hivenode-run-id-v1\x00"
 _FLOAT32_BYTES = 4
 _INT64_BYTES = 8
-REQUIRED_MODEL_KEYS = ("vocab_size", "context_len", "num_layers", "width", "num_heads")
-OPTIONAL_MODEL_KEYS = {"mlp_ratio": int, "dropout": float}
 Scalar = str | int | float | bool
 
 
@@ -137,25 +136,6 @@ class WireSpec:
         _require(_is_int(self.max_batch) and self.max_batch >= 1, "wire.max_batch must be an int >= 1")
 
 
-def _check_model(model: Mapping[str, Any]) -> None:
-    missing = [k for k in REQUIRED_MODEL_KEYS if k not in model]
-    _require(not missing, f"model lacks {missing}")
-    unknown = sorted(set(model) - set(REQUIRED_MODEL_KEYS) - set(OPTIONAL_MODEL_KEYS))
-    _require(not unknown, f"unknown model keys {unknown}")
-    for key in REQUIRED_MODEL_KEYS:
-        _require(
-            _is_int(model[key]) and model[key] >= 1, f"model.{key} must be an int >= 1, got {model[key]!r}"
-        )
-    _require(model["vocab_size"] == 256, "model.vocab_size must be 256 (byte-level tokens)")
-    _require(model["width"] % model["num_heads"] == 0, "model.width must be divisible by model.num_heads")
-    if "mlp_ratio" in model:
-        _require(
-            _is_int(model["mlp_ratio"]) and model["mlp_ratio"] >= 1, "model.mlp_ratio must be an int >= 1"
-        )
-    if "dropout" in model:
-        _require(_is_real(model["dropout"]) and 0 <= model["dropout"] < 1, "model.dropout must be in [0, 1)")
-
-
 def _check_scalar_table(name: str, table: Mapping[str, Any]) -> None:
     for key, value in table.items():
         _require(isinstance(key, str) and 0 < len(key) <= 64, f"{name} keys must be short strings")
@@ -182,8 +162,8 @@ def _check_peer_ids(name: str, peer_ids: tuple[str, ...]) -> None:
     _require(len(set(peer_ids)) == len(peer_ids), f"{name} lists a peer twice")
 
 
-def _default_model() -> dict[str, int]:
-    return {"vocab_size": 256, "context_len": 128, "num_layers": 4, "width": 128, "num_heads": 4}
+def _default_model() -> dict[str, Any]:
+    return resolve_model({})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -192,7 +172,8 @@ class RunManifest:
 
     name: str = DEFAULT_RUN_NAME  # human name, not an identity: owner keys are pinned per run id
     seed: int = 0  # model init and data sharding seed
-    model: dict[str, Any] = field(default_factory=_default_model)  # node.ml.model.ModelConfig fields
+    # protocol.model_spec: a preset and overrides, resolved here to the complete table the owner signs
+    model: dict[str, Any] = field(default_factory=_default_model)
     num_stages: int = 2  # pipeline stages the layers are cut into
     inner: InnerOptimizerSpec = field(default_factory=InnerOptimizerSpec)
     diloco: DilocoSpec = field(default_factory=DilocoSpec)
@@ -213,7 +194,9 @@ class RunManifest:
         _require(isinstance(self.name, str) and 0 < len(self.name) <= 64, "name must be 1-64 characters")
         _require(self.name.isprintable(), "name must be printable")
         _require(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed must be a non-negative int")
-        _check_model(self.model)
+        _require(isinstance(self.model, dict), "[model] must be a table")
+        object.__setattr__(self, "model", resolve_model(self.model))
+        _require(self.model["vocab_size"] == BYTE_VOCAB, "model.vocab_size must be 256 (byte-level tokens)")
         _require(_is_int(self.num_stages) and self.num_stages >= 1, "num_stages must be an int >= 1")
         _require(self.num_stages <= self.model["num_layers"], "num_stages cannot exceed model.num_layers")
         _require(_is_int(self.bans_required) and self.bans_required >= 1, "bans_required must be an int >= 1")
@@ -231,13 +214,10 @@ class RunManifest:
         a token batch, or the largest single parameter tensor (fragments travel tensor by tensor)."""
         m, batch = self.model, self.wire.max_batch
         width: int = m["width"]
-        mlp: int = m.get("mlp_ratio", 4)
         context_len: int = m["context_len"]
-        vocab_size: int = m["vocab_size"]
         boundary = batch * context_len * width * _FLOAT32_BYTES
         tokens = batch * context_len * _INT64_BYTES
-        largest_param = max(vocab_size * width, context_len * width, 3 * width * width, mlp * width * width)
-        return max(boundary, tokens, largest_param * _FLOAT32_BYTES)
+        return max(boundary, tokens, largest_param_elements(m) * _FLOAT32_BYTES)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, canonically ordered dict (lists, not tuples) for msgpack and JSON."""
@@ -335,8 +315,6 @@ def parse_run_toml(text: str) -> RunManifest:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"run.toml is not valid TOML: {e}") from None
-    if "model" in data and isinstance(data["model"], dict) and "dropout" in data["model"]:
-        data["model"]["dropout"] = _as_float("model.dropout", data["model"]["dropout"])
     try:
         return RunManifest.from_dict(data)
     except (ValueError, TypeError) as e:
