@@ -35,12 +35,14 @@ authorized_syncers = ["{SYNCER}"]
 authorized_verifiers = ["{VERIFIER}"]
 
 [model]
+preset = "llama-20m"
+family = "qwen2"
 vocab_size = 256
 context_len = 64
 num_layers = 8
 width = 96
 num_heads = 4
-mlp_ratio = 2
+mlp_width = 192
 
 [inner]
 lr = 3e-4
@@ -76,7 +78,16 @@ max_batch = 32
 
 def test_built_in_default_run_needs_no_file_and_has_the_documented_defaults() -> None:
     m = default_manifest()
-    assert m.model == {"vocab_size": 256, "context_len": 128, "num_layers": 4, "width": 128, "num_heads": 4}
+    model = {key: m.model[key] for key in ("family", "vocab_size", "context_len", "num_layers", "width", "num_heads")}
+    assert model == {
+        "family": "llama",
+        "vocab_size": 256,
+        "context_len": 128,
+        "num_layers": 4,
+        "width": 128,
+        "num_heads": 4,
+    }
+    assert (m.model["preset"], m.model["num_kv_heads"], m.model["mlp_width"]) == ("llama-tiny", 4, 352)
     assert (m.diloco.min_quorum, m.diloco.grace_gamma, m.diloco.grace_tau) == (1, 0.8, 2.0)
     assert (m.diloco.outer_lr, m.diloco.outer_momentum) == (0.7, 0.9)
     assert m.bans_required == 1 and m.data["source"] == "builtin" and m.heartbeat_period_s == 2.0
@@ -90,13 +101,16 @@ def test_full_run_toml_parses_with_ints_accepted_where_floats_are_meant() -> Non
     assert m.diloco.grace_tau == 2.0 and m.diloco.num_fragments == 3
     assert m.sentinel == {"fence_k": 3.0, "window_checks": 64, "ledger": {"ban_flags": 4}}
     assert m.authorized_syncers == (SYNCER,) and m.authorized_verifiers == (VERIFIER,)
+    # the preset's fields under the explicit ones, resolved into what the owner signs
+    assert (m.model["family"], m.model["num_layers"], m.model["mlp_width"]) == ("qwen2", 8, 192)
+    assert (m.model["rope_theta"], m.model["num_kv_heads"]) == (10000.0, 4)
     assert RunManifest.from_canonical_bytes(m.to_canonical_bytes()) == m
 
 
 def test_wire_cap_is_the_largest_tensor_a_peer_may_send() -> None:
     m = parse_run_toml(FULL_TOML)
     boundary = 32 * 64 * 96 * 4  # max_batch x context x width x float32
-    largest_param = max(256 * 96, 64 * 96, 3 * 96 * 96, 2 * 96 * 96) * 4
+    largest_param = max(256 * 96, 64 * 96, 3 * 96 * 96, 192 * 96) * 4
     assert m.max_tensor_bytes == max(boundary, largest_param) == boundary
 
 
@@ -110,7 +124,9 @@ def test_wire_cap_is_the_largest_tensor_a_peer_may_send() -> None:
             "divisible",
         ),
         ("[model]\nvocab_size = 512\ncontext_len = 8\nnum_layers = 2\nwidth = 32\nnum_heads = 4", "256"),
-        ("[model]\nvocab_size = 256\ncontext_len = 8\nnum_layers = 2\nwidth = 32", "lacks"),
+        ("[model]\npreset = \"llama-7b\"", "model.preset must be one of"),
+        ("[model]\nfamily = \"mamba\"", "model.family must be one of"),
+        ("[model]\nmlp_ratio = 4", "unknown model keys ['mlp_ratio']"),
         ("num_stages = 9", "num_stages cannot exceed"),
         ('seed = "7"', "seed"),
         ("bans_required = 0", "bans_required"),
