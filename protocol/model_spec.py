@@ -120,7 +120,9 @@ def check_model(model: Mapping[str, Any]) -> None:
     if model["num_heads"] % model["num_kv_heads"]:
         raise ValueError("model.num_heads must be a multiple of model.num_kv_heads")
     if model["family"] == "gpt2" and model["num_kv_heads"] != model["num_heads"]:
-        raise ValueError("model.family gpt2 has no grouped-query attention: num_kv_heads must equal num_heads")
+        raise ValueError(
+            "model.family gpt2 has no grouped-query attention: num_kv_heads must equal num_heads"
+        )
     if (model["width"] // model["num_heads"]) % 2:
         raise ValueError("model head dimension (width / num_heads) must be even (rotary embeddings)")
     if not 0.0 <= model["dropout"] < 1.0:

@@ -117,7 +117,7 @@ def hf_config(cfg: ModelConfig) -> Any:
         num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=cfg.context_len,
         rms_norm_eps=cfg.norm_eps,
-        rope_theta=cfg.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         attention_dropout=cfg.dropout,
         initializer_range=cfg.init_std,
         use_cache=False,
@@ -208,7 +208,8 @@ class _LayerSpan(nn.Module):
 
     @property
     def _layers(self) -> nn.ModuleDict:
-        layers: nn.ModuleDict = self.body.h if self.cfg.family == "gpt2" else self.body.layers
+        layers = self.body.h if self.cfg.family == "gpt2" else self.body.layers
+        assert isinstance(layers, nn.ModuleDict)
         return layers
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -268,7 +269,7 @@ def _check_span(cfg: ModelConfig, span: tuple[int, int], *, is_first: bool, is_l
 
 def _tensor(out: Any) -> torch.Tensor:
     """A decoder layer's hidden states (some transformers layers return a tuple)."""
-    return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
+    return out[0] if isinstance(out, tuple) else out
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

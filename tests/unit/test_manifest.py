@@ -78,7 +78,10 @@ max_batch = 32
 
 def test_built_in_default_run_needs_no_file_and_has_the_documented_defaults() -> None:
     m = default_manifest()
-    model = {key: m.model[key] for key in ("family", "vocab_size", "context_len", "num_layers", "width", "num_heads")}
+    model = {
+        key: m.model[key]
+        for key in ("family", "vocab_size", "context_len", "num_layers", "width", "num_heads")
+    }
     assert model == {
         "family": "llama",
         "vocab_size": 256,
@@ -124,8 +127,8 @@ def test_wire_cap_is_the_largest_tensor_a_peer_may_send() -> None:
             "divisible",
         ),
         ("[model]\nvocab_size = 512\ncontext_len = 8\nnum_layers = 2\nwidth = 32\nnum_heads = 4", "256"),
-        ("[model]\npreset = \"llama-7b\"", "model.preset must be one of"),
-        ("[model]\nfamily = \"mamba\"", "model.family must be one of"),
+        ('[model]\npreset = "llama-7b"', "model.preset must be one of"),
+        ('[model]\nfamily = "mamba"', "model.family must be one of"),
         ("[model]\nmlp_ratio = 4", "unknown model keys ['mlp_ratio']"),
         ("num_stages = 9", "num_stages cannot exceed"),
         ('seed = "7"', "seed"),

@@ -38,14 +38,25 @@ def _batch(cfg: ModelConfig, seed: int, batch: int = 3) -> tuple[torch.Tensor, t
 
 def test_reference_config_is_llama_tiny_with_about_0_9m_parameters() -> None:
     cfg = ModelConfig()
-    assert (cfg.family, cfg.num_layers, cfg.width, cfg.context_len, cfg.vocab_size) == ("llama", 4, 128, 128, 256)
+    assert (cfg.family, cfg.num_layers, cfg.width, cfg.context_len, cfg.vocab_size) == (
+        "llama",
+        4,
+        128,
+        128,
+        256,
+    )
     assert cfg == ModelConfig.from_dict(resolve_model({}))
     assert 850_000 <= count_parameters(build_model(cfg, seed=0)) <= 950_000
 
 
 @pytest.mark.parametrize(
     ("preset", "low", "high"),
-    [("llama-20m", 15e6, 25e6), ("llama-124m", 110e6, 140e6), ("llama-350m", 330e6, 390e6), ("llama-1b", 0.9e9, 1.2e9)],
+    [
+        ("llama-20m", 15e6, 25e6),
+        ("llama-124m", 110e6, 140e6),
+        ("llama-350m", 330e6, 390e6),
+        ("llama-1b", 0.9e9, 1.2e9),
+    ],
 )
 def test_presets_have_their_advertised_size(preset: str, low: float, high: float) -> None:
     """Counted on the meta device (nothing allocated), at the vocabulary the preset is meant for."""
@@ -106,7 +117,9 @@ def test_same_seed_same_init_and_global_rng_untouched() -> None:
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["model.layers.1.mlp.up_proj.weight"], c["model.layers.1.mlp.up_proj.weight"])
     # Distinct tensors of one model are not copies of each other's draws.
-    assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"], a["model.layers.1.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        a["model.layers.0.self_attn.q_proj.weight"], a["model.layers.1.self_attn.q_proj.weight"]
+    )
     assert not torch.equal(a["model.embed_tokens.weight"], a["lm_head.weight"]), "the head is untied"
 
 
@@ -220,7 +233,9 @@ def test_loss_and_gradients_through_the_cut_equal_the_unsplit_transformers_model
     cfg = FAMILIES[family]
     full = _reference(cfg, seed=11)
     stages = [build_stage(cfg, 11, i, num_stages) for i in range(num_stages)]
-    window = torch.randint(0, cfg.vocab_size, (3, cfg.context_len), generator=torch.Generator().manual_seed(5))
+    window = torch.randint(
+        0, cfg.vocab_size, (3, cfg.context_len), generator=torch.Generator().manual_seed(5)
+    )
     inputs, targets = window[:, :-1], window[:, 1:]
 
     full_loss = full(input_ids=window, labels=window).loss
