@@ -74,6 +74,7 @@ async def _serve(
     membership = swarm.Membership(ctx.records, period_s=period_s, heartbeat=heartbeat, metrics=ctx.metrics)
     server = status.StatusServer(config.http.host, config.http.port, ctx.metrics.registry)
     try:
+        ctx.tokenizer = await _tokenizer(ctx, membership)
         choice = await _choose_role(ctx, joined, membership)
         role = roles.build_role(choice.role, ctx)
         ctx.status_source = partial(status.node_status, ctx, role, membership)
@@ -118,6 +119,20 @@ def _build_context(
         log_context=log_context,
         device=device,
     )
+
+
+async def _tokenizer(ctx: NodeContext, membership: swarm.Membership) -> Any:
+    """The run's BPE tokenizer, verified against the signed manifest (None for raw bytes); raises
+    TokenizerMismatch when no source gives the right one: a node never trains on another vocabulary."""
+    if not ctx.manifest.tokenizer:
+        return None
+    from node.swarm.tokenizer_fetch import obtain_tokenizer, tokenizer_urls
+
+    spec = dict(ctx.manifest.tokenizer)
+    peers = await membership.peers_or_empty()
+    urls = tokenizer_urls(str(spec["sha256"]), ctx.config.join, peers)
+    timeout_s = ctx.config.network.request_timeout_s
+    return await obtain_tokenizer(spec, ctx.config.state_dir, urls, timeout_s=timeout_s)
 
 
 async def _choose_role(ctx: NodeContext, joined: Any, membership: swarm.Membership) -> roles.RoleChoice:

@@ -136,6 +136,24 @@ class WireSpec:
         _require(_is_int(self.max_batch) and self.max_batch >= 1, "wire.max_batch must be an int >= 1")
 
 
+def _check_tokenizer(table: object) -> int:
+    """The vocabulary size the `[tokenizer]` table implies (256 when empty: raw bytes)."""
+    _require(isinstance(table, dict), "[tokenizer] must be a table")
+    assert isinstance(table, dict)
+    if not table:
+        return BYTE_VOCAB
+    _require(set(table) == {"sha256", "vocab_size"}, "[tokenizer] needs exactly sha256 and vocab_size")
+    digest, vocab = table["sha256"], table["vocab_size"]
+    _require(
+        isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest),
+        "tokenizer.sha256 must be 64 lowercase hex digits",
+    )
+    _require(
+        _is_int(vocab) and BYTE_VOCAB < vocab <= 2**20, "tokenizer.vocab_size must be an int in (256, 2^20]"
+    )
+    return int(vocab)
+
+
 def _check_scalar_table(name: str, table: Mapping[str, Any]) -> None:
     for key, value in table.items():
         _require(isinstance(key, str) and 0 < len(key) <= 64, f"{name} keys must be short strings")
@@ -163,7 +181,7 @@ def _check_peer_ids(name: str, peer_ids: tuple[str, ...]) -> None:
 
 
 def _default_model() -> dict[str, Any]:
-    return resolve_model({})
+    return {}  # the default preset, resolved in __post_init__ against the tokenizer's vocabulary
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -189,14 +207,22 @@ class RunManifest:
     authorized_verifiers: tuple[str, ...] = ()  # peer ids
     wire: WireSpec = field(default_factory=WireSpec)
     heartbeat_period_s: float = 2.0  # how often each peer refreshes its heartbeat record
+    # empty: raw bytes (vocabulary 256); else {sha256, vocab_size} of a BPE tokenizer.json that every peer
+    # fetches (from the bootstrap) and checks against this before training (node.ml.tokenizer)
+    tokenizer: dict[str, Scalar] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and 0 < len(self.name) <= 64, "name must be 1-64 characters")
         _require(self.name.isprintable(), "name must be printable")
         _require(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed must be a non-negative int")
         _require(isinstance(self.model, dict), "[model] must be a table")
-        object.__setattr__(self, "model", resolve_model(self.model))
-        _require(self.model["vocab_size"] == BYTE_VOCAB, "model.vocab_size must be 256 (byte-level tokens)")
+        vocab = _check_tokenizer(self.tokenizer)
+        object.__setattr__(self, "model", resolve_model(self.model, vocab_size=vocab))
+        _require(
+            self.model["vocab_size"] == vocab,
+            f"model.vocab_size must be the tokenizer's {vocab}"
+            + ("" if self.tokenizer else " (byte-level tokens)"),
+        )
         _require(_is_int(self.num_stages) and self.num_stages >= 1, "num_stages must be an int >= 1")
         _require(self.num_stages <= self.model["num_layers"], "num_stages cannot exceed model.num_layers")
         _require(_is_int(self.bans_required) and self.bans_required >= 1, "bans_required must be an int >= 1")
@@ -248,7 +274,7 @@ class RunManifest:
                 _require(isinstance(kwargs[name], list | tuple), f"{name} must be a list of peer ids")
                 _require(all(isinstance(p, str) for p in kwargs[name]), f"{name} must be a list of peer ids")
                 kwargs[name] = tuple(kwargs[name])
-        for name in ("model", "sentinel", "data"):
+        for name in ("model", "sentinel", "data", "tokenizer"):
             if name in kwargs:
                 _require(isinstance(kwargs[name], dict), f"[{name}] must be a table")
         if "heartbeat_period_s" in kwargs:

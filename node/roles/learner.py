@@ -172,7 +172,7 @@ class LearnerRole:
         inner = manifest.inner
         self._optimizer = torch.optim.AdamW(model.parameters(), lr=inner.lr, weight_decay=inner.weight_decay)
         self._model = model
-        corpus = load_corpus(ctx.config.data or _data_spec(manifest))
+        corpus = load_corpus(ctx.config.data or _data_spec(manifest)).with_encoder(ctx.encode)
         self.shard = shard_for(ctx.peer_id, self.config.num_shards)
         stream = corpus.train_stream(self.shard, self.config.num_shards)
         seed = (manifest.seed * 1_000_003 + int.from_bytes(ctx.peer_id.encode()[-8:], "big")) % (2**63)
