@@ -99,7 +99,7 @@ def generate(directory: Path, prompt: str, *, max_new_tokens: int, temperature: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    model = AutoModelForCausalLM.from_pretrained(directory)
+    model: Any = AutoModelForCausalLM.from_pretrained(directory)
     model.eval()
     inputs = tokenizer(prompt, return_tensors="pt")
     room = model.config.max_position_embeddings - inputs["input_ids"].shape[1]
@@ -115,5 +115,4 @@ def generate(directory: Path, prompt: str, *, max_new_tokens: int, temperature: 
             top_p=None,
             pad_token_id=tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0,
         )
-    text: str = tokenizer.decode(output[0], skip_special_tokens=True)
-    return text
+    return str(tokenizer.decode(output[0], skip_special_tokens=True))

@@ -60,8 +60,12 @@ def test_export_loads_with_from_pretrained_and_generates(
 
 
 def test_export_refuses_a_checkpoint_of_another_shape(tmp_path: Path) -> None:
-    _checkpoint(tmp_path / "ckpt.safetensors", ModelConfig(context_len=32, num_layers=2, width=32, num_heads=4))
+    _checkpoint(
+        tmp_path / "ckpt.safetensors", ModelConfig(context_len=32, num_layers=2, width=32, num_heads=4)
+    )
     params = checkpoint_params(tmp_path / "ckpt.safetensors")
     with pytest.raises(ExportError, match="does not fit"):
-        export_hf(ModelConfig(context_len=32, num_layers=3, width=32, num_heads=4), params, tmp_path / "x", None)
+        export_hf(
+            ModelConfig(context_len=32, num_layers=3, width=32, num_heads=4), params, tmp_path / "x", None
+        )
     assert main(["export", "--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "y")]) == 1
