@@ -70,14 +70,38 @@ def _is_real(value: object) -> bool:
 class InnerOptimizerSpec:
     """AdamW on each learner/stage; every peer of a run uses the same values."""
 
-    lr: float = 1e-3  # learning rate
-    batch_size: int = 16  # sequences per inner step
+    lr: float = 1e-3  # peak learning rate
+    batch_size: int = 16  # sequences per inner step (per accumulated batch on a learner)
     weight_decay: float = 0.1
+    warmup_steps: int = 0  # inner steps of linear warmup from 0 to lr (0: none)
+    decay_steps: int = 0  # inner steps of cosine decay after warmup, down to min_lr_ratio x lr (0: constant)
+    min_lr_ratio: float = 0.1  # the floor of the cosine decay, as a fraction of lr
+    clip_norm: float = 0.0  # gradient norm clipping (a stage clips its own span's norm); 0: off
+    accumulation: int = 1  # batches whose gradients a learner sums into one inner step
 
     def __post_init__(self) -> None:
         _require(_is_real(self.lr) and self.lr > 0, f"inner.lr must be a positive float, got {self.lr!r}")
         _require(_is_int(self.batch_size) and self.batch_size >= 1, "inner.batch_size must be an int >= 1")
         _require(_is_real(self.weight_decay) and self.weight_decay >= 0, "inner.weight_decay must be >= 0")
+        for name in ("warmup_steps", "decay_steps"):
+            _require(
+                _is_int(getattr(self, name)) and getattr(self, name) >= 0, f"inner.{name} must be an int >= 0"
+            )
+        _require(
+            _is_int(self.accumulation) and self.accumulation >= 1, "inner.accumulation must be an int >= 1"
+        )
+        _require(_is_real(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio in [0, 1]")
+        _require(_is_real(self.clip_norm) and self.clip_norm >= 0, "inner.clip_norm must be a float >= 0")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of inner step `step` (1-based): linear warmup, then cosine decay to the floor."""
+        if self.warmup_steps and step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if not self.decay_steps:
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
+        floor = self.min_lr_ratio * self.lr
+        return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 DILOCO_MODES = ("decoupled", "sync", "elastic_sync")

@@ -229,3 +229,21 @@ def test_a_corrupt_pin_file_is_a_clear_error(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="pinned owners"):
         OwnerPins(path).pinned("a" * 40)
+
+
+def test_inner_schedule_warms_up_then_decays_by_cosine_to_the_floor() -> None:
+    inner = parse_run_toml(
+        "[inner]\nlr = 1e-3\nwarmup_steps = 10\ndecay_steps = 100\nmin_lr_ratio = 0.1\nclip_norm = 1\n"
+        "accumulation = 4\n"
+    ).inner
+    assert (inner.clip_norm, inner.accumulation) == (1.0, 4)
+    assert inner.lr_at(1) == pytest.approx(1e-4) and inner.lr_at(10) == pytest.approx(1e-3)
+    assert inner.lr_at(60) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # halfway through the decay
+    assert inner.lr_at(110) == pytest.approx(1e-4) and inner.lr_at(10_000) == pytest.approx(1e-4)
+    lrs = [inner.lr_at(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    plain = default_manifest().inner  # the defaults keep the constant rate every calibrated test used
+    assert {plain.lr_at(s) for s in (1, 50, 10_000)} == {plain.lr}
+    assert (plain.clip_norm, plain.accumulation) == (0.0, 1)
+    with pytest.raises(ConfigError, match="accumulation"):
+        parse_run_toml("[inner]\naccumulation = 0")
