@@ -97,7 +97,9 @@ def _architecture(family: str) -> str:
 def generate(directory: Path, prompt: str, *, max_new_tokens: int, temperature: float, seed: int) -> str:
     """A sample from an exported folder, loaded the way anyone would load it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the weight-loading bar; our callers print one line
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model: Any = AutoModelForCausalLM.from_pretrained(directory)
     model.eval()
