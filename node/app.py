@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -43,6 +44,7 @@ async def run_node(
     Raises HivenodeError subclasses with one-line messages for the CLI.
     """
     device = resolve_device(config.device)
+    threading.Thread(target=_preload_model_code, name="preload", daemon=True).start()
     identity = NodeIdentity.load_or_create(config.identity_file)
     log_context.peer_id = identity.peer_id
     with IdentityLock(config.identity_file):
@@ -52,6 +54,17 @@ async def run_node(
         finally:
             joined.dht.shutdown()
             logger.info("stopped (pid %d)", os.getpid())
+
+
+def _preload_model_code() -> None:
+    """transformers' modules, imported while the DHT join waits on the network (a failure shows up later,
+    where the model is built, with its real error)."""
+    try:
+        from node.ml.model import preload
+
+        preload()
+    except Exception as e:  # the import is retried where it is needed
+        logger.debug("preloading the model code failed: %s", e)
 
 
 async def _serve(
