@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -82,10 +83,44 @@ class ModelConfig:
         return cls(**resolve_model(data))
 
 
+_IMPORT_LOCK = threading.Lock()
+_HF: dict[str, Any] = {}
+
+
+def _hf() -> dict[str, Any]:
+    """The transformers classes we use, imported once under a lock: transformers' lazy top-level module is
+    not safe to import from two threads at once (a node preloads it in a thread, `preload`)."""
+    with _IMPORT_LOCK:
+        if not _HF:
+            from transformers import GPT2Config, LlamaConfig, Qwen2Config
+            from transformers.masking_utils import create_causal_mask
+            from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+            from transformers.models.llama.modeling_llama import (
+                LlamaDecoderLayer,
+                LlamaRMSNorm,
+                LlamaRotaryEmbedding,
+            )
+            from transformers.models.qwen2.modeling_qwen2 import (
+                Qwen2DecoderLayer,
+                Qwen2RMSNorm,
+                Qwen2RotaryEmbedding,
+            )
+
+            _HF.update(
+                {
+                    "config": {"gpt2": GPT2Config, "llama": LlamaConfig, "qwen2": Qwen2Config},
+                    "layer": {"gpt2": GPT2Block, "llama": LlamaDecoderLayer, "qwen2": Qwen2DecoderLayer},
+                    "rotary": {"llama": LlamaRotaryEmbedding, "qwen2": Qwen2RotaryEmbedding},
+                    "norm": {"llama": LlamaRMSNorm, "qwen2": Qwen2RMSNorm},
+                    "create_causal_mask": create_causal_mask,
+                }
+            )
+        return _HF
+
+
 def hf_config(cfg: ModelConfig) -> Any:
     """The transformers config for `cfg` (sdpa attention, untied head, no special token ids)."""
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
-
+    config_class = _hf()["config"][cfg.family]
     common: dict[str, Any] = {
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
@@ -95,7 +130,7 @@ def hf_config(cfg: ModelConfig) -> Any:
         "pad_token_id": None,
     }
     if cfg.family == "gpt2":
-        return GPT2Config(
+        return config_class(
             n_positions=cfg.context_len,
             n_embd=cfg.width,
             n_layer=cfg.num_layers,
@@ -108,7 +143,6 @@ def hf_config(cfg: ModelConfig) -> Any:
             initializer_range=cfg.init_std,
             **common,
         )
-    config_class = LlamaConfig if cfg.family == "llama" else Qwen2Config
     return config_class(
         hidden_size=cfg.width,
         intermediate_size=cfg.mlp_width,
@@ -128,47 +162,24 @@ def hf_config(cfg: ModelConfig) -> Any:
 def preload() -> None:
     """Import the transformers modules every family needs (~2.5 s of CPU): a node calls this in a thread
     while it joins the DHT, so building its model later does not add the import to its start-up."""
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config  # noqa: F401
-    from transformers.masking_utils import create_causal_mask  # noqa: F401
-
-    for family in ("llama", "gpt2", "qwen2"):
-        _layer_class(family)
+    _hf()
 
 
 def _layer_class(family: str) -> Callable[..., nn.Module]:
-    if family == "gpt2":
-        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-
-        return GPT2Block
-    if family == "qwen2":
-        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
-
-        return Qwen2DecoderLayer
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    return LlamaDecoderLayer
+    layer: Callable[..., nn.Module] = _hf()["layer"][family]
+    return layer
 
 
 def _rotary(family: str, config: Any) -> nn.Module:
-    if family == "qwen2":
-        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
-
-        return Qwen2RotaryEmbedding(config)
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    return LlamaRotaryEmbedding(config)
+    rotary: nn.Module = _hf()["rotary"][family](config)
+    return rotary
 
 
 def _final_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.family == "gpt2":
         return nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
-    if cfg.family == "qwen2":
-        from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-
-        return Qwen2RMSNorm(cfg.width, eps=cfg.norm_eps)
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    return LlamaRMSNorm(cfg.width, eps=cfg.norm_eps)
+    norm: nn.Module = _hf()["norm"][cfg.family](cfg.width, eps=cfg.norm_eps)
+    return norm
 
 
 class _LayerSpan(nn.Module):
@@ -236,8 +247,7 @@ class _LayerSpan(nn.Module):
 
     def run_layers(self, h: torch.Tensor) -> torch.Tensor:
         """The span's layers, with the position ids, rotary tables and causal mask the unsplit model uses."""
-        from transformers.masking_utils import create_causal_mask
-
+        create_causal_mask = _hf()["create_causal_mask"]
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         mask = create_causal_mask(
             config=self.hf_config,

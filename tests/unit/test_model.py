@@ -299,3 +299,28 @@ def test_train_local_reduces_held_out_loss() -> None:
         cfg, corpus, steps=40, batch_size=8, lr=3e-3, seed=0, eval_every=20, num_val_batches=4
     )
     assert losses == pytest.approx(again, rel=1e-5)
+
+
+def test_preloading_in_a_thread_while_another_builds_the_model_is_safe() -> None:
+    """A fresh interpreter (transformers not yet imported): the node's preload thread and the role building
+    its model at once. Without the import lock a stage raised ImportError in an integration run (transformers'
+    lazy module is not thread-safe); the race is not reproducible on demand, so this guards the fix only."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading\n"
+        "from node.ml.model import ModelConfig, build_model, preload\n"
+        "errors = []\n"
+        "def run(fn):\n"
+        "    try: fn()\n"
+        "    except Exception as e: errors.append(repr(e))\n"
+        "cfg = ModelConfig(context_len=8, num_layers=1, width=16, num_heads=2)\n"
+        "ts = [threading.Thread(target=run, args=(f,)) for f in (preload, lambda: build_model(cfg, 0))]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "print(errors)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=110, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
