@@ -1,14 +1,19 @@
-"""`python -m bootstrap [--config bootstrap.toml] [--run run.toml] [--listen MADDR] [--http HOST:PORT] [...]`: run a
-DHT entry point that publishes the signed run manifest; prints the multiaddrs to share. Settings are loaded by
+"""`python -m bootstrap [--config bootstrap.toml] [--run run.toml] [--tokenizer tokenizer.json] [--listen MADDR]
+[--http HOST:PORT] [...]`: run a DHT entry point that publishes the signed run manifest; prints the multiaddrs to
+share. `python -m bootstrap tokenizer train --out tokenizer.json --vocab-size N [--data SPEC]`: train the run's
+byte-level BPE on its corpus. Settings are loaded by
 `node.config.load_bootstrap_config` (defaults < bootstrap.toml < HIVENODE_BOOTSTRAP < flags; docs/config.md).
 Errors: one line on stderr, exit 1 (2 for usage)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from bootstrap.server import Bootstrap, announce_lines, run_bootstrap
 from node.config import BootstrapConfig, load_bootstrap_config
@@ -31,9 +36,48 @@ async def _run(config: BootstrapConfig, log_context: LogContext) -> int:
     return EXIT_OK
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def tokenizer_command(argv: Sequence[str]) -> int:
+    """`tokenizer train`: a byte-level BPE on the run's corpus (the built-in one without --data)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bootstrap tokenizer", description=tokenizer_command.__doc__
+    )
+    parser.add_argument("action", choices=["train"])
+    parser.add_argument("--out", type=Path, required=True, metavar="tokenizer.json")
+    parser.add_argument("--vocab-size", type=int, default=8192, metavar="N", help="tokens (default 8192)")
+    parser.add_argument(
+        "--data", metavar="SPEC", help="corpus as for `python -m node --data` (default: built-in)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(list(argv))
+    from node.ml.data import load_corpus
+    from node.ml.tokenizer import tokenizer_spec, train_bpe
+
+    started = time.monotonic()
     try:
-        config = load_bootstrap_config(sys.argv[1:] if argv is None else argv)
+        corpus = load_corpus(args.data)
+        texts = (piece.data.decode("utf-8", errors="replace") for piece in corpus.train)
+        blob = train_bpe(texts, args.vocab_size, show_progress=not args.quiet)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_bytes(blob)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    spec = tokenizer_spec(blob)
+    print(
+        f"wrote {args.out}: {spec['vocab_size']} tokens, sha256 {spec['sha256']}, trained on "
+        f"{corpus.train_bytes} bytes in {time.monotonic() - started:.1f} s; start the bootstrap with "
+        f"--tokenizer {args.out}",
+        flush=True,
+    )
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["tokenizer"]:
+        return tokenizer_command(args[1:])
+    try:
+        config = load_bootstrap_config(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

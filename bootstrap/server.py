@@ -20,6 +20,7 @@ returns its section.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -51,7 +52,7 @@ from node.swarm import (
     start_dht,
 )
 from protocol.dht_io import SwarmRecords, publish_discovery
-from protocol.errors import HivenodeError
+from protocol.errors import ConfigError, HivenodeError, TokenizerMismatch
 from protocol.identity import IdentityLock, NodeIdentity
 from protocol.manifest import (
     RunManifest,
@@ -79,6 +80,32 @@ MAX_MERGES_SERVED = 300  # newest merges
 SWARM_EVENTS_FILENAME = "swarm-events.jsonl"
 MAX_SYNCER_STATUS_BYTES = 1 << 20  # the syncer's /api/status we read for merge details
 MAX_NOTES_BYTES = 1 << 16  # of <state_dir>/notes.jsonl read per snapshot
+
+
+def load_tokenizer(config: BootstrapConfig, manifest: RunManifest) -> tuple[RunManifest, bytes | None]:
+    """The manifest naming `--tokenizer`'s hash and vocabulary, and the blob to serve (None: raw bytes)."""
+    from node.ml.tokenizer import tokenizer_spec
+
+    if config.tokenizer_path is None:
+        if manifest.tokenizer:
+            raise ConfigError(
+                "run.toml names a [tokenizer]: start the bootstrap with --tokenizer tokenizer.json"
+            )
+        return manifest, None
+    try:
+        blob = config.tokenizer_path.read_bytes()
+        spec = tokenizer_spec(blob)
+    except (OSError, TokenizerMismatch) as e:
+        raise ConfigError(f"--tokenizer {config.tokenizer_path}: {e}") from None
+    if manifest.tokenizer and manifest.tokenizer != spec:
+        raise ConfigError(
+            f"--tokenizer {config.tokenizer_path} is {spec}, run.toml names {manifest.tokenizer}"
+        )
+    model = {**manifest.model, "vocab_size": spec["vocab_size"]}
+    try:
+        return dataclasses.replace(manifest, tokenizer=spec, model=model), blob
+    except ValueError as e:
+        raise ConfigError(f"--tokenizer {config.tokenizer_path}: {e}") from None
 
 
 def load_manifest(
@@ -117,7 +144,8 @@ class Bootstrap:
         self.config = config
         self.identity = identity
         self.owner = owner
-        self.manifest = manifest
+        self.manifest, self.tokenizer_blob = load_tokenizer(config, manifest)
+        manifest = self.manifest
         self.signed = SignedManifest.sign(manifest, owner)
         self.rules = RunRules.from_manifest(self.signed, manifest)
         self.bootstrap_peers = run_bootstraps(self.signed, manifest)  # who may be listed as a bootstrap
@@ -326,6 +354,7 @@ class Bootstrap:
         app.router.add_get("/api/status", self._handle_status)
         app.router.add_get("/api/swarm", self._handle_swarm)
         app.router.add_get("/metrics", self._handle_metrics)
+        app.router.add_get("/api/tokenizer/{sha256}", self._handle_tokenizer)
         if self.ledger is not None:
             LeaderboardApi(self.ledger, self.swarm_document).add_routes(app)
         app.router.add_get("/", self._handle_index)
@@ -350,6 +379,14 @@ class Bootstrap:
             "uptime_s": round(time.monotonic() - self._started_at, 1),
             "owner_roles": self.owner_roles.status() if self.owner_roles is not None else [],
         }
+
+    async def _handle_tokenizer(self, request: web.Request) -> web.Response:
+        """The run's tokenizer.json, by the hash the signed manifest names (peers verify it again)."""
+        if self.tokenizer_blob is None or request.match_info["sha256"] != self.manifest.tokenizer.get(
+            "sha256"
+        ):
+            return web.Response(status=404, text="no such tokenizer in this run\n")
+        return web.Response(body=self.tokenizer_blob, content_type="application/json")
 
     async def _handle_status(self, _request: web.Request) -> web.Response:
         return web.json_response(self.status())

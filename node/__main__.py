@@ -1,5 +1,5 @@
 """`python -m node --join MADDR_OR_URL [...]`: parse -> NodeConfig -> check -> run -> shut down. Subcommands: keygen,
-status, demo, config, trust (the owner pins). Errors reach the user as one line on stderr and a non-zero exit (2:
+status, demo, config, trust (the owner pins), export (checkpoint -> transformers folder), generate (sample from one). Errors reach the user as one line on stderr and a non-zero exit (2:
 usage, 1: could not run). Every argument is checked before anything is written (the identity key, the state directory)."""
 
 from __future__ import annotations
@@ -157,7 +157,68 @@ def check_arguments(config: NodeConfig) -> None:
         raise ConfigError(f"--identity {config.identity_file} is a directory, not a key file")
 
 
-SUBCOMMANDS = {"keygen": keygen, "status": status, "demo": demo, "config": config_command, "trust": trust}
+def export_command(argv: Sequence[str]) -> int:
+    """`export`: a checkpoint (the syncer's, or any safetensors state dict) -> a transformers folder."""
+    parser = argparse.ArgumentParser(prog="python -m node export", description=export_command.__doc__)
+    parser.add_argument("--checkpoint", type=Path, required=True, metavar="PATH", help="a .safetensors file")
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR")
+    parser.add_argument("--run", type=Path, metavar="run.toml", help="the run's settings (default: built-in)")
+    parser.add_argument(
+        "--tokenizer", type=Path, metavar="tokenizer.json", help="the run's BPE (default: bytes)"
+    )
+    args = parser.parse_args(list(argv))
+    from node.ml.export import ExportError, checkpoint_params, export_hf
+    from node.ml.model import ModelConfig
+    from node.ml.tokenizer import tokenizer_spec
+    from protocol.manifest import default_manifest, load_run_toml
+
+    try:
+        manifest = load_run_toml(args.run) if args.run else default_manifest()
+        blob = args.tokenizer.read_bytes() if args.tokenizer else None
+        model = dict(manifest.model)
+        if blob is not None:
+            model["vocab_size"] = tokenizer_spec(blob)["vocab_size"]
+        export_hf(ModelConfig.from_dict(model), checkpoint_params(args.checkpoint), args.out, blob)
+    except (OSError, ValueError, ExportError) as e:
+        return _fail(e)
+    print(f"exported to {args.out}: load it with AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
+    return EXIT_OK
+
+
+def generate_command(argv: Sequence[str]) -> int:
+    """`generate DIR --prompt TEXT`: sample from an exported folder."""
+    parser = argparse.ArgumentParser(prog="python -m node generate", description=generate_command.__doc__)
+    parser.add_argument("directory", type=Path, metavar="DIR")
+    parser.add_argument("--prompt", default="def ")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(list(argv))
+    from node.ml.export import generate
+
+    try:
+        text = generate(
+            args.directory,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+        )
+    except (OSError, ValueError) as e:
+        return _fail(e)
+    print(text)
+    return EXIT_OK
+
+
+SUBCOMMANDS = {
+    "export": export_command,
+    "generate": generate_command,
+    "keygen": keygen,
+    "status": status,
+    "demo": demo,
+    "config": config_command,
+    "trust": trust,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -43,6 +44,7 @@ async def run_node(
     Raises HivenodeError subclasses with one-line messages for the CLI.
     """
     device = resolve_device(config.device)
+    threading.Thread(target=_preload_model_code, name="preload", daemon=True).start()
     identity = NodeIdentity.load_or_create(config.identity_file)
     log_context.peer_id = identity.peer_id
     with IdentityLock(config.identity_file):
@@ -52,6 +54,17 @@ async def run_node(
         finally:
             joined.dht.shutdown()
             logger.info("stopped (pid %d)", os.getpid())
+
+
+def _preload_model_code() -> None:
+    """transformers' modules, imported while the DHT join waits on the network (a failure shows up later,
+    where the model is built, with its real error)."""
+    try:
+        from node.ml.model import preload
+
+        preload()
+    except Exception as e:  # the import is retried where it is needed
+        logger.debug("preloading the model code failed: %s", e)
 
 
 async def _serve(
@@ -74,6 +87,7 @@ async def _serve(
     membership = swarm.Membership(ctx.records, period_s=period_s, heartbeat=heartbeat, metrics=ctx.metrics)
     server = status.StatusServer(config.http.host, config.http.port, ctx.metrics.registry)
     try:
+        ctx.tokenizer = await _tokenizer(ctx, membership)
         choice = await _choose_role(ctx, joined, membership)
         role = roles.build_role(choice.role, ctx)
         ctx.status_source = partial(status.node_status, ctx, role, membership)
@@ -118,6 +132,20 @@ def _build_context(
         log_context=log_context,
         device=device,
     )
+
+
+async def _tokenizer(ctx: NodeContext, membership: swarm.Membership) -> Any:
+    """The run's BPE tokenizer, verified against the signed manifest (None for raw bytes); raises
+    TokenizerMismatch when no source gives the right one: a node never trains on another vocabulary."""
+    if not ctx.manifest.tokenizer:
+        return None
+    from node.swarm.tokenizer_fetch import obtain_tokenizer, tokenizer_urls
+
+    spec = dict(ctx.manifest.tokenizer)
+    peers = await membership.peers_or_empty()
+    urls = tokenizer_urls(str(spec["sha256"]), ctx.config.join, peers)
+    timeout_s = ctx.config.network.request_timeout_s
+    return await obtain_tokenizer(spec, ctx.config.state_dir, urls, timeout_s=timeout_s)
 
 
 async def _choose_role(ctx: NodeContext, joined: Any, membership: swarm.Membership) -> roles.RoleChoice:

@@ -139,6 +139,7 @@ class BootstrapConfig:
     identity_path: Path | None = None  # DHT identity; none = <state_dir>/identity.key
     owner_key_path: Path | None = None  # key that signs the manifest; none = the identity
     run_path: Path | None = None  # run.toml; none = the built-in default run
+    tokenizer_path: Path | None = None  # a BPE tokenizer.json: its hash goes in the manifest, peers fetch it
     authorize_syncers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized syncers
     authorize_verifiers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized verifiers
     # peer ids of the run's other bootstraps (ours is added when its key is not the owner's): only these are
@@ -594,6 +595,12 @@ def build_bootstrap_parser() -> argparse.ArgumentParser:
     add("--http", metavar="HOST:PORT", help="HTTP address (default 127.0.0.1:0)")
     add("--maddrs-file", type=Path, metavar="PATH", help="write our multiaddrs here, one per line")
     add(
+        "--tokenizer",
+        type=Path,
+        metavar="tokenizer.json",
+        help="the run's BPE tokenizer (python -m bootstrap tokenizer train); default: raw bytes",
+    )
+    add(
         "--state-dir",
         type=Path,
         metavar="DIR",
@@ -631,6 +638,7 @@ def _bootstrap_flags(args: argparse.Namespace) -> dict[str, Any]:
         "identity_path": args.identity,
         "owner_key_path": args.owner_key,
         "run_path": args.run,
+        "tokenizer_path": args.tokenizer,
         "authorize_syncers": args.authorize_syncer,
         "authorize_verifiers": args.authorize_verifier,
         "authorize_bootstraps": args.authorize_bootstrap,

@@ -262,6 +262,12 @@ class NodeContext:
     stage: int | None = None
     http_address: str = ""  # host:port of our status API once it listens
     status_source: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    tokenizer: Any = None  # node.ml.tokenizer.Tokenizer of the run's BPE, verified; None: raw bytes
+
+    @property
+    def encode(self) -> Callable[[bytes], list[int]] | None:
+        """What turns corpus bytes into the run's tokens (`Corpus.with_encoder`); None: the bytes themselves."""
+        return None if self.tokenizer is None else self.tokenizer.encode
 
     @property
     def run_id(self) -> str:

@@ -123,3 +123,8 @@ class OwnerPinMismatch(HivenodeError):
 
 class JoinError(HivenodeError):
     """This node could not join the swarm: no entry point answered, or no valid run manifest was found."""
+
+
+class TokenizerMismatch(HivenodeError):
+    """A tokenizer's bytes do not hash to the sha256 the signed run manifest names (or its vocabulary size
+    differs): a wrong file, a tampered download, or a bootstrap serving another run's tokenizer. Refused."""

@@ -40,6 +40,7 @@ from protocol.compress import CodecSpec
 from protocol.errors import ConfigError, IdentityError, ManifestRejected, OwnerPinMismatch
 from protocol.identity import NodeIdentity, public_key_from_peer_id, verify_signature
 from protocol.keys import RUN_ID_HEX_CHARS, is_run_id
+from protocol.model_spec import BYTE_VOCAB, largest_param_elements, resolve_model
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,11 +55,9 @@ _SIGN_DOMAIN = b"hivenode-manifest-v1\x00"
 _RUN_ID_DOMAIN = b"hivenode-run-id-v2\x00"  # v2: the hash covers the identity part only
 # The top-level settings that make the run's identity (plus diloco.num_fragments, which fixes the checkpoint's
 # version vector); every other setting is operational and may change under the same run id.
-IDENTITY_KEYS = ("name", "seed", "model", "num_stages", "data")
+IDENTITY_KEYS = ("name", "seed", "model", "num_stages", "data", "tokenizer")
 _FLOAT32_BYTES = 4
 _INT64_BYTES = 8
-REQUIRED_MODEL_KEYS = ("vocab_size", "context_len", "num_layers", "width", "num_heads")
-OPTIONAL_MODEL_KEYS = {"mlp_ratio": int, "dropout": float}
 Scalar = str | int | float | bool
 
 
@@ -79,14 +78,38 @@ def _is_real(value: object) -> bool:
 class InnerOptimizerSpec:
     """AdamW on each learner/stage; every peer of a run uses the same values."""
 
-    lr: float = 1e-3  # learning rate
-    batch_size: int = 16  # sequences per inner step
+    lr: float = 1e-3  # peak learning rate
+    batch_size: int = 16  # sequences per inner step (per accumulated batch on a learner)
     weight_decay: float = 0.1
+    warmup_steps: int = 0  # inner steps of linear warmup from 0 to lr (0: none)
+    decay_steps: int = 0  # inner steps of cosine decay after warmup, down to min_lr_ratio x lr (0: constant)
+    min_lr_ratio: float = 0.1  # the floor of the cosine decay, as a fraction of lr
+    clip_norm: float = 0.0  # gradient norm clipping (a stage clips its own span's norm); 0: off
+    accumulation: int = 1  # batches whose gradients a learner sums into one inner step
 
     def __post_init__(self) -> None:
         _require(_is_real(self.lr) and self.lr > 0, f"inner.lr must be a positive float, got {self.lr!r}")
         _require(_is_int(self.batch_size) and self.batch_size >= 1, "inner.batch_size must be an int >= 1")
         _require(_is_real(self.weight_decay) and self.weight_decay >= 0, "inner.weight_decay must be >= 0")
+        for name in ("warmup_steps", "decay_steps"):
+            _require(
+                _is_int(getattr(self, name)) and getattr(self, name) >= 0, f"inner.{name} must be an int >= 0"
+            )
+        _require(
+            _is_int(self.accumulation) and self.accumulation >= 1, "inner.accumulation must be an int >= 1"
+        )
+        _require(_is_real(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1, "inner.min_lr_ratio in [0, 1]")
+        _require(_is_real(self.clip_norm) and self.clip_norm >= 0, "inner.clip_norm must be a float >= 0")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of inner step `step` (1-based): linear warmup, then cosine decay to the floor."""
+        if self.warmup_steps and step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if not self.decay_steps:
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / self.decay_steps)
+        floor = self.min_lr_ratio * self.lr
+        return floor + (self.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 DILOCO_MODES = ("decoupled", "sync", "elastic_sync")
@@ -145,23 +168,22 @@ class WireSpec:
         _require(_is_int(self.max_batch) and self.max_batch >= 1, "wire.max_batch must be an int >= 1")
 
 
-def _check_model(model: Mapping[str, Any]) -> None:
-    missing = [k for k in REQUIRED_MODEL_KEYS if k not in model]
-    _require(not missing, f"model lacks {missing}")
-    unknown = sorted(set(model) - set(REQUIRED_MODEL_KEYS) - set(OPTIONAL_MODEL_KEYS))
-    _require(not unknown, f"unknown model keys {unknown}")
-    for key in REQUIRED_MODEL_KEYS:
-        _require(
-            _is_int(model[key]) and model[key] >= 1, f"model.{key} must be an int >= 1, got {model[key]!r}"
-        )
-    _require(model["vocab_size"] == 256, "model.vocab_size must be 256 (byte-level tokens)")
-    _require(model["width"] % model["num_heads"] == 0, "model.width must be divisible by model.num_heads")
-    if "mlp_ratio" in model:
-        _require(
-            _is_int(model["mlp_ratio"]) and model["mlp_ratio"] >= 1, "model.mlp_ratio must be an int >= 1"
-        )
-    if "dropout" in model:
-        _require(_is_real(model["dropout"]) and 0 <= model["dropout"] < 1, "model.dropout must be in [0, 1)")
+def _check_tokenizer(table: object) -> int:
+    """The vocabulary size the `[tokenizer]` table implies (256 when empty: raw bytes)."""
+    _require(isinstance(table, dict), "[tokenizer] must be a table")
+    assert isinstance(table, dict)
+    if not table:
+        return BYTE_VOCAB
+    _require(set(table) == {"sha256", "vocab_size"}, "[tokenizer] needs exactly sha256 and vocab_size")
+    digest, vocab = table["sha256"], table["vocab_size"]
+    _require(
+        isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest),
+        "tokenizer.sha256 must be 64 lowercase hex digits",
+    )
+    _require(
+        _is_int(vocab) and BYTE_VOCAB < vocab <= 2**20, "tokenizer.vocab_size must be an int in (256, 2^20]"
+    )
+    return int(vocab)
 
 
 def _check_scalar_table(name: str, table: Mapping[str, Any]) -> None:
@@ -190,8 +212,8 @@ def _check_peer_ids(name: str, peer_ids: tuple[str, ...]) -> None:
     _require(len(set(peer_ids)) == len(peer_ids), f"{name} lists a peer twice")
 
 
-def _default_model() -> dict[str, int]:
-    return {"vocab_size": 256, "context_len": 128, "num_layers": 4, "width": 128, "num_heads": 4}
+def _default_model() -> dict[str, Any]:
+    return {}  # the default preset, resolved in __post_init__ against the tokenizer's vocabulary
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,7 +222,8 @@ class RunManifest:
 
     name: str = DEFAULT_RUN_NAME  # human name, not an identity: owner keys are pinned per run id
     seed: int = 0  # model init and data sharding seed
-    model: dict[str, Any] = field(default_factory=_default_model)  # node.ml.model.ModelConfig fields
+    # protocol.model_spec: a preset and overrides, resolved here to the complete table the owner signs
+    model: dict[str, Any] = field(default_factory=_default_model)
     num_stages: int = 2  # pipeline stages the layers are cut into
     inner: InnerOptimizerSpec = field(default_factory=InnerOptimizerSpec)
     diloco: DilocoSpec = field(default_factory=DilocoSpec)
@@ -223,12 +246,22 @@ class RunManifest:
     wire: WireSpec = field(default_factory=WireSpec)
     heartbeat_period_s: float = 2.0  # how often each peer refreshes its heartbeat record
     revision: int = 0  # the owner raises it with each change of operational settings (same run id)
+    # empty: raw bytes (vocabulary 256); else {sha256, vocab_size} of a BPE tokenizer.json that every peer
+    # fetches (from the bootstrap) and checks against this before training (node.ml.tokenizer)
+    tokenizer: dict[str, Scalar] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and 0 < len(self.name) <= 64, "name must be 1-64 characters")
         _require(self.name.isprintable(), "name must be printable")
         _require(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed must be a non-negative int")
-        _check_model(self.model)
+        _require(isinstance(self.model, dict), "[model] must be a table")
+        vocab = _check_tokenizer(self.tokenizer)
+        object.__setattr__(self, "model", resolve_model(self.model, vocab_size=vocab))
+        _require(
+            self.model["vocab_size"] == vocab,
+            f"model.vocab_size must be the tokenizer's {vocab}"
+            + ("" if self.tokenizer else " (byte-level tokens)"),
+        )
         _require(_is_int(self.num_stages) and self.num_stages >= 1, "num_stages must be an int >= 1")
         _require(self.num_stages <= self.model["num_layers"], "num_stages cannot exceed model.num_layers")
         _require(_is_int(self.bans_required) and self.bans_required >= 1, "bans_required must be an int >= 1")
@@ -248,13 +281,10 @@ class RunManifest:
         a token batch, or the largest single parameter tensor (fragments travel tensor by tensor)."""
         m, batch = self.model, self.wire.max_batch
         width: int = m["width"]
-        mlp: int = m.get("mlp_ratio", 4)
         context_len: int = m["context_len"]
-        vocab_size: int = m["vocab_size"]
         boundary = batch * context_len * width * _FLOAT32_BYTES
         tokens = batch * context_len * _INT64_BYTES
-        largest_param = max(vocab_size * width, context_len * width, 3 * width * width, mlp * width * width)
-        return max(boundary, tokens, largest_param * _FLOAT32_BYTES)
+        return max(boundary, tokens, largest_param_elements(m) * _FLOAT32_BYTES)
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, canonically ordered dict (lists, not tuples) for msgpack and JSON."""
@@ -297,7 +327,7 @@ class RunManifest:
                 _require(isinstance(kwargs[name], list | tuple), f"{name} must be a list of peer ids")
                 _require(all(isinstance(p, str) for p in kwargs[name]), f"{name} must be a list of peer ids")
                 kwargs[name] = tuple(kwargs[name])
-        for name in ("model", "sentinel", "data"):
+        for name in ("model", "sentinel", "data", "tokenizer"):
             if name in kwargs:
                 _require(isinstance(kwargs[name], dict), f"[{name}] must be a table")
         if "heartbeat_period_s" in kwargs:
@@ -364,8 +394,6 @@ def parse_run_toml(text: str) -> RunManifest:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"run.toml is not valid TOML: {e}") from None
-    if "model" in data and isinstance(data["model"], dict) and "dropout" in data["model"]:
-        data["model"]["dropout"] = _as_float("model.dropout", data["model"]["dropout"])
     try:
         return RunManifest.from_dict(data)
     except (ValueError, TypeError) as e:

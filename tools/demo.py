@@ -448,6 +448,24 @@ def checkpoint_loss(run_file: Path, state: Path, run_id: str) -> float | None:
     return evaluate(model, batches)
 
 
+def export_sample(run_file: Path, state: Path, run_id: str, out: Path) -> str | None:
+    """Export the syncer's final checkpoint as a transformers folder (`out`) and sample 48 tokens after
+    "def " from it, loaded with from_pretrained (docs/models.md); None (logged) if anything is missing."""
+    from node.ml.checkpoint import checkpoint_path
+    from node.ml.export import ExportError, checkpoint_params, export_hf, generate
+    from node.ml.model import ModelConfig
+    from protocol.manifest import load_run_toml
+
+    path = checkpoint_path(state / "syncer-checkpoints", run_id)
+    try:
+        manifest = load_run_toml(run_file)
+        export_hf(ModelConfig.from_dict(manifest.model), checkpoint_params(path), out, None)
+        return generate(out, "def ", max_new_tokens=48, temperature=0.8, seed=0)
+    except (OSError, ValueError, ExportError) as e:
+        logger.warning("no export or sample: %s", e)
+        return None
+
+
 def terminate_gently(group: ProcessGroup, names: list[str], timeout_s: float) -> None:
     """SIGTERM (after a SIGCONT: a stalled process cannot handle SIGTERM) and wait up to `timeout_s` for them."""
     running = [n for n in names if n in group.names() and group.alive(n)]
@@ -795,8 +813,12 @@ class DemoSwarm:
         final = (
             await asyncio.to_thread(checkpoint_loss, self.run_file, self.state, run_id) if run_id else None
         )
-        if final is not None:
+        sample = None
+        if final is not None and run_id:
             self.history.add_eval(ended_at, final, label="final checkpoint")
+            sample = await asyncio.to_thread(
+                export_sample, self.run_file, self.state, run_id, self.out / "model"
+            )
         history = self.history.history_json()
         cpu_wall = max(ended_at - self.started_at, 1e-9)
         own = resource.getrusage(resource.RUSAGE_SELF)
@@ -826,6 +848,7 @@ class DemoSwarm:
             report["attack"] = attack_outcome(
                 self.config, self._run_summary()["nodes"], report.get("bans") or []
             )
+        report["sample"] = sample  # the exported model's continuation of "def " (None: no checkpoint)
         paths = await asyncio.to_thread(write_plots, report, history, self.out, self.started_at)
         report["plots"] = [p.name for p in paths]
         write_report(self.out, report)
@@ -1108,6 +1131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render_text(report), flush=True)
     if report.get("attack"):
         print(attack_line(report["attack"]), flush=True)
+    if report.get("sample") is not None:
+        print(f"exported to {config.out_dir / 'model'}; it writes: {report['sample']!r}", flush=True)
     print(
         f"report: {config.out_dir / 'report.json'}; plots: {', '.join(report.get('plots', []))}", flush=True
     )

@@ -96,6 +96,11 @@ class Corpus:
     source: str
     train: tuple[Piece, ...]
     validation: tuple[Piece, ...]
+    # bytes -> token ids (the run's BPE, node.ml.tokenizer); None: the tokens are the bytes themselves
+    encode: Callable[[bytes], list[int]] | None = None
+
+    def with_encoder(self, encode: Callable[[bytes], list[int]] | None) -> Corpus:
+        return Corpus(self.source, self.train, self.validation, encode)
 
     @property
     def train_bytes(self) -> int:
@@ -129,10 +134,10 @@ class Corpus:
                 f"shard {shard_index} of {num_shards} is empty: the corpus has only {len(self.train)} "
                 "training pieces"
             )
-        return TokenStream.from_pieces(pieces)
+        return TokenStream.from_pieces(pieces, self.encode)
 
     def validation_stream(self) -> TokenStream:
-        return TokenStream.from_pieces(self.validation)
+        return TokenStream.from_pieces(self.validation, self.encode)
 
 
 def _bin_pack(pieces: Sequence[Piece], num_shards: int) -> list[tuple[Piece, ...]]:
@@ -148,15 +153,22 @@ def _bin_pack(pieces: Sequence[Piece], num_shards: int) -> list[tuple[Piece, ...
 
 
 class TokenStream:
-    """Pieces concatenated into one uint8 tensor of tokens (bytes)."""
+    """Pieces concatenated into one tensor of tokens: uint8 bytes, or int32 ids of the run's tokenizer."""
 
     def __init__(self, tokens: torch.Tensor) -> None:
-        if tokens.dtype != torch.uint8 or tokens.dim() != 1:
-            raise ValueError(f"tokens must be a 1-D uint8 tensor, got {tokens.dtype} {tuple(tokens.shape)}")
+        if tokens.dtype not in (torch.uint8, torch.int32) or tokens.dim() != 1:
+            raise ValueError(
+                f"tokens must be a 1-D uint8/int32 tensor, got {tokens.dtype} {tuple(tokens.shape)}"
+            )
         self.tokens = tokens
 
     @classmethod
-    def from_pieces(cls, pieces: Sequence[Piece]) -> TokenStream:
+    def from_pieces(
+        cls, pieces: Sequence[Piece], encode: Callable[[bytes], list[int]] | None = None
+    ) -> TokenStream:
+        if encode is not None:
+            ids = [token for piece in pieces for token in encode(piece.data)]
+            return cls(torch.tensor(ids, dtype=torch.int32))
         joined = bytearray(b"".join(p.data for p in pieces))
         if not joined:
             return cls(torch.empty(0, dtype=torch.uint8))

@@ -1,11 +1,21 @@
-"""The byte-level GPT every role trains, and how it is cut into pipeline stages.
+"""The causal LM every role trains (transformers Llama, GPT-2 or Qwen2), and how it is cut into stages.
 
-A small decoder-only transformer (pre-LayerNorm, causal SDPA attention, GELU MLP, learned positions,
-untied head). A pipeline stage holds a contiguous span of blocks; stage 0 also holds the embeddings and
-the last stage the final LayerNorm and head. Parameter names are the same in a stage and in the full
-model, and initial values are drawn per tensor from (seed, name), so the union of all stages built from
-one seed *is* the full model built from that seed: the DiLoCo syncer can treat stage fragments and
-learner fragments alike.
+The decoder layers, embeddings, norms and rotary tables are `transformers`' own modules, built from a
+config (never downloaded); only the glue that runs them is ours, because a pipeline stage holds a
+contiguous span of layers: stage 0 also holds the embeddings, the last stage the final norm, the LM head
+and the loss. Every stage computes its own position ids (0..T-1), rotary cos/sin and causal mask from the
+activations' shape, exactly as the unsplit transformers model does, so the cut changes nothing
+(tests/unit/test_model.py compares loss and gradients against `AutoModelForCausalLM`).
+
+Parameter names are the transformers model's own (``model.layers.3.self_attn.q_proj.weight``,
+``transformer.h.0.attn.c_attn.weight``, ``lm_head.weight``), so a stage's state dict is a slice of the
+full model's and a checkpoint loads with `from_pretrained` as it is (`node.ml.export`). Initial values are
+drawn per tensor from (seed, name), so the union of all stages built from one seed *is* the full model
+built from that seed: the DiLoCo syncer can treat stage fragments and learner fragments alike.
+
+Tied embeddings are untied (`tie_word_embeddings=False` for every family, GPT-2 included): the embedding
+lives on stage 0 and the head on the last stage, and keeping one tensor in sync across two peers would
+need a gradient exchange every step. The LM head is a separate tensor, initialised like the embedding.
 """
 
 from __future__ import annotations
@@ -13,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -21,37 +32,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from protocol.model_spec import check_model, default_mlp_width, resolve_model
 
-TOKEN_EMBEDDING = "tok_emb.weight"
-POSITION_EMBEDDING = "pos_emb.weight"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
-    """Shape of the model; the run manifest carries it as a plain dict."""
+    """Shape of the model; the run manifest carries it as a plain dict (protocol.model_spec resolves it)."""
 
+    family: str = "llama"  # llama | gpt2 | qwen2
+    preset: str = "llama-tiny"  # the preset the fields were resolved from (informational once resolved)
     vocab_size: int = 256  # tokens; 256 = raw bytes
-    context_len: int = 128  # tokens per sequence (position embedding rows)
-    num_layers: int = 4  # transformer blocks
-    width: int = 128  # residual stream width (d_model)
+    context_len: int = 128  # tokens per sequence (max_position_embeddings)
+    num_layers: int = 4  # decoder layers
+    width: int = 128  # residual stream width (hidden_size)
     num_heads: int = 4  # attention heads; width must divide evenly
-    mlp_ratio: int = 4  # MLP hidden width = mlp_ratio * width
-    dropout: float = 0.0  # probability, attention and residual dropout
+    num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 = num_heads
+    mlp_width: int = 0  # MLP hidden units (intermediate_size); 0 = the family's default for the width
+    rope_theta: float = 10000.0  # rotary base (llama, qwen2)
+    norm_eps: float = 1e-5  # RMSNorm / LayerNorm epsilon
+    dropout: float = 0.0  # probability: attention, residual and embedding dropout
+    init_std: float = 0.02  # normal init of every matrix (GPT-2's residual projections scaled by depth)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "context_len", "num_layers", "width", "num_heads", "mlp_ratio"):
+        if self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.mlp_width == 0 and isinstance(self.width, int):
+            object.__setattr__(self, "mlp_width", default_mlp_width(self.family, self.width))
+        for name in ("rope_theta", "norm_eps", "dropout", "init_std"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
-        if self.vocab_size < 2:
-            raise ValueError(f"ModelConfig.vocab_size must be at least 2, got {self.vocab_size}")
-        if self.width % self.num_heads != 0:
-            raise ValueError(
-                f"ModelConfig.width ({self.width}) must be divisible by num_heads ({self.num_heads})"
-            )
-        if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout!r}")
+            if isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
+        check_model(asdict(self))
 
     @property
     def head_dim(self) -> int:
@@ -62,86 +75,163 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        """From a manifest's model table (a preset plus overrides, or an already resolved table)."""
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown ModelConfig keys: {sorted(unknown)}")
-        return cls(**dict(data))
+        return cls(**resolve_model(data))
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_heads
-        self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
-        self.proj = nn.Linear(cfg.width, cfg.width)
-        self.proj.residual_out = True  # type: ignore[assignment]  # scaled init, see _init_std
-        self.resid_drop = nn.Dropout(cfg.dropout)
+_IMPORT_LOCK = threading.Lock()
+_HF: dict[str, Any] = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        qkv = self.qkv(x).view(batch, seq, 3, self.num_heads, width // self.num_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [B, heads, T, head_dim]
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+
+def _hf() -> dict[str, Any]:
+    """The transformers classes we use, imported once under a lock: transformers' lazy top-level module is
+    not safe to import from two threads at once (a node preloads it in a thread, `preload`)."""
+    with _IMPORT_LOCK:
+        if not _HF:
+            from transformers import GPT2Config, LlamaConfig, Qwen2Config
+            from transformers.masking_utils import create_causal_mask
+            from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+            from transformers.models.llama.modeling_llama import (
+                LlamaDecoderLayer,
+                LlamaRMSNorm,
+                LlamaRotaryEmbedding,
+            )
+            from transformers.models.qwen2.modeling_qwen2 import (
+                Qwen2DecoderLayer,
+                Qwen2RMSNorm,
+                Qwen2RotaryEmbedding,
+            )
+
+            _HF.update(
+                {
+                    "config": {"gpt2": GPT2Config, "llama": LlamaConfig, "qwen2": Qwen2Config},
+                    "layer": {"gpt2": GPT2Block, "llama": LlamaDecoderLayer, "qwen2": Qwen2DecoderLayer},
+                    "rotary": {"llama": LlamaRotaryEmbedding, "qwen2": Qwen2RotaryEmbedding},
+                    "norm": {"llama": LlamaRMSNorm, "qwen2": Qwen2RMSNorm},
+                    "create_causal_mask": create_causal_mask,
+                }
+            )
+        return _HF
+
+
+def hf_config(cfg: ModelConfig) -> Any:
+    """The transformers config for `cfg` (sdpa attention, untied head, no special token ids)."""
+    config_class = _hf()["config"][cfg.family]
+    common: dict[str, Any] = {
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "attn_implementation": "sdpa",
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+    if cfg.family == "gpt2":
+        return config_class(
+            n_positions=cfg.context_len,
+            n_embd=cfg.width,
+            n_layer=cfg.num_layers,
+            n_head=cfg.num_heads,
+            n_inner=cfg.mlp_width,
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout,
+            layer_norm_epsilon=cfg.norm_eps,
+            initializer_range=cfg.init_std,
+            **common,
         )
-        y = y.transpose(1, 2).reshape(batch, seq, width)
-        return self.resid_drop(self.proj(y))
+    return config_class(
+        hidden_size=cfg.width,
+        intermediate_size=cfg.mlp_width,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.context_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        attention_dropout=cfg.dropout,
+        initializer_range=cfg.init_std,
+        use_cache=False,
+        **common,
+    )
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.fc = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width)
-        self.proj.residual_out = True  # type: ignore[assignment]
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+def preload() -> None:
+    """Import the transformers modules every family needs (~2.5 s of CPU): a node calls this in a thread
+    while it joins the DHT, so building its model later does not add the import to its start-up."""
+    _hf()
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.width)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.width)
-        self.mlp = MLP(cfg)
+def _layer_class(family: str) -> Callable[..., nn.Module]:
+    layer: Callable[..., nn.Module] = _hf()["layer"][family]
+    return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+
+def _rotary(family: str, config: Any) -> nn.Module:
+    rotary: nn.Module = _hf()["rotary"][family](config)
+    return rotary
+
+
+def _final_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.family == "gpt2":
+        return nn.LayerNorm(cfg.width, eps=cfg.norm_eps)
+    norm: nn.Module = _hf()["norm"][cfg.family](cfg.width, eps=cfg.norm_eps)
+    return norm
 
 
 class _LayerSpan(nn.Module):
-    """Blocks [start, stop) plus, at the ends, the embeddings or the head; shared by GPT and stages."""
+    """Layers [start, stop) plus, at the ends, the embeddings or the head; named as in transformers.
+
+    Llama/Qwen2: ``model.embed_tokens``, ``model.layers.{i}``, ``model.norm``, ``lm_head``.
+    GPT-2: ``transformer.wte``, ``transformer.wpe``, ``transformer.h.{i}``, ``transformer.ln_f``, ``lm_head``.
+    """
 
     def __init__(self, cfg: ModelConfig, span: tuple[int, int], *, is_first: bool, is_last: bool) -> None:
         super().__init__()
         start, stop = span
-        if not 0 <= start <= stop <= cfg.num_layers:
-            raise ValueError(f"span {span} is not within 0..{cfg.num_layers}")
-        if start == stop:
-            raise ValueError(f"a stage needs at least one block, got span {span}")
-        if is_first and start != 0:
-            raise ValueError(f"the first stage must start at block 0, got span {span}")
-        if is_last and stop != cfg.num_layers:
-            raise ValueError(f"the last stage must end at block {cfg.num_layers}, got span {span}")
+        _check_span(cfg, span, is_first=is_first, is_last=is_last)
         self.cfg = cfg
         self.span = (start, stop)
         self.is_first = is_first
         self.is_last = is_last
-        if is_first:
-            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.width)
-            self.pos_emb = nn.Embedding(cfg.context_len, cfg.width)
-            self.emb_drop = nn.Dropout(cfg.dropout)
-        # String keys keep the full model's block indices in parameter names ("blocks.2.attn.qkv.weight").
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(start, stop)})
+        self.hf_config = hf_config(cfg)
+        layer_class = _layer_class(cfg.family)
+        # String keys keep the full model's layer indices in parameter names.
+        layers = nn.ModuleDict({str(i): layer_class(self.hf_config, layer_idx=i) for i in range(start, stop)})
+        body = nn.Module()
+        self._body_name = "transformer" if cfg.family == "gpt2" else "model"
+        self.add_module(self._body_name, body)
+        if cfg.family == "gpt2":
+            if is_first:
+                body.wte = nn.Embedding(cfg.vocab_size, cfg.width)
+                body.wpe = nn.Embedding(cfg.context_len, cfg.width)
+                body.drop = nn.Dropout(cfg.dropout)
+            body.h = layers
+            if is_last:
+                body.ln_f = _final_norm(cfg)
+        else:
+            if is_first:
+                body.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.width)
+            body.layers = layers
+            body.rotary_emb = _rotary(cfg.family, self.hf_config)
+            if is_last:
+                body.norm = _final_norm(cfg)
         if is_last:
-            self.ln_f = nn.LayerNorm(cfg.width)
-            self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+
+    @property
+    def body(self) -> nn.Module:
+        module: nn.Module = getattr(self, self._body_name)
+        return module
+
+    @property
+    def _layers(self) -> nn.ModuleDict:
+        layers = self.body.h if self.cfg.family == "gpt2" else self.body.layers
+        assert isinstance(layers, nn.ModuleDict)
+        return layers
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2:
@@ -149,24 +239,65 @@ class _LayerSpan(nn.Module):
         seq = tokens.shape[1]
         if seq > self.cfg.context_len:
             raise ValueError(f"sequence length {seq} exceeds context_len {self.cfg.context_len}")
-        positions = torch.arange(seq, device=tokens.device)
-        return self.emb_drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        body = self.body
+        if self.cfg.family == "gpt2":
+            positions = torch.arange(seq, device=tokens.device)
+            return body.drop(body.wte(tokens) + body.wpe(positions))  # type: ignore[operator]
+        return body.embed_tokens(tokens)  # type: ignore[operator]
 
-    def run_blocks(self, h: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks.values():
-            h = block(h)
+    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+        """The span's layers, with the position ids, rotary tables and causal mask the unsplit model uses."""
+        create_causal_mask = _hf()["create_causal_mask"]
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(
+            config=self.hf_config,
+            inputs_embeds=h,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        if self.cfg.family == "gpt2":
+            for layer in self._layers.values():
+                h = _tensor(layer(h, None, mask, position_ids=position_ids))
+            return h
+        rotary = self.body.rotary_emb(h, position_ids=position_ids)  # type: ignore[operator]
+        for layer in self._layers.values():
+            h = _tensor(layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=rotary))
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln_f(h))
+        norm = self.body.ln_f if self.cfg.family == "gpt2" else self.body.norm
+        return self.lm_head(norm(h))  # type: ignore[operator]
+
+    def reset_buffers(self) -> None:
+        """Recompute the rotary tables (non-persistent buffers: not in any state dict, garbage after to_empty)."""
+        if self.cfg.family != "gpt2":
+            self.body.rotary_emb = _rotary(self.cfg.family, self.hf_config)
+
+
+def _check_span(cfg: ModelConfig, span: tuple[int, int], *, is_first: bool, is_last: bool) -> None:
+    start, stop = span
+    if not 0 <= start <= stop <= cfg.num_layers:
+        raise ValueError(f"span {span} is not within 0..{cfg.num_layers}")
+    if start == stop:
+        raise ValueError(f"a stage needs at least one layer, got span {span}")
+    if is_first and start != 0:
+        raise ValueError(f"the first stage must start at layer 0, got span {span}")
+    if is_last and stop != cfg.num_layers:
+        raise ValueError(f"the last stage must end at layer {cfg.num_layers}, got span {span}")
+
+
+def _tensor(out: Any) -> torch.Tensor:
+    """A decoder layer's hidden states (some transformers layers return a tuple)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy in nats per token (per byte for the byte vocabulary)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-class GPT(_LayerSpan):
+class CausalLM(_LayerSpan):
     """The whole model: what learners hold."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -176,14 +307,14 @@ class GPT(_LayerSpan):
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """int64 tokens [B, T] -> logits [B, T, vocab], or (logits, loss) when targets [B, T] are given."""
-        logits = self.logits(self.run_blocks(self.embed(tokens)))
+        logits = self.logits(self.run_layers(self.embed(tokens)))
         if targets is None:
             return logits
         return logits, lm_loss(logits, targets)
 
 
 class StageModule(_LayerSpan):
-    """One pipeline stage: a contiguous span of blocks, with the embeddings on the first, the head on the last.
+    """One pipeline stage: a contiguous span of layers, with the embeddings on the first, the head on the last.
 
     forward by position in the pipeline:
       first:  int64 tokens [B, T] -> activations [B, T, width]
@@ -193,7 +324,7 @@ class StageModule(_LayerSpan):
     """
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        h = self._through_blocks(x)
+        h = self._through_layers(x)
         if not self.is_last:
             return h
         logits = self.logits(h)
@@ -205,17 +336,17 @@ class StageModule(_LayerSpan):
         """Last stage only: (logits, loss), for callers that also want predictions."""
         if not self.is_last:
             raise ValueError("forward_with_logits is only defined on the last stage")
-        logits = self.logits(self._through_blocks(x))
+        logits = self.logits(self._through_layers(x))
         return logits, lm_loss(logits, targets)
 
-    def _through_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        return self.run_blocks(self.embed(x) if self.is_first else x)
+    def _through_layers(self, x: torch.Tensor) -> torch.Tensor:
+        return self.run_layers(self.embed(x) if self.is_first else x)
 
 
 def stage_spans(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Cut num_layers blocks into num_stages contiguous, non-empty spans whose sizes differ by at most one.
+    """Cut num_layers layers into num_stages contiguous, non-empty spans whose sizes differ by at most one.
 
-    Extra blocks go to middle stages first, then the first stage, then the last: the end stages also
+    Extra layers go to middle stages first, then the first stage, then the last: the end stages also
     carry the embedding lookup and the head plus loss.
     """
     if num_stages < 1:
@@ -236,9 +367,10 @@ def stage_spans(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 def embedding_param_names(cfg: ModelConfig) -> set[str]:
-    """The token and position embedding tensors (the DiLoCo merge averages these instead of RDA)."""
-    del cfg  # same names for every shape; the argument keeps call sites explicit about which model
-    return {TOKEN_EMBEDDING, POSITION_EMBEDDING}
+    """The token (and GPT-2's position) embedding tensors: the DiLoCo merge averages these instead of RDA."""
+    if cfg.family == "gpt2":
+        return {"transformer.wte.weight", "transformer.wpe.weight"}
+    return {"model.embed_tokens.weight"}
 
 
 def _tensor_seed(seed: int, name: str) -> int:
@@ -246,44 +378,42 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _init_std(module: nn.Module, cfg: ModelConfig) -> float:
-    # GPT-2: residual output projections are scaled down by depth so the residual stream does not grow.
-    if getattr(module, "residual_out", False):
-        return 0.02 / math.sqrt(2 * cfg.num_layers)
-    return 0.02
+def _init_std(name: str, cfg: ModelConfig) -> float:
+    # GPT-2 scales its residual output projections by depth so the residual stream does not grow.
+    if cfg.family == "gpt2" and name.endswith("c_proj.weight"):
+        return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    return cfg.init_std
 
 
 @torch.no_grad()
 def init_parameters(module: _LayerSpan, seed: int) -> None:
-    """Deterministic init: each tensor drawn from its own generator keyed by (seed, parameter name).
-
-    Keying by name (not by draw order) is what makes a stage's values equal the full model's.
-    """
-    for module_name, sub in module.named_modules():
-        for param_name, param in sub.named_parameters(recurse=False):
-            full_name = f"{module_name}.{param_name}" if module_name else param_name
-            if isinstance(sub, nn.LayerNorm):
-                param.fill_(1.0 if param_name == "weight" else 0.0)
-            elif param_name == "bias":
-                param.zero_()
-            elif isinstance(sub, (nn.Linear, nn.Embedding)):
-                generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, full_name))
-                values = torch.empty(param.shape, dtype=torch.float32)
-                values.normal_(0.0, _init_std(sub, module.cfg), generator=generator)
-                param.copy_(values)
-            else:
-                raise AssertionError(f"no init rule for {full_name} in {type(sub).__name__}")
+    """Deterministic init: each matrix drawn from its own generator keyed by (seed, parameter name); norm
+    gains 1, biases 0. Keying by name (not by draw order) is what makes a stage's values equal the full
+    model's."""
+    for name, param in module.named_parameters():
+        if param.dim() >= 2:
+            generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name))
+            values = torch.empty(param.shape, dtype=torch.float32)
+            values.normal_(0.0, _init_std(name, module.cfg), generator=generator)
+            param.copy_(values)
+        elif name.endswith(".bias"):
+            param.zero_()
+        elif name.endswith(".weight"):
+            param.fill_(1.0)
+        else:
+            raise AssertionError(f"no init rule for {name}")
 
 
 def _materialize(module: _LayerSpan, seed: int) -> None:
     module.to_empty(device="cpu")
+    module.reset_buffers()
     init_parameters(module, seed)
 
 
-def build_model(cfg: ModelConfig, seed: int) -> GPT:
+def build_model(cfg: ModelConfig, seed: int) -> CausalLM:
     # Built on the meta device: torch's default init would draw from (and advance) the global RNG.
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = CausalLM(cfg)
     _materialize(model, seed)
     return model
 

@@ -172,7 +172,7 @@ class LearnerRole:
         inner = manifest.inner
         self._optimizer = torch.optim.AdamW(model.parameters(), lr=inner.lr, weight_decay=inner.weight_decay)
         self._model = model
-        corpus = load_corpus(ctx.config.data or _data_spec(manifest))
+        corpus = load_corpus(ctx.config.data or _data_spec(manifest)).with_encoder(ctx.encode)
         self.shard = shard_for(ctx.peer_id, self.config.num_shards)
         stream = corpus.train_stream(self.shard, self.config.num_shards)
         seed = (manifest.seed * 1_000_003 + int.from_bytes(ctx.peer_id.encode()[-8:], "big")) % (2**63)
@@ -230,15 +230,24 @@ class LearnerRole:
     def _inner_step(self, step: int) -> tuple[float, int]:
         """One AdamW step on a fresh batch, then the sync client's bookkeeping (same thread)."""
         assert self._model is not None and self._optimizer is not None and self.sync is not None
-        inputs, targets = self._sampler.next_batch()
-        device = self.ctx.device
-        _, loss = self._model(inputs.to(device), targets.to(device))
+        inner, device = self.ctx.manifest.inner, self.ctx.device
         self._optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total, tokens = 0.0, 0
+        for _ in range(inner.accumulation):  # gradients summed over the batches, each loss scaled down
+            inputs, targets = self._sampler.next_batch()
+            # bf16 autocast on CUDA (fp32 master weights and optimizer state; the loss is fp32, lm_loss)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+                _, loss = self._model(inputs.to(device), targets.to(device))
+            (loss / inner.accumulation).backward()
+            total += float(loss.detach())
+            tokens += int(inputs.numel())
+        if inner.clip_norm:
+            torch.nn.utils.clip_grad_norm_(self._model.parameters(), inner.clip_norm)
+        for group in self._optimizer.param_groups:
+            group["lr"] = inner.lr_at(step)
         self._optimizer.step()
-        tokens = int(inputs.numel())
         self.sync.after_inner_step(step, tokens)
-        return float(loss.detach()), tokens
+        return total / inner.accumulation, tokens
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -464,6 +464,10 @@ class StageCore:
         for name, param in self.params.items():
             total = self._grad_sum.get(name)
             param.grad = None if total is None else total / self._acc_sequences
+        if self.inner.clip_norm:  # this stage's span only: the global norm would need a cross-stage exchange
+            torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.inner.clip_norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.inner.lr_at(self.inner_step + 1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = self._acc_tokens

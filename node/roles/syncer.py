@@ -630,7 +630,7 @@ def build_eval(ctx: NodeContext, config: SyncerConfig) -> tuple[Any, list[Any]]:
 
     manifest = ctx.manifest
     cfg = ModelConfig.from_dict(manifest.model)
-    corpus = load_corpus(ctx.config.data or _data_spec(manifest))
+    corpus = load_corpus(ctx.config.data or _data_spec(manifest)).with_encoder(ctx.encode)
     batches = validation_batches(
         corpus,
         batch_size=config.eval_batch_size,

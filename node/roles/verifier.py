@@ -229,7 +229,7 @@ class VerifierRole:
         source = ctx.config.data
         if source is None and ctx.manifest.data.get("source") not in (None, "builtin"):
             source = str(ctx.manifest.data["source"])
-        corpus = load_corpus(source)
+        corpus = load_corpus(source).with_encoder(ctx.encode)
         verifiers = sorted(self.manifest.authorized_verifiers)
         shard = verifiers.index(ctx.peer_id)
         seed = (self.manifest.seed * 1_000_003 + shard) % (2**63)

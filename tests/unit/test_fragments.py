@@ -170,3 +170,24 @@ def test_sync_floor_keeps_fast_links_from_shrinking_h() -> None:
     assert floor.last_sent_at(3) == 100.0
     with pytest.raises(ValueError):
         SyncFloorConfig(min_interval_s=-1.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_transformers_parameter_names_plan_with_the_embedding_apart(family: str) -> None:
+    """The real models' names (model.embed_tokens / transformer.wte+wpe, model.layers.N..., lm_head): the
+    embedding fragment holds exactly the family's embedding tensors, every other tensor is packed."""
+    import torch
+
+    from node.ml.model import CausalLM, ModelConfig, embedding_param_names
+
+    cfg = ModelConfig(family=family, context_len=16, num_layers=4, width=32, num_heads=4)
+    with torch.device("meta"):
+        sizes = {name: p.numel() for name, p in CausalLM(cfg).named_parameters()}
+    embeddings = embedding_param_names(cfg)
+    assert embeddings <= set(sizes) and len(embeddings) == (2 if family == "gpt2" else 1)
+    plan = plan_fragments(sizes, 3, embeddings)
+    assert plan.num_fragments == 4 and set(plan.names()) == set(sizes)
+    apart = [f for f in plan.fragments if f.is_embedding]
+    assert len(apart) == 1 and set(apart[0].names) == embeddings
+    assert "lm_head.weight" not in apart[0].names  # untied: the head is trained and merged like any layer
+    assert plan.imbalance() < 4 / 3

@@ -35,12 +35,14 @@ authorized_syncers = ["{SYNCER}"]
 authorized_verifiers = ["{VERIFIER}"]
 
 [model]
+preset = "llama-20m"
+family = "qwen2"
 vocab_size = 256
 context_len = 64
 num_layers = 8
 width = 96
 num_heads = 4
-mlp_ratio = 2
+mlp_width = 192
 
 [inner]
 lr = 3e-4
@@ -76,7 +78,19 @@ max_batch = 32
 
 def test_built_in_default_run_needs_no_file_and_has_the_documented_defaults() -> None:
     m = default_manifest()
-    assert m.model == {"vocab_size": 256, "context_len": 128, "num_layers": 4, "width": 128, "num_heads": 4}
+    model = {
+        key: m.model[key]
+        for key in ("family", "vocab_size", "context_len", "num_layers", "width", "num_heads")
+    }
+    assert model == {
+        "family": "llama",
+        "vocab_size": 256,
+        "context_len": 128,
+        "num_layers": 4,
+        "width": 128,
+        "num_heads": 4,
+    }
+    assert (m.model["preset"], m.model["num_kv_heads"], m.model["mlp_width"]) == ("llama-tiny", 4, 352)
     assert (m.diloco.min_quorum, m.diloco.grace_gamma, m.diloco.grace_tau) == (1, 0.8, 2.0)
     assert (m.diloco.outer_lr, m.diloco.outer_momentum) == (0.7, 0.9)
     assert m.bans_required == 1 and m.data["source"] == "builtin" and m.heartbeat_period_s == 2.0
@@ -90,13 +104,16 @@ def test_full_run_toml_parses_with_ints_accepted_where_floats_are_meant() -> Non
     assert m.diloco.grace_tau == 2.0 and m.diloco.num_fragments == 3
     assert m.sentinel == {"fence_k": 3.0, "window_checks": 64, "ledger": {"ban_flags": 4}}
     assert m.authorized_syncers == (SYNCER,) and m.authorized_verifiers == (VERIFIER,)
+    # the preset's fields under the explicit ones, resolved into what the owner signs
+    assert (m.model["family"], m.model["num_layers"], m.model["mlp_width"]) == ("qwen2", 8, 192)
+    assert (m.model["rope_theta"], m.model["num_kv_heads"]) == (10000.0, 4)
     assert RunManifest.from_canonical_bytes(m.to_canonical_bytes()) == m
 
 
 def test_wire_cap_is_the_largest_tensor_a_peer_may_send() -> None:
     m = parse_run_toml(FULL_TOML)
     boundary = 32 * 64 * 96 * 4  # max_batch x context x width x float32
-    largest_param = max(256 * 96, 64 * 96, 3 * 96 * 96, 2 * 96 * 96) * 4
+    largest_param = max(256 * 96, 64 * 96, 3 * 96 * 96, 192 * 96) * 4
     assert m.max_tensor_bytes == max(boundary, largest_param) == boundary
 
 
@@ -110,7 +127,9 @@ def test_wire_cap_is_the_largest_tensor_a_peer_may_send() -> None:
             "divisible",
         ),
         ("[model]\nvocab_size = 512\ncontext_len = 8\nnum_layers = 2\nwidth = 32\nnum_heads = 4", "256"),
-        ("[model]\nvocab_size = 256\ncontext_len = 8\nnum_layers = 2\nwidth = 32", "lacks"),
+        ('[model]\npreset = "llama-7b"', "model.preset must be one of"),
+        ('[model]\nfamily = "mamba"', "model.family must be one of"),
+        ("[model]\nmlp_ratio = 4", "unknown model keys ['mlp_ratio']"),
         ("num_stages = 9", "num_stages cannot exceed"),
         ('seed = "7"', "seed"),
         ("bans_required = 0", "bans_required"),
@@ -239,3 +258,21 @@ def test_a_corrupt_pin_file_is_a_clear_error(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="pinned owners"):
         OwnerPins(path).pinned("a" * 40)
+
+
+def test_inner_schedule_warms_up_then_decays_by_cosine_to_the_floor() -> None:
+    inner = parse_run_toml(
+        "[inner]\nlr = 1e-3\nwarmup_steps = 10\ndecay_steps = 100\nmin_lr_ratio = 0.1\nclip_norm = 1\n"
+        "accumulation = 4\n"
+    ).inner
+    assert (inner.clip_norm, inner.accumulation) == (1.0, 4)
+    assert inner.lr_at(1) == pytest.approx(1e-4) and inner.lr_at(10) == pytest.approx(1e-3)
+    assert inner.lr_at(60) == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # halfway through the decay
+    assert inner.lr_at(110) == pytest.approx(1e-4) and inner.lr_at(10_000) == pytest.approx(1e-4)
+    lrs = [inner.lr_at(s) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    plain = default_manifest().inner  # the defaults keep the constant rate every calibrated test used
+    assert {plain.lr_at(s) for s in (1, 50, 10_000)} == {plain.lr}
+    assert (plain.clip_norm, plain.accumulation) == (0.0, 1)
+    with pytest.raises(ConfigError, match="accumulation"):
+        parse_run_toml("[inner]\naccumulation = 0")
