@@ -457,7 +457,9 @@ def test_guests_cannot_take_the_stream_slots_reserved_for_preferred_peers() -> N
     rate = RateLimit(rate_per_s=1000.0, burst=1000.0)
 
     def flood(limiter: limits.PeerLimiter) -> int:
-        return sum(bool(limiter.open_stream(f"sybil{i}", "forward", 0.0)) for i in range(16) for _ in range(8))
+        return sum(
+            bool(limiter.open_stream(f"sybil{i}", "forward", 0.0)) for i in range(16) for _ in range(8)
+        )
 
     # negative control: nobody preferred (the old behaviour), the Sybils hold every slot
     open_door = _limiter(default_rate=rate, global_rate=None)
