@@ -36,6 +36,7 @@ from protocol.rpc import FramedServer, Route
 if TYPE_CHECKING:
     from node.context import NodeContext
     from node.diloco.fragments import FragmentPlan
+    from node.diloco.loss_probe import LossProbe, LossScore
     from protocol.receipts import TokenReceipt
     from protocol.rpc import PeerStrikes
 
@@ -74,6 +75,8 @@ class SyncerHost(Protocol):
     live: dict[str, Any]
     adopted: int
     merge_lock: asyncio.Lock
+    probe: LossProbe | None
+    probe_lock: asyncio.Lock
     wake: asyncio.Event
     published: asyncio.Event
     p2p: Any
@@ -132,6 +135,8 @@ class SyncerService:
             },
             # contribution screen verdicts by tag (rejections also in refusals and, per peer, in strikes)
             "screening": self.role.core.screen.status() if self.role.core is not None else {},
+            # the held-out loss-delta probe: contributions scored, seconds per score (the goal: <= 10 % of a round)
+            "loss_probe": self.role.probe.status() if self.role.probe is not None else None,
         }
 
     def _on_reject(self, remote: str, route: str, error: ProtocolError) -> None:
@@ -176,6 +181,7 @@ class SyncerService:
         if holder is not None and holder.role == "stage":  # verifiers watch stages: weigh them by receipts
             receipts = self._verified_receipts(remote, fields["fragment"], frames)
         recovering = time.monotonic() < self.role.recovering_until
+        loss = await self._score(core, fields["fragment"], fields["base_version"], params)
         try:
             admission = core.accept(
                 remote,
@@ -189,6 +195,7 @@ class SyncerService:
                 nonce=header.nonce,
                 now=time.monotonic(),
                 receipts=receipts,
+                loss=loss,
             )
         except Refusal as e:
             if e.reason == "ahead of syncer" and recovering:
@@ -209,6 +216,19 @@ class SyncerService:
         self.role.wake.set()
         meta = {"target_version": admission.target_version, "late": admission.late}
         return self._answer(Kind.CONTROL, remote, meta=meta)
+
+    async def _score(
+        self, core: SyncerCore, fragment: int, base_version: int, params: Mapping[str, Any]
+    ) -> LossScore | None:
+        """The contribution's held-out loss-delta score (node.diloco.loss_probe), measured in a worker thread
+        one at a time; None while the probe's data is not loaded or the probe is off."""
+        probe, config = self.role.probe, core.screen.config
+        if probe is None or not (config.enabled and config.loss_probe):
+            return None
+        base = core.history.at(fragment, base_version) or core.fragment_tensors(fragment)
+        async with self.role.probe_lock:  # the probe's model is one copy
+            current, versions = dict(core.params), tuple(core.versions)
+            return await asyncio.to_thread(probe.measure, current, versions, base, params, time.perf_counter)
 
     def _every_round_fresh(self) -> bool:
         for fragment in range(self.role.plan.num_fragments):
