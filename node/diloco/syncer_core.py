@@ -603,6 +603,7 @@ class SyncerCore:
             clip_factor=self.clip_factor,
             current_version=self.versions[fragment],
             max_staleness=self.max_staleness,
+            trim_fraction=self.screen.config.trim_fraction if self.screen.config.enabled else 0.0,
         )
         try:
             new_params = self.outer.step(
