@@ -89,6 +89,12 @@ class ScreeningConfig:
     # robust aggregation: with >= 3 contributions, each coordinate is clamped to the range left after dropping
     # this fraction (at least one) of the highest and of the lowest values (winsorized), then merged as before
     trim_fraction: float = 0.25
+    # the learner ledger (node.diloco.learner_ledger): refused contributions add up to a ban
+    ban_after: float = (
+        3.0  # forgiven violations (each refused contribution: 1, a non-finite one: a ban) that ban (0: never)
+    )
+    forgive_half_life_s: float = 600.0  # a violation weighs half after this long
+    ban_s: float = 3600.0  # a learner ban lasts this long (published through the signed ban gossip)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_history <= self.history:
@@ -107,6 +113,8 @@ class ScreeningConfig:
             raise ValueError("screening.claim_min_peers must be >= 1 and copy_tolerance in [0, 1)")
         if not 0.0 <= self.trim_fraction < 0.5:
             raise ValueError("screening.trim_fraction must be in [0, 0.5) (0: off)")
+        if not (self.ban_after >= 0 and self.forgive_half_life_s > 0 and self.ban_s > 0):
+            raise ValueError("screening.ban_after must be >= 0, forgive_half_life_s and ban_s > 0")
         if self.loss_batches < 1 or self.loss_batch_size < 1:
             raise ValueError("screening.loss_batches and loss_batch_size must be >= 1")
         if not (0.0 <= self.loss_tolerance < math.inf and 0.0 <= self.loss_mad_factor < math.inf):

@@ -74,6 +74,7 @@ from node.roles.syncer_mirror import StateMirror
 from node.roles.syncer_rpc import SyncerService, wall_offset
 from node.swarm.membership import HEARTBEAT_TTL_PERIODS
 from protocol.errors import ConfigError
+from protocol.records import BanNotice
 
 if TYPE_CHECKING:
     from node.context import NodeContext
@@ -225,6 +226,7 @@ class SyncerRole:
         self._eval: Any = None
         self.probe: LossProbe | None = None  # the held-out loss-delta score, once its data is loaded
         self.probe_lock = asyncio.Lock()
+        self.ban_outbox: deque[BanNotice] = deque()  # learner bans of the ledger, for the signed gossip
         self._merges_since_checkpoint = 0
         # the last merges with their quorum, grace and weights, for /api/status and so the dashboard of any swarm
         self.recent_merges: deque[dict[str, Any]] = deque(maxlen=RECENT_MERGES)
@@ -248,7 +250,7 @@ class SyncerRole:
             ctx.supervisor.spawn("syncer-eval-data", self._load_eval, policy=RestartPolicy())
         from node.swarm.bans import ban_watcher_for  # SENTINEL bans: refuse banned peers' contributions
 
-        bans = ban_watcher_for(ctx)
+        bans = ban_watcher_for(ctx, outbox=self.ban_outbox)
         self.is_banned = bans.is_banned
         ctx.supervisor.spawn("syncer-bans", partial(bans.run, stop), policy=RestartPolicy())
         logger.info(
@@ -447,8 +449,8 @@ class SyncerRole:
         return {peer for peer, hb in self.live.items() if hb.role == "learner" or hb.stage == stage}
 
     async def check_known(self, peer: str) -> None:
-        if self.is_banned(peer):
-            raise refuse("banned", f"{peer[-8:]} is banned")
+        if self.is_banned(peer) or (why := self.service.ledger.banned(peer, time.time())) is not None:
+            raise refuse("banned", f"{peer[-8:]} is banned: {why or 'swarm-wide ban'}")
         if peer in self.live:
             return
         if time.monotonic() - self.watch.live_read_at > 0.5:

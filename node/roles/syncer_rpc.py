@@ -11,10 +11,12 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from node.diloco.compression import push_limits
+from node.diloco.learner_ledger import LearnerBan, LearnerLedger, ban_evidence_scores, contribution_digest
 from node.diloco.sync_client import (
     FETCH_ROUTE,
     OFFER_PREFIX,
@@ -30,13 +32,16 @@ from node.diloco.syncer_core import Refusal, SyncerCore, refuse, wire_params
 from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
 from protocol.errors import MalformedFrame, ProtocolError
 from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
+from protocol.records import BanNotice
 from protocol.replay import ReplayGuard
 from protocol.rpc import FramedServer, Route
+from verification.bans import BanEvidence
 
 if TYPE_CHECKING:
     from node.context import NodeContext
     from node.diloco.fragments import FragmentPlan
     from node.diloco.loss_probe import LossProbe, LossScore
+    from node.diloco.screening import ScreeningConfig
     from protocol.receipts import TokenReceipt
     from protocol.rpc import PeerStrikes
 
@@ -51,6 +56,8 @@ class PollTiming(Protocol):
     def max_poll_s(self) -> float: ...
     @property
     def mirror_every_s(self) -> float: ...
+    @property
+    def screening(self) -> ScreeningConfig: ...
 
 
 class SyncerHost(Protocol):
@@ -76,6 +83,7 @@ class SyncerHost(Protocol):
     adopted: int
     merge_lock: asyncio.Lock
     probe: LossProbe | None
+    ban_outbox: deque[BanNotice]
     probe_lock: asyncio.Lock
     wake: asyncio.Event
     published: asyncio.Event
@@ -100,6 +108,12 @@ class SyncerService:
         self.receipts_verified = 0
         self.receipts_rejected: dict[str, int] = {}  # by reason
         self.receipt_capped = 0  # stage contributions whose tokens the receipts cut
+        screening = role.config.screening
+        self.ledger = LearnerLedger(  # refused contributions per learner, with evidence; bans
+            ban_after=screening.ban_after,
+            forgive_half_life_s=screening.forgive_half_life_s,
+            ban_s=screening.ban_s,
+        )
         self._server: Any = None
 
     @property
@@ -137,6 +151,9 @@ class SyncerService:
             "screening": self.role.core.screen.status() if self.role.core is not None else {},
             # the held-out loss-delta probe: contributions scored, seconds per score (the goal: <= 10 % of a round)
             "loss_probe": self.role.probe.status() if self.role.probe is not None else None,
+            # per learner: refused contributions by tag, evidence (hash, scores, reason), ban and its reason
+            "learners": self.ledger.status(time.time()),
+            "refusals_by_peer": self.ledger.refusals(),
         }
 
     def _on_reject(self, remote: str, route: str, error: ProtocolError) -> None:
@@ -200,7 +217,9 @@ class SyncerService:
         except Refusal as e:
             if e.reason == "ahead of syncer" and recovering:
                 raise refuse("recovering", "recovering after a takeover") from None
+            self._refused(remote, e, params, loss)
             raise
+        self.ledger.accepted(remote)
         if admission.capped:
             self.role.strikes.record(remote, "counters capped")
         self.receipt_capped += admission.receipt_capped
@@ -216,6 +235,37 @@ class SyncerService:
         self.role.wake.set()
         meta = {"target_version": admission.target_version, "late": admission.late}
         return self._answer(Kind.CONTROL, remote, meta=meta)
+
+    def _refused(
+        self, remote: str, error: Refusal, params: Mapping[str, Any], loss: LossScore | None
+    ) -> None:
+        """A blamed refusal goes into the learner ledger with its evidence; a ban it triggers is published through
+        the signed ban gossip (and holds here at once)."""
+        if not error.blame_sender:
+            return
+        scores = {"loss_before": loss.before, "loss_after": loss.after} if loss is not None else {}
+        digest = contribution_digest(params)
+        ban = self.ledger.record(remote, error.reason, str(error), digest, time.time(), scores)
+        if ban is not None:
+            self.role.ban_outbox.append(self._ban_notice(ban))
+            self.role.ctx.events.emit(
+                "learner_banned", offender=ban.offender, reason=ban.reason, until=ban.until
+            )
+            logger.warning("learner %s banned: %s", ban.offender[-8:], ban.reason)
+
+    def _ban_notice(self, ban: LearnerBan) -> BanNotice:
+        last = ban.evidence[-1] if ban.evidence else None
+        reason = f"{ban.reason} [{last.digest}]" if last is not None else ban.reason
+        evidence = BanEvidence(
+            offender=ban.offender,
+            verifier=self.role.ctx.peer_id,
+            kind="contribution",
+            reason=reason[:250],
+            scores=ban_evidence_scores(ban),
+        )
+        return BanNotice(
+            offender=ban.offender, reason=reason[:250], evidence=evidence.to_bytes(), issued_at=time.time()
+        )
 
     async def _score(
         self, core: SyncerCore, fragment: int, base_version: int, params: Mapping[str, Any]
