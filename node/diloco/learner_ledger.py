@@ -7,7 +7,9 @@ step produces one). Violations are forgiven with a half-life (`forgive_half_life
 the loss bound once in a while never reaches `ban_after`; an attacker that keeps sending does, within
 `ban_after` pushes. A ban lasts `ban_s`; the shell publishes it through the signed ban gossip
 (verification.bans, evidence kind "contribution") so a standby syncer refuses the learner too, and lists it with
-its reason. Bounded: `max_peers` identities, the least recently seen first out; `max_evidence` per peer.
+its reason. Until then a refused peer is on probation: `trust` (1 - its forgiven violations / `ban_after`) scales
+the tokens the syncer credits its accepted contributions with, so what slips through between its refusals weighs
+little. Bounded: `max_peers` identities, the least recently seen first out; `max_evidence` per peer.
 Pure: the caller passes `now`.
 """
 
@@ -146,6 +148,14 @@ class LearnerLedger:
             until=record.banned_until,
             evidence=tuple(record.evidence),
         )
+
+    def trust(self, peer: str, now: float) -> float:
+        """Probation: 1 - (forgiven violations / ban_after), at least 0; 1 for a peer never refused (or bans off).
+        The syncer scales the tokens it credits a contribution with it, so a peer refused a moment ago weighs
+        little in the merges until it is banned or forgiven."""
+        if self.ban_after <= 0:
+            return 1.0
+        return max(0.0, 1.0 - self.weight(peer, now) / self.ban_after)
 
     def accepted(self, peer: str) -> None:
         record = self._peers.get(peer)

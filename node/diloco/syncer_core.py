@@ -478,13 +478,15 @@ class SyncerCore:
         now: float,
         receipts: Sequence[TokenReceipt] | None = None,
         loss: LossScore | None = None,
+        trust: float = 1.0,
     ) -> Admission:
         """Put a contribution into its fragment's round (replacing the peer's earlier one) or raise Refusal.
 
         `receipts`: for a pipeline stage replica, the verifier receipts it relayed (already verified); its
         tokens are then capped at their growth since its last merged contribution (`ReceiptLedger`). None for
         a learner (no verifier watches it). `loss`: its held-out loss-delta score (`LossProbe.measure`), if the
-        shell measured one."""
+        shell measured one. `trust` in [0, 1] scales the tokens it is credited with (the learner ledger's
+        probation after refusals: its merge weight tokens^2 / steps falls with trust squared)."""
         self.check_contribution(fragment, params)
         key = (peer, fragment, base_version, nonce)
         check_base(self, fragment, base_version, key)
@@ -502,6 +504,7 @@ class SyncerCore:
             if tokens > verified:
                 tokens, receipt_capped = verified, True
         self.claims.observe(peer, steps, elapsed, now)
+        tokens = math.floor(tokens * min(1.0, max(0.0, trust)))
         contribution = Contribution(peer, verdict.params, base_version, steps, tokens)
         self._enter(fragment, _Entry(contribution, key, now, counts, loss.delta if loss else None), now)
         if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:

@@ -213,6 +213,7 @@ class SyncerService:
                 now=time.monotonic(),
                 receipts=receipts,
                 loss=loss,
+                trust=self.ledger.trust(remote, time.time()),
             )
         except Refusal as e:
             if e.reason == "ahead of syncer" and recovering:

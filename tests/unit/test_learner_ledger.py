@@ -127,3 +127,38 @@ def test_refusals_per_peer_are_exported_on_metrics() -> None:
     metrics.update({"refusals_by_peer": book.refusals()})
     text = generate_latest(registry).decode()
     assert 'hivenode_syncer_refused_contributions{peer="evil",reason="screen: loss"} 1.0' in text
+
+
+def test_a_refused_peer_is_on_probation_and_its_merge_weight_falls() -> None:
+    from tests.unit.test_claims import Swarm, core
+
+    book = ledger()
+    assert book.trust("evil", 0.0) == 1.0
+    book.record("evil", LOSS, "up", "d", 0.0)
+    trust = book.trust("evil", 0.0)
+    assert trust == pytest.approx(0.6)
+    assert book.trust("evil", 6000.0) > 0.99  # forgiven
+    swarm = Swarm(core())
+    swarm.round()
+    swarm.now += 10.0
+    for peer in swarm.peers:
+        swarm.push(peer, swarm.honest())
+    swarm.nonce += 1
+    swarm.c.accept(
+        "evil",
+        0,
+        swarm.honest(),
+        base_version=swarm.c.versions[0],
+        steps=4,
+        tokens=256,
+        sched_step=1,
+        step_time_s=0.1,
+        nonce=b"p" * 16,
+        now=swarm.now,
+        trust=trust,
+    )
+    record = swarm.c.merge_now(0, 4, swarm.now)
+    assert record is not None
+    assert record.weights["evil"] == pytest.approx(record.weights["honest0"] * trust**2, rel=0.05)
+    # negative control: without probation (ban_after 0: bans off) it weighs as much as an honest peer
+    assert ledger(ban_after=0.0).trust("evil", 0.0) == 1.0
