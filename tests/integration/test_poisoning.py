@@ -15,7 +15,7 @@ from benchmarks.poisoning import Arm, run_arm
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 ARM = Arm(name="signflip", attack="signflip", attackers=1, honest=2)
-DURATION_S = 25.0
+DURATION_S = 15.0
 
 
 def test_a_sign_flipping_learner_is_refused_and_banned_and_without_the_screen_it_is_merged(
