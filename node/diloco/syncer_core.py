@@ -847,6 +847,16 @@ def check_base(core: SyncerCore, fragment: int, base_version: int, key: tuple[st
         raise refuse("missed round", f"base version {base_version} < current {current}")
 
 
+def takes_base(core: SyncerCore, key: tuple[str, int, int, bytes]) -> bool:
+    """Whether `check_base` would let the contribution of `key` (peer, fragment, base version, nonce) through
+    (the shell scores only those)."""
+    try:
+        check_base(core, key[1], key[2], key)
+    except Refusal:
+        return False
+    return True
+
+
 def new_counters(
     core: SyncerCore, peer: str, fragment: int, base_version: int, steps: int, tokens: int, now: float
 ) -> tuple[int, int, bool, float]:

@@ -28,7 +28,7 @@ from node.diloco.sync_client import (
     offer_limits,
     open_version_envelope,
 )
-from node.diloco.syncer_core import Refusal, SyncerCore, refuse, wire_params
+from node.diloco.syncer_core import Refusal, SyncerCore, refuse, takes_base, wire_params
 from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
 from protocol.errors import MalformedFrame, ProtocolError
 from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
@@ -198,7 +198,10 @@ class SyncerService:
         if holder is not None and holder.role == "stage":  # verifiers watch stages: weigh them by receipts
             receipts = self._verified_receipts(remote, fields["fragment"], frames)
         recovering = time.monotonic() < self.role.recovering_until
-        loss = await self._score(core, fields["fragment"], fields["base_version"], params)
+        # learners only: verifiers watch stage replicas (and the ledger's bans are learner bans)
+        learner = holder is None or holder.role != "stage"
+        key = (remote, fields["fragment"], fields["base_version"], header.nonce)
+        loss = await self._score(core, *key[1:3], params) if learner and takes_base(core, key) else None
         try:
             admission = core.accept(
                 remote,
@@ -218,21 +221,15 @@ class SyncerService:
         except Refusal as e:
             if e.reason == "ahead of syncer" and recovering:
                 raise refuse("recovering", "recovering after a takeover") from None
-            self._refused(remote, e, params, loss)
+            if learner:
+                self._refused(remote, e, params, loss)
             raise
         self.ledger.accepted(remote)
         if admission.capped:
             self.role.strikes.record(remote, "counters capped")
         self.receipt_capped += admission.receipt_capped
         if recovering and fields["seen_term"] == self.role.term:
-            self.role.fresh.add((remote, fields["fragment"]))
-            if self._every_round_fresh():
-                # every live holder sent every fragment's work through the outage, snapshotted once it knew
-                # us, so none has a version to offer that we lack (a contribution on a base we lack is
-                # deferred) nor progress still to send: waiting out recovery_s would only let their steps
-                # since pile up, to be overwritten by the merge
-                self.role.recovering_until = time.monotonic()
-                logger.info("recovery complete: every live holder sent every fragment's outage work")
+            self._fresh(remote, fields["fragment"])
         self.role.wake.set()
         meta = {"target_version": admission.target_version, "late": admission.late}
         return self._answer(Kind.CONTROL, remote, meta=meta)
@@ -280,6 +277,17 @@ class SyncerService:
         async with self.role.probe_lock:  # the probe's model is one copy
             current, versions = dict(core.params), tuple(core.versions)
             return await asyncio.to_thread(probe.measure, current, versions, base, params, time.perf_counter)
+
+    def _fresh(self, remote: str, fragment: int) -> None:
+        """In recovery: `remote` sent the fragment's work snapshotted for us."""
+        self.role.fresh.add((remote, fragment))
+        if self._every_round_fresh():
+            # every live holder sent every fragment's work through the outage, snapshotted once it knew
+            # us, so none has a version to offer that we lack (a contribution on a base we lack is
+            # deferred) nor progress still to send: waiting out recovery_s would only let their steps
+            # since pile up, to be overwritten by the merge
+            self.role.recovering_until = time.monotonic()
+            logger.info("recovery complete: every live holder sent every fragment's outage work")
 
     def _every_round_fresh(self) -> bool:
         for fragment in range(self.role.plan.num_fragments):
