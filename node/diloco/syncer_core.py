@@ -871,5 +871,7 @@ def new_counters(
     steps, tokens, capped = cap_counters(
         steps, tokens, elapsed, max_steps_per_s=core.max_steps_per_s, tokens_per_step=core.tokens_per_step
     )
-    steps, tokens, measured = core.claims.cap(steps, tokens, elapsed, now)
+    measured = False
+    if core.screen.config.enabled:  # screening off (comparisons only): the time/batch caps alone
+        steps, tokens, measured = core.claims.cap(steps, tokens, elapsed, now)
     return steps, tokens, capped or measured, elapsed
