@@ -10,7 +10,9 @@ attack is seen to win.
 
 Per arm, from the syncer's events and status after `--duration` seconds:
 
-* loss_gap = (the arm's last held-out loss - its control's) / its control's (the syncer's own evaluation);
+* loss_gap = (the arm's last held-out loss - its control's) / its control's (the syncer's own evaluation), and
+  loss_gap_at_tokens: the same against the control's loss interpolated at the arm's merged tokens (the attackers'
+  processes take CPU from the honest learners on a small machine, so equal windows merge fewer honest tokens);
 * attacker_weight_share = mean over merges after the attackers' first refusal (all merges when none was
   refused) of the summed merge weight of attacker identities;
 * time_to_ban_s: from the window's start to the first `learner_banned` of an attacker (None: not banned);
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import plot_path, write_result
-from benchmarks.goodput import try_json, wait_for
+from benchmarks.goodput import interpolate, try_json, wait_for
 from protocol.identity import NodeIdentity
 from tools.chaos import ProcessGroup
 
@@ -232,7 +234,11 @@ def summarize(
     defended: bool,
 ) -> dict[str, Any]:
     merges = [e for e in events if e["event"] == "merge" and e["t"] >= t0]
-    evals = [(round(e["t"] - t0, 2), e["loss"]) for e in events if e["event"] == "eval" and e["t"] >= t0]
+    evals = [
+        (round(e["t"] - t0, 2), e["loss"], e.get("tokens_total", 0))
+        for e in events
+        if e["event"] == "eval" and e["t"] >= t0
+    ]
     bans = [e for e in events if e["event"] == "learner_banned"]
     learners = status.get("learners") or {}
     refused_at = [v["at"] for p in attackers for v in (learners.get(p) or {}).get("evidence", [])]
@@ -281,18 +287,24 @@ def merge_interval(merges: list[dict[str, Any]]) -> float | None:
 
 
 def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Each arm's loss gap against its control, and the headline."""
+    """Each arm's loss gap against its control (at the end of equal windows, and at equal merged tokens: the
+    attackers' processes take CPU from the honest ones on a small machine), and the headline."""
     for key, result in results.items():
-        control = results.get(ARMS[key.split("@")[0]].control)
-        base, final = (control or {}).get("final_loss"), result.get("final_loss")
+        control = results.get(ARMS[key.split("@")[0]].control) or {}
+        base, final = control.get("final_loss"), result.get("final_loss")
         result["loss_gap"] = round((final - base) / base, 4) if base and final is not None else None
+        curve, reference = result["loss_curve"], control.get("loss_curve") or []
+        at = interpolate([(c[2], c[1]) for c in reference], curve[-1][2]) if curve and reference else None
+        result["loss_gap_at_tokens"] = round((curve[-1][1] - at) / at, 4) if at else None
     defended = {k: r for k, r in results.items() if r["defended"] and r["attackers"]}
     gaps = [r["loss_gap"] for r in defended.values() if r["loss_gap"] is not None]
+    token_gaps = [r["loss_gap_at_tokens"] for r in defended.values() if r["loss_gap_at_tokens"] is not None]
     costs = [
         r["check_cost_share"] for r in results.values() if r["defended"] and r["check_cost_share"] is not None
     ]
     return {
         "max_loss_gap": max(gaps) if gaps else None,
+        "max_loss_gap_at_equal_tokens": max(token_gaps) if token_gaps else None,
         "max_attacker_weight_share": max(
             (r["attacker_weight_share"] for r in defended.values()), default=None
         ),
@@ -354,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--duration", type=float, default=90.0, help="seconds measured per arm")
     parser.add_argument("--min-step-s", type=float, default=0.2)
+    parser.add_argument("--name", default="poisoning", help="results name (benchmarks/results/<name>.json)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     names = [n for n in args.arms.split(",") if n]
@@ -363,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown arm {name!r}; known: {', '.join(ARMS)}")
     results = run_all(names, undefended, args.duration, args.min_step_s)
     headline = compare(results)
-    plot(results, plot_path("poisoning"))
+    plot(results, plot_path(args.name))
     config = {"duration_s": args.duration, "min_step_s": args.min_step_s, "command": " ".join(sys.argv)}
-    path = write_result("poisoning", headline, {"config": config, "arms": results})
+    path = write_result(args.name, headline, {"config": config, "arms": results})
     print(json.dumps(headline))
     print(f"wrote {path}")
     return 0

@@ -11,7 +11,9 @@ lowers it.
 The bound, per fragment: the larger of `loss_tolerance` x the loss before (a floor: the held-out batch is fixed,
 so the score is deterministic and "noise" is how far honest contributions scatter) and, once `min_history` scores
 were merged, their median plus `loss_mad_factor` x their median absolute deviation. Only merged scores enter the
-history (as for the norms of node.diloco.screening), so an attacker that is rejected never moves the bound.
+history (as for the norms of node.diloco.screening), and only those that lowered the loss: an attacker that is
+rejected never moves the bound, nor do ascent steps that slipped under the floor (a Sybil majority of them had
+widened it).
 
 `measure` is the heavy part (two forward passes, the first cached per version vector) and runs off the event loop
 in the shell; the loss function and the clock are passed in. Pure: no sockets, no event loop.
@@ -126,4 +128,6 @@ class LossBound:
     def commit(self, fragment: int, deltas: list[float]) -> None:
         """The scores of a published merge's participants."""
         window = self._scores.setdefault(fragment, deque(maxlen=self.history))
-        window.extend(d for d in deltas if math.isfinite(d))
+        # only contributions that lowered the loss teach the bound: ones that raised it (within the floor)
+        # would let a majority of ascent steps widen the bound they are judged by (seen with 5 Sybils of 9)
+        window.extend(d for d in deltas if math.isfinite(d) and d <= 0)

@@ -158,6 +158,11 @@ class SyncerService:
 
     def _on_reject(self, remote: str, route: str, error: ProtocolError) -> None:
         self.refusals[error.reason] = self.refusals.get(error.reason, 0) + 1
+        holder = self.role.live.get(remote)
+        learner = holder is not None and holder.role == "learner"
+        if route == PUSH_ROUTE and learner and error.blame_sender and not isinstance(error, Refusal):
+            # refused before admission (a non-finite or malformed push): a violation of the learner's too
+            self._ban(self.ledger.record(remote, error.reason, str(error), "-", time.time()))
 
     def _answer(
         self, kind: Any, receiver: str, *, microbatch: int = 0, step: int = 0, **kwargs: Any
@@ -243,7 +248,9 @@ class SyncerService:
             return
         scores = {"loss_before": loss.before, "loss_after": loss.after} if loss is not None else {}
         digest = contribution_digest(params)
-        ban = self.ledger.record(remote, error.reason, str(error), digest, time.time(), scores)
+        self._ban(self.ledger.record(remote, error.reason, str(error), digest, time.time(), scores))
+
+    def _ban(self, ban: LearnerBan | None) -> None:
         if ban is not None:
             self.role.ban_outbox.append(self._ban_notice(ban))
             self.role.ctx.events.emit(

@@ -195,6 +195,15 @@ def test_the_bound_is_a_floor_until_warm_then_median_plus_mad_of_merged_scores()
     assert bound.bound(0, 3.0)[0] == pytest.approx(0.06)
     assert bound.check(0, LossScore(before=3.0, after=3.05, cost_s=0.0)) is None
     assert bound.check(0, LossScore(before=3.0, after=3.2, cost_s=0.0)) is not None
-    bound.commit(0, [0.05, 0.1, 0.15, 0.2, math.nan])  # honest scores that scatter widely: the bound widens
-    assert bound.bound(0, 3.0)[0] == pytest.approx(0.1 + 3 * 0.05)
+    bound.commit(0, [-0.3, -0.2, -0.1, 0.0, 0.0, math.nan])  # honest scores that scatter widely: it widens
+    assert bound.bound(0, 3.0)[0] == pytest.approx(-0.1 + 3 * 0.1)
     assert bound.bound(1, 3.0)[0] == pytest.approx(0.06)  # per fragment
+
+
+def test_ascent_steps_that_slipped_under_the_floor_never_widen_the_bound() -> None:
+    bound = LossBound(tolerance=0.02, mad_factor=3.0, history=16, min_history=4)
+    # a Sybil majority's merged ascent steps (each under the floor) among honest, loss-lowering ones
+    bound.commit(0, [0.05] * 5 + [-0.3, -0.2, -0.1, 0.0])
+    # what the honest four alone give: median -0.2 + 3 x MAD 0.1 (kept, the five would set the median at 0.05)
+    assert bound.bound(0, 3.0)[0] == pytest.approx(0.1)
+    assert bound.check(0, LossScore(before=3.0, after=3.15, cost_s=0.0)) is not None
