@@ -271,8 +271,11 @@ def _expected_signer(
     elif kind is KeyKind.SYNCER and subkey not in rules.authorized_syncers:
         raise RecordRejected(f"{subkey[-8:]} is not an authorized syncer", reason="unauthorized")
     elif kind is KeyKind.BANS:
-        if subkey not in rules.authorized_verifiers:
-            raise RecordRejected(f"{subkey[-8:]} is not an authorized verifier", reason="unauthorized")
+        # syncers sign learner bans (their evidence kind is checked where notices are counted: verification.bans)
+        if subkey not in rules.authorized_verifiers and subkey not in rules.authorized_syncers:
+            raise RecordRejected(
+                f"{subkey[-8:]} is not an authorized verifier or syncer", reason="unauthorized"
+            )
         if body["offender"] != parsed.offender:
             raise RecordRejected("ban offender differs from its key", reason="schema")
     return subkey
@@ -527,7 +530,7 @@ class SyncerRecord:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BanNotice:
-    """Body of a `bans/<offender>` record written by one authorized verifier."""
+    """Body of a `bans/<offender>` record written by one authorized verifier (or syncer, for a learner ban)."""
 
     offender: str
     reason: str

@@ -26,8 +26,10 @@ from protocol.identity import SIGNATURE_SIZE, verify_signature
 
 logger = logging.getLogger(__name__)
 
-EvidenceKind = Literal["statistical", "spotcheck", "equivocation"]
-EVIDENCE_KINDS: tuple[str, ...] = ("statistical", "spotcheck", "equivocation")
+EvidenceKind = Literal["statistical", "spotcheck", "equivocation", "contribution"]
+# "contribution": an authorized syncer's learner ledger (node.diloco.learner_ledger) refused the offender's
+# contributions; such a notice bans alone (the syncer measured it, and is trusted with the model anyway)
+EVIDENCE_KINDS: tuple[str, ...] = ("statistical", "spotcheck", "equivocation", "contribution")
 MAX_EVIDENCE_BYTES = 8 * 1024  # protocol.records.RecordLimits.max_evidence_bytes
 _EVIDENCE_VERSION = 1
 # Positions in protocol.envelope's canonical header array (see `_encode_header` there).
@@ -229,14 +231,21 @@ def decide_bans(
     required: int,
     run_id: str,
     now: float,
+    syncers: Collection[str] = (),
 ) -> list[BanDecision]:
     """Bans in effect: offenders with unexpired notices from `required` distinct authorized verifiers, or one
-    notice carrying a valid equivocation proof. Notices from unauthorized signers, expired ones and a
-    verifier's notice against itself are ignored."""
+    notice carrying a valid equivocation proof, or one by an authorized syncer (`syncers`) whose evidence is of
+    kind "contribution" (its learner ledger). Notices from unauthorized signers (a syncer's of any other kind
+    among them), expired ones and a signer's notice against itself are ignored."""
     if required < 1:
         raise ValueError("required must be >= 1")
     by_offender: dict[str, dict[str, BanVote]] = {}
+    decisions = []
     for vote in votes:
+        if vote.verifier in syncers and vote.verifier not in authorized:
+            if (decision := _syncer_ban(vote, now)) is not None:
+                decisions.append(decision)
+            continue
         if vote.verifier not in authorized:
             logger.warning("ignoring a ban notice by unauthorized %s", vote.verifier[-8:])
             continue
@@ -245,12 +254,27 @@ def decide_bans(
         current = by_offender.setdefault(vote.offender, {}).get(vote.verifier)
         if current is None or current.expires_at < vote.expires_at:
             by_offender[vote.offender][vote.verifier] = vote
-    decisions = []
     for offender, per_verifier in sorted(by_offender.items()):
         decision = _decide_one(offender, per_verifier, required=required, run_id=run_id)
         if decision is not None:
             decisions.append(decision)
     return decisions
+
+
+def _syncer_ban(vote: BanVote, now: float) -> BanDecision | None:
+    """A syncer's learner ban, if its notice is unexpired, not against itself, and carries contribution evidence."""
+    evidence = _evidence_of(vote)
+    if vote.expires_at <= now or vote.verifier == vote.offender:
+        return None
+    if evidence is None or evidence.kind != "contribution":
+        logger.warning("ignoring a ban notice by syncer %s without contribution evidence", vote.verifier[-8:])
+        return None
+    return BanDecision(
+        offender=vote.offender,
+        verifiers=frozenset({vote.verifier}),
+        reason=vote.reason,
+        until=vote.expires_at,
+    )
 
 
 def _decide_one(

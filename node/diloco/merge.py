@@ -97,6 +97,7 @@ def merge_fragment(
     degenerate_tol: float = DEFAULT_DEGENERATE_TOL,
     current_version: int | None = None,
     max_staleness: int | None = None,
+    trim_fraction: float = 0.0,
 ) -> MergeResult:
     """Merge `contributions` to one fragment into an outer gradient (see the module docstring).
 
@@ -104,6 +105,9 @@ def merge_fragment(
     its tensor names and shapes. `clip_factor` None disables clipping, otherwise it must be >= 1. With
     `current_version` and `max_staleness` given, contributions built on a version older than
     current_version - max_staleness (or newer than current_version) are rejected.
+    With `trim_fraction` > 0 and at least three weighted contributions, each coordinate of each delta is first
+    clamped to the range of the values left after dropping the max(1, floor(trim_fraction x n)) highest and
+    lowest (a winsorized merge: one or a few contributions cannot pull any coordinate past the honest ones').
     Raises NothingToMerge if no accepted contribution has positive weight, ValueError on bad arguments
     (duplicate peer ids, bad clip_factor or tolerance, empty fragment).
     """
@@ -117,6 +121,7 @@ def merge_fragment(
     weighted = [a for a in accepted if a.weight > 0]
     delta_norms = {a.peer_id: a.norm for a in accepted}
     clipped = _clip(weighted, clip_factor)
+    trimmed = _winsorize(weighted, trim_fraction)
     weights = {a.peer_id: a.weight / total for a in accepted}
     outer_grad, fallback = _merge_tensors(
         sorted(global_params), weighted, weights, embedding_names, degenerate_tol
@@ -125,6 +130,7 @@ def merge_fragment(
         f"merged {len(weighted)}/{len(contributions)} contributions"
         f"; {len(rejected)} rejected, {len(accepted) - len(weighted)} without progress"
         f", {len(clipped)} clipped, {len(fallback)} tensors fell back to the mean"
+        + (f", winsorized at {trimmed} of {len(weighted)} per coordinate" if trimmed else "")
     )
     return MergeResult(
         outer_grad=outer_grad,
@@ -257,6 +263,21 @@ def _clip(weighted: list[_Accepted], clip_factor: float | None) -> dict[str, flo
             clipped[a.peer_id] = scale
             logger.info("clipped %s delta norm %.4g to %.4g", a.peer_id, a.norm, bound)
     return clipped
+
+
+def _winsorize(weighted: list[_Accepted], trim_fraction: float) -> int:
+    """Clamp each coordinate of each delta to [k-th lowest, k-th highest] of the weighted deltas' values there
+    (k = max(1, floor(trim_fraction x n)), n >= 3, k < n / 2); returns k (0: not applied)."""
+    n = len(weighted)
+    if trim_fraction <= 0 or n < 3:
+        return 0
+    k = min(max(1, math.floor(trim_fraction * n)), (n - 1) // 2)
+    for name in weighted[0].deltas:
+        ordered = torch.stack([a.deltas[name] for a in weighted]).sort(dim=0).values
+        low, high = ordered[k], ordered[n - 1 - k]
+        for a in weighted:
+            a.deltas[name] = torch.minimum(torch.maximum(a.deltas[name], low), high)
+    return k
 
 
 def _weighted_mean(items: list[tuple[float, torch.Tensor]]) -> torch.Tensor:

@@ -16,6 +16,9 @@ Checks, in order, on the delta (base - learner, the pseudo-gradient, taken again
 3. direction: after `min_history` merges of the fragment, the cosine of the delta with an EMA of the unit merged
    updates; below `min_cosine` (an ascent step, a sign-flipped delta) rejects it.
 
+4. held-out loss: the contribution applied alone must not raise a private held-out loss beyond noise
+   (node.diloco.loss_probe; measured off the event loop by the shell, judged here).
+
 Each check gives a `Verdict` with a short tag (the refusal reason the learner sees and the strikes count) and a
 one-line reason for the log. What is recorded is what was merged (`prepare_commit` / `commit`), never what was
 merely offered: a peer that pushes many contributions a round, or one whose round is rolled back, does not fill
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from node.diloco.loss_probe import LOSS, LossBound, LossScore
 from node.diloco.merge import MergeResult, NothingToMerge
 
 logger = logging.getLogger(__name__)
@@ -70,6 +74,27 @@ class ScreeningConfig:
         0.7  # the recent merged direction: EMA of unit merged updates, this kept per merge
     )
     rollback: bool = True  # a round whose outer step gives a non-finite parameter or momentum is rolled back
+    # held-out loss-delta score (node.diloco.loss_probe): each contribution applied alone to the syncer's copy
+    loss_probe: bool = True  # score each contribution on a private held-out batch (once the data is loaded)
+    loss_batches: int = (
+        2  # held-out batches per score (CPU cost: two forward passes of these per contribution)
+    )
+    loss_batch_size: int = 8  # sequences per held-out batch
+    loss_tolerance: float = 0.02  # a loss rise up to this x the loss before is noise (the bound's floor)
+    loss_mad_factor: float = 3.0  # after warm-up, the bound is also median + this x MAD of merged scores
+    # claims and copies (node.diloco.claims)
+    claim_rate_factor: float = 2.0  # steps claimed are capped at this x the peers' median measured step rate
+    claim_min_peers: int = 2  # peers with a measured rate before that cap applies
+    copy_tolerance: float = 0.05  # a delta within this x its norm of a peer's (copycat) or a published version (free-rider) is refused (0: off)
+    # robust aggregation: with >= 3 contributions, each coordinate is clamped to the range left after dropping
+    # this fraction (at least one) of the highest and of the lowest values (winsorized), then merged as before
+    trim_fraction: float = 0.25
+    # the learner ledger (node.diloco.learner_ledger): refused contributions add up to a ban
+    ban_after: float = (
+        3.0  # forgiven violations (each refused contribution: 1, a non-finite one: a ban) that ban (0: never)
+    )
+    forgive_half_life_s: float = 600.0  # a violation weighs half after this long
+    ban_s: float = 3600.0  # a learner ban lasts this long (published through the signed ban gossip)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_history <= self.history:
@@ -82,6 +107,18 @@ class ScreeningConfig:
             raise ValueError("screening.max_relative_norm must be a positive number")
         if not (-1.0 <= self.min_cosine <= 1.0) or not (0.0 <= self.direction_decay < 1.0):
             raise ValueError("screening.min_cosine must be in [-1, 1] and direction_decay in [0, 1)")
+        if not (self.claim_rate_factor >= 1.0 and math.isfinite(self.claim_rate_factor)):
+            raise ValueError("screening.claim_rate_factor must be a finite number >= 1")
+        if self.claim_min_peers < 1 or not (0.0 <= self.copy_tolerance < 1.0):
+            raise ValueError("screening.claim_min_peers must be >= 1 and copy_tolerance in [0, 1)")
+        if not 0.0 <= self.trim_fraction < 0.5:
+            raise ValueError("screening.trim_fraction must be in [0, 0.5) (0: off)")
+        if not (self.ban_after >= 0 and self.forgive_half_life_s > 0 and self.ban_s > 0):
+            raise ValueError("screening.ban_after must be >= 0, forgive_half_life_s and ban_s > 0")
+        if self.loss_batches < 1 or self.loss_batch_size < 1:
+            raise ValueError("screening.loss_batches and loss_batch_size must be >= 1")
+        if not (0.0 <= self.loss_tolerance < math.inf and 0.0 <= self.loss_mad_factor < math.inf):
+            raise ValueError("screening.loss_tolerance and loss_mad_factor must be finite numbers >= 0")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,6 +142,7 @@ class ScreenUpdate:
 
     norms: tuple[float, ...]  # the merged participants' delta norms
     direction: dict[str, torch.Tensor] | None  # the fragment's next recent merged direction (None: unchanged)
+    losses: tuple[float, ...] = ()  # the merged participants' held-out loss-delta scores (those measured)
 
 
 def _norm(tensors: Iterable[torch.Tensor]) -> float:
@@ -126,6 +164,21 @@ class ContributionScreen:
         self._direction: dict[int, dict[str, torch.Tensor]] = {}
         self._merges: dict[int, int] = {}  # merges folded into the direction, per fragment
         self.counts: Counter[str] = Counter()  # verdicts by tag, rollbacks included
+        c = self.config
+        self.loss = LossBound(
+            tolerance=c.loss_tolerance,
+            mad_factor=c.loss_mad_factor,
+            history=c.history,
+            min_history=c.min_history,
+        )
+
+    def check_loss(self, fragment: int, score: LossScore | None) -> Verdict | None:
+        """The rejection of a contribution whose held-out loss-delta score is over the bound; None if it passes
+        (or was not scored: the probe off, its data not loaded yet)."""
+        if score is None or not (self.config.enabled and self.config.loss_probe):
+            return None
+        reason = self.loss.check(fragment, score)
+        return None if reason is None else self._reject(LOSS, reason)
 
     def check(
         self,
@@ -133,9 +186,11 @@ class ContributionScreen:
         params: Mapping[str, torch.Tensor],
         base: Mapping[str, torch.Tensor] | None,
         current: Mapping[str, torch.Tensor],
+        loss: LossScore | None = None,
     ) -> Verdict:
         """Screen a contribution to `fragment` built on `base` (its base version's tensors; None: unknown, taken
-        as `current`, the fragment's global tensors now, as the merge does)."""
+        as `current`, the fragment's global tensors now, as the merge does); `loss`: its held-out score, if
+        measured."""
         if not self.config.enabled:
             return Verdict(tag=ACCEPTED, reason="not screened", params=_float32(params))
         base = base if base is not None else current
@@ -149,6 +204,8 @@ class ContributionScreen:
         cosine = self._cosine(fragment, deltas, norm)
         if cosine is not None and cosine < self.config.min_cosine:
             return self._reject(DIRECTION, f"direction cos {cosine:.2f} < {self.config.min_cosine:g}")
+        if (rejected := self.check_loss(fragment, loss)) is not None:
+            return rejected
         if norm <= clip_at:
             self.counts[ACCEPTED] += 1
             return Verdict(tag=ACCEPTED, reason="ok", params=_float32(params), norm=norm, cosine=cosine)
@@ -184,22 +241,25 @@ class ContributionScreen:
         self.counts[tag] += 1
         return Verdict(tag=tag, reason=reason, params=None)
 
-    def prepare_commit(self, fragment: int, result: MergeResult) -> ScreenUpdate | None:
-        """The state a merge adds (heavy part, off the event loop): its participants' norms and the next recent
-        direction from the merged pseudo-gradient."""
+    def prepare_commit(
+        self, fragment: int, result: MergeResult, losses: Mapping[str, float] | None = None
+    ) -> ScreenUpdate | None:
+        """The state a merge adds (heavy part, off the event loop): its participants' norms and held-out scores
+        (`losses`: peer -> score, those measured) and the next recent direction from the merged pseudo-gradient."""
         if not self.config.enabled:
             return None
         norms = tuple(result.delta_norms[p] for p in result.participants if p in result.delta_norms)
+        scores = tuple((losses or {})[p] for p in result.participants if p in (losses or {}))
         length = _norm(result.outer_grad.values())
         if length <= 0 or not math.isfinite(length):
-            return ScreenUpdate(norms, None)
+            return ScreenUpdate(norms, None, scores)
         previous, keep = self._direction.get(fragment), self.config.direction_decay
         direction = {
             n: g.detach().to(torch.float32) * ((1.0 - keep) / length)
             + (previous[n] * keep if previous is not None and n in previous else 0.0)
             for n, g in result.outer_grad.items()
         }
-        return ScreenUpdate(norms, direction)
+        return ScreenUpdate(norms, direction, scores)
 
     def commit(self, fragment: int, update: ScreenUpdate | None) -> None:
         """The merge that `update` came from was published."""
@@ -208,6 +268,7 @@ class ContributionScreen:
         window = self._norms.setdefault(fragment, deque(maxlen=self.config.history))
         # a zero norm (a learner without progress) says nothing about the size of a step
         window.extend(n for n in update.norms if n > 0 and math.isfinite(n))
+        self.loss.commit(fragment, list(update.losses))
         if update.direction is not None:
             self._direction[fragment] = update.direction
             self._merges[fragment] = self._merges.get(fragment, 0) + 1

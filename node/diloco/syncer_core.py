@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from node.diloco.claims import ClaimBound, copy_of
 from node.diloco.compression import decode_contribution
 from node.diloco.counters import cap_counters
 from node.diloco.fragments import FragmentPlan
+from node.diloco.loss_probe import LossScore
 from node.diloco.merge import Contribution, MergeResult, NothingToMerge, merge_fragment
 from node.diloco.outer import NonFiniteStep, OuterNesterov
 from node.diloco.quorum import QuorumConfig, QuorumPolicy
@@ -51,6 +53,7 @@ class _Entry:
     received_at: float
     # (verifier, session) -> verified tokens its receipts showed (stage replicas; committed once merged)
     receipt_counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    loss_delta: float | None = None  # its held-out loss-delta score, if measured (node.diloco.loss_probe)
 
 
 @dataclass(slots=True)
@@ -168,6 +171,16 @@ def combine_round(
             tokens=sum(e.contribution.tokens for e in entries),
         )
     return merged, sources
+
+
+def _loss_scores(sources: Mapping[str, list[_Entry]]) -> dict[str, float]:
+    """Per peer, the mean held-out loss-delta score of its contributions that were scored."""
+    scores: dict[str, float] = {}
+    for peer, entries in sources.items():
+        measured = [e.loss_delta for e in entries if e.loss_delta is not None]
+        if measured:
+            scores[peer] = math.fsum(measured) / len(measured)
+    return scores
 
 
 def _void_result(rejected: Mapping[str, str]) -> MergeResult:
@@ -431,6 +444,8 @@ class SyncerCore:
         self.embedding_names = frozenset(embedding_names)
         self.outer = OuterNesterov(outer_lr, outer_momentum)
         self.screen = ContributionScreen(screening)  # checks each contribution alone (issue 18)
+        config = self.screen.config
+        self.claims = ClaimBound(factor=config.claim_rate_factor, min_peers=config.claim_min_peers)
         self.clip_factor = clip_factor
         self.max_staleness = max_staleness
         self.max_steps_per_s = max_steps_per_s
@@ -462,34 +477,36 @@ class SyncerCore:
         nonce: bytes,
         now: float,
         receipts: Sequence[TokenReceipt] | None = None,
+        loss: LossScore | None = None,
+        trust: float = 1.0,
     ) -> Admission:
         """Put a contribution into its fragment's round (replacing the peer's earlier one) or raise Refusal.
 
         `receipts`: for a pipeline stage replica, the verifier receipts it relayed (already verified); its
         tokens are then capped at their growth since its last merged contribution (`ReceiptLedger`). None for
-        a learner (no verifier watches it)."""
+        a learner (no verifier watches it). `loss`: its held-out loss-delta score (`LossProbe.measure`), if the
+        shell measured one. `trust` in [0, 1] scales the tokens it is credited with (the learner ledger's
+        probation after refusals: its merge weight tokens^2 / steps falls with trust squared)."""
         self.check_contribution(fragment, params)
         key = (peer, fragment, base_version, nonce)
-        self._check_base(fragment, base_version, key)
+        check_base(self, fragment, base_version, key)
         base = self.history.at(fragment, base_version)  # None: unknown, taken as current
-        verdict = self.screen.check(fragment, params, base, self.fragment_tensors(fragment))
+        verdict = self.screen.check(fragment, params, base, self.fragment_tensors(fragment), loss)
         if verdict.params is None:  # blamed: the sender built it, and the strikes count it per peer
             raise refuse(verdict.tag, verdict.reason, blame=True)
-        steps, tokens, capped = self._new_counters(peer, fragment, base_version, steps, tokens, now)
+        if steps > 0 and (copied := self._copied(peer, fragment, verdict.params, base)) is not None:
+            raise refuse(*copied, blame=True)  # no work of its own: it earns nothing
+        steps, tokens, capped, elapsed = new_counters(self, peer, fragment, base_version, steps, tokens, now)
         counts: dict[tuple[str, str], int] = {}
         receipt_capped = False
         if receipts is not None:
             verified, counts = self.receipt_ledger.growth(peer, fragment, receipts)
             if tokens > verified:
                 tokens, receipt_capped = verified, True
-        contribution = Contribution(
-            peer_id=peer,
-            params=verdict.params,
-            base_version=base_version,
-            steps=steps,
-            tokens=tokens,
-        )
-        self._enter(fragment, _Entry(contribution, key, now, counts), now)
+        self.claims.observe(peer, steps, elapsed, now)
+        tokens = math.floor(tokens * min(1.0, max(0.0, trust)))
+        contribution = Contribution(peer, verdict.params, base_version, steps, tokens)
+        self._enter(fragment, _Entry(contribution, key, now, counts, loss.delta if loss else None), now)
         if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
             self.policy.observe_step(step_time_s)
         self._schedule.report(peer, sched_step, now)
@@ -500,48 +517,35 @@ class SyncerCore:
         # schedule to the earliest open round, as a restarted learner does (SyncWatcher._rejoin).
         current = self.versions[fragment]
         late = not self.policy.config.drop_stale and base_version < current
-        return Admission(
-            target_version=current if late else current + 1,
-            capped=capped,
-            receipt_capped=receipt_capped,
-            late=late,
-        )
+        target = current if late else current + 1
+        return Admission(target_version=target, capped=capped, receipt_capped=receipt_capped, late=late)
 
-    def _check_base(self, fragment: int, base_version: int, key: tuple[str, int, int, bytes]) -> None:
-        """Refuse a contribution on a base we cannot take: ahead of us, too stale, merged, or a missed round."""
-        current = self.versions[fragment]
-        if base_version > current:
-            raise refuse("ahead of syncer", f"base version {base_version} > ours {current}")
-        if base_version < current - self.max_staleness:
-            raise refuse(
-                "stale base", f"base version {base_version} is older than {current - self.max_staleness}"
+    def _copied(
+        self,
+        peer: str,
+        fragment: int,
+        params: Mapping[str, torch.Tensor],
+        base: Mapping[str, torch.Tensor] | None,
+    ) -> tuple[str, str] | None:
+        """(tag, reason) if the contribution is a free-rider or a copycat (node.diloco.claims.copy_of)."""
+        tolerance = self.screen.config.copy_tolerance
+        if tolerance <= 0 or not self.screen.config.enabled:
+            return None
+        current = self.fragment_tensors(fragment)
+        round_ = self.rounds.get(fragment)
+        others = [
+            (
+                other,
+                {
+                    n: (self.history.at(fragment, c.base_version) or current)[n] - c.params[n]
+                    for n in c.params
+                },
             )
-        if key in self._ledger.keys:
-            raise refuse("duplicate", "this contribution was merged already", blame=True)
-        if base_version < current and self.policy.config.drop_stale and self.history.merged_here[fragment]:
-            # Q5: it missed the round that merged its base (weight 0, as the paper's late learners); merged
-            # alone it would publish one more version that overwrites everyone's unsent progress, and folded
-            # into the next round it would count twice what its learner re-learns from the version without it.
-            # Not after a takeover, until we merged the fragment ourselves: a learner's work from the outage,
-            # on a version an earlier syncer published, missed no round of ours (taken as before: merged)
-            raise refuse("missed round", f"base version {base_version} < current {current}")
-
-    def _new_counters(
-        self, peer: str, fragment: int, base_version: int, steps: int, tokens: int, now: float
-    ) -> tuple[int, int, bool]:
-        """(steps, tokens, capped): what the claim adds to what was merged from the peer on that base, capped
-        at what the time since the base's publication allows."""
-        since = self.history.since(fragment, base_version)
-        prior = self._ledger.counters.get((peer, fragment, base_version))
-        if prior is not None:  # part of this progress is in the model already (e.g. merged before a failover)
-            steps, tokens, since = max(0, steps - prior[0]), max(0, tokens - prior[1]), max(since, prior[2])
-        return cap_counters(
-            steps,
-            tokens,
-            now - since,
-            max_steps_per_s=self.max_steps_per_s,
-            tokens_per_step=self.tokens_per_step,
-        )
+            for other, e in (round_.entries.items() if round_ is not None else ())
+            if other != peer and (c := e.contribution).steps > 0
+        ]
+        published = self.history.tensors.get(fragment, {}).items()
+        return copy_of(params, base if base is not None else current, published, others, tolerance)
 
     def _enter(self, fragment: int, entry: _Entry, now: float) -> None:
         """Into the fragment's round, unless the peer's contribution there is on a newer base or has more steps."""
@@ -602,6 +606,7 @@ class SyncerCore:
             clip_factor=self.clip_factor,
             current_version=self.versions[fragment],
             max_staleness=self.max_staleness,
+            trim_fraction=self.screen.config.trim_fraction if self.screen.config.enabled else 0.0,
         )
         try:
             new_params = self.outer.step(
@@ -620,7 +625,7 @@ class SyncerCore:
             required=required,
             expected=expected,
             started_at=started_at,
-            screened=self.screen.prepare_commit(fragment, result),
+            screened=self.screen.prepare_commit(fragment, result, _loss_scores(sources)),
         )
 
     def void_merge(
@@ -820,3 +825,53 @@ def wire_params(
     base = core.history.at(fragment, base_version) or core.fragment_tensors(fragment)
     names = core.plan.fragments[fragment].names
     return decode_contribution(tensors, meta, spec=codec, base=base, names=names)
+
+
+def check_base(core: SyncerCore, fragment: int, base_version: int, key: tuple[str, int, int, bytes]) -> None:
+    """Refuse a contribution on a base we cannot take: ahead of us, too stale, merged, or a missed round."""
+    current = core.versions[fragment]
+    if base_version > current:
+        raise refuse("ahead of syncer", f"base version {base_version} > ours {current}")
+    if base_version < current - core.max_staleness:
+        raise refuse(
+            "stale base", f"base version {base_version} is older than {current - core.max_staleness}"
+        )
+    if key in core._ledger.keys:
+        raise refuse("duplicate", "this contribution was merged already", blame=True)
+    if base_version < current and core.policy.config.drop_stale and core.history.merged_here[fragment]:
+        # Q5: it missed the round that merged its base (weight 0, as the paper's late learners); merged
+        # alone it would publish one more version that overwrites everyone's unsent progress, and folded
+        # into the next round it would count twice what its learner re-learns from the version without it.
+        # Not after a takeover, until we merged the fragment ourselves: a learner's work from the outage,
+        # on a version an earlier syncer published, missed no round of ours (taken as before: merged)
+        raise refuse("missed round", f"base version {base_version} < current {current}")
+
+
+def takes_base(core: SyncerCore, key: tuple[str, int, int, bytes]) -> bool:
+    """Whether `check_base` would let the contribution of `key` (peer, fragment, base version, nonce) through
+    (the shell scores only those)."""
+    try:
+        check_base(core, key[1], key[2], key)
+    except Refusal:
+        return False
+    return True
+
+
+def new_counters(
+    core: SyncerCore, peer: str, fragment: int, base_version: int, steps: int, tokens: int, now: float
+) -> tuple[int, int, bool, float]:
+    """(steps, tokens, capped, elapsed): what the claim adds to what was merged from the peer on that base, capped
+    at what the `elapsed` seconds since the base's publication (or that merge) allow: at `max_steps_per_s`, and at
+    the swarm's measured rate (node.diloco.claims.ClaimBound)."""
+    since = core.history.since(fragment, base_version)
+    prior = core._ledger.counters.get((peer, fragment, base_version))
+    if prior is not None:  # part of this progress is in the model already (e.g. merged before a failover)
+        steps, tokens, since = max(0, steps - prior[0]), max(0, tokens - prior[1]), max(since, prior[2])
+    elapsed = now - since
+    steps, tokens, capped = cap_counters(
+        steps, tokens, elapsed, max_steps_per_s=core.max_steps_per_s, tokens_per_step=core.tokens_per_step
+    )
+    measured = False
+    if core.screen.config.enabled:  # screening off (comparisons only): the time/batch caps alone
+        steps, tokens, measured = core.claims.cap(steps, tokens, elapsed, now)
+    return steps, tokens, capped or measured, elapsed

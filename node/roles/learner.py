@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from node.config import component_config
+from node.diloco.attack_transport import learner_attack_from_env
 from node.diloco.sync_client import FragmentSync, FramedSyncTransport, run_fragment_plan
 from node.diloco.sync_types import SyncClientConfig
 
@@ -124,13 +125,15 @@ class LearnerRole:
         held_out = await asyncio.to_thread(self._prepare)
         plan = run_fragment_plan(ctx.manifest)
         p2p = await ctx.dht.replicate_p2p()
-        transport = FramedSyncTransport(
-            p2p,
-            ctx.identity,
-            ctx.records,
-            plan,
-            authorized_syncers=ctx.manifest.authorized_syncers,
-            lookup_period_s=ctx.manifest.heartbeat_period_s,
+        transport = learner_attack_from_env(  # only ever through HIVENODE_UNSAFE_LEARNER_ATTACK (benchmarks)
+            FramedSyncTransport(
+                p2p,
+                ctx.identity,
+                ctx.records,
+                plan,
+                authorized_syncers=ctx.manifest.authorized_syncers,
+                lookup_period_s=ctx.manifest.heartbeat_period_s,
+            )
         )
         assert self._model is not None
         barrier = getattr(ctx.manifest.diloco, "mode", "decoupled") != "decoupled"

@@ -47,6 +47,7 @@ import torch
 from node.config import component_config
 from node.diloco.fragments import FragmentPlan
 from node.diloco.lease import LeaseView, TakeoverWatch, lease_action
+from node.diloco.loss_probe import LossProbe
 from node.diloco.merge import NothingToMerge
 from node.diloco.quorum import QuorumConfig
 from node.diloco.screening import ScreeningConfig
@@ -67,6 +68,7 @@ from node.roles.syncer_mirror import StateMirror
 from node.roles.syncer_rpc import SyncerService, wall_offset
 from node.swarm.membership import HEARTBEAT_TTL_PERIODS
 from protocol.errors import ConfigError
+from protocol.records import BanNotice
 
 if TYPE_CHECKING:
     from node.context import NodeContext
@@ -220,6 +222,9 @@ class SyncerRole:
         self.service = SyncerService(self)  # the RPC routes
         self.mirror = StateMirror(self, self.service.replay)  # a standby's copy of the active syncer's state
         self._eval: Any = None
+        self.probe: LossProbe | None = None  # the held-out loss-delta score, once its data is loaded
+        self.probe_lock = asyncio.Lock()
+        self.ban_outbox: deque[BanNotice] = deque()  # learner bans of the ledger, for the signed gossip
         self._merges_since_checkpoint = 0
         # the last merges with their quorum, grace and weights, for /api/status and so the dashboard of any swarm
         self.recent_merges: deque[dict[str, Any]] = deque(maxlen=RECENT_MERGES)
@@ -236,11 +241,14 @@ class SyncerRole:
         ctx.supervisor.spawn("syncer-members", partial(self._membership_loop, stop), policy=RestartPolicy())
         ctx.supervisor.spawn("syncer-merge", partial(self._merge_loop, stop), policy=RestartPolicy())
         ctx.supervisor.spawn("syncer-mirror", partial(self.mirror.run, stop), policy=RestartPolicy())
+        screening = self.config.screening
+        if screening.enabled and screening.loss_probe:  # contributions are scored once its data is loaded
+            ctx.supervisor.spawn("syncer-probe-data", self._load_probe, policy=RestartPolicy())
         if self.config.eval_every_merges:  # optional: load the held-out data after we serve, not before
             ctx.supervisor.spawn("syncer-eval-data", self._load_eval, policy=RestartPolicy())
         from node.swarm.bans import ban_watcher_for  # SENTINEL bans: refuse banned peers' contributions
 
-        bans = ban_watcher_for(ctx)
+        bans = ban_watcher_for(ctx, outbox=self.ban_outbox)
         self.is_banned = bans.is_banned
         ctx.supervisor.spawn("syncer-bans", partial(bans.run, stop), policy=RestartPolicy())
         logger.info(
@@ -280,6 +288,10 @@ class SyncerRole:
         self._eval = await asyncio.to_thread(build_eval, self.ctx, self.config)
         if self.active:
             await self._evaluate()  # the loss the run starts (or resumes) from
+
+    async def _load_probe(self) -> None:
+        self.probe = await asyncio.to_thread(build_probe, self.ctx, self.config.screening)
+        logger.info("held-out loss probe ready: contributions are scored before they merge")
 
     async def _shutdown(self) -> None:
         with contextlib.suppress(Exception):
@@ -433,8 +445,8 @@ class SyncerRole:
         return {peer for peer, hb in self.live.items() if hb.role == "learner" or hb.stage == stage}
 
     async def check_known(self, peer: str) -> None:
-        if self.is_banned(peer):
-            raise refuse("banned", f"{peer[-8:]} is banned")
+        if self.is_banned(peer) or (why := self.service.ledger.banned(peer, time.time())) is not None:
+            raise refuse("banned", f"{peer[-8:]} is banned: {why or 'swarm-wide ban'}")
         if peer in self.live:
             return
         if time.monotonic() - self.watch.live_read_at > 0.5:
@@ -533,24 +545,7 @@ class SyncerRole:
         )
 
     async def _evaluate(self) -> None:
-        from node.ml.data import evaluate
-
-        core = self.core
-        if self._eval is None or core is None:
-            return
-        model, batches = self._eval
-        async with self.merge_lock:
-            state = {n: t.clone() for n, t in core.params.items()}
-            tokens, merges = core.tokens_merged, core.merges
-
-        def run() -> float:
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    param.copy_(state[name])
-            return evaluate(model, batches)
-
-        self.held_out_loss = await asyncio.to_thread(run)
-        self.ctx.events.emit("eval", loss=round(self.held_out_loss, 5), tokens_total=tokens, merges=merges)
+        await evaluate_global(self)
 
     # ---- status ----
 
@@ -598,6 +593,28 @@ def role_status(role: SyncerRole) -> dict[str, Any]:
     }
 
 
+async def evaluate_global(role: SyncerRole) -> None:
+    """The held-out loss of the global model now (syncer.eval_every_merges), for status and the event tape."""
+    from node.ml.data import evaluate
+
+    core = role.core
+    if role._eval is None or core is None:
+        return
+    model, batches = role._eval
+    async with role.merge_lock:
+        state = {n: t.clone() for n, t in core.params.items()}
+        tokens, merges = core.tokens_merged, core.merges
+
+    def run() -> float:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(state[name])
+        return evaluate(model, batches)
+
+    role.held_out_loss = await asyncio.to_thread(run)
+    role.ctx.events.emit("eval", loss=round(role.held_out_loss, 5), tokens_total=tokens, merges=merges)
+
+
 async def restore_best(
     core: SyncerCore, checkpoints: CheckpointStore, mirror: SyncerSnapshot | None
 ) -> tuple[str, int]:
@@ -638,6 +655,35 @@ def build_eval(ctx: NodeContext, config: SyncerConfig) -> tuple[Any, list[Any]]:
         num_batches=config.eval_batches,
     )
     return build_model(cfg, manifest.seed), batches
+
+
+def build_probe(ctx: NodeContext, screening: ScreeningConfig) -> LossProbe:
+    """The held-out loss-delta probe: a model the scored parameters are copied into, and private held-out batches
+    (validation windows at offsets drawn from OS randomness, so no learner knows which it is scored on)."""
+    import secrets
+
+    from node.ml.data import evaluate, load_corpus
+    from node.ml.model import ModelConfig, build_model
+
+    manifest = ctx.manifest
+    cfg = ModelConfig.from_dict(manifest.model)
+    stream = load_corpus(ctx.config.data or _data_spec(manifest)).validation_stream()
+    stream.check_fits(cfg.context_len)
+    gen = torch.Generator().manual_seed(secrets.randbits(63))
+    last_start = len(stream) - cfg.context_len - 1
+    starts = torch.randint(
+        0, last_start + 1, (screening.loss_batches, screening.loss_batch_size), generator=gen
+    )
+    batches = [stream.windows(row, cfg.context_len) for row in starts]
+    model = build_model(cfg, manifest.seed)
+
+    def loss(params: Mapping[str, torch.Tensor]) -> float:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(params[name])
+            return evaluate(model, batches)
+
+    return LossProbe(loss)
 
 
 def _fragment_stages(manifest: Any, plan: FragmentPlan) -> list[int]:

@@ -12,10 +12,12 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from node.diloco.compression import push_limits
+from node.diloco.learner_ledger import LearnerBan, LearnerLedger, ban_evidence_scores, contribution_digest
 from node.diloco.sync_client import (
     FETCH_ROUTE,
     OFFER_PREFIX,
@@ -27,17 +29,21 @@ from node.diloco.sync_client import (
     offer_limits,
     open_version_envelope,
 )
-from node.diloco.syncer_core import Refusal, SyncerCore, refuse, wire_params
+from node.diloco.syncer_core import Refusal, SyncerCore, refuse, takes_base, wire_params
 from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
 from protocol.errors import MalformedFrame, ProtocolError
 from protocol.limits import LimitsConfig
 from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
+from protocol.records import BanNotice
 from protocol.replay import ReplayGuard
 from protocol.rpc import FramedServer, Route, StreamConfig, route_limits
+from verification.bans import BanEvidence
 
 if TYPE_CHECKING:
     from node.context import NodeContext
     from node.diloco.fragments import FragmentPlan
+    from node.diloco.loss_probe import LossProbe, LossScore
+    from node.diloco.screening import ScreeningConfig
     from protocol.receipts import TokenReceipt
     from protocol.rpc import PeerStrikes
 
@@ -52,6 +58,8 @@ class PollTiming(Protocol):
     def max_poll_s(self) -> float: ...
     @property
     def mirror_every_s(self) -> float: ...
+    @property
+    def screening(self) -> ScreeningConfig: ...
 
 
 class SyncerHost(Protocol):
@@ -76,6 +84,9 @@ class SyncerHost(Protocol):
     live: dict[str, Any]
     adopted: int
     merge_lock: asyncio.Lock
+    probe: LossProbe | None
+    ban_outbox: deque[BanNotice]
+    probe_lock: asyncio.Lock
     wake: asyncio.Event
     published: asyncio.Event
     p2p: Any
@@ -110,6 +121,12 @@ class SyncerService:
         self.receipts_verified = 0
         self.receipts_rejected: dict[str, int] = {}  # by reason
         self.receipt_capped = 0  # stage contributions whose tokens the receipts cut
+        screening = role.config.screening
+        self.ledger = LearnerLedger(  # refused contributions per learner, with evidence; bans
+            ban_after=screening.ban_after,
+            forgive_half_life_s=screening.forgive_half_life_s,
+            ban_s=screening.ban_s,
+        )
         self._server: Any = None
 
     @property
@@ -150,10 +167,20 @@ class SyncerService:
             },
             # contribution screen verdicts by tag (rejections also in refusals and, per peer, in strikes)
             "screening": self.role.core.screen.status() if self.role.core is not None else {},
+            # the held-out loss-delta probe: contributions scored, seconds per score (the goal: <= 10 % of a round)
+            "loss_probe": self.role.probe.status() if self.role.probe is not None else None,
+            # per learner: refused contributions by tag, evidence (hash, scores, reason), ban and its reason
+            "learners": self.ledger.status(time.time()),
+            "refusals_by_peer": self.ledger.refusals(),
         }
 
     def _on_reject(self, remote: str, route: str, error: ProtocolError) -> None:
         self.refusals[error.reason] = self.refusals.get(error.reason, 0) + 1
+        holder = self.role.live.get(remote)
+        learner = holder is not None and holder.role == "learner"
+        if route == PUSH_ROUTE and learner and error.blame_sender and not isinstance(error, Refusal):
+            # refused before admission (a non-finite or malformed push): a violation of the learner's too
+            self._ban(self.ledger.record(remote, error.reason, str(error), "-", time.time()))
 
     def _answer(
         self, kind: Any, receiver: str, *, microbatch: int = 0, step: int = 0, **kwargs: Any
@@ -194,6 +221,10 @@ class SyncerService:
         if holder is not None and holder.role == "stage":  # verifiers watch stages: weigh them by receipts
             receipts = self._verified_receipts(remote, fields["fragment"], frames)
         recovering = time.monotonic() < self.role.recovering_until
+        # learners only: verifiers watch stage replicas (and the ledger's bans are learner bans)
+        learner = holder is None or holder.role != "stage"
+        key = (remote, fields["fragment"], fields["base_version"], header.nonce)
+        loss = await self._score(core, *key[1:3], params) if learner and takes_base(core, key) else None
         try:
             admission = core.accept(
                 remote,
@@ -207,26 +238,81 @@ class SyncerService:
                 nonce=header.nonce,
                 now=time.monotonic(),
                 receipts=receipts,
+                loss=loss,
+                trust=self.ledger.trust(remote, time.time()),
             )
         except Refusal as e:
             if e.reason == "ahead of syncer" and recovering:
                 raise refuse("recovering", "recovering after a takeover") from None
+            if learner:
+                self._refused(remote, e, params, loss)
             raise
+        self.ledger.accepted(remote)
         if admission.capped:
             self.role.strikes.record(remote, "counters capped")
         self.receipt_capped += admission.receipt_capped
         if recovering and fields["seen_term"] == self.role.term:
-            self.role.fresh.add((remote, fields["fragment"]))
-            if self._every_round_fresh():
-                # every live holder sent every fragment's work through the outage, snapshotted once it knew
-                # us, so none has a version to offer that we lack (a contribution on a base we lack is
-                # deferred) nor progress still to send: waiting out recovery_s would only let their steps
-                # since pile up, to be overwritten by the merge
-                self.role.recovering_until = time.monotonic()
-                logger.info("recovery complete: every live holder sent every fragment's outage work")
+            self._fresh(remote, fields["fragment"])
         self.role.wake.set()
         meta = {"target_version": admission.target_version, "late": admission.late}
         return self._answer(Kind.CONTROL, remote, meta=meta)
+
+    def _refused(
+        self, remote: str, error: Refusal, params: Mapping[str, Any], loss: LossScore | None
+    ) -> None:
+        """A blamed refusal goes into the learner ledger with its evidence; a ban it triggers is published through
+        the signed ban gossip (and holds here at once)."""
+        if not error.blame_sender:
+            return
+        scores = {"loss_before": loss.before, "loss_after": loss.after} if loss is not None else {}
+        digest = contribution_digest(params)
+        self._ban(self.ledger.record(remote, error.reason, str(error), digest, time.time(), scores))
+
+    def _ban(self, ban: LearnerBan | None) -> None:
+        if ban is not None:
+            self.role.ban_outbox.append(self._ban_notice(ban))
+            self.role.ctx.events.emit(
+                "learner_banned", offender=ban.offender, reason=ban.reason, until=ban.until
+            )
+            logger.warning("learner %s banned: %s", ban.offender[-8:], ban.reason)
+
+    def _ban_notice(self, ban: LearnerBan) -> BanNotice:
+        last = ban.evidence[-1] if ban.evidence else None
+        reason = f"{ban.reason} [{last.digest}]" if last is not None else ban.reason
+        evidence = BanEvidence(
+            offender=ban.offender,
+            verifier=self.role.ctx.peer_id,
+            kind="contribution",
+            reason=reason[:250],
+            scores=ban_evidence_scores(ban),
+        )
+        return BanNotice(
+            offender=ban.offender, reason=reason[:250], evidence=evidence.to_bytes(), issued_at=time.time()
+        )
+
+    async def _score(
+        self, core: SyncerCore, fragment: int, base_version: int, params: Mapping[str, Any]
+    ) -> LossScore | None:
+        """The contribution's held-out loss-delta score (node.diloco.loss_probe), measured in a worker thread
+        one at a time; None while the probe's data is not loaded or the probe is off."""
+        probe, config = self.role.probe, core.screen.config
+        if probe is None or not (config.enabled and config.loss_probe):
+            return None
+        base = core.history.at(fragment, base_version) or core.fragment_tensors(fragment)
+        async with self.role.probe_lock:  # the probe's model is one copy
+            current, versions = dict(core.params), tuple(core.versions)
+            return await asyncio.to_thread(probe.measure, current, versions, base, params, time.perf_counter)
+
+    def _fresh(self, remote: str, fragment: int) -> None:
+        """In recovery: `remote` sent the fragment's work snapshotted for us."""
+        self.role.fresh.add((remote, fragment))
+        if self._every_round_fresh():
+            # every live holder sent every fragment's work through the outage, snapshotted once it knew
+            # us, so none has a version to offer that we lack (a contribution on a base we lack is
+            # deferred) nor progress still to send: waiting out recovery_s would only let their steps
+            # since pile up, to be overwritten by the merge
+            self.role.recovering_until = time.monotonic()
+            logger.info("recovery complete: every live holder sent every fragment's outage work")
 
     def _every_round_fresh(self) -> bool:
         for fragment in range(self.role.plan.num_fragments):

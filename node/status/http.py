@@ -69,6 +69,15 @@ STATUS_GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
+# Per-peer counts of a role's status ({peer: {reason: count}}) exported as labelled gauges.
+LABELLED_GAUGES: dict[str, tuple[str, str]] = {
+    "refusals_by_peer": (
+        "hivenode_syncer_refused_contributions",
+        "Contributions the syncer refused, per learner and reason (the learner ledger, bounded)",
+    ),
+}
+
+
 class StatusMetrics:
     """Gauges mirroring the numeric fields of a status document (see STATUS_GAUGES), updated at scrape time; a
     gauge appears once its field has a number (a learner exports no merge count)."""
@@ -84,6 +93,15 @@ class StatusMetrics:
                 if key not in self._gauges:
                     self._gauges[key] = Gauge(name, help_text, registry=self.registry)
                 self._gauges[key].set(value)
+        for key, (name, help_text) in LABELLED_GAUGES.items():
+            counts = status.get(key)
+            if not isinstance(counts, dict):
+                continue
+            if key not in self._gauges:
+                self._gauges[key] = Gauge(name, help_text, ("peer", "reason"), registry=self.registry)
+            for peer, reasons in counts.items():
+                for reason, count in (reasons or {}).items():
+                    self._gauges[key].labels(str(peer), str(reason)).set(count)
 
 
 class StatusServer:

@@ -57,9 +57,11 @@ class BanWatcher:
         emit: EventSink | None = None,
         outbox: deque[BanNotice] | None = None,
         clock: Callable[[], float] = time.time,
+        authorized_syncers: Collection[str] = (),
     ) -> None:
         self.records = records
         self.authorized = frozenset(authorized_verifiers)
+        self.syncers = frozenset(authorized_syncers)  # they sign learner bans (evidence kind "contribution")
         self.required = bans_required
         self.run_id = run_id
         self.config = config or BanWatchConfig()
@@ -117,7 +119,12 @@ class BanWatcher:
         ]
         now = self.clock()
         decisions = decide_bans(
-            votes, authorized=self.authorized, required=self.required, run_id=self.run_id, now=now
+            votes,
+            authorized=self.authorized,
+            required=self.required,
+            run_id=self.run_id,
+            now=now,
+            syncers=self.syncers,
         )
         fresh = self.bans.update(decisions, now)
         for d in fresh:
@@ -129,7 +136,8 @@ class BanWatcher:
                 reason=d.reason,
                 proof=d.proof,
             )
-        for verifier, count in suspicious_verifiers(votes, required=self.required).items():
+        accusations = [v for v in votes if v.verifier in self.authorized]  # syncers' learner bans stand alone
+        for verifier, count in suspicious_verifiers(accusations, required=self.required).items():
             if verifier not in self._suspicious:
                 self._suspicious.add(verifier)
                 self.emit("verifier_suspicious", verifier=verifier, lone_notices=count)
@@ -162,6 +170,7 @@ def ban_watcher_for(ctx: NodeContext, *, outbox: deque[BanNotice] | None = None)
     return BanWatcher(
         ctx.records,
         authorized_verifiers=manifest.authorized_verifiers,
+        authorized_syncers=manifest.authorized_syncers,
         bans_required=int(getattr(manifest, "bans_required", 1)),
         run_id=ctx.run_id,
         emit=ctx.events.emit,

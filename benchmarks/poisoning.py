@@ -1,0 +1,388 @@
+"""Poisoning the data-parallel axis: honest learners and attackers in a live swarm, the syncer's defences on.
+
+One arm per attack, one after another, each a fresh swarm of real processes on loopback: a bootstrap, one syncer
+(K = 1, decoupled), honest learners stepping at a fixed speed on the built-in standard-library corpus, and
+attacker learners (`HIVENODE_UNSAFE_LEARNER_ATTACK`, node.diloco.attack_transport) that train like the others and
+poison what they push. The `clean` arm (no attacker, same honest learners, same seeds) is the control of every
+arm with 4 honest learners; `clean_k1` (one honest learner) that of `lone_k1`. An arm named with `--undefended`
+also runs with the syncer's screening off (`[syncer.screening] enabled = false`): the negative control, where the
+attack is seen to win.
+
+Per arm, from the syncer's events and status after `--duration` seconds:
+
+* loss_gap = (the arm's last held-out loss - its control's) / its control's (the syncer's own evaluation), and
+  loss_gap_at_tokens: the same against the control's loss interpolated at the arm's merged tokens (the attackers'
+  processes take CPU from the honest learners on a small machine, so equal windows merge fewer honest tokens);
+* attacker_weight_share = mean over merges after the attackers' first refusal (all merges when none was
+  refused) of the summed merge weight of attacker identities;
+* time_to_ban_s: from the window's start to the first `learner_banned` of an attacker (None: not banned);
+* honest_banned: honest identities the syncer banned;
+* check cost: the held-out loss probe's mean seconds per contribution over the mean interval between merges of
+  one fragment (the goal: <= 10 %).
+
+    python -m benchmarks.poisoning                                   # every arm, 90 s each (~25 min)
+    python -m benchmarks.poisoning --arms clean,signflip --duration 40 --undefended signflip
+
+Writes benchmarks/results/poisoning.json (headline: max_loss_gap, max_attacker_weight_share, honest_banned,
+max_check_cost_share, arms) and poisoning.png (held-out loss over time per arm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import plot_path, write_result
+from benchmarks.goodput import interpolate, try_json, wait_for
+from protocol.identity import NodeIdentity
+from tools.chaos import ProcessGroup
+
+logger = logging.getLogger("benchmarks.poisoning")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RUN_TOML = """
+name = "poisoning-{arm}"
+seed = 5
+num_stages = 1
+heartbeat_period_s = 1.0
+authorized_syncers = ["{syncer}"]
+[model]
+vocab_size = 256
+context_len = 32
+num_layers = 2
+width = 32
+num_heads = 2
+[inner]
+lr = 0.003
+batch_size = 4
+weight_decay = 0.01
+[diloco]
+num_fragments = 2
+sync_every_steps = 8
+overlap_steps = 1
+min_sync_interval_s = 0.0
+mode = "decoupled"
+"""
+NODE_TOML = """
+[learner]
+min_step_s = {min_step_s}
+eval_every_steps = 0
+torch_threads = 1
+join_timeout_s = 40.0
+[syncer]
+recovery_s = 1.0
+eval_every_merges = 4
+eval_batches = 4
+eval_batch_size = 8
+checkpoint_every_merges = 1000
+[syncer.screening]
+enabled = {defended}
+"""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Arm:
+    name: str
+    attack: str | None  # HIVENODE_UNSAFE_LEARNER_ATTACK of the attackers
+    attackers: int
+    honest: int = 4
+    control: str = "clean"
+
+
+ARMS = {
+    a.name: a
+    for a in (
+        Arm(name="clean", attack=None, attackers=0),
+        Arm(name="clean_k1", attack=None, attackers=0, honest=1, control="clean_k1"),
+        Arm(name="scale_1e3", attack="scale:1e3", attackers=1),
+        Arm(name="scale_1e30", attack="scale:1e30", attackers=1),
+        Arm(name="huge_1e38", attack="value:1e38", attackers=1),
+        Arm(name="nan", attack="value:nan", attackers=1),
+        Arm(name="inf", attack="value:inf", attackers=1),
+        Arm(name="signflip", attack="signflip", attackers=1),
+        Arm(name="noise", attack="noise", attackers=1),
+        Arm(name="stale_replay", attack="replay", attackers=1),
+        Arm(name="inflated_claims", attack="inflate:20", attackers=1),
+        Arm(name="lone_k1", attack="signflip", attackers=1, honest=1, control="clean_k1"),
+        Arm(name="sybil_majority", attack="signflip", attackers=5),
+    )
+}
+
+
+class Swarm:
+    """One arm's processes; status URLs are read from each node's log ("status: http://...")."""
+
+    def __init__(self, root: Path, arm: Arm, *, defended: bool, min_step_s: float) -> None:
+        self.root, self.arm = root, arm
+        env = dict(os.environ)
+        env.update(
+            PYTHONUNBUFFERED="1",
+            HIVENODE_STATE_DIR=str(root / "state-default"),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
+        )
+        env.pop("HIVENODE_UNSAFE_LEARNER_ATTACK", None)
+        self.group = ProcessGroup(root / "logs", env=env, cwd=REPO_ROOT)
+        self.syncer_key = root / "syncer.key"
+        syncer_id = NodeIdentity.load_or_create(self.syncer_key).peer_id
+        self.run_path = root / "run.toml"
+        self.run_path.write_text(RUN_TOML.format(arm=arm.name, syncer=syncer_id))
+        self.node_toml = root / "node.toml"
+        defended_text = "true" if defended else "false"
+        self.node_toml.write_text(NODE_TOML.format(min_step_s=min_step_s, defended=defended_text))
+        self.honest = [f"honest{i}" for i in range(arm.honest)]
+        self.attackers = [f"attacker{i}" for i in range(arm.attackers)]
+        self._urls: dict[str, str] = {}
+
+    def start(self) -> float:
+        """Start every process; returns when every learner trains (the window's start, wall clock)."""
+        python = sys.executable
+        maddrs = self.root / "bootstrap.maddrs"
+        bootstrap = [
+            "-m",
+            "bootstrap",
+            "--run",
+            str(self.run_path),
+            "--state-dir",
+            str(self.root / "bootstrap"),
+        ]
+        self.group.start("bootstrap", [python, *bootstrap, "--maddrs-file", str(maddrs)])
+        maddr = wait_for(lambda: maddrs.exists() and maddrs.read_text().split(), 60, "bootstrap")[0]
+        common = ["--join", maddr, "--config", str(self.node_toml), "--max-steps", "1000000"]
+        node = [python, "-m", "node"]
+        self.group.start(
+            "syncer",
+            [
+                *node,
+                "--state-dir",
+                str(self.root / "syncer"),
+                "--role",
+                "syncer",
+                "--identity",
+                str(self.syncer_key),
+            ]
+            + common,
+        )
+        wait_for(lambda: (self.status("syncer") or {}).get("state") == "syncing", 60, "the syncer")
+        for name in self.honest + self.attackers:
+            prefix = (
+                ["env", f"HIVENODE_UNSAFE_LEARNER_ATTACK={self.arm.attack}"] if name in self.attackers else []
+            )
+            argv = [*prefix, *node, "--state-dir", str(self.root / name), "--role", "learner", *common]
+            self.group.start(name, argv)
+        learners = self.honest + self.attackers
+        wait_for(
+            lambda: all((self.status(n) or {}).get("state") == "training" for n in learners), 120, "learners"
+        )
+        return time.time()
+
+    def url(self, name: str) -> str | None:
+        found = re.findall(r"^status: (http://\S+)$", self.group.log(name), re.MULTILINE)
+        if found:
+            self._urls[name] = found[-1]
+        return self._urls.get(name)
+
+    def status(self, name: str) -> dict[str, Any] | None:
+        return try_json(self.url(name))
+
+    def peer_ids(self, names: list[str]) -> set[str]:
+        return {st["peer_id"] for n in names if (st := self.status(n)) and st.get("peer_id")}
+
+    def events(self) -> list[dict[str, Any]]:
+        path = self.root / "syncer" / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def stop(self) -> None:
+        self.group.terminate_all()
+
+
+def run_arm(
+    root: Path, arm: Arm, *, duration_s: float, defended: bool = True, min_step_s: float = 0.2
+) -> dict[str, Any]:
+    """One arm: start the swarm, let it run `duration_s`, read what the syncer did (see the module docstring)."""
+    swarm = Swarm(root, arm, defended=defended, min_step_s=min_step_s)
+    try:
+        t0 = swarm.start()
+        honest, attackers = swarm.peer_ids(swarm.honest), swarm.peer_ids(swarm.attackers)
+        time.sleep(duration_s)
+        status = swarm.status("syncer") or {}
+        events = swarm.events()
+    finally:
+        swarm.stop()
+    return summarize(arm, events, status, honest=honest, attackers=attackers, t0=t0, defended=defended)
+
+
+def summarize(
+    arm: Arm,
+    events: list[dict[str, Any]],
+    status: dict[str, Any],
+    *,
+    honest: set[str],
+    attackers: set[str],
+    t0: float,
+    defended: bool,
+) -> dict[str, Any]:
+    merges = [e for e in events if e["event"] == "merge" and e["t"] >= t0]
+    evals = [
+        (round(e["t"] - t0, 2), e["loss"], e.get("tokens_total", 0))
+        for e in events
+        if e["event"] == "eval" and e["t"] >= t0
+    ]
+    bans = [e for e in events if e["event"] == "learner_banned"]
+    learners = status.get("learners") or {}
+    refused_at = [v["at"] for p in attackers for v in (learners.get(p) or {}).get("evidence", [])]
+    detected = min(refused_at) if refused_at else None
+    after = [m for m in merges if detected is None or m["t"] >= detected]
+    shares = [sum(w for p, w in m["weights"].items() if p in attackers) for m in after]
+    attacker_bans = [e["t"] - t0 for e in bans if e["offender"] in attackers]
+    probe = status.get("loss_probe") or {}
+    interval = merge_interval(merges)
+    cost = probe.get("mean_cost_s")
+    return {
+        "defended": defended,
+        "attack": arm.attack,
+        "attackers": len(attackers),
+        "honest": len(honest),
+        "merges": len(merges),
+        "final_loss": evals[-1][1] if evals else None,
+        "loss_curve": evals,
+        "attacker_weight_share": round(sum(shares) / len(shares), 4) if shares else 0.0,
+        "attacker_weight_share_all": round(
+            sum(sum(w for p, w in m["weights"].items() if p in attackers) for m in merges)
+            / max(1, len(merges)),
+            4,
+        ),
+        "detected_after_s": round(detected - t0, 2) if detected is not None else None,
+        "time_to_ban_s": round(min(attacker_bans), 2) if attacker_bans else None,
+        "attackers_banned": len({e["offender"] for e in bans if e["offender"] in attackers}),
+        "honest_banned": len({e["offender"] for e in bans if e["offender"] in honest}),
+        "honest_refused": sum((learners.get(p) or {}).get("refused", 0) for p in honest),
+        "refusals": status.get("refusals", {}),
+        "screening": status.get("screening", {}),
+        "probe_mean_cost_s": cost,
+        "probe_max_cost_s": probe.get("max_cost_s"),
+        "merge_interval_s": round(interval, 3) if interval else None,
+        "check_cost_share": round(cost / interval, 4) if cost and interval else None,
+    }
+
+
+def merge_interval(merges: list[dict[str, Any]]) -> float | None:
+    """Mean seconds between consecutive merges of one fragment (a sync interval)."""
+    gaps = []
+    for fragment in {m["fragment"] for m in merges}:
+        times = sorted(m["t"] for m in merges if m["fragment"] == fragment)
+        gaps += [b - a for a, b in zip(times, times[1:], strict=False)]
+    return sum(gaps) / len(gaps) if gaps else None
+
+
+def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each arm's loss gap against its control (at the end of equal windows, and at equal merged tokens: the
+    attackers' processes take CPU from the honest ones on a small machine), and the headline."""
+    for key, result in results.items():
+        control = results.get(ARMS[key.split("@")[0]].control) or {}
+        base, final = control.get("final_loss"), result.get("final_loss")
+        result["loss_gap"] = round((final - base) / base, 4) if base and final is not None else None
+        curve, reference = result["loss_curve"], control.get("loss_curve") or []
+        at = interpolate([(c[2], c[1]) for c in reference], curve[-1][2]) if curve and reference else None
+        result["loss_gap_at_tokens"] = round((curve[-1][1] - at) / at, 4) if at else None
+    defended = {k: r for k, r in results.items() if r["defended"] and r["attackers"]}
+    gaps = [r["loss_gap"] for r in defended.values() if r["loss_gap"] is not None]
+    token_gaps = [r["loss_gap_at_tokens"] for r in defended.values() if r["loss_gap_at_tokens"] is not None]
+    costs = [
+        r["check_cost_share"] for r in results.values() if r["defended"] and r["check_cost_share"] is not None
+    ]
+    return {
+        "max_loss_gap": max(gaps) if gaps else None,
+        "max_loss_gap_at_equal_tokens": max(token_gaps) if token_gaps else None,
+        "max_attacker_weight_share": max(
+            (r["attacker_weight_share"] for r in defended.values()), default=None
+        ),
+        "honest_banned": sum(r["honest_banned"] for r in results.values() if r["defended"]),
+        "max_check_cost_share": max(costs) if costs else None,
+        "arms": sorted(results),
+    }
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, result in results.items():
+        curve = result["loss_curve"]
+        if curve:
+            style = "--" if not result["defended"] else ("-" if result["attackers"] else ":")
+            ax.plot([c[0] for c in curve], [c[1] for c in curve], style, marker=".", label=name)
+    ax.set_xlabel("seconds since every learner trained")
+    ax.set_ylabel("held-out loss of the global model (nats/byte)")
+    ax.set_title("poisoning arms (dotted: clean controls, dashed: screening off)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_all(
+    names: list[str], undefended: list[str], duration_s: float, min_step_s: float
+) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    base = Path(tempfile.mkdtemp(prefix="poisoning-"))
+    try:
+        runs = [(n, True) for n in names] + [(n, False) for n in undefended]
+        for index, (name, defended) in enumerate(runs):
+            root = base / f"arm{index}"
+            root.mkdir()
+            key = name if defended else f"{name}@undefended"
+            logger.info("arm %s: %s", key, ARMS[name])
+            results[key] = run_arm(
+                root, ARMS[name], duration_s=duration_s, defended=defended, min_step_s=min_step_s
+            )
+            logger.info(
+                "arm %s: %s", key, {k: results[key][k] for k in ("final_loss", "attacker_weight_share")}
+            )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arm names")
+    parser.add_argument(
+        "--undefended", default="", help="arms also run with screening off (negative controls)"
+    )
+    parser.add_argument("--duration", type=float, default=90.0, help="seconds measured per arm")
+    parser.add_argument("--min-step-s", type=float, default=0.2)
+    parser.add_argument("--name", default="poisoning", help="results name (benchmarks/results/<name>.json)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    names = [n for n in args.arms.split(",") if n]
+    undefended = [n for n in args.undefended.split(",") if n]
+    for name in names + undefended:
+        if name not in ARMS:
+            parser.error(f"unknown arm {name!r}; known: {', '.join(ARMS)}")
+    results = run_all(names, undefended, args.duration, args.min_step_s)
+    headline = compare(results)
+    plot(results, plot_path(args.name))
+    config = {"duration_s": args.duration, "min_step_s": args.min_step_s, "command": " ".join(sys.argv)}
+    path = write_result(args.name, headline, {"config": config, "arms": results})
+    print(json.dumps(headline))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

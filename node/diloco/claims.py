@@ -1,0 +1,95 @@
+"""What a contribution may claim and whether it is its own work (issue 18, part 2). Pure: the caller passes `now`.
+
+* `ClaimBound`: a learner's step claim is already capped at (time since the base it built on was published) x
+  `max_steps_per_s` (node.diloco.counters.cap_counters), but that rate is a loose ceiling (50 steps/s) and the
+  merge weight tokens^2 / steps grows with every step claimed. The bound here is measured: each admitted claim
+  gives its peer a rate sample (its steps over the syncer-measured time they took), and a claim is capped at
+  `claim_rate_factor` x the median of the peers' latest samples times that time. The median is over peers, so a
+  minority that inflates its own samples does not move it; until `min_peers` peers gave a sample, the ceiling is
+  the only cap. Limits: a lone learner (K = 1) or a Sybil majority sets the median (admission costs answer that).
+* `copy_of`: a contribution whose delta is within `tolerance` x its norm of another peer's delta in the same round
+  (a copycat), or whose parameters are within that of a version the syncer published (a free-rider: it returns a
+  published version, or its own base, as its work) is no work of its own and earns nothing: it is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+
+import torch
+
+COPYCAT, FREE_RIDER = "copycat", "free-rider"
+
+
+class ClaimBound:
+    """The measured step rate of the swarm (median over peers of their latest claimed rate) and the cap it sets."""
+
+    def __init__(
+        self, *, factor: float, min_peers: int, max_peers: int = 4096, max_age_s: float = 600.0
+    ) -> None:
+        if not (factor >= 1.0 and math.isfinite(factor)) or min_peers < 1:
+            raise ValueError("claim_rate_factor must be a finite number >= 1 and min_peers >= 1")
+        self.factor, self.min_peers = factor, min_peers
+        self.max_peers, self.max_age_s = max_peers, max_age_s
+        self._rates: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (steps/s, when)
+
+    def rate(self, now: float) -> float | None:
+        """`factor` x the median of the recent samples of distinct peers; None until `min_peers` gave one."""
+        rates = sorted(r for r, at in self._rates.values() if now - at <= self.max_age_s)
+        if len(rates) < self.min_peers:
+            return None
+        return self.factor * rates[len(rates) // 2]  # upper median: with two peers, the faster one sets it
+
+    def cap(self, steps: int, tokens: int, elapsed_s: float, now: float) -> tuple[int, int, bool]:
+        """(steps, tokens, capped): the claim bounded by the measured rate over `elapsed_s`; tokens keep their
+        tokens per step."""
+        rate = self.rate(now)
+        if rate is None or steps <= 0:
+            return steps, tokens, False
+        limit = max(1, math.floor(rate * max(0.0, elapsed_s) + 1e-9))
+        if steps <= limit:
+            return steps, tokens, False
+        return limit, tokens * limit // steps, True
+
+    def observe(self, peer: str, steps: int, elapsed_s: float, now: float) -> None:
+        """An admitted claim of `steps` over `elapsed_s` (syncer-measured) seconds."""
+        if steps <= 0 or not (elapsed_s > 0 and math.isfinite(elapsed_s)):
+            return
+        self._rates.pop(peer, None)
+        self._rates[peer] = (steps / elapsed_s, now)
+        while len(self._rates) > self.max_peers:
+            self._rates.popitem(last=False)
+
+
+def _distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    return math.sqrt(
+        math.fsum(
+            float(torch.linalg.vector_norm(a[n].float() - b[n].float(), dtype=torch.float64)) ** 2 for n in a
+        )
+    )
+
+
+def copy_of(
+    params: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+    published: Iterable[tuple[int, Mapping[str, torch.Tensor]]],
+    others: Iterable[tuple[str, Mapping[str, torch.Tensor]]],
+    tolerance: float,
+) -> tuple[str, str] | None:
+    """(tag, reason) if the contribution `params` built on `base` is a free-rider (within `tolerance` x its delta
+    norm of a `published` (version, tensors)) or a copycat (its delta within that of another peer's delta in
+    `others`: (peer, delta)); None if it is its own work."""
+    delta = {n: base[n].float() - params[n].float() for n in params}
+    norm = math.sqrt(
+        math.fsum(float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2 for d in delta.values())
+    )
+    bound = tolerance * norm
+    for version, tensors in published:
+        if (gap := _distance(params, tensors)) <= bound:
+            return FREE_RIDER, f"within {gap:.3g} of published version {version} (delta norm {norm:.3g})"
+    for peer, theirs in others:
+        if (gap := _distance(delta, theirs)) <= bound:
+            return COPYCAT, f"delta within {gap:.3g} of {peer[-8:]}'s in this round (norm {norm:.3g})"
+    return None

@@ -1,0 +1,133 @@
+"""The held-out loss-delta score of one contribution (issue 18; in the spirit of Templar's Gauntlet): the syncer
+evaluates a private held-out batch on its copy of the model before and after applying that contribution alone,
+and rejects one that raises the loss beyond what honest contributions do.
+
+"Applied alone": the fragment's tensors become current - (base - params), i.e. the learner's own progress (its
+pseudo-gradient against its own base, as the merge takes it) at outer learning rate 1 on today's global model,
+every other tensor as it is. The score is `after - before` (nats); honest work lowers the loss or leaves it
+within noise, an ascent step (a sign-flipped delta at an honest norm) raises it by about as much as honest work
+lowers it.
+
+The bound, per fragment: the larger of `loss_tolerance` x the loss before (a floor: the held-out batch is fixed,
+so the score is deterministic and "noise" is how far honest contributions scatter) and, once `min_history` scores
+were merged, their median plus `loss_mad_factor` x their median absolute deviation. Only merged scores enter the
+history (as for the norms of node.diloco.screening), and only those that lowered the loss: an attacker that is
+rejected never moves the bound, nor do ascent steps that slipped under the floor (a Sybil majority of them had
+widened it).
+
+`measure` is the heavy part (two forward passes, the first cached per version vector) and runs off the event loop
+in the shell; the loss function and the clock are passed in. Pure: no sockets, no event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LOSS = "screen: loss"
+LossFn = Callable[[Mapping[str, torch.Tensor]], float]  # held-out loss of a full parameter set
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossScore:
+    """The held-out loss before and after one contribution applied alone, and what measuring it cost."""
+
+    before: float
+    after: float
+    cost_s: float  # seconds the measurement took (the clock passed to `measure`)
+
+    @property
+    def delta(self) -> float:
+        return self.after - self.before
+
+
+class LossProbe:
+    """Measures `LossScore`s with `loss` (the shell's model and private batches) and caches the loss before per
+    version vector (it only changes when a version is published)."""
+
+    def __init__(self, loss: LossFn) -> None:
+        self.loss = loss
+        self._before: tuple[tuple[int, ...], float] | None = None
+        self.measured = 0
+        self.total_cost_s = 0.0
+        self.max_cost_s = 0.0
+
+    def measure(
+        self,
+        current: Mapping[str, torch.Tensor],
+        versions: tuple[int, ...],
+        base: Mapping[str, torch.Tensor],
+        params: Mapping[str, torch.Tensor],
+        clock: Callable[[], float],
+    ) -> LossScore | None:
+        """Score `params` (one fragment's tensors, built on `base`) against `current` (every global tensor, at
+        `versions`). None when the contribution or a loss is not finite (the screen rejects those anyway)."""
+        started = clock()
+        applied: dict[str, torch.Tensor] = {}
+        for name, theirs in params.items():
+            tensor = current[name] - (base[name].to(torch.float32) - theirs.detach().to(torch.float32))
+            if not bool(torch.isfinite(tensor).all()):
+                return None
+            applied[name] = tensor
+        if self._before is None or self._before[0] != versions:
+            self._before = (versions, self.loss(current))
+        before = self._before[1]
+        after = self.loss({**current, **applied})
+        cost = max(0.0, clock() - started)
+        self.measured += 1
+        self.total_cost_s += cost
+        self.max_cost_s = max(self.max_cost_s, cost)
+        if not (math.isfinite(before) and math.isfinite(after)):
+            return None
+        return LossScore(before=before, after=after, cost_s=cost)
+
+    def status(self) -> dict[str, float | int]:
+        mean = self.total_cost_s / self.measured if self.measured else 0.0
+        return {
+            "measured": self.measured,
+            "mean_cost_s": round(mean, 5),
+            "max_cost_s": round(self.max_cost_s, 5),
+        }
+
+
+class LossBound:
+    """Per fragment, the merged scores and the bound a new one must stay under (see the module docstring)."""
+
+    def __init__(self, *, tolerance: float, mad_factor: float, history: int, min_history: int) -> None:
+        self.tolerance, self.mad_factor = tolerance, mad_factor
+        self.history, self.min_history = history, min_history
+        self._scores: dict[int, deque[float]] = {}
+
+    def bound(self, fragment: int, before: float) -> tuple[float, str]:
+        """(the highest loss delta accepted, what set it)."""
+        floor = self.tolerance * abs(before)
+        scores = sorted(self._scores.get(fragment, ()))
+        if len(scores) < self.min_history:
+            return floor, f"{self.tolerance:g} x loss {before:.4g}"
+        median = scores[(len(scores) - 1) // 2]
+        deviations = sorted(abs(s - median) for s in scores)
+        spread = median + self.mad_factor * deviations[(len(deviations) - 1) // 2]
+        if spread > floor:
+            return spread, f"merged scores' median {median:+.4g} + {self.mad_factor:g} MAD"
+        return floor, f"{self.tolerance:g} x loss {before:.4g}"
+
+    def check(self, fragment: int, score: LossScore) -> str | None:
+        """None when `score` is within the bound, else the one-line reason it is not."""
+        bound, basis = self.bound(fragment, score.before)
+        if score.delta <= bound:
+            return None
+        return f"held-out loss {score.before:.4g} -> {score.after:.4g} ({score.delta:+.4g} > {bound:+.4g}: {basis})"
+
+    def commit(self, fragment: int, deltas: list[float]) -> None:
+        """The scores of a published merge's participants."""
+        window = self._scores.setdefault(fragment, deque(maxlen=self.history))
+        # only contributions that lowered the loss teach the bound: ones that raised it (within the floor)
+        # would let a majority of ascent steps widen the bound they are judged by (seen with 5 Sybils of 9)
+        window.extend(d for d in deltas if math.isfinite(d) and d <= 0)

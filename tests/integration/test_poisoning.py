@@ -1,0 +1,34 @@
+"""A poisoning learner in a live swarm (issue 18; the short version of benchmarks/poisoning.py): two honest
+learners and one that pushes sign-flipped (ascent) deltas at the honest norm. Defended, the syncer's held-out
+loss score refuses its contributions, its ledger bans it and it earns no merge weight, while no honest learner is
+banned. The negative control runs the same swarm with the screening off: the attacker's ascent steps are merged
+with a real share of the weight."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.poisoning import Arm, run_arm
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ARM = Arm(name="signflip", attack="signflip", attackers=1, honest=2)
+DURATION_S = 15.0
+
+
+def test_a_sign_flipping_learner_is_refused_and_banned_and_without_the_screen_it_is_merged(
+    tmp_path: Path,
+) -> None:
+    defended = run_arm(tmp_path / "defended", ARM, duration_s=DURATION_S)
+    print(f"\ndefended: {defended}")
+    assert defended["merges"] > 0 and defended["honest_banned"] == 0
+    assert defended["screening"].get("screen: loss", 0) >= 1  # the held-out loss score caught it
+    assert defended["attackers_banned"] == 1 and defended["time_to_ban_s"] is not None
+    assert defended["attacker_weight_share"] < 0.05
+
+    undefended = run_arm(tmp_path / "undefended", ARM, duration_s=DURATION_S, defended=False)
+    print(f"\nundefended: {undefended}")
+    assert undefended["merges"] > 0 and undefended["attackers_banned"] == 0
+    assert undefended["attacker_weight_share_all"] > 0.15  # its ascent steps entered the model

@@ -1,0 +1,224 @@
+"""Claims bounded by what the syncer measured, copycats and free-riders, and the winsorized merge (issue 18,
+part 2), through SyncerCore's public API and merge_fragment; each attack with its negative control (the defence
+off, the attack gains weight or moves the merge) and honest rounds as the false-positive control."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from node.diloco.claims import COPYCAT, FREE_RIDER, ClaimBound, copy_of
+from node.diloco.merge import Contribution, merge_fragment
+from node.diloco.quorum import QuorumConfig
+from node.diloco.screening import ScreeningConfig
+from node.diloco.sync_client import run_fragment_plan
+from node.ml.model import ModelConfig, build_model, embedding_param_names
+from node.roles.syncer import Refusal, SyncerCore
+from protocol.manifest import DilocoSpec, RunManifest
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = {"vocab_size": 256, "context_len": 16, "num_layers": 2, "width": 16, "num_heads": 2}
+RUN = RunManifest(model=dict(MODEL), num_stages=1, diloco=DilocoSpec(num_fragments=2, sync_every_steps=4))
+PLAN = run_fragment_plan(RUN)
+CFG = ModelConfig.from_dict(MODEL)
+Tensors = dict[str, torch.Tensor]
+OFF = ScreeningConfig(claim_rate_factor=1e9, copy_tolerance=0.0, trim_fraction=0.0)
+
+
+def core(screening: ScreeningConfig | None = None) -> SyncerCore:
+    return SyncerCore(
+        PLAN,
+        dict(build_model(CFG, seed=0).named_parameters()),
+        quorum=QuorumConfig.decoupled(1, grace_gamma=0.0),
+        embedding_names=embedding_param_names(CFG),
+        outer_lr=0.7,
+        outer_momentum=0.0,
+        clip_factor=3.0,
+        max_staleness=2,
+        max_steps_per_s=10.0,
+        tokens_per_step=64,
+        now=0.0,
+        screening=screening or ScreeningConfig(),
+    )
+
+
+class Swarm:
+    """Honest peers whose deltas share one direction plus noise; each round is 10 s of 4 steps (0.4 steps/s)."""
+
+    def __init__(self, c: SyncerCore, peers: int = 3) -> None:
+        self.c, self.peers = c, [f"honest{i}" for i in range(peers)]
+        self.gen = torch.Generator().manual_seed(0)
+        self.direction = {
+            n: torch.randn(t.shape, generator=self.gen) for n, t in c.fragment_tensors(0).items()
+        }
+        self.now, self.nonce = 0.0, 0
+
+    def honest(self) -> Tensors:
+        current = self.c.fragment_tensors(0)
+        return {
+            n: current[n] - 0.01 * (u + torch.randn(u.shape, generator=self.gen))
+            for n, u in self.direction.items()
+        }
+
+    def push(self, peer: str, params: Tensors, *, steps: int = 4) -> None:
+        self.nonce += 1
+        self.c.accept(
+            peer,
+            0,
+            params,
+            base_version=self.c.versions[0],
+            steps=steps,
+            tokens=steps * 64,
+            sched_step=self.nonce,
+            step_time_s=0.1,
+            nonce=self.nonce.to_bytes(16, "big"),
+            now=self.now,
+        )
+
+    def round(self, extra: dict[str, tuple[Tensors, int]] | None = None) -> dict[str, float]:
+        """Honest peers then `extra` (peer -> (params, steps claimed)) push; the round merges; the weights."""
+        self.now += 10.0
+        for peer in self.peers:
+            self.push(peer, self.honest())
+        for peer, (params, steps) in (extra or {}).items():
+            self.push(peer, params, steps=steps)
+        record = self.c.merge_now(0, len(self.peers) + len(extra or {}), self.now)
+        assert record is not None
+        return record.weights
+
+
+# ---- inflated claims ----
+
+
+def test_an_inflated_step_claim_is_capped_at_the_swarms_measured_rate() -> None:
+    swarm = Swarm(core())
+    for _ in range(3):
+        swarm.round()  # honest peers' rates: 4 steps / 10 s
+    weights = swarm.round(
+        {"inflator": (swarm.honest(), 100)}
+    )  # 100 steps in 10 s: allowed by max_steps_per_s
+    # capped at 2 x 0.4 steps/s x 10 s = 8 steps: at most twice an honest peer's weight
+    assert weights["inflator"] <= 2 * weights["honest0"] + 1e-9
+    assert weights["inflator"] < 0.45
+
+
+def test_negative_control_without_the_measured_rate_the_inflator_takes_most_of_the_weight() -> None:
+    swarm = Swarm(core(OFF))
+    for _ in range(3):
+        swarm.round()
+    weights = swarm.round({"inflator": (swarm.honest(), 100)})
+    assert weights["inflator"] > 0.8  # 100 / (100 + 3 x 4)
+
+
+def test_the_claim_bound_uses_the_median_over_peers_and_waits_for_min_peers() -> None:
+    bound = ClaimBound(factor=2.0, min_peers=2)
+    bound.observe("a", 4, 10.0, now=0.0)
+    assert bound.cap(100, 6400, 10.0, now=0.0) == (100, 6400, False)  # one peer: no bound yet
+    bound.observe("b", 4, 10.0, now=0.0)
+    bound.observe("liar", 1000, 1.0, now=0.0)  # a minority's own samples do not move the median
+    assert bound.rate(0.0) == pytest.approx(0.8)
+    assert bound.cap(100, 6400, 10.0, now=0.0) == (8, 512, True)
+    assert bound.cap(5, 320, 10.0, now=0.0) == (5, 320, False)  # an honest claim is untouched
+
+
+# ---- copycats and free-riders ----
+
+
+def test_a_copycat_of_another_peers_contribution_in_the_round_is_refused() -> None:
+    swarm = Swarm(core())
+    swarm.round()
+    swarm.now += 10.0
+    original = swarm.honest()
+    swarm.push("honest0", original)
+    near_copy = {n: t + 1e-4 * torch.randn(t.shape, generator=swarm.gen) for n, t in original.items()}
+    with pytest.raises(Refusal) as caught:
+        swarm.push("copycat", near_copy)
+    assert caught.value.reason == COPYCAT and caught.value.blame_sender
+    swarm.push(
+        "honest1", swarm.honest()
+    )  # honest peers' deltas are never that close (false-positive control)
+
+
+def test_negative_control_without_the_copy_check_a_copycat_earns_as_much_as_the_original() -> None:
+    swarm = Swarm(core(OFF))
+    swarm.round()
+    swarm.now += 10.0
+    original = swarm.honest()
+    swarm.push("honest0", original)
+    swarm.push("copycat", dict(original))
+    record = swarm.c.merge_now(0, 2, swarm.now)
+    assert record is not None and record.weights["copycat"] == pytest.approx(0.5)
+
+
+def test_free_riders_returning_the_base_or_replaying_a_published_version_are_refused() -> None:
+    swarm = Swarm(core())
+    swarm.round()
+    old = swarm.c.fragment_tensors(0)  # version 1
+    swarm.round()
+    swarm.now += 10.0
+    with pytest.raises(Refusal) as caught:
+        swarm.push("rider", swarm.c.fragment_tensors(0))  # its base, unchanged, claiming 4 steps
+    assert caught.value.reason == FREE_RIDER
+    with pytest.raises(Refusal) as caught:
+        swarm.push("replay", old)  # a stale version replayed as work on the current base
+    assert caught.value.reason == FREE_RIDER and "published version 1" in str(caught.value)
+    swarm.push("idle", swarm.c.fragment_tensors(0), steps=0)  # no claim, no strike: it weighs nothing anyway
+
+
+def test_negative_control_without_the_copy_check_a_stale_replay_is_merged_and_undoes_a_round() -> None:
+    swarm = Swarm(core(OFF))
+    swarm.round()
+    old = swarm.c.fragment_tensors(0)
+    swarm.round()
+    before = swarm.c.fragment_tensors(0)
+    swarm.now += 10.0
+    swarm.push("replay", old)
+    assert swarm.c.merge_now(0, 1, swarm.now) is not None
+    after = swarm.c.fragment_tensors(0)
+    # the merge moved the fragment back towards version 1
+    assert sum(float((after[n] - old[n]).norm()) for n in old) < sum(
+        float((before[n] - old[n]).norm()) for n in old
+    )
+
+
+def test_copy_of_is_none_for_independent_work() -> None:
+    base = {"w": torch.zeros(100)}
+    mine = {"w": -torch.ones(100)}
+    theirs = {"w": torch.randn(100, generator=torch.Generator().manual_seed(1))}
+    assert copy_of(mine, base, [(0, base)], [("other", theirs)], 0.05) is None
+
+
+# ---- the winsorized merge ----
+
+
+def _contributions(spike: float) -> list[Contribution]:
+    gen = torch.Generator().manual_seed(3)
+    out = [
+        Contribution(f"h{i}", {"w": -(1.0 + 0.1 * torch.randn(50, generator=gen))}, 0, 4, 256)
+        for i in range(4)
+    ]
+    evil = -torch.ones(50)
+    evil[7] = spike  # one coordinate far off, the norm still within the clip bound
+    out.append(Contribution("evil", {"w": evil}, 0, 4, 256))
+    return out
+
+
+def test_with_three_or_more_contributions_one_cannot_pull_a_coordinate_past_the_honest_range() -> None:
+    contributions = _contributions(spike=-5.0)
+    honest = torch.stack([c.params["w"] for c in contributions[:4]])
+    result = merge_fragment(
+        {"w": torch.zeros(50)}, contributions, embedding_names=(), clip_factor=3.0, trim_fraction=0.25
+    )
+    merged = result.outer_grad["w"]  # deltas are 0 - params
+    assert float(merged[7]) <= float((-honest[:, 7]).max()) * 1.05
+    assert "winsorized" in result.reason
+
+
+def test_negative_control_without_trimming_the_spike_moves_that_coordinate_far_past_the_honest_range() -> (
+    None
+):
+    contributions = _contributions(spike=-5.0)
+    honest = torch.stack([c.params["w"] for c in contributions[:4]])
+    result = merge_fragment({"w": torch.zeros(50)}, contributions, embedding_names=(), clip_factor=3.0)
+    assert float(result.outer_grad["w"][7]) > float((-honest[:, 7]).max()) * 1.3

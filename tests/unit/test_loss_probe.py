@@ -1,0 +1,209 @@
+"""The held-out loss-delta score (issue 18, node.diloco.loss_probe) through SyncerCore's public API: a real small
+model, honest contributions from real inner steps, a sign-flipped (ascent) one at the same norm. The negative
+control (the probe off) shows the ascent step is merged and raises the held-out loss; honest contributions are the
+false-positive control."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+
+import pytest
+import torch
+
+from node.diloco.loss_probe import LOSS, LossBound, LossProbe, LossScore
+from node.diloco.quorum import QuorumConfig
+from node.diloco.screening import ScreeningConfig
+from node.diloco.sync_client import run_fragment_plan
+from node.ml.data import evaluate
+from node.ml.model import ModelConfig, build_model, embedding_param_names
+from node.roles.syncer import Refusal, SyncerCore
+from protocol.manifest import DilocoSpec, RunManifest
+
+pytestmark = pytest.mark.timeout(60)
+
+MODEL = {"vocab_size": 256, "context_len": 16, "num_layers": 2, "width": 32, "num_heads": 2}
+RUN = RunManifest(model=dict(MODEL), num_stages=1, diloco=DilocoSpec(num_fragments=2, sync_every_steps=4))
+PLAN = run_fragment_plan(RUN)
+CFG = ModelConfig.from_dict(MODEL)
+Tensors = dict[str, torch.Tensor]
+
+
+def batches(seed: int, count: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A learnable stream: token t+1 = (3 t + 1) mod 64, random starting tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        starts = torch.randint(0, 64, (8, 1), generator=gen)
+        seq = [starts]
+        for _ in range(CFG.context_len):
+            seq.append((seq[-1] * 3 + 1) % 64)
+        tokens = torch.cat(seq, dim=1)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+HELD_OUT = batches(seed=99)
+
+
+class Eval:
+    """The shell's loss function: a model the parameters are copied into, the private held-out batches."""
+
+    def __init__(self) -> None:
+        self.model = build_model(CFG, seed=0)
+
+    def __call__(self, params: Mapping[str, torch.Tensor]) -> float:
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(params[name])
+            return evaluate(self.model, HELD_OUT)
+
+
+def core(screening: ScreeningConfig) -> SyncerCore:
+    return SyncerCore(
+        PLAN,
+        dict(build_model(CFG, seed=0).named_parameters()),
+        quorum=QuorumConfig.decoupled(1, grace_gamma=0.0),
+        embedding_names=embedding_param_names(CFG),
+        outer_lr=0.7,
+        outer_momentum=0.0,
+        clip_factor=3.0,
+        max_staleness=2,
+        max_steps_per_s=10.0,
+        tokens_per_step=128,
+        now=0.0,
+        screening=screening,
+    )
+
+
+def trained(c: SyncerCore, seed: int, steps: int = 4) -> Tensors:
+    """Fragment 0 after `steps` honest inner steps (Adam) from the global model."""
+    model = build_model(CFG, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(c.params[name])
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for inputs, targets in batches(seed, steps):
+        _, loss = model(inputs, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    names = set(c.plan.fragments[0].names)
+    return {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
+
+
+def flipped(c: SyncerCore, params: Tensors) -> Tensors:
+    """The ascent step: base + (base - params), the same norm as the honest delta."""
+    base = c.fragment_tensors(0)
+    return {n: 2 * base[n] - t for n, t in params.items()}
+
+
+class Harness:
+    def __init__(self, screening: ScreeningConfig) -> None:
+        self.c, self.loss = core(screening), Eval()
+        self.probe = LossProbe(self.loss)
+        self.now, self.nonce = 0.0, itertools.count(1)
+        self.ticks = itertools.count()
+
+    def score(self, params: Tensors) -> LossScore | None:
+        current = dict(self.c.params)
+        base = self.c.fragment_tensors(0)
+        return self.probe.measure(
+            current, tuple(self.c.versions), base, params, lambda: next(self.ticks) * 0.001
+        )
+
+    def push(self, peer: str, params: Tensors) -> None:
+        self.now += 1.0
+        n = next(self.nonce)
+        self.c.accept(
+            peer,
+            0,
+            params,
+            base_version=self.c.versions[0],
+            steps=4,
+            tokens=512,
+            sched_step=n,
+            step_time_s=0.1,
+            nonce=n.to_bytes(16, "big"),
+            now=self.now,
+            loss=self.score(params),
+        )
+
+    def held_out(self) -> float:
+        return self.loss(self.c.params)
+
+
+def test_an_honest_contribution_lowers_the_held_out_loss_and_is_merged() -> None:
+    h = Harness(ScreeningConfig())
+    before = h.held_out()
+    score = h.score(trained(h.c, seed=1))
+    assert score is not None and score.delta < 0  # real inner steps lower the held-out loss
+    for seed in range(1, 6):  # five honest rounds: none refused (the false-positive control)
+        h.push("honest", trained(h.c, seed=seed))
+        assert h.c.merge_now(0, 1, h.now) is not None
+    assert h.held_out() < before
+    assert h.c.screen.status().get(LOSS, 0) == 0
+
+
+def test_a_sign_flipped_contribution_at_an_honest_norm_is_rejected_by_the_loss_score() -> None:
+    h = Harness(ScreeningConfig())
+    for seed in range(1, 4):
+        h.push("honest", trained(h.c, seed=seed))
+        h.c.merge_now(0, 1, h.now)
+    before = h.held_out()
+    with pytest.raises(Refusal) as caught:
+        h.push("evil", flipped(h.c, trained(h.c, seed=7)))
+    assert caught.value.reason == LOSS and caught.value.blame_sender
+    assert "held-out loss" in str(caught.value)
+    assert h.c.merge_now(0, 1, h.now) is None and h.held_out() == before  # nothing committed changed
+    assert h.c.screen.status()[LOSS] == 1
+
+
+def test_negative_control_without_the_probe_the_ascent_step_is_merged_and_raises_the_loss() -> None:
+    h = Harness(ScreeningConfig(loss_probe=False))
+    for seed in range(1, 4):
+        h.push("honest", trained(h.c, seed=seed))
+        h.c.merge_now(0, 1, h.now)
+    before = h.held_out()
+    h.push("evil", flipped(h.c, trained(h.c, seed=7)))  # the norm and (default-off) direction checks pass it
+    assert h.c.merge_now(0, 1, h.now) is not None
+    assert h.held_out() > before + 0.02 * before
+
+
+def test_the_loss_before_is_measured_once_per_version_vector_and_the_cost_is_recorded() -> None:
+    calls = []
+
+    def loss(params: Mapping[str, torch.Tensor]) -> float:
+        calls.append(1)
+        return 2.0 if len(calls) == 1 else 1.5
+
+    probe = LossProbe(loss)
+    t = torch.zeros(3)
+    ticks = iter([0.0, 0.25, 1.0, 1.5])
+    first = probe.measure({"a": t}, (0,), {"a": t}, {"a": t}, lambda: next(ticks))
+    second = probe.measure({"a": t}, (0,), {"a": t}, {"a": t}, lambda: next(ticks))
+    assert first == LossScore(before=2.0, after=1.5, cost_s=0.25) and second is not None
+    assert len(calls) == 3  # before once, after twice
+    assert probe.status() == {"measured": 2, "mean_cost_s": 0.375, "max_cost_s": 0.5}
+    nan = probe.measure({"a": t}, (0,), {"a": t}, {"a": torch.full((3,), math.nan)}, lambda: 0.0)
+    assert nan is None
+
+
+def test_the_bound_is_a_floor_until_warm_then_median_plus_mad_of_merged_scores() -> None:
+    bound = LossBound(tolerance=0.02, mad_factor=3.0, history=8, min_history=4)
+    assert bound.bound(0, 3.0)[0] == pytest.approx(0.06)
+    assert bound.check(0, LossScore(before=3.0, after=3.05, cost_s=0.0)) is None
+    assert bound.check(0, LossScore(before=3.0, after=3.2, cost_s=0.0)) is not None
+    bound.commit(0, [-0.3, -0.2, -0.1, 0.0, 0.0, math.nan])  # honest scores that scatter widely: it widens
+    assert bound.bound(0, 3.0)[0] == pytest.approx(-0.1 + 3 * 0.1)
+    assert bound.bound(1, 3.0)[0] == pytest.approx(0.06)  # per fragment
+
+
+def test_ascent_steps_that_slipped_under_the_floor_never_widen_the_bound() -> None:
+    bound = LossBound(tolerance=0.02, mad_factor=3.0, history=16, min_history=4)
+    # a Sybil majority's merged ascent steps (each under the floor) among honest, loss-lowering ones
+    bound.commit(0, [0.05] * 5 + [-0.3, -0.2, -0.1, 0.0])
+    # what the honest four alone give: median -0.2 + 3 x MAD 0.1 (kept, the five would set the median at 0.05)
+    assert bound.bound(0, 3.0)[0] == pytest.approx(0.1)
+    assert bound.check(0, LossScore(before=3.0, after=3.15, cost_s=0.0)) is not None
