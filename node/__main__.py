@@ -158,31 +158,67 @@ def check_arguments(config: NodeConfig) -> None:
 
 
 def export_command(argv: Sequence[str]) -> int:
-    """`export`: a checkpoint (the syncer's, or any safetensors state dict) -> a transformers folder."""
+    """`export`: a checkpoint (the syncer's, or any safetensors state dict), or the newest checkpoint of a running
+    syncer (`--from` its status URL) -> a transformers folder."""
     parser = argparse.ArgumentParser(prog="python -m node export", description=export_command.__doc__)
-    parser.add_argument("--checkpoint", type=Path, required=True, metavar="PATH", help="a .safetensors file")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", type=Path, metavar="PATH", help="a .safetensors file")
+    source.add_argument(
+        "--from",
+        dest="url",
+        metavar="URL",
+        help="a running syncer's status URL (http://host:port): its newest checkpoint, signed manifest "
+        "and tokenizer, each checked",
+    )
     parser.add_argument("--out", type=Path, required=True, metavar="DIR")
     parser.add_argument("--run", type=Path, metavar="run.toml", help="the run's settings (default: built-in)")
     parser.add_argument(
         "--tokenizer", type=Path, metavar="tokenizer.json", help="the run's BPE (default: bytes)"
     )
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="for --from: per HTTP request")
     args = parser.parse_args(list(argv))
-    from node.ml.export import ExportError, checkpoint_params, export_hf
+    if args.url and (args.run or args.tokenizer):
+        parser.error("--from reads the run and tokenizer from the syncer: drop --run / --tokenizer")
+    from node.ml.export import ExportError
+
+    try:
+        done = _export_from_url(args) if args.url else _export_from_file(args)
+    except (OSError, ValueError, ExportError) as e:
+        return _fail(e)
+    print(
+        f"{done}exported to {args.out}: load it with AutoModelForCausalLM.from_pretrained({str(args.out)!r})"
+    )
+    return EXIT_OK
+
+
+def _export_from_file(args: argparse.Namespace) -> str:
+    from node.ml.export import checkpoint_params, export_hf
     from node.ml.model import ModelConfig
     from node.ml.tokenizer import tokenizer_spec
     from protocol.manifest import default_manifest, load_run_toml
 
-    try:
-        manifest = load_run_toml(args.run) if args.run else default_manifest()
-        blob = args.tokenizer.read_bytes() if args.tokenizer else None
-        model = dict(manifest.model)
-        if blob is not None:
-            model["vocab_size"] = tokenizer_spec(blob)["vocab_size"]
-        export_hf(ModelConfig.from_dict(model), checkpoint_params(args.checkpoint), args.out, blob)
-    except (OSError, ValueError, ExportError) as e:
-        return _fail(e)
-    print(f"exported to {args.out}: load it with AutoModelForCausalLM.from_pretrained({str(args.out)!r})")
-    return EXIT_OK
+    manifest = load_run_toml(args.run) if args.run else default_manifest()
+    blob = args.tokenizer.read_bytes() if args.tokenizer else None
+    model = dict(manifest.model)
+    if blob is not None:
+        model["vocab_size"] = tokenizer_spec(blob)["vocab_size"]
+    export_hf(ModelConfig.from_dict(model), checkpoint_params(args.checkpoint), args.out, blob)
+    return ""
+
+
+def _export_from_url(args: argparse.Namespace) -> str:
+    import tempfile
+
+    from node.ml.export import checkpoint_params, export_hf
+    from node.ml.model import ModelConfig
+    from node.status.export import fetch_export
+
+    with tempfile.TemporaryDirectory(prefix="hivenode-export-") as work:
+        fetched = fetch_export(args.url, Path(work), timeout_s=args.timeout_s)
+        model = ModelConfig.from_dict(dict(fetched.manifest.model))
+        export_hf(model, checkpoint_params(fetched.checkpoint), args.out, fetched.tokenizer)
+        name = fetched.checkpoint.name
+    return f"run {fetched.run_id[:16]} (owner ...{fetched.owner[-8:]}), checkpoint {name}: "
 
 
 def generate_command(argv: Sequence[str]) -> int:

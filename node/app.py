@@ -92,6 +92,7 @@ async def _serve(
         role = roles.build_role(choice.role, ctx)
         ctx.status_source = partial(status.node_status, ctx, role, membership)
         server.set_status_source(ctx.status_source)
+        server.set_export_source(partial(status.export_files, ctx, role))
         ctx.http_address = await server.start()
         ctx.metrics.info.info({"peer_id": identity.peer_id, "run_id": ctx.run_id, "role": choice.role})
         with contextlib.suppress(asyncio.TimeoutError):  # the heartbeat loop retries; it logs the failure

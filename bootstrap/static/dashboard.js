@@ -64,6 +64,12 @@ function niceTicks(lo, hi, count) {
   return ticks;
 }
 
+// Held-out loss of the global model and its perplexity (exp of the mean token cross-entropy).
+function heldOut(loss) {
+  const ppl = Number.isFinite(loss) ? Math.exp(loss) : NaN;
+  return `held-out ${fmt(loss, 3)} · perplexity ${Number.isFinite(ppl) ? fmt(ppl, 2) : "-"}`;
+}
+
 function drawChart(svg, { lines = [], dots = [], xMax, yMin = null, yFormat = (v) => fmt(v, 1), empty }) {
   const width = svg.clientWidth || 600;
   const height = svg.clientHeight || 210;
@@ -154,7 +160,7 @@ function renderSummary(doc) {
     : source === "no merges yet" ? "no merges yet" : `unknown: ${source || "no history"}`);
   setText("summary-loss", fmt(last(history.loss || []), 3));
   const evals = history.eval || [];
-  setText("summary-eval", evals.length ? `held-out ${fmt(evals[evals.length - 1].loss, 3)}` : "mean of peers");
+  setText("summary-eval", evals.length ? heldOut(evals[evals.length - 1].loss) : "mean of peers");
   const totals = history.totals || {};
   setText("summary-merges", fmt(totals.merges));
   const active = (doc.syncer || []).filter((s) => s.state === "active");

@@ -13,6 +13,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 
 from node.context import VERSION, NodeContext
+from node.ml.checkpoint import CheckpointStore
+from node.status.export import ExportFiles, add_export_routes
 
 if TYPE_CHECKING:
     from node.roles.registry import Role
@@ -105,8 +107,8 @@ class StatusMetrics:
 
 
 class StatusServer:
-    """`/api/status` (JSON from a status source) and `/metrics` (this node's own Prometheus registry, plus gauges
-    of the role's status fields)."""
+    """`/api/status` (JSON from a status source), `/metrics` (this node's own Prometheus registry, plus gauges
+    of the role's status fields) and `/api/export` (a syncer's newest checkpoint, node.status.export)."""
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry) -> None:
         self.host, self.port, self.registry = host, port, registry
@@ -116,9 +118,15 @@ class StatusServer:
         self.app = web.Application()
         self.app.router.add_get("/api/status", self._status)
         self.app.router.add_get("/metrics", self._metrics)
+        self._export: Callable[[], ExportFiles | None] = lambda: None
+        add_export_routes(self.app, lambda: self._export())
 
     def set_status_source(self, source: StatusSource) -> None:
         self._source = source
+
+    def set_export_source(self, source: Callable[[], ExportFiles | None]) -> None:
+        """What `/api/export` hands to `python -m node export --from URL` (node.status.export)."""
+        self._export = source
 
     async def _status(self, _request: web.Request) -> web.Response:
         return web.json_response(self._source())
@@ -141,6 +149,16 @@ class StatusServer:
 
 
 _STARTED_AT = time.monotonic()
+
+
+def export_files(ctx: NodeContext, role: Role) -> ExportFiles:
+    """What `/api/export` hands out: the signed manifest and tokenizer, and a syncer's checkpoints."""
+    store = getattr(role, "checkpoints", None)
+    return ExportFiles(
+        ctx.signed_manifest,
+        store if isinstance(store, CheckpointStore) else None,
+        None if ctx.tokenizer is None else ctx.tokenizer.blob,
+    )
 
 
 def node_status(ctx: NodeContext, role: Role, membership: Membership) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import shutil
 import signal
@@ -159,6 +160,10 @@ def _check_page(url: str, offender: str, screenshot: Path, *, merges: bool = Fal
             page.wait_for_selector(f".peer[data-peer-id='{offender}'][data-health='banned']", timeout=30_000)
             if merges:
                 page.wait_for_selector('#merges tr[data-described="true"]', timeout=120_000)
+                page.wait_for_function(  # the syncer's held-out evaluation of the global model
+                    "document.getElementById('summary-eval').textContent.includes('perplexity')",
+                    timeout=120_000,
+                )
             page.locator(f"{row} details").first.click()  # open the evidence
             page.screenshot(path=str(screenshot), full_page=True)
             shown = {
@@ -166,6 +171,7 @@ def _check_page(url: str, offender: str, screenshot: Path, *, merges: bool = Fal
                 "ban": page.locator(row).inner_text(),
                 "evidence": page.locator(f"{row} pre").first.inner_text().strip(),
                 "bans": int(page.locator("#summary-bans").inner_text()),
+                "eval": page.locator("#summary-eval").inner_text(),
                 "merges": page.locator("#merges tbody tr[data-fragment]").evaluate_all(
                     """rows => rows.map(r => ({described: r.dataset.described,
                         quorum: r.querySelector('.quorum').textContent,
@@ -187,6 +193,10 @@ def test_dashboard_shows_peers_loss_and_a_ban(demo_swarm) -> None:
     offender = _publish_a_ban(url, out)
     shown = _check_page(url, offender, ARTIFACTS / "dashboard.png", merges=True)
     assert "gradient flagged" in shown["ban"]
+    held_out = re.search(r"held-out ([\d.,]+) · perplexity ([\d.,]+)", shown["eval"])
+    assert held_out, shown["eval"]
+    loss, perplexity = (float(g.replace(",", "")) for g in held_out.groups())
+    assert perplexity == pytest.approx(math.exp(loss), rel=0.01)  # both rounded for display
     assert shown["evidence"].startswith(bytes(range(64)).hex()[:32])
     # every merge row says its quorum and weights, or why it cannot: never a bare "-"
     rows = shown["merges"]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from protocol.identity import NodeIdentity
 from tests.integration.procs import (
@@ -25,6 +26,7 @@ from tests.integration.procs import (
     RunSpec,
     procs,
     read_events,
+    run_cli,
     settle,
     wait_until,
     write_node_toml,
@@ -102,3 +104,23 @@ def test_whole_swarm_resume_after_a_settings_change(tmp_path: Path) -> None:
                 what="restarted learners apply resumed versions",
             )
             assert all(held[str(f)] >= c for f, c in enumerate(committed["versions"])), held
+        export_the_running_syncer(tmp_path, syncer, learners[0], run_id)
+
+
+def export_the_running_syncer(root: Path, syncer: Node, learner: Node, run_id: str) -> None:
+    """`python -m node export --from URL` on the live syncer gives a folder transformers loads; a learner's URL
+    has no checkpoint to give and says so."""
+    base = syncer.status_url.removesuffix("/api/status")
+    done = run_cli("node", "export", "--from", base, "--out", str(root / "hf"), root=root, timeout_s=120)
+    assert done.returncode == 0, done.stderr
+    assert f"run {run_id[:16]}" in done.stdout and "checkpoint syncer-" in done.stdout, done.stdout
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(root / "hf")
+    logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert torch.isfinite(logits).all()
+    refused = run_cli(
+        "node", "export", "--from", learner.status_url.removesuffix("/api/status"), "--out",
+        str(root / "none"), root=root, timeout_s=60,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "not a syncer" in refused.stderr, refused.stderr
