@@ -827,6 +827,14 @@ def wire_params(
     return decode_contribution(tensors, meta, spec=codec, base=base, names=names)
 
 
+def probe_base(core: SyncerCore, fragment: int, base_version: int) -> Mapping[str, torch.Tensor] | None:
+    """The base a held-out loss-delta score (node.diloco.loss_probe) is measured on: the version the push names,
+    if held. None (not scored) for a base we lack (an earlier syncer's version, after a takeover): with the
+    current version standing in, the score would measure the gap between versions, not the learner's work, and
+    it refused honest learners' outage work until all were banned. The other screens still apply."""
+    return core.history.at(fragment, base_version)
+
+
 def check_base(core: SyncerCore, fragment: int, base_version: int, key: tuple[str, int, int, bytes]) -> None:
     """Refuse a contribution on a base we cannot take: ahead of us, too stale, merged, or a missed round."""
     current = core.versions[fragment]

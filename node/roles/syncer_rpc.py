@@ -29,7 +29,7 @@ from node.diloco.sync_client import (
     offer_limits,
     open_version_envelope,
 )
-from node.diloco.syncer_core import Refusal, SyncerCore, refuse, takes_base, wire_params
+from node.diloco.syncer_core import Refusal, SyncerCore, probe_base, refuse, takes_base, wire_params
 from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
 from protocol.errors import MalformedFrame, ProtocolError
 from protocol.limits import LimitsConfig
@@ -298,7 +298,9 @@ class SyncerService:
         probe, config = self.role.probe, core.screen.config
         if probe is None or not (config.enabled and config.loss_probe):
             return None
-        base = core.history.at(fragment, base_version) or core.fragment_tensors(fragment)
+        base = probe_base(core, fragment, base_version)
+        if base is None:
+            return None
         async with self.role.probe_lock:  # the probe's model is one copy
             current, versions = dict(core.params), tuple(core.versions)
             return await asyncio.to_thread(probe.measure, current, versions, base, params, time.perf_counter)

@@ -69,7 +69,9 @@ def test_a_fragment_over_64_mib_syncs(tmp_path: Path) -> None:
             180,
             what="two merges of the big fragment",
         )
-        assert not merged.get("refusals"), merged.get("refusals")
+        # a push built on a version the syncer has replaced meanwhile is refused as "missed round" (timing:
+        # the learner fetches ~100 MB per version); nothing may be refused for what it is
+        assert set(merged.get("refusals") or {}) <= {"missed round"}, merged.get("refusals")
         wait_until(
             lambda: (trainer.try_status().get("versions") or {}).get(str(big), 0) >= 1,
             60,

@@ -13,6 +13,7 @@ from node.diloco.merge import NothingToMerge
 from node.diloco.quorum import QuorumConfig
 from node.diloco.receipts import ReceiptLedger
 from node.diloco.sync_client import run_fragment_plan
+from node.diloco.syncer_core import probe_base
 from node.ml.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint
 from node.ml.model import ModelConfig, build_model, embedding_param_names
 from node.roles.syncer import LeaseView, Refusal, SyncerConfig, SyncerCore, lease_action, quorum_config
@@ -576,6 +577,21 @@ def test_after_a_takeover_work_on_an_earlier_syncers_version_is_taken_until_we_m
     with pytest.raises(Refusal) as missed:  # version 2 is our own merge: on 1 now, it missed that round
         accept(new, "c", params_with_delta(new, 0, 3), base=1, steps=4, now=22.0)
     assert missed.value.reason == "missed round"
+
+
+def test_the_loss_probe_scores_only_work_on_a_base_we_hold() -> None:
+    """After a takeover the base of a learner's outage work is an earlier syncer's version we lack: the probe
+    does not score it (with the current version standing in it would score the version gap, not the work)."""
+    old = core(now=0.0)
+    accept(old, "a", params_with_delta(old, 0, 1), base=0, steps=4, now=10.0)
+    old.merge_now(0, 2, 10.0)
+    held = old.fragment_tensors(0)
+    base = probe_base(old, 0, 1)
+    assert base is not None and all(torch.equal(base[n], held[n]) for n in held)  # the control: held, scored
+    new = core(now=20.0)
+    new.restore(old.snapshot("ab" * 20, term=1), 20.0)  # at version 1
+    assert probe_base(new, 0, 0) is None  # b's work on version 0, from before our term: not scored
+    assert probe_base(new, 0, 1) is not None
 
 
 def test_version_ages_date_only_our_regular_rounds() -> None:
