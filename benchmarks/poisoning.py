@@ -38,6 +38,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,19 +209,35 @@ class Swarm:
 
 
 def run_arm(
-    root: Path, arm: Arm, *, duration_s: float, defended: bool = True, min_step_s: float = 0.2
+    root: Path,
+    arm: Arm,
+    *,
+    duration_s: float,
+    defended: bool = True,
+    min_step_s: float = 0.2,
+    until: Callable[[dict[str, Any]], bool] | None = None,
 ) -> dict[str, Any]:
-    """One arm: start the swarm, let it run `duration_s`, read what the syncer did (see the module docstring)."""
+    """One arm: start the swarm, let it run `duration_s` (or, with `until`, until the summary so far satisfies it,
+    `duration_s` being the deadline), read what the syncer did (see the module docstring)."""
     swarm = Swarm(root, arm, defended=defended, min_step_s=min_step_s)
     try:
         t0 = swarm.start()
         honest, attackers = swarm.peer_ids(swarm.honest), swarm.peer_ids(swarm.attackers)
-        time.sleep(duration_s)
-        status = swarm.status("syncer") or {}
-        events = swarm.events()
+        deadline = time.monotonic() + duration_s
+
+        def summary() -> dict[str, Any]:
+            status = swarm.status("syncer") or {}
+            return summarize(
+                arm, swarm.events(), status, honest=honest, attackers=attackers, t0=t0, defended=defended
+            )
+
+        while until is not None and time.monotonic() < deadline and not until(summary()):
+            time.sleep(1.0)
+        time.sleep(max(0.0, deadline - time.monotonic()) if until is None else 0.0)
+        result = summary()
     finally:
         swarm.stop()
-    return summarize(arm, events, status, honest=honest, attackers=attackers, t0=t0, defended=defended)
+    return result
 
 
 def summarize(

@@ -15,20 +15,33 @@ from benchmarks.poisoning import Arm, run_arm
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 ARM = Arm(name="signflip", attack="signflip", attackers=1, honest=2)
-DURATION_S = 15.0
+DEADLINE_S = (
+    100.0  # each arm runs until what it must show happened, or this (the assertions then say what not)
+)
+MERGES = 6
+
+
+def _defence_shown(summary: dict) -> bool:
+    return summary["attackers_banned"] >= 1 and summary["merges"] >= MERGES
+
+
+def _merges_done(summary: dict) -> bool:
+    return summary["merges"] >= MERGES
 
 
 def test_a_sign_flipping_learner_is_refused_and_banned_and_without_the_screen_it_is_merged(
     tmp_path: Path,
 ) -> None:
-    defended = run_arm(tmp_path / "defended", ARM, duration_s=DURATION_S)
+    defended = run_arm(tmp_path / "defended", ARM, duration_s=DEADLINE_S, until=_defence_shown)
     print(f"\ndefended: {defended}")
     assert defended["merges"] > 0 and defended["honest_banned"] == 0
     assert defended["screening"].get("screen: loss", 0) >= 1  # the held-out loss score caught it
     assert defended["attackers_banned"] == 1 and defended["time_to_ban_s"] is not None
     assert defended["attacker_weight_share"] < 0.05
 
-    undefended = run_arm(tmp_path / "undefended", ARM, duration_s=DURATION_S, defended=False)
+    undefended = run_arm(
+        tmp_path / "undefended", ARM, duration_s=DEADLINE_S, defended=False, until=_merges_done
+    )
     print(f"\nundefended: {undefended}")
     assert undefended["merges"] > 0 and undefended["attackers_banned"] == 0
     assert undefended["attacker_weight_share_all"] > 0.15  # its ascent steps entered the model
