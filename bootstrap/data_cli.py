@@ -5,10 +5,12 @@ bootstrap serves (`--data-dir DIR`); see docs/data.md."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from node.ml.prepare import DEFAULT_SHARD_TOKENS, PrepareConfig, Progress, TokenizerInfo, prepare
 from protocol.errors import DataError, TokenizerMismatch
@@ -46,7 +48,7 @@ def _tokenizer(path: Path | None) -> TokenizerInfo:
 
 
 def _progress_bar(total_bytes: int) -> Progress:
-    from tqdm import tqdm
+    tqdm: Any = importlib.import_module("tqdm").tqdm  # installed with hivemind; untyped
 
     bar: Progress = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", file=sys.stderr)
     return bar

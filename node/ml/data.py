@@ -217,9 +217,10 @@ class BatchSampler:
         self.generator = generator
 
     def next_batch(self) -> Batch:
-        high = self.stream.num_starts(self.context_len)  # exclusive: the last window ends at the last token
+        stream = self.stream  # read once: a learner may swap in another stream between batches
+        high = stream.num_starts(self.context_len)  # exclusive: the last window ends at the last token
         starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
-        return self.stream.windows(starts, self.context_len)
+        return stream.windows(starts, self.context_len)
 
     def __iter__(self) -> Iterator[Batch]:
         return self
