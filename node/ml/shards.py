@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -197,6 +198,19 @@ def write_atomic(path: Path, blob: bytes) -> None:
     os.replace(temporary, path)
 
 
+def _map_tokens(path: Path, dtype: np.dtype[Any]) -> np.ndarray:
+    """A read-only memmap of one shard, advised random access (windows are sampled at random offsets, so
+    read-ahead is wasted I/O). Its pages are page cache: they count in RSS as file pages once touched, but
+    the kernel reclaims them under pressure; the process's own (anonymous) memory does not grow."""
+    with path.open("rb") as handle:
+        if path.stat().st_size == 0:
+            return np.zeros(0, dtype=dtype)
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)  # outlives the descriptor
+    if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mapped, dtype=dtype)
+
+
 class ShardStream:
     """Token windows sampled across shards read through memmaps (the TokenStream interface: `num_starts`,
     `windows`, `check_fits`). Start `i` is a global window index: shards shorter than one window are skipped,
@@ -206,7 +220,7 @@ class ShardStream:
         if not paths:
             raise ValueError("a shard stream needs at least one shard")
         self.paths = tuple(paths)
-        self._arrays = [np.memmap(p, dtype=np.dtype(dtype).newbyteorder("<"), mode="r") for p in paths]
+        self._arrays = [_map_tokens(p, np.dtype(dtype).newbyteorder("<")) for p in paths]
         self._context_len: int | None = None
         self._offsets = np.zeros(1, dtype=np.int64)  # cumulative window starts per shard, for one context_len
 
