@@ -603,12 +603,7 @@ def build_bootstrap_parser() -> argparse.ArgumentParser:
         metavar="tokenizer.json",
         help="the run's BPE tokenizer (python -m bootstrap tokenizer train); default: raw bytes",
     )
-    add(
-        "--data-dir",
-        type=Path,
-        metavar="DIR",
-        help="token shards to serve (python -m bootstrap data prepare)",
-    )
+    add("--data-dir", type=Path, metavar="DIR", help="token shards to serve (bootstrap data prepare)")
     add(
         "--state-dir",
         type=Path,
