@@ -1,11 +1,13 @@
 """Token shards end to end: a real bootstrap serves a prepared folder (`--data-dir`), a real learner downloads its
-assigned shards into its state dir, refuses a corrupt cached shard and fetches it again, and trains on them;
+assigned shards into its state dir, refuses a corrupt cached shard and fetches it again, and trains on them; the
+syncer measures its held-out loss on the held-out shards alone;
 the fetcher resumes a partial download with a Range request and refuses a shard the bootstrap serves wrong."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ from node.ml.prepare import PrepareConfig, TokenizerInfo, prepare
 from node.ml.shards import ShardIndex, file_sha256, shard_path
 from node.swarm.shard_fetch import PART_SUFFIX, ShardSource, download_shard, ensure_shards, obtain_index
 from protocol.errors import DataError, ShardMismatch
-from tests.integration.procs import Bootstrap, RunSpec, procs, read_events, wait_until
+from protocol.identity import NodeIdentity
+from tests.integration.procs import Bootstrap, RunSpec, procs, read_events, wait_until, write_node_toml
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -45,7 +48,12 @@ def _source(cache: Path, bootstrap: Bootstrap) -> ShardSource:
 def test_bootstrap_serves_shards_and_a_learner_trains_on_verified_ones(tmp_path: Path) -> None:
     prepared, index = _prepared(tmp_path)
     assert len(index.train) >= 4
-    run = RUN.write_run_toml(tmp_path / "run.toml")
+    syncer_key = tmp_path / "syncer.key"
+    spec = replace(RUN, authorized_syncers=(NodeIdentity.load_or_create(syncer_key).peer_id,))
+    run = spec.write_run_toml(tmp_path / "run.toml")
+    node_toml = write_node_toml(
+        tmp_path / "node.toml", learner={"min_step_s": 0.3}, syncer={"eval_every_merges": 1}
+    )
     learner_state = tmp_path / "learner"
     seeded = shard_path(learner_state / "data", index.train[0].name)  # a cached shard gone bad on disk
     seeded.parent.mkdir(parents=True)
@@ -54,7 +62,8 @@ def test_bootstrap_serves_shards_and_a_learner_trains_on_verified_ones(tmp_path:
     with procs(tmp_path) as group:
         bootstrap = group.start_bootstrap("--run", str(run), "--data-dir", str(prepared), state="bootstrap")
         assert bootstrap.swarm()["settings"]["data"] == {"source": "shards", "index_sha256": index.sha256()}
-        learner = group.join_node(bootstrap, "learner", state="learner", max_steps=100_000)
+        syncer = group.join_node(bootstrap, "syncer", identity=syncer_key, config=node_toml, state="syncer")
+        learner = group.join_node(bootstrap, "learner", config=node_toml, state="learner", max_steps=100_000)
         events = wait_until(
             lambda: read_events(learner_state, "learner_shards"), 90, what="the learner's shards"
         )
@@ -64,6 +73,12 @@ def test_bootstrap_serves_shards_and_a_learner_trains_on_verified_ones(tmp_path:
         wait_until(lambda: (learner.try_status().get("inner_step") or 0) >= 2, 60, what="training steps")
         for entry in index.shards:  # all there, and all verified (the corrupt one replaced)
             assert file_sha256(shard_path(learner_state / "data", entry.name)) == entry.name
+        # the syncer's held-out loss is measured on the held-out shards, and it fetched nothing else
+        wait_until(
+            lambda: syncer.try_status().get("held_out_loss") is not None, 60, what="syncer held-out loss"
+        )
+        fetched = {p.name.removesuffix(".tokens") for p in (tmp_path / "syncer" / "data").glob("*.tokens")}
+        assert fetched == set(index.heldout)
         log = learner.stderr_path.read_text()
         assert "refused" in log and index.train[0].name[:12] in log, log[-3000:]
         asyncio.run(_resume_and_refuse(tmp_path / "fetch", bootstrap, prepared, index))
