@@ -185,3 +185,25 @@ def test_assignment_with_fewer_shards_than_learners_gives_everyone_one() -> None
         ShardAssignment.compute([], LEARNERS, epoch=0)
     with pytest.raises(KeyError):
         table.shards_for("someone-else")
+
+
+def test_a_local_mirror_is_read_in_place_and_a_corrupt_mirror_shard_is_not_used(tmp_path: Path) -> None:
+    import asyncio
+
+    from node.swarm.shard_fetch import ShardSource, ensure_shards, obtain_index
+
+    mirror = tmp_path / "out"
+    index = prepare([_write_inputs(tmp_path)], mirror, TokenizerInfo(), _config())
+    source = ShardSource(cache=tmp_path / "cache", bases=(), mirror=mirror)  # no bootstrap to ask
+    assert asyncio.run(obtain_index(index.sha256(), source)) == index
+    names = [s.name for s in index.train[:2]]
+    assert asyncio.run(ensure_shards(index, names, source)) == [shard_path(mirror, n) for n in names]
+    path = shard_path(mirror, names[0])
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="could not obtain shard"):
+        asyncio.run(ensure_shards(index, names[:1], source))
+    assert path.exists()  # the mirror is the owner's copy: refused, never deleted
+    with pytest.raises(DataError, match="could not obtain the run's shard index"):
+        asyncio.run(obtain_index("f" * 64, source))
