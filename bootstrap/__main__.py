@@ -1,7 +1,8 @@
 """`python -m bootstrap [--config bootstrap.toml] [--run run.toml] [--tokenizer tokenizer.json] [--listen MADDR]
 [--http HOST:PORT] [...]`: run a DHT entry point that publishes the signed run manifest; prints the multiaddrs to
 share. `python -m bootstrap tokenizer train --out tokenizer.json --vocab-size N [--data SPEC]`: train the run's
-byte-level BPE on its corpus. Settings are loaded by
+byte-level BPE on its corpus. `python -m bootstrap data prepare --input PATH... --out DIR`: tokenize a corpus
+into the token shards a bootstrap serves with `--data-dir DIR` (bootstrap/data_cli.py). Settings are loaded by
 `node.config.load_bootstrap_config` (defaults < bootstrap.toml < HIVENODE_BOOTSTRAP < flags; docs/config.md).
 Errors: one line on stderr, exit 1 (2 for usage)."""
 
@@ -76,6 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["tokenizer"]:
         return tokenizer_command(args[1:])
+    if args[:1] == ["data"]:
+        from bootstrap.data_cli import data_command
+
+        return data_command(args[1:])
     try:
         config = load_bootstrap_config(args)
     except ConfigError as e:

@@ -3,7 +3,8 @@
 It runs a hivemind DHT peer with a persistent identity (stable peer id; with a fixed listen port, a stable
 multiaddr across restarts), signs the run manifest with the owner key, publishes it under the run's manifest key
 and the well-known discovery key (and re-publishes it before it expires), heartbeats as role `bootstrap`, and
-serves `GET /api/status`, `GET /api/swarm`, `GET /metrics` and `/` (static files under bootstrap/static/).
+serves `GET /api/status`, `GET /api/swarm`, `GET /metrics` and `/` (static files under bootstrap/static/), the run's
+tokenizer by hash and, with `--data-dir`, its token shards (`/api/data/`, bootstrap/data_serve.py).
 
 The bootstrap keeps the swarm's history itself (`node.status.swarm_view.SwarmHistory`): every snapshot of the records
 (taken each heartbeat period even when nobody polls) is fed to it, with the merge details the active syncer lists
@@ -35,6 +36,7 @@ import aiohttp
 from aiohttp import web
 from hivemind.utils import get_dht_time
 
+from bootstrap.data_serve import DataApi, load_data
 from bootstrap.gauges import SwarmGauges
 from bootstrap.ledger import LEDGER_FILENAME, ContributionLedger, LeaderboardApi
 from bootstrap.owner_roles import OwnerRole, OwnerRoles, local_join_maddr, prepare_roles
@@ -145,6 +147,7 @@ class Bootstrap:
         self.identity = identity
         self.owner = owner
         self.manifest, self.tokenizer_blob = load_tokenizer(config, manifest)
+        self.manifest, self.data = load_data(config, self.manifest)
         manifest = self.manifest
         self.signed = SignedManifest.sign(manifest, owner)
         self.rules = RunRules.from_manifest(self.signed, manifest)
@@ -355,6 +358,8 @@ class Bootstrap:
         app.router.add_get("/api/swarm", self._handle_swarm)
         app.router.add_get("/metrics", self._handle_metrics)
         app.router.add_get("/api/tokenizer/{sha256}", self._handle_tokenizer)
+        if self.data is not None:
+            DataApi(self.data).add_routes(app)
         if self.ledger is not None:
             LeaderboardApi(self.ledger, self.swarm_document).add_routes(app)
         app.router.add_get("/", self._handle_index)

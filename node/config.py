@@ -140,6 +140,9 @@ class BootstrapConfig:
     owner_key_path: Path | None = None  # key that signs the manifest; none = the identity
     run_path: Path | None = None  # run.toml; none = the built-in default run
     tokenizer_path: Path | None = None  # a BPE tokenizer.json: its hash goes in the manifest, peers fetch it
+    # a folder of token shards (`python -m bootstrap data prepare`): its index hash goes in the manifest and the
+    # shards are served by hash at /api/data/; none = the run's own data spec (the built-in corpus by default)
+    data_dir: Path | None = None
     authorize_syncers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized syncers
     authorize_verifiers: tuple[str, ...] = ()  # peer ids added to the manifest's authorized verifiers
     # peer ids of the run's other bootstraps (ours is added when its key is not the owner's): only these are
@@ -600,6 +603,7 @@ def build_bootstrap_parser() -> argparse.ArgumentParser:
         metavar="tokenizer.json",
         help="the run's BPE tokenizer (python -m bootstrap tokenizer train); default: raw bytes",
     )
+    add("--data-dir", type=Path, metavar="DIR", help="token shards to serve (bootstrap data prepare)")
     add(
         "--state-dir",
         type=Path,
@@ -639,6 +643,7 @@ def _bootstrap_flags(args: argparse.Namespace) -> dict[str, Any]:
         "owner_key_path": args.owner_key,
         "run_path": args.run,
         "tokenizer_path": args.tokenizer,
+        "data_dir": args.data_dir,
         "authorize_syncers": args.authorize_syncer,
         "authorize_verifiers": args.authorize_verifier,
         "authorize_bootstraps": args.authorize_bootstrap,

@@ -128,3 +128,13 @@ class JoinError(HivenodeError):
 class TokenizerMismatch(HivenodeError):
     """A tokenizer's bytes do not hash to the sha256 the signed run manifest names (or its vocabulary size
     differs): a wrong file, a tampered download, or a bootstrap serving another run's tokenizer. Refused."""
+
+
+class DataError(HivenodeError):
+    """Prepared training data cannot be used: a malformed shard index, an input format this install cannot read,
+    or shards that are not the ones the signed run manifest names."""
+
+
+class ShardMismatch(DataError):
+    """A shard's bytes do not hash to the name the run's shard index gives it (a corrupt file on disk, a truncated
+    or tampered download, a bootstrap serving another run's data). Refused: deleted and fetched again."""

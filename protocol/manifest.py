@@ -55,6 +55,7 @@ _SIGN_DOMAIN = b"hivenode-manifest-v1\x00"
 _RUN_ID_DOMAIN = b"hivenode-run-id-v2\x00"  # v2: the hash covers the identity part only
 # The top-level settings that make the run's identity (plus diloco.num_fragments, which fixes the checkpoint's
 # version vector); every other setting is operational and may change under the same run id.
+SHARDS_SOURCE = "shards"  # data.source of a run trained on prepared token shards (node.ml.shards)
 IDENTITY_KEYS = ("name", "seed", "model", "num_stages", "data", "tokenizer")
 _FLOAT32_BYTES = 4
 _INT64_BYTES = 8
@@ -237,7 +238,9 @@ class RunManifest:
     # settings as scalars, the ledger's and the spot checks' as the sub-tables `ledger` and `spot`; empty = defaults
     sentinel: dict[str, Scalar | dict[str, Scalar]] = field(default_factory=dict)
     bans_required: int = 1  # distinct authorized verifier signatures before a ban takes effect
-    data: dict[str, Scalar] = field(default_factory=lambda: {"source": "builtin"})  # corpus spec
+    # corpus spec: {source = "builtin"}, a path, or {source = "shards", index_sha256 = ...}: token shards the
+    # bootstrap serves (`--data-dir`), named by the sha256 of their index, so the run's identity names its tokens
+    data: dict[str, Scalar] = field(default_factory=lambda: {"source": "builtin"})
     authorized_syncers: tuple[str, ...] = ()  # peer ids
     authorized_verifiers: tuple[str, ...] = ()  # peer ids
     # peer ids of the run's entry points besides the owner key (a bootstrap whose DHT key is not the owner's):
@@ -268,6 +271,12 @@ class RunManifest:
         _check_sentinel_table(self.sentinel)
         _check_scalar_table("data", self.data)
         _require(isinstance(self.data.get("source"), str), "data.source must be a string")
+        if self.data.get("source") == SHARDS_SOURCE:  # prepared token shards, named by their index's hash
+            index = self.data.get("index_sha256")
+            _require(
+                isinstance(index, str) and len(index) == 64 and set(index) <= set("0123456789abcdef"),
+                'data.source = "shards" needs index_sha256, 64 lowercase hex digits',
+            )
         _check_peer_ids("authorized_syncers", self.authorized_syncers)
         _check_peer_ids("authorized_verifiers", self.authorized_verifiers)
         _check_peer_ids("bootstraps", self.bootstraps)

@@ -20,6 +20,7 @@ import sysconfig
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -183,16 +184,29 @@ class TokenStream:
         window = self.tokens[index].long()
         return window[:, :-1], window[:, 1:]
 
+    def num_starts(self, context_len: int) -> int:
+        """How many windows of `context_len + 1` tokens start in the stream."""
+        return max(0, len(self) - context_len)
+
     def check_fits(self, context_len: int) -> None:
         if len(self) < context_len + 1:
             raise ValueError(f"stream of {len(self)} tokens is shorter than one window of {context_len + 1}")
+
+
+class TokenSource(Protocol):
+    """What batches are cut from: a `TokenStream` in memory or a `node.ml.shards.ShardStream` of memmaps."""
+
+    def __len__(self) -> int: ...
+    def num_starts(self, context_len: int) -> int: ...
+    def check_fits(self, context_len: int) -> None: ...
+    def windows(self, starts: torch.Tensor, context_len: int) -> Batch: ...
 
 
 class BatchSampler:
     """Random windows of a stream, drawn from the caller's generator: (inputs, targets) int64 [B, T]."""
 
     def __init__(
-        self, stream: TokenStream, *, batch_size: int, context_len: int, generator: torch.Generator
+        self, stream: TokenSource, *, batch_size: int, context_len: int, generator: torch.Generator
     ) -> None:
         if batch_size < 1 or context_len < 1:
             raise ValueError(f"batch_size and context_len must be >= 1, got {batch_size}, {context_len}")
@@ -203,9 +217,10 @@ class BatchSampler:
         self.generator = generator
 
     def next_batch(self) -> Batch:
-        high = len(self.stream) - self.context_len  # exclusive: the last window ends at the last token
+        stream = self.stream  # read once: a learner may swap in another stream between batches
+        high = stream.num_starts(self.context_len)  # exclusive: the last window ends at the last token
         starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
-        return self.stream.windows(starts, self.context_len)
+        return stream.windows(starts, self.context_len)
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -215,14 +230,14 @@ class BatchSampler:
 
 
 def validation_batches(
-    source: Corpus | TokenStream, *, batch_size: int, context_len: int, num_batches: int
+    source: Corpus | TokenSource, *, batch_size: int, context_len: int, num_batches: int
 ) -> list[Batch]:
     """A fixed list of held-out batches: windows evenly spaced over the whole validation stream."""
     stream = source.validation_stream() if isinstance(source, Corpus) else source
     if batch_size < 1 or num_batches < 1:
         raise ValueError(f"batch_size and num_batches must be >= 1, got {batch_size}, {num_batches}")
     stream.check_fits(context_len)
-    last_start = len(stream) - context_len - 1
+    last_start = stream.num_starts(context_len) - 1
     starts = torch.linspace(0, last_start, batch_size * num_batches).round().long()
     return [stream.windows(chunk, context_len) for chunk in starts.split(batch_size)]
 

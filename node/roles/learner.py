@@ -2,7 +2,9 @@
 `FragmentSync` that is a Decoupled DiLoCo learner for every fragment of the run.
 
 Life of a learner: build the model from the manifest's seed, load the corpus (`--data` or the run's data
-spec, else the built-in one) and take the shard `shard_for(peer_id, num_shards)`, start the sync client's
+spec, else the built-in one) and take the shard `shard_for(peer_id, num_shards)` (a run on prepared token
+shards instead downloads the shards the assignment gives it among the live learners, and follows churn:
+node.roles.shard_data), start the sync client's
 sender and watcher as supervised tasks, download the current global fragments from the syncer (late
 joiners and restarted learners; with no syncer in `join_timeout_s` it starts from the seed, which is
 version 0), then step. Each inner step runs in a worker thread (`asyncio.to_thread`), so the event loop
@@ -35,6 +37,7 @@ from node.diloco.sync_types import SyncClientConfig
 
 if TYPE_CHECKING:
     from node.context import NodeContext
+    from node.roles.shard_data import ShardData
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +55,16 @@ class LearnerConfig:
     join_timeout_s: float = 30.0  # how long to look for a syncer before starting from the seed
     poll_wait_s: float = 5.0  # versions long-poll bound
     torch_threads: int = 0  # torch intra-op threads for the inner step (0 = torch's default)
+    data_rebalance_s: float = (
+        30.0  # token-shard runs: how often the shard assignment is checked against churn
+    )
 
     def __post_init__(self) -> None:
         for name in ("min_step_s",):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"learner.{name} must be a number >= 0, got {value!r}")
-        for name in ("join_timeout_s", "poll_wait_s"):
+        for name in ("join_timeout_s", "poll_wait_s", "data_rebalance_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"learner.{name} must be a positive number, got {value!r}")
@@ -116,13 +122,20 @@ class LearnerRole:
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._sampler: Any = None
+        self._shards: ShardData | None = None  # the run's token shards, when it trains on them
+        self.assigned: tuple[str, ...] = ()  # the shards the assignment gives us now
 
     async def run(self, ctx: NodeContext, stop: asyncio.Event) -> None:
         from node.context import RestartPolicy
 
         if self.config.torch_threads:
             torch.set_num_threads(self.config.torch_threads)
-        held_out = await asyncio.to_thread(self._prepare)
+        from node.roles.shard_data import uses_shards
+
+        streams = await self._open_shards() if uses_shards(ctx.manifest) else (None, None)
+        held_out = await asyncio.to_thread(self._prepare, *streams)
+        if self._shards is not None:
+            ctx.supervisor.spawn("data-rebalance", partial(self._rebalance, stop), policy=RestartPolicy())
         plan = run_fragment_plan(ctx.manifest)
         p2p = await ctx.dht.replicate_p2p()
         transport = learner_attack_from_env(  # only ever through HIVENODE_UNSAFE_LEARNER_ATTACK (benchmarks)
@@ -163,8 +176,9 @@ class LearnerRole:
         self.state = "training"
         await self._train(stop, held_out)
 
-    def _prepare(self) -> list[Any]:
-        """Model, optimizer, data shard, held-out batches (in a worker thread: torch and file I/O)."""
+    def _prepare(self, train: Any = None, held: Any = None) -> list[Any]:
+        """Model, optimizer, data, held-out batches (in a worker thread: torch and file I/O). `train`/`held`:
+        memmap streams of the run's token shards; None: the corpus of `--data` or the run's data spec."""
         from node.ml.data import BatchSampler, load_corpus, shard_for, validation_batches
         from node.ml.model import ModelConfig, build_model
 
@@ -175,32 +189,63 @@ class LearnerRole:
         inner = manifest.inner
         self._optimizer = torch.optim.AdamW(model.parameters(), lr=inner.lr, weight_decay=inner.weight_decay)
         self._model = model
-        corpus = load_corpus(ctx.config.data or _data_spec(manifest)).with_encoder(ctx.encode)
-        self.shard = shard_for(ctx.peer_id, self.config.num_shards)
-        stream = corpus.train_stream(self.shard, self.config.num_shards)
+        if train is None:
+            corpus = load_corpus(ctx.config.data or _data_spec(manifest)).with_encoder(ctx.encode)
+            self.shard = shard_for(ctx.peer_id, self.config.num_shards)
+            train, held = corpus.train_stream(self.shard, self.config.num_shards), corpus
         seed = (manifest.seed * 1_000_003 + int.from_bytes(ctx.peer_id.encode()[-8:], "big")) % (2**63)
         self._sampler = BatchSampler(
-            stream,
+            train,
             batch_size=inner.batch_size,
             context_len=cfg.context_len,
             generator=torch.Generator().manual_seed(seed),
         )
         logger.info(
-            "learner: shard %d/%d (%d tokens), batch %d x %d",
-            self.shard,
-            self.config.num_shards,
-            len(stream),
+            "learner: shard %s (%d tokens), batch %d x %d",
+            self.shard
+            if self._shards is None
+            else f"{len(self.assigned)} of {len(self._shards.index.train)}",
+            len(train),
             inner.batch_size,
             cfg.context_len,
         )
-        if not self.config.eval_every_steps:
+        if not self.config.eval_every_steps or held is None:
             return []
         return validation_batches(
-            corpus,
+            held,
             batch_size=inner.batch_size,
             context_len=cfg.context_len,
             num_batches=self.config.eval_batches,
         )
+
+    async def _open_shards(self) -> tuple[Any, Any]:
+        """Our share of the run's token shards (and the held-out ones), downloaded and verified."""
+        from node.roles.shard_data import live_learners, open_shard_data
+
+        ctx = self.ctx
+        self._shards = await open_shard_data(ctx)
+        self.assigned = self._shards.assignment(ctx.peer_id, await live_learners(ctx)).shards_for(ctx.peer_id)
+        train = await self._shards.stream(self.assigned)
+        held = await self._shards.heldout_stream() if self.config.eval_every_steps else None
+        ctx.events.emit("learner_shards", shards=len(self.assigned), tokens=len(train))
+        return train, held
+
+    async def _rebalance(self, stop: asyncio.Event) -> None:
+        """Every `data_rebalance_s`: recompute the assignment over the live learners; on a change, fetch the new
+        shards and swap the sampler's stream between two steps."""
+        from node.context import wait_or_stop
+        from node.roles.shard_data import live_learners
+
+        assert self._shards is not None
+        while not await wait_or_stop(stop, self.config.data_rebalance_s):
+            live = await live_learners(self.ctx)
+            mine = self._shards.assignment(self.ctx.peer_id, live).shards_for(self.ctx.peer_id)
+            if mine == self.assigned:
+                continue
+            stream = await self._shards.stream(mine)
+            self._sampler.stream, self.assigned = stream, mine
+            logger.info("learner set changed (%d live): now training on %d shards", len(live), len(mine))
+            self.ctx.events.emit("learner_shards", shards=len(mine), tokens=len(stream), learners=len(live))
 
     async def _train(self, stop: asyncio.Event, held_out: list[Any]) -> None:
         from node.context import wait_or_stop
@@ -261,6 +306,7 @@ class LearnerRole:
             "held_out_loss": self.held_out_loss,
             "throughput": round(self._throughput.rate(), 1),
             "shard": self.shard,
+            "data_shards": len(self.assigned) if self._shards is not None else None,
             "joined_from_syncer": self.joined_from_syncer,
             "barrier_wait_s": round(self.barrier_wait_s, 3),
             "min_step_s": self.config.min_step_s,

@@ -284,13 +284,23 @@ class SyncerRole:
             screening=self.config.screening,
         )
 
+    async def _held_out_shards(self) -> Any:
+        """The run's held-out token shards as a memmap stream, when it trains on shards (else None)."""
+        from node.roles.shard_data import open_shard_data, uses_shards
+
+        if not uses_shards(self.ctx.manifest):
+            return None
+        return await (await open_shard_data(self.ctx)).heldout_stream()
+
     async def _load_eval(self) -> None:
-        self._eval = await asyncio.to_thread(build_eval, self.ctx, self.config)
+        held = await self._held_out_shards()
+        self._eval = await asyncio.to_thread(build_eval, self.ctx, self.config, held)
         if self.active:
             await self._evaluate()  # the loss the run starts (or resumes) from
 
     async def _load_probe(self) -> None:
-        self.probe = await asyncio.to_thread(build_probe, self.ctx, self.config.screening)
+        held = await self._held_out_shards()
+        self.probe = await asyncio.to_thread(build_probe, self.ctx, self.config.screening, held)
         logger.info("held-out loss probe ready: contributions are scored before they merge")
 
     async def _shutdown(self) -> None:
@@ -640,16 +650,18 @@ async def restore_best(
     return best[1], seen_term
 
 
-def build_eval(ctx: NodeContext, config: SyncerConfig) -> tuple[Any, list[Any]]:
-    """The syncer's held-out set and a model to evaluate the global parameters in (seeded; overwritten)."""
+def build_eval(ctx: NodeContext, config: SyncerConfig, held: Any = None) -> tuple[Any, list[Any]]:
+    """The syncer's held-out set and a model to evaluate the global parameters in (seeded; overwritten).
+    `held`: the run's held-out token shards; None: the held-out split of the corpus."""
     from node.ml.data import load_corpus, validation_batches
     from node.ml.model import ModelConfig, build_model
 
     manifest = ctx.manifest
     cfg = ModelConfig.from_dict(manifest.model)
-    corpus = load_corpus(ctx.config.data or _data_spec(manifest)).with_encoder(ctx.encode)
+    if held is None:
+        held = load_corpus(ctx.config.data or _data_spec(manifest)).with_encoder(ctx.encode)
     batches = validation_batches(
-        corpus,
+        held,
         batch_size=config.eval_batch_size,
         context_len=cfg.context_len,
         num_batches=config.eval_batches,
@@ -657,7 +669,7 @@ def build_eval(ctx: NodeContext, config: SyncerConfig) -> tuple[Any, list[Any]]:
     return build_model(cfg, manifest.seed), batches
 
 
-def build_probe(ctx: NodeContext, screening: ScreeningConfig) -> LossProbe:
+def build_probe(ctx: NodeContext, screening: ScreeningConfig, held: Any = None) -> LossProbe:
     """The held-out loss-delta probe: a model the scored parameters are copied into, and private held-out batches
     (validation windows at offsets drawn from OS randomness, so no learner knows which it is scored on)."""
     import secrets
@@ -667,10 +679,10 @@ def build_probe(ctx: NodeContext, screening: ScreeningConfig) -> LossProbe:
 
     manifest = ctx.manifest
     cfg = ModelConfig.from_dict(manifest.model)
-    stream = load_corpus(ctx.config.data or _data_spec(manifest)).validation_stream()
+    stream = held or load_corpus(ctx.config.data or _data_spec(manifest)).validation_stream()
     stream.check_fits(cfg.context_len)
     gen = torch.Generator().manual_seed(secrets.randbits(63))
-    last_start = len(stream) - cfg.context_len - 1
+    last_start = stream.num_starts(cfg.context_len) - 1
     starts = torch.randint(
         0, last_start + 1, (screening.loss_batches, screening.loss_batch_size), generator=gen
     )

@@ -209,7 +209,7 @@ class VerifierRole:
         )
         self.driver.on_failure = self._on_failure
         self._transport = transport
-        sampler, held_out = self._data(ctx)
+        sampler, held_out = self._data(ctx, *await self._shard_streams(ctx))
         await self._refresh_replicas()
         ctx.supervisor.spawn("verifier-replicas", partial(self._refresh_loop, stop))
         ctx.supervisor.spawn("verifier-receipts", partial(self._receipt_loop, stop))
@@ -225,22 +225,38 @@ class VerifierRole:
             await self._evaluate(held_out)
             await self._send_receipts()
 
-    def _data(self, ctx: NodeContext) -> tuple[BatchSampler, list[Batch]]:
-        source = ctx.config.data
-        if source is None and ctx.manifest.data.get("source") not in (None, "builtin"):
-            source = str(ctx.manifest.data["source"])
-        corpus = load_corpus(source).with_encoder(ctx.encode)
+    async def _shard_streams(self, ctx: NodeContext) -> tuple[Any, Any]:
+        """On a token-shard run: the training shards the assignment gives us among the authorized verifiers (the
+        pipeline's data drivers), and the held-out shards; else (None, None): the corpus."""
+        from node.roles.shard_data import open_shard_data, uses_shards
+
+        if not uses_shards(ctx.manifest):
+            return None, None
+        data = await open_shard_data(ctx)
+        verifiers = list(self.manifest.authorized_verifiers)
+        mine = data.assignment(ctx.peer_id, verifiers).shards_for(ctx.peer_id)
+        return await data.stream(mine), await data.heldout_stream()
+
+    def _data(
+        self, ctx: NodeContext, train: Any = None, held: Any = None
+    ) -> tuple[BatchSampler, list[Batch]]:
         verifiers = sorted(self.manifest.authorized_verifiers)
         shard = verifiers.index(ctx.peer_id)
+        if train is None:
+            source = ctx.config.data
+            if source is None and ctx.manifest.data.get("source") not in (None, "builtin"):
+                source = str(ctx.manifest.data["source"])
+            corpus = load_corpus(source).with_encoder(ctx.encode)
+            train, held = corpus.train_stream(shard, len(verifiers)), corpus
         seed = (self.manifest.seed * 1_000_003 + shard) % (2**63)
         sampler = BatchSampler(
-            corpus.train_stream(shard, len(verifiers)),
+            train,
             batch_size=self.microbatch_size,
             context_len=self.shape.context_len,
             generator=torch.Generator().manual_seed(seed),
         )
         held_out = validation_batches(
-            corpus,
+            held,
             batch_size=self.microbatch_size,
             context_len=self.shape.context_len,
             num_batches=self.config.eval_batches,

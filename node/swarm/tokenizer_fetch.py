@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 
 def tokenizer_urls(sha256: str, join: Iterable[str], peers: Sequence[Any]) -> list[str]:
     """Where to ask, in order: bootstraps joined by URL, then every live peer announcing role bootstrap."""
+    return [f"{base}/api/tokenizer/{sha256}" for base in bootstrap_bases(join, peers)]
+
+
+def bootstrap_bases(join: Iterable[str], peers: Sequence[Any]) -> list[str]:
+    """HTTP bases (`http://host:port`) of the bootstraps: joined by URL, then live peers with role bootstrap."""
     bases: list[str] = []
     for entry in join:
         if entry.startswith(("http://", "https://")):
@@ -33,8 +38,7 @@ def tokenizer_urls(sha256: str, join: Iterable[str], peers: Sequence[Any]) -> li
         heartbeat = getattr(peer, "heartbeat", None)
         if heartbeat is not None and heartbeat.role == "bootstrap" and heartbeat.http:
             bases.append(f"http://{heartbeat.http}")
-    unique = list(dict.fromkeys(bases))
-    return [f"{base}/api/tokenizer/{sha256}" for base in unique]
+    return list(dict.fromkeys(bases))
 
 
 async def fetch_tokenizer(url: str, spec: dict[str, Any], *, timeout_s: float) -> Tokenizer:
