@@ -679,7 +679,10 @@ def build_probe(ctx: NodeContext, screening: ScreeningConfig, held: Any = None) 
 
     manifest = ctx.manifest
     cfg = ModelConfig.from_dict(manifest.model)
-    stream = held or load_corpus(ctx.config.data or _data_spec(manifest)).validation_stream()
+    stream = (
+        held
+        or load_corpus(ctx.config.data or _data_spec(manifest)).with_encoder(ctx.encode).validation_stream()
+    )
     stream.check_fits(cfg.context_len)
     gen = torch.Generator().manual_seed(secrets.randbits(63))
     last_start = stream.num_starts(cfg.context_len) - 1
