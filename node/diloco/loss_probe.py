@@ -104,6 +104,7 @@ class LossBound:
         self.tolerance, self.mad_factor = tolerance, mad_factor
         self.history, self.min_history = history, min_history
         self._scores: dict[int, deque[float]] = {}
+        self._outcomes: dict[int, deque[tuple[str, bool]]] = {}  # per fragment: (peer, passed), recent scores
 
     def bound(self, fragment: int, before: float) -> tuple[float, str]:
         """(the highest loss delta accepted, what set it)."""
@@ -124,6 +125,18 @@ class LossBound:
         if score.delta <= bound:
             return None
         return f"held-out loss {score.before:.4g} -> {score.after:.4g} ({score.delta:+.4g} > {bound:+.4g}: {basis})"
+
+    def judge(self, fragment: int, score: LossScore, peer: str) -> tuple[str | None, bool]:
+        """(`check`'s reason, whether a failure is blamed on `peer`). Blamed only when another peer's contribution
+        to the fragment passed among the recent scores: when nobody's work lowers the held-out loss enough (a
+        learning rate too high for the batch, a model set back), the bound is wrong for this run, not the peer;
+        the contribution is still refused, but no honest volunteer is banned for it. An attacker's ascent steps
+        are blamed as soon as one honest learner passes."""
+        reason = self.check(fragment, score)
+        window = self._outcomes.setdefault(fragment, deque(maxlen=self.history))
+        corroborated = any(other != peer and passed for other, passed in window)
+        window.append((peer, reason is None))
+        return reason, corroborated
 
     def commit(self, fragment: int, deltas: list[float]) -> None:
         """The scores of a published merge's participants."""

@@ -37,7 +37,7 @@ import logging
 import math
 from collections import Counter, deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -130,6 +130,7 @@ class Verdict:
     params: dict[str, torch.Tensor] | None  # float32, clipped if CLIPPED; None when rejected
     norm: float = math.nan  # the delta's norm as it will be merged (after clipping)
     cosine: float | None = None  # with the recent merged direction, when that was checked
+    blame: bool = True  # a rejection the sender answers for (ledger, bans); see LossBound.judge
 
     @property
     def accepted(self) -> bool:
@@ -172,13 +173,18 @@ class ContributionScreen:
             min_history=c.min_history,
         )
 
-    def check_loss(self, fragment: int, score: LossScore | None) -> Verdict | None:
-        """The rejection of a contribution whose held-out loss-delta score is over the bound; None if it passes
-        (or was not scored: the probe off, its data not loaded yet)."""
+    def check_loss(self, fragment: int, score: LossScore | None, peer: str = "") -> Verdict | None:
+        """The rejection of `peer`'s contribution whose held-out loss-delta score is over the bound; None if it
+        passes (or was not scored: the probe off, its data not loaded yet). Blamed only when corroborated
+        (`LossBound.judge`)."""
         if score is None or not (self.config.enabled and self.config.loss_probe):
             return None
-        reason = self.loss.check(fragment, score)
-        return None if reason is None else self._reject(LOSS, reason)
+        reason, corroborated = self.loss.judge(fragment, score, peer)
+        if reason is None:
+            return None
+        if not corroborated:
+            reason += " (not blamed: no other peer's work passed lately)"
+        return replace(self._reject(LOSS, reason), blame=corroborated)
 
     def check(
         self,
@@ -187,9 +193,10 @@ class ContributionScreen:
         base: Mapping[str, torch.Tensor] | None,
         current: Mapping[str, torch.Tensor],
         loss: LossScore | None = None,
+        peer: str = "",
     ) -> Verdict:
-        """Screen a contribution to `fragment` built on `base` (its base version's tensors; None: unknown, taken
-        as `current`, the fragment's global tensors now, as the merge does); `loss`: its held-out score, if
+        """Screen `peer`'s contribution to `fragment` built on `base` (its base version's tensors; None: unknown,
+        taken as `current`, the fragment's global tensors now, as the merge does); `loss`: its held-out score, if
         measured."""
         if not self.config.enabled:
             return Verdict(tag=ACCEPTED, reason="not screened", params=_float32(params))
@@ -204,7 +211,7 @@ class ContributionScreen:
         cosine = self._cosine(fragment, deltas, norm)
         if cosine is not None and cosine < self.config.min_cosine:
             return self._reject(DIRECTION, f"direction cos {cosine:.2f} < {self.config.min_cosine:g}")
-        if (rejected := self.check_loss(fragment, loss)) is not None:
+        if (rejected := self.check_loss(fragment, loss, peer)) is not None:
             return rejected
         if norm <= clip_at:
             self.counts[ACCEPTED] += 1

@@ -491,9 +491,9 @@ class SyncerCore:
         key = (peer, fragment, base_version, nonce)
         check_base(self, fragment, base_version, key)
         base = self.history.at(fragment, base_version)  # None: unknown, taken as current
-        verdict = self.screen.check(fragment, params, base, self.fragment_tensors(fragment), loss)
-        if verdict.params is None:  # blamed: the sender built it, and the strikes count it per peer
-            raise refuse(verdict.tag, verdict.reason, blame=True)
+        verdict = self.screen.check(fragment, params, base, self.fragment_tensors(fragment), loss, peer)
+        if verdict.params is None:  # blamed as a rule: the sender built it, and the strikes count it per peer
+            raise refuse(verdict.tag, verdict.reason, blame=verdict.blame)
         if steps > 0 and (copied := self._copied(peer, fragment, verdict.params, base)) is not None:
             raise refuse(*copied, blame=True)  # no work of its own: it earns nothing
         steps, tokens, capped, elapsed = new_counters(self, peer, fragment, base_version, steps, tokens, now)

@@ -160,6 +160,38 @@ def test_a_sign_flipped_contribution_at_an_honest_norm_is_rejected_by_the_loss_s
     assert h.c.screen.status()[LOSS] == 1
 
 
+def test_a_loss_refusal_is_blamed_only_when_another_peers_work_passed() -> None:
+    """Nobody passing means the bound does not fit the run (honest learners whose steps all raise the held-out
+    loss): refused, but not blamed, so no honest volunteer is banned for it. Once an honest peer passes, the
+    ascent step is blamed (the control)."""
+    h = Harness(ScreeningConfig())
+    with pytest.raises(Refusal) as alone:
+        h.push("evil", flipped(h.c, trained(h.c, seed=7)))
+    assert alone.value.reason == LOSS and not alone.value.blame_sender
+    assert "not blamed" in str(alone.value)
+    with pytest.raises(Refusal) as again:  # its own refusals never corroborate one another
+        h.push("evil", flipped(h.c, trained(h.c, seed=8)))
+    assert not again.value.blame_sender
+    h.push("honest", trained(h.c, seed=1))
+    with pytest.raises(Refusal) as blamed:
+        h.push("evil", flipped(h.c, trained(h.c, seed=9)))
+    assert blamed.value.reason == LOSS and blamed.value.blame_sender
+
+
+def test_judge_counts_only_other_peers_passes() -> None:
+    bound = LossBound(tolerance=0.02, mad_factor=3.0, history=4, min_history=4)
+    fail, ok = LossScore(before=3.0, after=3.3, cost_s=0.0), LossScore(before=3.0, after=2.9, cost_s=0.0)
+    assert bound.judge(0, fail, "a") == (bound.check(0, fail), False)
+    assert bound.judge(0, ok, "a") == (None, False)
+    assert bound.judge(0, fail, "a")[1] is False  # a's own pass does not corroborate a's failure
+    assert bound.judge(1, ok, "b") == (None, False)  # another fragment's pass neither
+    assert bound.judge(0, ok, "b") == (None, True)
+    assert bound.judge(0, fail, "a")[1] is True
+    for _ in range(4):  # b's pass leaves the window of recent scores
+        bound.judge(0, fail, "c")
+    assert bound.judge(0, fail, "a")[1] is False
+
+
 def test_negative_control_without_the_probe_the_ascent_step_is_merged_and_raises_the_loss() -> None:
     h = Harness(ScreeningConfig(loss_probe=False))
     for seed in range(1, 4):
