@@ -155,6 +155,8 @@ class Swarm:
             str(self.run_path),
             "--state-dir",
             str(self.root / "bootstrap"),
+            "--no-syncer",  # the arm runs its own syncer; a second one would hold the lease and this one wait
+            "--no-verifier",
         ]
         self.group.start("bootstrap", [python, *bootstrap, "--maddrs-file", str(maddrs)])
         maddr = wait_for(lambda: maddrs.exists() and maddrs.read_text().split(), 60, "bootstrap")[0]
@@ -279,6 +281,10 @@ def summarize(
             sum(sum(w for p, w in m["weights"].items() if p in attackers) for m in merges)
             / max(1, len(merges)),
             4,
+        ),
+        # merges holding any of the attackers' weight (the undefended control shows its ascent steps entered)
+        "attacker_merges": sum(
+            1 for m in merges if any(w > 0 for p, w in m["weights"].items() if p in attackers)
         ),
         "detected_after_s": round(detected - t0, 2) if detected is not None else None,
         "time_to_ban_s": round(min(attacker_bans), 2) if attacker_bans else None,

@@ -19,14 +19,16 @@ DEADLINE_S = (
     100.0  # each arm runs until what it must show happened, or this (the assertions then say what not)
 )
 MERGES = 6
+ATTACKER_MERGES = 4
 
 
 def _defence_shown(summary: dict) -> bool:
     return summary["attackers_banned"] >= 1 and summary["merges"] >= MERGES
 
 
-def _merges_done(summary: dict) -> bool:
-    return summary["merges"] >= MERGES
+def _attack_merged(summary: dict) -> bool:
+    # the attacker may start training after the honest learners: wait for its work, not just for merges
+    return summary["merges"] >= MERGES and summary["attacker_merges"] >= ATTACKER_MERGES
 
 
 def test_a_sign_flipping_learner_is_refused_and_banned_and_without_the_screen_it_is_merged(
@@ -43,9 +45,10 @@ def test_a_sign_flipping_learner_is_refused_and_banned_and_without_the_screen_it
     assert defended["attacker_weight_share"] < 0.1
 
     undefended = run_arm(
-        tmp_path / "undefended", ARM, duration_s=DEADLINE_S, defended=False, until=_merges_done
+        tmp_path / "undefended", ARM, duration_s=DEADLINE_S, defended=False, until=_attack_merged
     )
     print(f"\nundefended: {undefended}")
     assert undefended["merges"] > 0 and undefended["attackers_banned"] == 0
-    assert undefended["attacker_weight_share_all"] > 0.15  # its ascent steps entered the model
+    assert undefended["attacker_merges"] >= ATTACKER_MERGES  # its ascent steps entered the model
+    assert undefended["attacker_weight_share_all"] > 0.1
     assert undefended["attacker_weight_share_all"] > 1.5 * defended["attacker_weight_share"]
