@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from node.app import run_node
 from node.config import (
@@ -20,7 +21,7 @@ from node.config import (
     reference_markdown,
     reference_text,
 )
-from node.context import LogContext, NodeContext, setup_logging
+from node.context import LogContext, NodeContext, exit_process, run_loop, setup_logging
 from protocol.errors import ConfigError, HivenodeError
 from protocol.identity import NodeIdentity
 from protocol.keys import is_peer_id
@@ -271,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_context = LogContext()
     setup_logging(config.log_level, log_context)
     try:
-        return asyncio.run(_run(config, log_context))
+        return run_loop(_run(config, log_context))
     except ConfigError as e:
         return _fail(e, EXIT_USAGE)
     except HivenodeError as e:
@@ -280,5 +281,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail("timed out waiting for the swarm (see the log above)")
 
 
+def cli() -> NoReturn:
+    """The console entry point (`hivenode`, `python -m node`)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

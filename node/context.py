@@ -11,11 +11,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
+import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info
 
@@ -298,3 +301,44 @@ async def wait_or_stop(stop: asyncio.Event, timeout_s: float) -> bool:
 
 def events_path(config: NodeConfig) -> Path:
     return config.state_dir / EVENTS_FILENAME
+
+
+EXIT_GRACE_S = 1.0  # how long a leaving process waits for a busy worker thread before it ends without it
+
+
+def run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """`asyncio.run(main)`, except that the default executor is not waited for: a worker thread still busy (a model
+    build or corpus load that a SIGTERM interrupted) must not hold up a node that has left the swarm; see
+    `exit_process`."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()  # shuts the default executor down without waiting for its threads
+
+
+def exit_process(code: int, grace_s: float = EXIT_GRACE_S) -> NoReturn:
+    """End the process with `code` once the worker threads are done, or after `grace_s`: the interpreter would
+    otherwise wait for every executor thread to finish its task (seconds to minutes for a model build). Called
+    after the node stopped, so nothing it committed is in those threads (checkpoints are written atomically)."""
+    deadline = time.monotonic() + grace_s
+    lingering = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    for thread in lingering:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in lingering):
+        names = ", ".join(t.name for t in lingering if t.is_alive())
+        logging.getLogger(__name__).info("not waiting for busy worker threads (%s)", names)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
