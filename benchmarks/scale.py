@@ -1,0 +1,589 @@
+"""Memory and state transfer at scale (issue 17, "Must show"): peak RSS of the syncer and of a learner through a full
+merge round of llama-124m, a llama-1b syncer core merging every fragment, a 1B pipeline stage's slice, and the time
+a late joiner takes to download the whole llama-124m state.
+
+Each measured party is a child process of its own (spawned), and reports its peak RSS from
+`resource.getrusage(RUSAGE_SELF).ru_maxrss`, so the parties do not count each other:
+
+* `round` (llama-124m, real loopback): a syncer process serves the real `SyncerService` routes (push, versions,
+  fetch) from a real `SyncerCore` (screening and the held-out loss probe on, a checkpoint written after the round)
+  on its own hivemind P2P daemon; a learner process trains the model (AdamW, short synthetic sequences) under the
+  real `FragmentSync` over `FramedSyncTransport` until every fragment was pushed, merged and applied back; then a
+  late joiner process downloads every fragment (`FragmentSync.join_global`), timed.
+* `core_1b` (llama-1b, no network): a `SyncerCore` merges every fragment from two synthetic contributions each
+  (the learner's params plus noise), screening on (the loss probe off: two 1B forwards per contribution on this
+  CPU take minutes), and takes its checkpoint snapshot. It runs only when the machine has the memory free (else
+  the JSON says why it was skipped).
+* `stage_1b`: the parameter bytes of the largest pipeline stage of llama-1b (counted on the meta device).
+
+The syncer's goal is peak RSS <= model bytes + 2 fragments; `syncer_rss_ratio_*` is peak / (model bytes + 2 x the
+largest fragment's bytes). By design the core holds more than one model: the global parameters, the outer Nesterov
+momentum (one more model once every fragment merged), and the versions a contribution may still be built on
+(`max_staleness`); docs/scale.md has what each costs.
+
+Run: `python -m benchmarks.scale` (everything; the 1B part needs ~16 GiB free, run it with nothing else big
+running), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import resource
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+GiB = 1 << 30
+NAME = "scale"
+SEQ = 64  # tokens per training sequence (short: the round measures memory, not throughput)
+TOKENIZER: dict[str, str | int | float | bool] = {
+    "sha256": "0" * 64,
+    "vocab_size": 32000,
+}  # a 32k BPE vocabulary, as the presets' sizes assume
+RUN_ID = "5c" * 20
+
+
+# ---------------------------------------------------------------------------------------------- shared
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (0 if unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def manifest(preset: str, *, num_fragments: int = 4, num_stages: int = 1) -> Any:
+    from protocol.manifest import DilocoSpec, RunManifest
+
+    tokenizer = {} if preset == "llama-tiny" else dict(TOKENIZER)
+    spec = DilocoSpec(
+        num_fragments=num_fragments,
+        sync_every_steps=num_fragments + 1,
+        overlap_steps=1,
+        min_sync_interval_s=0.0,
+        min_quorum=1,
+        grace_gamma=0.0,
+    )
+    return RunManifest(model={"preset": preset}, tokenizer=tokenizer, num_stages=num_stages, diloco=spec)
+
+
+def sizes(run: Any) -> dict[str, int]:
+    """Model bytes and the largest fragment's bytes (fp32), from the run's fragment plan."""
+    from node.diloco.sync_client import run_fragment_plan
+
+    plan = run_fragment_plan(run)
+    return {
+        "model_bytes": plan.total_params * 4,
+        "fragment_bytes": max(f.num_params for f in plan.fragments) * 4,
+        "num_fragments": plan.num_fragments,
+    }
+
+
+def learnable_batch(vocab: int, rows: int, seed: int) -> tuple[Any, Any]:
+    """Sequences of token t+1 = (3 t + 1) mod vocab: training lowers the held-out loss the probe measures."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    seq = [torch.randint(0, vocab, (rows, 1), generator=gen)]
+    for _ in range(SEQ):
+        seq.append((seq[-1] * 3 + 1) % vocab)
+    tokens = torch.cat(seq, dim=1)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def new_core(run: Any, params: Any, screening: Any) -> Any:
+    import time as _time
+
+    from node.diloco.quorum import QuorumConfig
+    from node.diloco.sync_client import run_fragment_plan
+    from node.diloco.syncer_core import SyncerCore
+    from node.ml.model import ModelConfig, embedding_param_names
+
+    cfg = ModelConfig.from_dict(run.model)
+    return SyncerCore(
+        run_fragment_plan(run),
+        params,
+        quorum=QuorumConfig.decoupled(1, grace_gamma=0.0),
+        embedding_names=embedding_param_names(cfg),
+        outer_lr=run.diloco.outer_lr,
+        outer_momentum=run.diloco.outer_momentum,
+        clip_factor=3.0,
+        max_staleness=2,
+        max_steps_per_s=50.0,
+        tokens_per_step=SEQ,
+        now=_time.monotonic(),
+        screening=screening,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- the syncer
+
+
+class Host:
+    """What `SyncerService` reads of the syncer role (node.roles.syncer_rpc.SyncerHost), with every caller taken
+    as a live learner: the benchmark measures memory and transfer, not membership."""
+
+    def __init__(self, run: Any, identity: Any, core: Any, probe: Any) -> None:
+        from node.diloco.screening import ScreeningConfig
+        from node.diloco.sync_client import fragment_limits, run_fragment_plan
+        from node.roles.syncer import SyncerConfig
+        from protocol.rpc import PeerStrikes
+
+        events = SimpleNamespace(emit=lambda *a, **k: None)
+        self.ctx = SimpleNamespace(
+            manifest=run, run_id=RUN_ID, identity=identity, peer_id=identity.peer_id, events=events
+        )
+        self.config = SyncerConfig(screening=ScreeningConfig())
+        self.mode, self.term, self.primary, self.active = "decoupled", 1, None, True
+        self.plan = run_fragment_plan(run)
+        self.limits = fragment_limits(self.plan)
+        self.fragment_stage = [0] * self.plan.num_fragments
+        self.strikes = PeerStrikes()
+        self.core, self.probe = core, probe
+        self.recovering_until, self.adopted = 0.0, 0
+        self.fresh: set[tuple[str, int]] = set()
+        self.live: dict[str, Any] = {}
+        self.merge_lock, self.probe_lock = asyncio.Lock(), asyncio.Lock()
+        self.ban_outbox: Any = []
+        self.wake, self.published = asyncio.Event(), asyncio.Event()
+        self.p2p: Any = None
+
+    def holders(self, fragment: int) -> set[str]:
+        return set(self.live)
+
+    async def check_known(self, peer: str) -> None:
+        return None
+
+    def notify(self) -> None:
+        self.published.set()
+        self.published = asyncio.Event()
+
+
+def build_probe_for(run: Any) -> Any:
+    """The syncer's held-out loss probe as `node.roles.syncer.build_probe` makes it (the model's skeleton)."""
+    from functools import partial
+
+    from node.diloco.loss_probe import LossProbe
+    from node.ml.model import ModelConfig
+    from node.roles.syncer import model_skeleton, skeleton_loss
+
+    cfg = ModelConfig.from_dict(run.model)
+    held = [learnable_batch(cfg.vocab_size, 2, seed=1000 + i) for i in range(2)]
+    return LossProbe(partial(skeleton_loss, model_skeleton(cfg), batches=held))
+
+
+async def merge_until(host: Host, stop: Any, merges: list[Any]) -> None:
+    """The merge loop: every round that is due merges at once (K = 1, no grace), then its version is published."""
+    core = host.core
+    while not stop.is_set():
+        due, _ = core.due(time.monotonic(), lambda f: 1)
+        for fragment in due:
+            async with host.merge_lock:
+                record = await asyncio.to_thread(core.merge_now, fragment, 1, time.monotonic())
+            if record is not None:
+                merges.append(record.fragment)
+                host.notify()
+        await asyncio.sleep(0.05)
+
+
+async def syncer_main(preset: str, queue: Any, stop: Any) -> None:
+    from hivemind.p2p import P2P
+
+    from node.diloco.screening import ScreeningConfig
+    from node.ml.checkpoint import CheckpointStore
+    from node.ml.model import ModelConfig, build_model
+    from node.roles.syncer_rpc import SyncerService
+    from protocol.identity import NodeIdentity
+
+    run = manifest(preset)
+    with tempfile.TemporaryDirectory() as tmp:
+        identity = NodeIdentity.load_or_create(Path(tmp) / "syncer.key")
+        model = build_model(ModelConfig.from_dict(run.model), run.seed)
+        core = new_core(run, dict(model.named_parameters()), ScreeningConfig())
+        del model
+        host = Host(run, identity, core, build_probe_for(run))
+        p2p = await P2P.create(identity_path=str(identity.path), check_if_identity_free=False)
+        host.p2p = p2p
+        service = SyncerService(host)  # type: ignore[arg-type]
+        await service.start(p2p, lambda *a, **k: None)
+        maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+        queue.put({"maddrs": maddrs, "peer_id": identity.peer_id, "setup_peak": peak_rss_bytes()})
+        merges: list[int] = []
+        done = asyncio.Event()
+        merger = asyncio.create_task(merge_until(host, done, merges))
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+        done.set()
+        await merger
+        store = CheckpointStore(Path(tmp) / "ckpt", RUN_ID, keep=1)
+        started = time.perf_counter()
+        await asyncio.to_thread(store.save, core.snapshot(RUN_ID, 1))
+        checkpoint_s = time.perf_counter() - started
+        await service.stop()
+        await p2p.shutdown()
+        queue.put(
+            {
+                "party": "syncer",
+                "peak_rss": peak_rss_bytes(),
+                "merges": len(merges),
+                "versions": list(core.versions),
+                "refusals": dict(service.refusals),
+                "probe": probe_status(host.probe),
+                "checkpoint_s": round(checkpoint_s, 3),
+            }
+        )
+
+
+def probe_status(probe: Any) -> dict[str, Any]:
+    return probe.status() if probe is not None else {}
+
+
+# ---------------------------------------------------------------------------------------------- the learner
+
+
+def loopback_transport(p2p: Any, identity: Any, run: Any, syncer: str) -> Any:
+    """`FramedSyncTransport` to the one syncer (no DHT lookup)."""
+    from node.diloco.sync_client import FramedSyncTransport, run_fragment_plan
+
+    class Loopback(FramedSyncTransport):
+        async def current_syncer(self) -> tuple[str, int]:
+            return syncer, 1
+
+    records = SimpleNamespace(run_id=RUN_ID, clock=time.time)
+    plan = run_fragment_plan(run)
+    return Loopback(p2p, identity, records, plan, authorized_syncers=[syncer])  # type: ignore[arg-type]
+
+
+async def connect(maddrs: list[str], path: Path) -> tuple[Any, Any]:
+    from hivemind.p2p import P2P
+
+    from protocol.identity import NodeIdentity
+
+    identity = NodeIdentity.load_or_create(path)
+    p2p = await P2P.create(
+        initial_peers=maddrs, identity_path=str(identity.path), check_if_identity_free=False
+    )
+    return p2p, identity
+
+
+def inner_step(model: Any, opt: Any, vocab: int, seed: int) -> float:
+    inputs, targets = learnable_batch(vocab, 1, seed)
+    _, loss = model(inputs, targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+async def learner_main(preset: str, info: dict[str, Any], queue: Any, max_steps: int) -> None:
+    import torch
+
+    from node.diloco.sync_client import FragmentSync
+    from node.diloco.sync_types import SyncClientConfig
+    from node.ml.model import ModelConfig, build_model
+
+    run = manifest(preset)
+    cfg = ModelConfig.from_dict(run.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        p2p, identity = await connect(info["maddrs"], Path(tmp) / "learner.key")
+        model = build_model(cfg, run.seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        transport = loopback_transport(p2p, identity, run, info["peer_id"])
+        config = SyncClientConfig(poll_wait_s=1.0, retry_min_s=0.1, retry_max_s=0.5)
+        sync = FragmentSync.create(
+            dict(model.named_parameters()), transport.plan, run.diloco, transport, config=config
+        )
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(sync.run_sender(stop)), asyncio.create_task(sync.run_watcher(stop))]
+        started, step, losses = time.perf_counter(), 0, []
+        while step < max_steps and min(sync.versions().values()) < 1:
+            step += 1
+            losses.append(await asyncio.to_thread(inner_step, model, opt, cfg.vocab_size, step))
+            sync.after_inner_step(step, SEQ)
+            await asyncio.sleep(0.2)  # the loops' turn: pushes and fetches of ~100 MB frames
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await p2p.shutdown()
+        queue.put(
+            {
+                "party": "learner",
+                "peak_rss": peak_rss_bytes(),
+                "steps": step,
+                "round_s": round(time.perf_counter() - started, 2),
+                "versions": {str(f): v for f, v in sync.versions().items()},
+                "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)] if losses else [],
+                "sync": {k: v for k, v in sync.status().items() if k in ("sent", "acked", "refused")},
+            }
+        )
+
+
+async def joiner_main(preset: str, info: dict[str, Any], queue: Any) -> None:
+    """A late joiner: its model from the seed, then every fragment's current version from the syncer, timed."""
+    from node.diloco.sync_client import FragmentSync
+    from node.ml.model import ModelConfig, build_model
+
+    run = manifest(preset)
+    with tempfile.TemporaryDirectory() as tmp:
+        p2p, identity = await connect(info["maddrs"], Path(tmp) / "joiner.key")
+        model = build_model(ModelConfig.from_dict(run.model), run.seed)
+        transport = loopback_transport(p2p, identity, run, info["peer_id"])
+        sync = FragmentSync.create(dict(model.named_parameters()), transport.plan, run.diloco, transport)
+        started = time.perf_counter()
+        joined = await sync.join_global(asyncio.Event(), timeout_s=120.0)
+        elapsed = time.perf_counter() - started
+        await p2p.shutdown()
+        queue.put(
+            {
+                "party": "joiner",
+                "joined": joined,
+                "state_transfer_s": round(elapsed, 3),
+                "versions": {str(f): v for f, v in sync.versions().items()},
+                "peak_rss": peak_rss_bytes(),
+            }
+        )
+
+
+def _child(kind: str, preset: str, queue: Any, extra: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # two cores, three processes
+    if kind == "syncer":
+        asyncio.run(syncer_main(preset, queue, extra))
+    elif kind == "learner":
+        asyncio.run(learner_main(preset, extra[0], queue, extra[1]))
+    elif kind == "joiner":
+        asyncio.run(joiner_main(preset, extra, queue))
+    elif kind == "core":
+        queue.put(core_round(preset, extra))
+
+
+def merge_round(preset: str, max_steps: int, timeout_s: float) -> dict[str, Any]:
+    """The llama-124m round: syncer, learner, then the late joiner, each its own process."""
+    ctx = mp.get_context("spawn")
+    queue, stop = ctx.Queue(), ctx.Event()
+    syncer = ctx.Process(target=_child, args=("syncer", preset, queue, stop))
+    syncer.start()
+    try:
+        info = queue.get(timeout=timeout_s)
+        results: dict[str, Any] = {"syncer_setup_peak_rss": info["setup_peak"]}
+        for kind, extra in (("learner", (info, max_steps)), ("joiner", info)):
+            child = ctx.Process(target=_child, args=(kind, preset, queue, extra))
+            child.start()
+            got = queue.get(timeout=timeout_s)
+            results[got.pop("party")] = got
+            child.join(30)
+        stop.set()
+        got = queue.get(timeout=timeout_s)
+        results[got.pop("party")] = got
+        return results
+    finally:
+        stop.set()
+        syncer.join(30)
+        if syncer.is_alive():
+            syncer.kill()
+
+
+# ---------------------------------------------------------------------------------------------- llama-1b
+
+
+def core_round(preset: str, contributors: int) -> dict[str, Any]:
+    """A syncer core merging every fragment of `preset` from synthetic contributions (params + noise), in this
+    process; then its checkpoint snapshot. Peak RSS after building (`setup`) and after the round."""
+    import torch
+
+    from node.diloco.screening import ScreeningConfig
+    from node.ml.model import ModelConfig, build_model
+
+    run = manifest(preset)
+    model = build_model(ModelConfig.from_dict(run.model), run.seed)
+    core = new_core(run, dict(model.named_parameters()), ScreeningConfig(loss_probe=False))
+    del model
+    setup_peak, started, merged = peak_rss_bytes(), time.perf_counter(), 0
+    gen = torch.Generator().manual_seed(0)
+    for fragment in range(core.plan.num_fragments):
+        for peer in range(contributors):
+            params = {}
+            for name, tensor in core.fragment_tensors(fragment).items():
+                noise = torch.randn(tensor.shape, generator=gen).mul_(1e-3)
+                params[name] = noise.add_(tensor)
+            core.accept(
+                f"peer-{peer}", fragment, params, base_version=0, steps=4, tokens=4 * SEQ, sched_step=4,
+                step_time_s=1.0, nonce=bytes([peer]) * 16, now=time.monotonic() + 60.0,
+            )  # fmt: skip
+            del params
+        merged += core.merge_now(fragment, contributors, time.monotonic() + 60.0) is not None
+    snapshot = core.snapshot(RUN_ID, 1)
+    return {
+        "setup_peak_rss": setup_peak,
+        "peak_rss": peak_rss_bytes(),
+        "fragments_merged": merged,
+        "num_fragments": core.plan.num_fragments,
+        "round_s": round(time.perf_counter() - started, 2),
+        "snapshot_tensors": len(snapshot.params) + len(snapshot.momentum),
+    }
+
+
+def run_core(preset: str, contributors: int, timeout_s: float) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child, args=("core", preset, queue, contributors))
+    child.start()
+    try:
+        return dict(queue.get(timeout=timeout_s))
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+
+
+def stage_slice(preset: str, num_stages: int) -> dict[str, Any]:
+    """Parameter bytes of each pipeline stage of `preset` (meta device: nothing allocated)."""
+    import torch
+
+    from node.ml.model import ModelConfig, StageModule, stage_spans
+
+    cfg = ModelConfig.from_dict(manifest(preset).model)
+    spans = stage_spans(cfg.num_layers, num_stages)
+    counts = []
+    for index, span in enumerate(spans):
+        with torch.device("meta"):
+            stage = StageModule(cfg, span, is_first=index == 0, is_last=index == num_stages - 1)
+        counts.append(sum(p.numel() for p in stage.parameters()))
+    return {"num_stages": num_stages, "params": counts, "largest_bytes": max(counts) * 4}
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def ratio(peak: int | None, size: dict[str, int]) -> float | None:
+    if peak is None:
+        return None
+    return round(peak / (size["model_bytes"] + 2 * size["fragment_bytes"]), 3)
+
+
+def part_1b(args: argparse.Namespace) -> dict[str, Any]:
+    """The llama-1b syncer core, guarded: skipped (with the reason) unless the memory it needs is free."""
+    size = sizes(manifest("llama-1b"))
+    need = int(3.6 * size["model_bytes"] + 2 * size["fragment_bytes"] + 1.5 * GiB)
+    free = available_bytes()
+    out: dict[str, Any] = {**size, "need_bytes": need, "available_bytes": free}
+    if args.quick or args.model != "llama-124m":
+        return {**out, "skipped": "quick mode: llama-124m only"}
+    if free < need:
+        return {**out, "skipped": f"{free / GiB:.1f} GiB available < {need / GiB:.1f} GiB needed"}
+    out.update(run_core("llama-1b", 2, timeout_s=3000))
+    return out
+
+
+def headline(model: str, rnd: dict[str, Any], big: dict[str, Any], stage: dict[str, Any]) -> dict[str, Any]:
+    size = sizes(manifest(model))
+    syncer, learner, joiner = rnd["syncer"], rnd["learner"], rnd["joiner"]
+    merged_1b = big.get("fragments_merged") == big.get("num_fragments") and "skipped" not in big
+    ratio_1b = ratio(big.get("peak_rss"), big)
+    return {
+        "model": model,
+        "merged_1b": bool(merged_1b),
+        "syncer_rss_ratio_1b": ratio_1b,
+        "syncer_peak_gib_1b": round(big["peak_rss"] / GiB, 3) if "peak_rss" in big else None,
+        "skipped_1b": big.get("skipped"),
+        "state_transfer_s_124m": joiner["state_transfer_s"] if model == "llama-124m" else None,
+        "state_transfer_s": joiner["state_transfer_s"],
+        "syncer_peak_gib": round(syncer["peak_rss"] / GiB, 3),
+        "learner_peak_gib": round(learner["peak_rss"] / GiB, 3),
+        "syncer_rss_ratio": ratio(syncer["peak_rss"], size),
+        "model_gib": round(size["model_bytes"] / GiB, 3),
+        "fragment_gib": round(size["fragment_bytes"] / GiB, 3),
+        "round_merged": min(int(v) for v in learner["versions"].values()) >= 1,
+        "stage_slice_gib_1b": round(stage["largest_bytes"] / GiB, 3),
+        "syncer_goal_met_1b": ratio_1b is not None and ratio_1b <= 1.0,
+    }
+
+
+def plot(head: dict[str, Any], big: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [
+        (f"syncer {head['model']}", head["syncer_peak_gib"], head["model_gib"] + 2 * head["fragment_gib"]),
+        (f"learner {head['model']}", head["learner_peak_gib"], head["model_gib"]),
+    ]
+    if head["syncer_peak_gib_1b"] is not None:
+        bars.append(
+            (
+                "syncer llama-1b",
+                head["syncer_peak_gib_1b"],
+                (big["model_bytes"] + 2 * big["fragment_bytes"]) / GiB,
+            )
+        )
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(bars))
+    ax.bar(xs, [b[1] for b in bars], color="tab:blue", label="peak RSS")
+    ax.scatter(
+        xs,
+        [b[2] for b in bars],
+        color="tab:red",
+        marker="_",
+        s=2000,
+        label="syncer goal / learner model bytes",
+    )
+    ax.set_xticks(list(xs), [b[0] for b in bars])
+    ax.set_ylabel("GiB")
+    ax.set_title(f"peak RSS through a merge round; late joiner state in {head['state_transfer_s']:.1f} s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the llama-124m round only")
+    parser.add_argument(
+        "--model", default="llama-124m", help="preset of the merge round (llama-tiny in tests)"
+    )
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    args = parser.parse_args(argv)
+    from benchmarks.common import RESULTS_DIR, machine_info
+
+    out = args.out or RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    rnd = merge_round(args.model, args.max_steps, timeout_s=900)
+    big = part_1b(args)
+    stage = stage_slice("llama-1b", 4)
+    head = headline(args.model, rnd, big, stage)
+    payload = {
+        "name": NAME,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(),
+        "command": "python -m benchmarks.scale" + (" --quick" if args.quick else ""),
+        "headline": head,
+        "round": rnd,
+        "core_1b": big,
+        "stage_1b": stage,
+    }
+    (out / f"{NAME}.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    plot(head, big, out / f"{NAME}.png")
+    print(json.dumps(head, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
