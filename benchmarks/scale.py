@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
+import os
+import queue as queue_module
 import resource
 import tempfile
 import time
@@ -46,6 +49,10 @@ TOKENIZER: dict[str, str | int | float | bool] = {
     "vocab_size": 32000,
 }  # a 32k BPE vocabulary, as the presets' sizes assume
 RUN_ID = "5c" * 20
+# The 1B syncer core runs with 8 fragments a stage (a run's `num_fragments`, P), not the default 4: at P = 4 the core's
+# peak (3 models + ~8 fragment-sized temporaries of a merge, ~22 GB) does not fit the 23 GiB this shared machine has.
+FRAGMENTS_1B = 8
+MIN_FREE = 1 << 30  # a child is killed when the machine's available memory falls under this (the 1B part)
 
 
 # ---------------------------------------------------------------------------------------------- shared
@@ -369,7 +376,7 @@ def _child(kind: str, preset: str, queue: Any, extra: Any) -> None:
     elif kind == "joiner":
         asyncio.run(joiner_main(preset, extra, queue))
     elif kind == "core":
-        queue.put(core_round(preset, extra))
+        queue.put(core_round(preset, *extra))
 
 
 def merge_round(preset: str, max_steps: int, timeout_s: float) -> dict[str, Any]:
@@ -401,50 +408,119 @@ def merge_round(preset: str, max_steps: int, timeout_s: float) -> dict[str, Any]
 # ---------------------------------------------------------------------------------------------- llama-1b
 
 
-def core_round(preset: str, contributors: int) -> dict[str, Any]:
-    """A syncer core merging every fragment of `preset` from synthetic contributions (params + noise), in this
-    process; then its checkpoint snapshot. Peak RSS after building (`setup`) and after the round."""
+def synthetic(core: Any, fragment: int, gen: Any) -> dict[str, Any]:
+    """A learner's fragment: the global tensors plus a little noise (what the syncer holds per contribution)."""
+    import torch
+
+    params = {}
+    for name, tensor in core.fragment_tensors(fragment).items():
+        params[name] = torch.randn(tensor.shape, generator=gen).mul_(1e-3).add_(tensor)
+    return params
+
+
+def copying_probe(run: Any) -> Any:
+    """On a tree before the probe's skeleton (`--core` on an older checkout, to measure the difference): the probe
+    as it was, a model of its own the scored parameters are copied into."""
+    import torch
+
+    from node.diloco.loss_probe import LossProbe
+    from node.ml.data import evaluate
+    from node.ml.model import ModelConfig, build_model
+
+    cfg = ModelConfig.from_dict(run.model)
+    model, held = (
+        build_model(cfg, run.seed),
+        [learnable_batch(cfg.vocab_size, 2, seed=1000 + i) for i in range(2)],
+    )
+
+    def loss(params: Any) -> float:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(params[name])
+        return evaluate(model, held)
+
+    return LossProbe(loss)
+
+
+def core_round(preset: str, contributors: int, probe: bool, num_fragments: int = 4) -> dict[str, Any]:
+    """A syncer core merging every fragment of `preset` from synthetic contributions, each scored by the held-out
+    loss probe first (`probe`), in this process; then a checkpoint written from its snapshot. Peak RSS after
+    building (`setup`) and after the round."""
     import torch
 
     from node.diloco.screening import ScreeningConfig
+    from node.diloco.syncer_core import Refusal, probe_base
+    from node.ml.checkpoint import CheckpointStore
     from node.ml.model import ModelConfig, build_model
 
-    run = manifest(preset)
+    run = manifest(preset, num_fragments=num_fragments)
     model = build_model(ModelConfig.from_dict(run.model), run.seed)
-    core = new_core(run, dict(model.named_parameters()), ScreeningConfig(loss_probe=False))
+    core = new_core(run, dict(model.named_parameters()), ScreeningConfig(loss_probe=probe))
     del model
-    setup_peak, started, merged = peak_rss_bytes(), time.perf_counter(), 0
+    try:
+        scorer = build_probe_for(run) if probe else None
+    except ImportError:
+        scorer = copying_probe(run)
+    setup_peak, started, merged, refused = peak_rss_bytes(), time.perf_counter(), 0, []
     gen = torch.Generator().manual_seed(0)
     for fragment in range(core.plan.num_fragments):
         for peer in range(contributors):
-            params = {}
-            for name, tensor in core.fragment_tensors(fragment).items():
-                noise = torch.randn(tensor.shape, generator=gen).mul_(1e-3)
-                params[name] = noise.add_(tensor)
-            core.accept(
-                f"peer-{peer}", fragment, params, base_version=0, steps=4, tokens=4 * SEQ, sched_step=4,
-                step_time_s=1.0, nonce=bytes([peer]) * 16, now=time.monotonic() + 60.0,
-            )  # fmt: skip
+            params = synthetic(core, fragment, gen)
+            base = probe_base(core, fragment, 0)
+            score = (
+                scorer.measure(dict(core.params), tuple(core.versions), base, params, time.perf_counter)
+                if scorer and base
+                else None
+            )
+            try:
+                core.accept(
+                    f"peer-{peer}", fragment, params, base_version=0, steps=4, tokens=4 * SEQ, sched_step=4,
+                    step_time_s=1.0, nonce=bytes([peer]) * 16, now=time.monotonic() + 60.0, loss=score,
+                )  # fmt: skip
+            except Refusal as e:
+                refused.append(e.reason)
             del params
         merged += core.merge_now(fragment, contributors, time.monotonic() + 60.0) is not None
-    snapshot = core.snapshot(RUN_ID, 1)
+    round_s, round_peak = time.perf_counter() - started, peak_rss_bytes()
+    with tempfile.TemporaryDirectory(dir=os.environ.get("SCALE_CKPT_DIR")) as tmp:
+        saved = time.perf_counter()
+        CheckpointStore(Path(tmp), RUN_ID, keep=1).save(core.snapshot(RUN_ID, 1))
+        checkpoint_s = time.perf_counter() - saved
     return {
         "setup_peak_rss": setup_peak,
+        "round_peak_rss": round_peak,
         "peak_rss": peak_rss_bytes(),
         "fragments_merged": merged,
         "num_fragments": core.plan.num_fragments,
-        "round_s": round(time.perf_counter() - started, 2),
-        "snapshot_tensors": len(snapshot.params) + len(snapshot.momentum),
+        "refused": refused,
+        "probe": probe_status(scorer),
+        "round_s": round(round_s, 2),
+        "checkpoint_s": round(checkpoint_s, 2),
     }
 
 
-def run_core(preset: str, contributors: int, timeout_s: float) -> dict[str, Any]:
+def run_core(
+    preset: str, contributors: int, probe: bool, timeout_s: float, num_fragments: int = 4
+) -> dict[str, Any]:
+    """`core_round` in a child process, killed if the machine runs short of memory (other work shares it)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    child = ctx.Process(target=_child, args=("core", preset, queue, contributors))
+    child = ctx.Process(target=_child, args=("core", preset, queue, (contributors, probe, num_fragments)))
     child.start()
+    deadline, lowest = time.monotonic() + timeout_s, available_bytes()
     try:
-        return dict(queue.get(timeout=timeout_s))
+        while time.monotonic() < deadline:
+            with contextlib.suppress(queue_module.Empty):
+                return {**queue.get(timeout=0.5), "lowest_available_bytes": lowest}
+            lowest = min(lowest, available_bytes() or lowest)
+            if lowest < MIN_FREE:
+                child.kill()
+                return {
+                    "skipped": f"killed: the machine's available memory fell under {MIN_FREE / GiB:.0f} GiB"
+                }
+            if not child.is_alive() and queue.empty():
+                return {"skipped": f"the child died (exit code {child.exitcode})"}
+        return {"skipped": f"no result within {timeout_s:.0f} s"}
     finally:
         child.join(30)
         if child.is_alive():
@@ -477,16 +553,22 @@ def ratio(peak: int | None, size: dict[str, int]) -> float | None:
 
 
 def part_1b(args: argparse.Namespace) -> dict[str, Any]:
-    """The llama-1b syncer core, guarded: skipped (with the reason) unless the memory it needs is free."""
-    size = sizes(manifest("llama-1b"))
-    need = int(3.6 * size["model_bytes"] + 2 * size["fragment_bytes"] + 1.5 * GiB)
+    """The llama-1b syncer core, guarded: skipped (with the reason) unless the memory it needs is free: the
+    global parameters, the versions still held and the momentum (3 models) plus a merge's temporaries."""
+    size = sizes(manifest("llama-1b", num_fragments=FRAGMENTS_1B))
+    need = int(3 * size["model_bytes"] + 8 * size["fragment_bytes"] + 0.75 * GiB)
     free = available_bytes()
-    out: dict[str, Any] = {**size, "need_bytes": need, "available_bytes": free}
+    out: dict[str, Any] = {
+        **size,
+        "fragments_per_stage": FRAGMENTS_1B,
+        "need_bytes": need,
+        "available_bytes": free,
+    }
     if args.quick or args.model != "llama-124m":
         return {**out, "skipped": "quick mode: llama-124m only"}
     if free < need:
         return {**out, "skipped": f"{free / GiB:.1f} GiB available < {need / GiB:.1f} GiB needed"}
-    out.update(run_core("llama-1b", 2, timeout_s=3000))
+    out.update(run_core("llama-1b", 2, False, timeout_s=3000, num_fragments=FRAGMENTS_1B))
     return out
 
 
@@ -560,15 +642,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--core", default=None, help="only a syncer core's round of this preset, printed")
     args = parser.parse_args(argv)
+    if args.core:  # e.g. on an older checkout, to measure what a change saved
+        fragments = FRAGMENTS_1B if args.core == "llama-1b" else 4
+        print(json.dumps(run_core(args.core, 2, args.core != "llama-1b", 3000, fragments), indent=2))
+        return 0
     from benchmarks.common import RESULTS_DIR, machine_info
 
     out = args.out or RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     rnd = merge_round(args.model, args.max_steps, timeout_s=900)
+    core = run_core(args.model, 2, True, timeout_s=900)
     big = part_1b(args)
     stage = stage_slice("llama-1b", 4)
     head = headline(args.model, rnd, big, stage)
+    head["syncer_core_peak_gib"] = round(core["peak_rss"] / GiB, 3)
+    head["syncer_core_rss_ratio"] = ratio(core["peak_rss"], sizes(manifest(args.model)))
     payload = {
         "name": NAME,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -576,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.scale" + (" --quick" if args.quick else ""),
         "headline": head,
         "round": rnd,
+        "core": core,
         "core_1b": big,
         "stage_1b": stage,
     }
