@@ -499,6 +499,17 @@ def core_round(preset: str, contributors: int, probe: bool, num_fragments: int =
     }
 
 
+def child_peak_rss(pid: int | None) -> int | None:
+    """VmHWM (peak RSS) of a live child, from /proc (None if unreadable)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def run_core(
     preset: str, contributors: int, probe: bool, timeout_s: float, num_fragments: int = 4
 ) -> dict[str, Any]:
@@ -514,10 +525,10 @@ def run_core(
                 return {**queue.get(timeout=0.5), "lowest_available_bytes": lowest}
             lowest = min(lowest, available_bytes() or lowest)
             if lowest < MIN_FREE:
+                reached = child_peak_rss(child.pid)
                 child.kill()
-                return {
-                    "skipped": f"killed: the machine's available memory fell under {MIN_FREE / GiB:.0f} GiB"
-                }
+                why = f"killed: the machine's available memory fell under {MIN_FREE / GiB:.0f} GiB"
+                return {"skipped": why, "peak_rss_when_killed": reached, "lowest_available_bytes": lowest}
             if not child.is_alive() and queue.empty():
                 return {"skipped": f"the child died (exit code {child.exitcode})"}
         return {"skipped": f"no result within {timeout_s:.0f} s"}
@@ -572,17 +583,27 @@ def part_1b(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def headline(model: str, rnd: dict[str, Any], big: dict[str, Any], stage: dict[str, Any]) -> dict[str, Any]:
-    size = sizes(manifest(model))
-    syncer, learner, joiner = rnd["syncer"], rnd["learner"], rnd["joiner"]
-    merged_1b = big.get("fragments_merged") == big.get("num_fragments") and "skipped" not in big
+def headline_1b(big: dict[str, Any]) -> dict[str, Any]:
+    merged = big.get("fragments_merged") == big.get("num_fragments") and "skipped" not in big
     ratio_1b = ratio(big.get("peak_rss"), big)
+    killed = big.get("peak_rss_when_killed")
     return {
-        "model": model,
-        "merged_1b": bool(merged_1b),
+        "merged_1b": bool(merged),
         "syncer_rss_ratio_1b": ratio_1b,
         "syncer_peak_gib_1b": round(big["peak_rss"] / GiB, 3) if "peak_rss" in big else None,
         "skipped_1b": big.get("skipped"),
+        # killed for memory: the ratio it had reached by then, a lower bound of the peak's
+        "syncer_rss_ratio_1b_at_least": ratio(killed, big) if killed else None,
+        "syncer_goal_met_1b": ratio_1b is not None and ratio_1b <= 1.0,
+    }
+
+
+def headline(model: str, rnd: dict[str, Any], big: dict[str, Any], stage: dict[str, Any]) -> dict[str, Any]:
+    size = sizes(manifest(model))
+    syncer, learner, joiner = rnd["syncer"], rnd["learner"], rnd["joiner"]
+    return {
+        "model": model,
+        **headline_1b(big),
         "state_transfer_s_124m": joiner["state_transfer_s"] if model == "llama-124m" else None,
         "state_transfer_s": joiner["state_transfer_s"],
         "syncer_peak_gib": round(syncer["peak_rss"] / GiB, 3),
@@ -592,8 +613,21 @@ def headline(model: str, rnd: dict[str, Any], big: dict[str, Any], stage: dict[s
         "fragment_gib": round(size["fragment_bytes"] / GiB, 3),
         "round_merged": min(int(v) for v in learner["versions"].values()) >= 1,
         "stage_slice_gib_1b": round(stage["largest_bytes"] / GiB, 3),
-        "syncer_goal_met_1b": ratio_1b is not None and ratio_1b <= 1.0,
     }
+
+
+def only_1b(args: argparse.Namespace, out: Path) -> int:
+    """Rerun the 1B part alone (when the machine is quiet) into an existing results JSON."""
+    path = out / f"{NAME}.json"
+    payload = json.loads(path.read_text())
+    big = part_1b(args)
+    payload["core_1b"] = big
+    payload["headline"].update(headline_1b(big))
+    payload["measured_at_1b"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    plot(payload["headline"], big, out / f"{NAME}.png")
+    print(json.dumps(payload["headline"], indent=2))
+    return 0
 
 
 def plot(head: dict[str, Any], big: dict[str, Any], path: Path) -> None:
@@ -643,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     parser.add_argument("--core", default=None, help="only a syncer core's round of this preset, printed")
+    parser.add_argument("--only-1b", action="store_true", help="rerun the 1B part into the existing JSON")
     args = parser.parse_args(argv)
     if args.core:  # e.g. on an older checkout, to measure what a change saved
         fragments = FRAGMENTS_1B if args.core == "llama-1b" else 4
@@ -652,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out or RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
+    if args.only_1b:
+        return only_1b(args, out)
     rnd = merge_round(args.model, args.max_steps, timeout_s=900)
     core = run_core(args.model, 2, True, timeout_s=900)
     big = part_1b(args)
