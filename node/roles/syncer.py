@@ -455,9 +455,7 @@ class SyncerRole:
         return {peer for peer, hb in self.live.items() if hb.role == "learner" or hb.stage == stage}
 
     async def check_known(self, peer: str) -> None:
-        # the ledger's reason first: in `is_banned(peer) or (why := ...)` a swarm-wide ban short-circuited the
-        # assignment, and the refusal's f-string raised UnboundLocalError (an "internal error" the learner
-        # retried for good) instead of the typed "banned"
+        # the ledger's reason first: `is_banned(peer) or (why := ...)` left `why` unbound on a swarm-wide ban
         why = self.service.ledger.banned(peer, time.time())
         if why is not None or self.is_banned(peer):
             raise refuse("banned", f"{peer[-8:]} is banned: {why or 'swarm-wide ban'}")
