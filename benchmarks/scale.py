@@ -49,9 +49,10 @@ TOKENIZER: dict[str, str | int | float | bool] = {
     "vocab_size": 32000,
 }  # a 32k BPE vocabulary, as the presets' sizes assume
 RUN_ID = "5c" * 20
-# The 1B syncer core runs with 8 fragments a stage (a run's `num_fragments`, P), not the default 4: at P = 4 the core's
-# peak (3 models + ~8 fragment-sized temporaries of a merge, ~22 GB) does not fit the 23 GiB this shared machine has.
-FRAGMENTS_1B = 8
+# The 1B syncer core runs with 16 fragments a stage (a run's `num_fragments`, P), not the default 4: its peak is 3 models
+# + a merge's fragment-sized temporaries, so smaller fragments lower it. On the shared 23 GiB machine it was killed
+# anyway (P = 8: at 19.2 GB; P = 16: at 15.9 GB, other work holding ~7 GB): it needs ~20 GB free (docs/scale.md).
+FRAGMENTS_1B = 16
 MIN_FREE = 1 << 30  # a child is killed when the machine's available memory falls under this (the 1B part)
 
 
