@@ -632,35 +632,30 @@ def only_1b(args: argparse.Namespace, out: Path) -> int:
 
 
 def plot(head: dict[str, Any], big: dict[str, Any], path: Path) -> None:
+    """Peak RSS per party against its goal (the syncer: model + 2 fragments; others: the model's bytes); the 1B core,
+    when killed for memory, as a hatched bar of what it had reached (a lower bound)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    goal = head["model_gib"] + 2 * head["fragment_gib"]
     bars = [
-        (f"syncer {head['model']}", head["syncer_peak_gib"], head["model_gib"] + 2 * head["fragment_gib"]),
-        (f"learner {head['model']}", head["learner_peak_gib"], head["model_gib"]),
+        (f"syncer\n{head['model']}", head["syncer_peak_gib"], goal, ""),
+        (f"syncer core\n{head['model']}", head.get("syncer_core_peak_gib") or 0.0, goal, ""),
+        (f"learner\n{head['model']}", head["learner_peak_gib"], head["model_gib"], ""),
     ]
+    goal_1b = (big["model_bytes"] + 2 * big["fragment_bytes"]) / GiB
+    killed = big.get("peak_rss_when_killed")
     if head["syncer_peak_gib_1b"] is not None:
-        bars.append(
-            (
-                "syncer llama-1b",
-                head["syncer_peak_gib_1b"],
-                (big["model_bytes"] + 2 * big["fragment_bytes"]) / GiB,
-            )
-        )
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = range(len(bars))
-    ax.bar(xs, [b[1] for b in bars], color="tab:blue", label="peak RSS")
-    ax.scatter(
-        xs,
-        [b[2] for b in bars],
-        color="tab:red",
-        marker="_",
-        s=2000,
-        label="syncer goal / learner model bytes",
-    )
-    ax.set_xticks(list(xs), [b[0] for b in bars])
+        bars.append(("syncer core\nllama-1b", head["syncer_peak_gib_1b"], goal_1b, ""))
+    elif killed:
+        bars.append(("syncer core\nllama-1b (killed)", killed / GiB, goal_1b, "//"))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for x, (_, peak, _, hatch) in enumerate(bars):
+        ax.bar(x, peak, color="tab:blue", hatch=hatch, label="peak RSS" if x == 0 else None)
+    ax.scatter(range(len(bars)), [b[2] for b in bars], color="tab:red", marker="_", s=2500, label="goal")
+    ax.set_xticks(list(range(len(bars))), [b[0] for b in bars])
     ax.set_ylabel("GiB")
     ax.set_title(f"peak RSS through a merge round; late joiner state in {head['state_transfer_s']:.1f} s")
     ax.legend()
