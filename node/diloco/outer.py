@@ -82,9 +82,12 @@ class OuterNesterov:
         self._buffers.update(buffers)
         return updated
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Flat copy of the momentum buffers, keys prefixed with STATE_PREFIX."""
-        return {STATE_PREFIX + name: buf.clone() for name, buf in sorted(self._buffers.items())}
+    def state_dict(self, *, share: bool = False) -> dict[str, torch.Tensor]:
+        """Flat copy of the momentum buffers, keys prefixed with STATE_PREFIX. With `share`, the buffers themselves
+        (read-only: `step` puts new buffers in and never writes one in place, so they keep their values)."""
+        return {
+            STATE_PREFIX + name: buf if share else buf.clone() for name, buf in sorted(self._buffers.items())
+        }
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Replace all buffers from a dict produced by `state_dict` (ValueError on foreign keys or dtypes)."""

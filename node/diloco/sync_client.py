@@ -343,6 +343,19 @@ OFFER_ROUTE = "diloco.offer"  # learner -> syncer: signed versions of an earlier
 STATE_ROUTE = "diloco.state"  # standby syncer -> syncer: one fragment's params and momentum (syncers only)
 MAX_CONTROL_BYTES = 64 * 1024  # a metadata-only frame: header with a version vector and a few fields
 OFFER_PREFIX = "offer/"
+# A call moving a fragment may take base + its bytes at this rate: a flat 10 s timed out every push and fetch of a
+# llama-124m fragment (~100 MiB) on links under ~10 MiB/s, and the learner retried the same push for good.
+TRANSFER_RATE_BYTES_S = 8 * 1024 * 1024
+
+
+def transfer_timeout_s(base_s: float, num_bytes: int, rate_bytes_s: float = TRANSFER_RATE_BYTES_S) -> float:
+    """Timeout of a call that moves `num_bytes` (request and answer together): `base_s` + bytes / rate."""
+    return base_s + max(0, num_bytes) / rate_bytes_s
+
+
+def fragment_bytes(plan: FragmentPlan, fragment: int, *, factor: int = 1) -> int:
+    """fp32 bytes of one fragment's tensors (x `factor`: params and momentum), what a fetch or state answer moves."""
+    return plan.fragments[fragment].num_params * 4 * factor
 
 
 def fragment_limits(plan: FragmentPlan, *, factor: int = 1) -> TensorLimits:
@@ -465,8 +478,16 @@ class FramedSyncTransport:
         self._syncer = None
 
     async def _call(
-        self, route: str, frame: bytes | bytearray, max_response_bytes: int, timeout_s: float | None = None
+        self,
+        route: str,
+        frame: bytes | bytearray,
+        max_response_bytes: int,
+        timeout_s: float | None = None,
+        *,
+        answer_bytes: int = 0,
     ) -> tuple[str, bytearray]:
+        """One call to the syncer; without `timeout_s`, the timeout grows with the frame's bytes and the
+        `answer_bytes` expected back (`transfer_timeout_s`)."""
         from hivemind.p2p import P2PDaemonError
 
         from protocol.errors import ProtocolError, RemoteRefused
@@ -480,7 +501,7 @@ class FramedSyncTransport:
                 route,
                 frame,
                 max_response_bytes=max_response_bytes,
-                timeout_s=timeout_s or self.call_timeout_s,
+                timeout_s=timeout_s or transfer_timeout_s(self.call_timeout_s, len(frame) + answer_bytes),
             )
         except RemoteRefused:
             raise
@@ -567,7 +588,14 @@ class FramedSyncTransport:
         peer, _ = await self.current_syncer()
         frame = self._seal(Kind.CONTROL, peer, microbatch=fragment, step=0, meta={"fragment": fragment})
         try:
-            peer, answer = await self._call(FETCH_ROUTE, frame, max_frame_bytes(self.limits))
+            peer, answer = await self._call(
+                FETCH_ROUTE,
+                frame,
+                max_frame_bytes(self.limits),
+                answer_bytes=fragment_bytes(self.plan, fragment)
+                if 0 <= fragment < self.plan.num_fragments
+                else 0,
+            )
         except RemoteRefused as e:
             raise SyncUnavailable(f"fetch refused: {e.reason}") from None
         opened = self._open(answer, peer, Kind.VERSION, self.limits)

@@ -770,13 +770,18 @@ class SyncerCore:
 
     def snapshot(self, run_id: str, term: int, *, wall_offset: float | None = None) -> SyncerSnapshot:
         """`wall_offset`: wall clock minus the clock this core is driven by, to date the versions (absent:
-        undated, and a successor caps work on them from its own start)."""
+        undated, and a successor caps work on them from its own start).
+
+        The tensors are shared, not copied: the core never writes a published tensor or a momentum buffer in
+        place (a merge, an adoption, a restore put new ones in), so the snapshot keeps the state it was taken at
+        while a checkpoint is written from it in a thread. Copies were two more models in memory at every
+        checkpoint (docs/scale.md). Whoever holds a snapshot must not write into its tensors."""
         return SyncerSnapshot(
             run_id=run_id,
             term=term,
             versions=tuple(self.versions),
-            params={n: t.clone() for n, t in self.params.items()},
-            momentum=self.outer.state_dict(),
+            params=dict(self.params),
+            momentum=self.outer.state_dict(share=True),
             merges=self.merges,
             tokens_merged=self.tokens_merged,
             merged=self.merged_ledger(),

@@ -455,7 +455,9 @@ class SyncerRole:
         return {peer for peer, hb in self.live.items() if hb.role == "learner" or hb.stage == stage}
 
     async def check_known(self, peer: str) -> None:
-        if self.is_banned(peer) or (why := self.service.ledger.banned(peer, time.time())) is not None:
+        # the ledger's reason first: `is_banned(peer) or (why := ...)` left `why` unbound on a swarm-wide ban
+        why = self.service.ledger.banned(peer, time.time())
+        if why is not None or self.is_banned(peer):
             raise refuse("banned", f"{peer[-8:]} is banned: {why or 'swarm-wide ban'}")
         if peer in self.live:
             return
@@ -605,21 +607,17 @@ def role_status(role: SyncerRole) -> dict[str, Any]:
 
 async def evaluate_global(role: SyncerRole) -> None:
     """The held-out loss of the global model now (syncer.eval_every_merges), for status and the event tape."""
-    from node.ml.data import evaluate
 
     core = role.core
     if role._eval is None or core is None:
         return
     model, batches = role._eval
     async with role.merge_lock:
-        state = {n: t.clone() for n, t in core.params.items()}
+        state = dict(core.params)  # shared: the core never writes a published tensor in place
         tokens, merges = core.tokens_merged, core.merges
 
     def run() -> float:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(state[name])
-        return evaluate(model, batches)
+        return skeleton_loss(model, state, batches)
 
     role.held_out_loss = await asyncio.to_thread(run)
     role.ctx.events.emit("eval", loss=round(role.held_out_loss, 5), tokens_total=tokens, merges=merges)
@@ -651,10 +649,10 @@ async def restore_best(
 
 
 def build_eval(ctx: NodeContext, config: SyncerConfig, held: Any = None) -> tuple[Any, list[Any]]:
-    """The syncer's held-out set and a model to evaluate the global parameters in (seeded; overwritten).
-    `held`: the run's held-out token shards; None: the held-out split of the corpus."""
+    """The syncer's held-out set and the model's skeleton (`model_skeleton`) the global parameters are evaluated
+    in. `held`: the run's held-out token shards; None: the held-out split of the corpus."""
     from node.ml.data import load_corpus, validation_batches
-    from node.ml.model import ModelConfig, build_model
+    from node.ml.model import ModelConfig
 
     manifest = ctx.manifest
     cfg = ModelConfig.from_dict(manifest.model)
@@ -666,16 +664,44 @@ def build_eval(ctx: NodeContext, config: SyncerConfig, held: Any = None) -> tupl
         context_len=cfg.context_len,
         num_batches=config.eval_batches,
     )
-    return build_model(cfg, manifest.seed), batches
+    return model_skeleton(cfg), batches
+
+
+def model_skeleton(cfg: Any) -> Any:
+    """The model's modules in eval mode with their parameters on the meta device (no memory) and real rotary
+    tables: the parameters come in at each call (`skeleton_loss`), the syncer core's own tensors, shared. The
+    probe and the evaluation used to copy the global model into a model of their own: one more model in memory
+    each (the syncer's memory at scale, docs/scale.md)."""
+    from node.ml.model import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model.reset_buffers()  # outside the meta device: the non-persistent rotary tables, computed on the CPU
+    meta = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+    if meta:
+        raise RuntimeError(f"model skeleton: buffers left on the meta device: {meta[:3]}")
+    return model.eval()
+
+
+def skeleton_loss(model: Any, params: Mapping[str, torch.Tensor], batches: list[Any]) -> float:
+    """Mean held-out loss of `params` (every parameter of the model, by name) run through the skeleton."""
+    from torch.func import functional_call
+
+    from node.ml.data import evaluate
+
+    tensors = dict(params)
+    with torch.no_grad():
+        return evaluate(lambda inputs, targets: functional_call(model, tensors, (inputs, targets)), batches)
 
 
 def build_probe(ctx: NodeContext, screening: ScreeningConfig, held: Any = None) -> LossProbe:
-    """The held-out loss-delta probe: a model the scored parameters are copied into, and private held-out batches
-    (validation windows at offsets drawn from OS randomness, so no learner knows which it is scored on)."""
+    """The held-out loss-delta probe: the model's skeleton the scored parameters run through (no copy of the
+    model: `model_skeleton`), and private held-out batches (validation windows at offsets drawn from OS
+    randomness, so no learner knows which it is scored on)."""
     import secrets
 
-    from node.ml.data import evaluate, load_corpus
-    from node.ml.model import ModelConfig, build_model
+    from node.ml.data import load_corpus
+    from node.ml.model import ModelConfig
 
     manifest = ctx.manifest
     cfg = ModelConfig.from_dict(manifest.model)
@@ -690,15 +716,7 @@ def build_probe(ctx: NodeContext, screening: ScreeningConfig, held: Any = None) 
         0, last_start + 1, (screening.loss_batches, screening.loss_batch_size), generator=gen
     )
     batches = [stream.windows(row, cfg.context_len) for row in starts]
-    model = build_model(cfg, manifest.seed)
-
-    def loss(params: Mapping[str, torch.Tensor]) -> float:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(params[name])
-            return evaluate(model, batches)
-
-    return LossProbe(loss)
+    return LossProbe(partial(skeleton_loss, model_skeleton(cfg), batches=batches))
 
 
 def _fragment_stages(manifest: Any, plan: FragmentPlan) -> list[int]:

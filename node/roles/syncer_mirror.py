@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from node.diloco.outer import STATE_PREFIX
-from node.diloco.sync_client import STATE_ROUTE, FramedSyncTransport, fragment_limits
+from node.diloco.sync_client import STATE_ROUTE, FramedSyncTransport, fragment_bytes, fragment_limits
 from node.diloco.sync_types import SyncUnavailable
 from node.ml.checkpoint import SyncerSnapshot, ledger_from_json
 from node.roles.syncer_rpc import SyncerHost, wall_offset
@@ -104,7 +104,12 @@ class StateMirror:
             meta={"fragment": fragment},
         )
         try:
-            peer, answer = await self._transport._call(STATE_ROUTE, frame, max_frame_bytes(state_limits))
+            peer, answer = await self._transport._call(
+                STATE_ROUTE,
+                frame,
+                max_frame_bytes(state_limits),
+                answer_bytes=fragment_bytes(self.role.plan, fragment, factor=2),  # params and momentum
+            )
             return open_envelope(
                 answer,
                 remote_peer=peer,

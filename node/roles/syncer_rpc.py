@@ -403,7 +403,8 @@ class SyncerService:
         core = self.role.core
         assert core is not None
         async with self.role.merge_lock:
-            tensors = {f"param/{n}": t.clone() for n, t in core.fragment_tensors(fragment).items()}
+            # shared: the core never writes a published tensor in place (SyncerCore.snapshot)
+            tensors = {f"param/{n}": t for n, t in core.fragment_tensors(fragment).items()}
             tensors.update({f"momentum/{n}": t for n, t in core.fragment_momentum(fragment).items()})
             version = core.versions[fragment]
             ledger = _ledger_json([e for e in core.merged_ledger() if e[1] == fragment])

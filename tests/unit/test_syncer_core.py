@@ -635,3 +635,34 @@ def test_a_void_round_publishes_the_parameters_unchanged_so_a_synchronous_round_
     assert record.version == 2 and c.versions[0] == 2 and record.participants == () and record.tokens == 0
     assert all(torch.equal(before[n], t) for n, t in c.fragment_tensors(0).items())
     assert c.tokens_merged == 4 * 64  # only the first round's
+
+
+def test_a_snapshot_shares_the_cores_tensors_and_keeps_its_state_through_later_merges(tmp_path: Path) -> None:
+    """The checkpoint snapshot holds no copy of the model (the syncer's memory at scale, docs/scale.md): it shares
+    the published tensors and momentum buffers, and still says what it said when taken after merges, an adoption
+    and a restore replaced them; a checkpoint written from it afterwards is the state at the time it was taken."""
+    c = core(now=0.0)
+    push(c, "a", fragment=0, now=5.0, nonce=b"1" * 16)
+    assert c.merge_now(0, 1, 5.0) is not None  # momentum buffers exist for fragment 0
+    snapshot = c.snapshot("ab" * 20, term=1)
+    assert all(snapshot.params[n].data_ptr() == t.data_ptr() for n, t in c.params.items())
+    momentum = c.outer.state_dict(share=True)
+    assert momentum and all(snapshot.momentum[k].data_ptr() == t.data_ptr() for k, t in momentum.items())
+    taken = {n: t.clone() for n, t in snapshot.params.items()}
+    taken_momentum = {k: t.clone() for k, t in snapshot.momentum.items()}
+    for step, fragment in enumerate((0, 1, 0)):  # later merges (the momentum of fragment 0 moves on)
+        push(c, "a", fragment=fragment, base=c.versions[fragment], now=10.0 + step, nonce=bytes([step]) * 16)
+        assert c.merge_now(fragment, 1, 10.0 + step) is not None
+    c.adopt(1, c.versions[1] + 5, learner_params(c, 1, 0.5), 20.0)
+    assert any(not torch.equal(c.params[n], taken[n]) for n in c.params)  # the core did move on
+    assert all(torch.equal(snapshot.params[n], t) for n, t in taken.items())
+    assert all(torch.equal(snapshot.momentum[k], t) for k, t in taken_momentum.items())
+    path = checkpoint_path(tmp_path, "ab" * 20)
+    save_checkpoint(path, snapshot)
+    loaded = load_checkpoint(path, run_id="ab" * 20, expected=c.shapes, num_fragments=PLAN.num_fragments)
+    assert all(torch.equal(loaded.params[n], t) for n, t in taken.items())
+    # a restore puts new tensors in as well: the snapshot it came from is left as it was
+    c.restore(loaded, 30.0)
+    push(c, "a", fragment=0, base=c.versions[0], now=31.0, nonce=b"9" * 16)
+    assert c.merge_now(0, 1, 31.0) is not None
+    assert all(torch.equal(loaded.params[n], t) for n, t in taken.items())

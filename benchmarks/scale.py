@@ -1,0 +1,713 @@
+"""Memory and state transfer at scale (issue 17, "Must show"): peak RSS of the syncer and of a learner through a full
+merge round of llama-124m, a llama-1b syncer core merging every fragment, a 1B pipeline stage's slice, and the time
+a late joiner takes to download the whole llama-124m state.
+
+Each measured party is a child process of its own (spawned), and reports its peak RSS from
+`resource.getrusage(RUSAGE_SELF).ru_maxrss`, so the parties do not count each other:
+
+* `round` (llama-124m, real loopback): a syncer process serves the real `SyncerService` routes (push, versions,
+  fetch) from a real `SyncerCore` (screening and the held-out loss probe on, a checkpoint written after the round)
+  on its own hivemind P2P daemon; a learner process trains the model (AdamW, short synthetic sequences) under the
+  real `FragmentSync` over `FramedSyncTransport` until every fragment was pushed, merged and applied back; then a
+  late joiner process downloads every fragment (`FragmentSync.join_global`), timed.
+* `core_1b` (llama-1b, no network): a `SyncerCore` merges every fragment from two synthetic contributions each
+  (the learner's params plus noise), screening on (the loss probe off: two 1B forwards per contribution on this
+  CPU take minutes), and takes its checkpoint snapshot. It runs only when the machine has the memory free (else
+  the JSON says why it was skipped).
+* `stage_1b`: the parameter bytes of the largest pipeline stage of llama-1b (counted on the meta device).
+
+The syncer's goal is peak RSS <= model bytes + 2 fragments; `syncer_rss_ratio_*` is peak / (model bytes + 2 x the
+largest fragment's bytes). By design the core holds more than one model: the global parameters, the outer Nesterov
+momentum (one more model once every fragment merged), and the versions a contribution may still be built on
+(`max_staleness`); docs/scale.md has what each costs.
+
+Run: `python -m benchmarks.scale` (everything; the 1B part needs ~16 GiB free, run it with nothing else big
+running), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import queue as queue_module
+import resource
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+GiB = 1 << 30
+NAME = "scale"
+SEQ = 64  # tokens per training sequence (short: the round measures memory, not throughput)
+TOKENIZER: dict[str, str | int | float | bool] = {
+    "sha256": "0" * 64,
+    "vocab_size": 32000,
+}  # a 32k BPE vocabulary, as the presets' sizes assume
+RUN_ID = "5c" * 20
+# The 1B syncer core runs with 16 fragments a stage (a run's `num_fragments`, P), not the default 4: its peak is 3 models
+# + a merge's fragment-sized temporaries, so smaller fragments lower it. On the shared 23 GiB machine it was killed
+# anyway (P = 8: at 19.2 GB; P = 16: at 15.9 GB, other work holding ~7 GB): it needs ~20 GB free (docs/scale.md).
+FRAGMENTS_1B = 16
+MIN_FREE = 1 << 30  # a child is killed when the machine's available memory falls under this (the 1B part)
+
+
+# ---------------------------------------------------------------------------------------------- shared
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (0 if unknown)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def manifest(preset: str, *, num_fragments: int = 4, num_stages: int = 1) -> Any:
+    from protocol.manifest import DilocoSpec, RunManifest
+
+    tokenizer = {} if preset == "llama-tiny" else dict(TOKENIZER)
+    spec = DilocoSpec(
+        num_fragments=num_fragments,
+        sync_every_steps=num_fragments + 1,
+        overlap_steps=1,
+        min_sync_interval_s=0.0,
+        min_quorum=1,
+        grace_gamma=0.0,
+    )
+    return RunManifest(model={"preset": preset}, tokenizer=tokenizer, num_stages=num_stages, diloco=spec)
+
+
+def sizes(run: Any) -> dict[str, int]:
+    """Model bytes and the largest fragment's bytes (fp32), from the run's fragment plan."""
+    from node.diloco.sync_client import run_fragment_plan
+
+    plan = run_fragment_plan(run)
+    return {
+        "model_bytes": plan.total_params * 4,
+        "fragment_bytes": max(f.num_params for f in plan.fragments) * 4,
+        "num_fragments": plan.num_fragments,
+    }
+
+
+def learnable_batch(vocab: int, rows: int, seed: int) -> tuple[Any, Any]:
+    """Sequences of token t+1 = (3 t + 1) mod vocab: training lowers the held-out loss the probe measures."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    seq = [torch.randint(0, vocab, (rows, 1), generator=gen)]
+    for _ in range(SEQ):
+        seq.append((seq[-1] * 3 + 1) % vocab)
+    tokens = torch.cat(seq, dim=1)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def new_core(run: Any, params: Any, screening: Any) -> Any:
+    import time as _time
+
+    from node.diloco.quorum import QuorumConfig
+    from node.diloco.sync_client import run_fragment_plan
+    from node.diloco.syncer_core import SyncerCore
+    from node.ml.model import ModelConfig, embedding_param_names
+
+    cfg = ModelConfig.from_dict(run.model)
+    return SyncerCore(
+        run_fragment_plan(run),
+        params,
+        quorum=QuorumConfig.decoupled(1, grace_gamma=0.0),
+        embedding_names=embedding_param_names(cfg),
+        outer_lr=run.diloco.outer_lr,
+        outer_momentum=run.diloco.outer_momentum,
+        clip_factor=3.0,
+        max_staleness=2,
+        max_steps_per_s=50.0,
+        tokens_per_step=SEQ,
+        now=_time.monotonic(),
+        screening=screening,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- the syncer
+
+
+class Host:
+    """What `SyncerService` reads of the syncer role (node.roles.syncer_rpc.SyncerHost), with every caller taken
+    as a live learner: the benchmark measures memory and transfer, not membership."""
+
+    def __init__(self, run: Any, identity: Any, core: Any, probe: Any) -> None:
+        from node.diloco.screening import ScreeningConfig
+        from node.diloco.sync_client import fragment_limits, run_fragment_plan
+        from node.roles.syncer import SyncerConfig
+        from protocol.rpc import PeerStrikes
+
+        events = SimpleNamespace(emit=lambda *a, **k: None)
+        self.ctx = SimpleNamespace(
+            manifest=run, run_id=RUN_ID, identity=identity, peer_id=identity.peer_id, events=events
+        )
+        self.config = SyncerConfig(screening=ScreeningConfig())
+        self.mode, self.term, self.primary, self.active = "decoupled", 1, None, True
+        self.plan = run_fragment_plan(run)
+        self.limits = fragment_limits(self.plan)
+        self.fragment_stage = [0] * self.plan.num_fragments
+        self.strikes = PeerStrikes()
+        self.core, self.probe = core, probe
+        self.recovering_until, self.adopted = 0.0, 0
+        self.fresh: set[tuple[str, int]] = set()
+        self.live: dict[str, Any] = {}
+        self.merge_lock, self.probe_lock = asyncio.Lock(), asyncio.Lock()
+        self.ban_outbox: Any = []
+        self.wake, self.published = asyncio.Event(), asyncio.Event()
+        self.p2p: Any = None
+
+    def holders(self, fragment: int) -> set[str]:
+        return set(self.live)
+
+    async def check_known(self, peer: str) -> None:
+        return None
+
+    def notify(self) -> None:
+        self.published.set()
+        self.published = asyncio.Event()
+
+
+def build_probe_for(run: Any) -> Any:
+    """The syncer's held-out loss probe as `node.roles.syncer.build_probe` makes it (the model's skeleton)."""
+    from functools import partial
+
+    from node.diloco.loss_probe import LossProbe
+    from node.ml.model import ModelConfig
+    from node.roles.syncer import model_skeleton, skeleton_loss
+
+    cfg = ModelConfig.from_dict(run.model)
+    held = [learnable_batch(cfg.vocab_size, 2, seed=1000 + i) for i in range(2)]
+    return LossProbe(partial(skeleton_loss, model_skeleton(cfg), batches=held))
+
+
+async def merge_until(host: Host, stop: Any, merges: list[Any]) -> None:
+    """The merge loop: every round that is due merges at once (K = 1, no grace), then its version is published."""
+    core = host.core
+    while not stop.is_set():
+        due, _ = core.due(time.monotonic(), lambda f: 1)
+        for fragment in due:
+            async with host.merge_lock:
+                record = await asyncio.to_thread(core.merge_now, fragment, 1, time.monotonic())
+            if record is not None:
+                merges.append(record.fragment)
+                host.notify()
+        await asyncio.sleep(0.05)
+
+
+async def syncer_main(preset: str, queue: Any, stop: Any) -> None:
+    from hivemind.p2p import P2P
+
+    from node.diloco.screening import ScreeningConfig
+    from node.ml.checkpoint import CheckpointStore
+    from node.ml.model import ModelConfig, build_model
+    from node.roles.syncer_rpc import SyncerService
+    from protocol.identity import NodeIdentity
+
+    run = manifest(preset)
+    with tempfile.TemporaryDirectory() as tmp:
+        identity = NodeIdentity.load_or_create(Path(tmp) / "syncer.key")
+        model = build_model(ModelConfig.from_dict(run.model), run.seed)
+        core = new_core(run, dict(model.named_parameters()), ScreeningConfig())
+        del model
+        host = Host(run, identity, core, build_probe_for(run))
+        p2p = await P2P.create(identity_path=str(identity.path), check_if_identity_free=False)
+        host.p2p = p2p
+        service = SyncerService(host)  # type: ignore[arg-type]
+        await service.start(p2p, lambda *a, **k: None)
+        maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+        queue.put({"maddrs": maddrs, "peer_id": identity.peer_id, "setup_peak": peak_rss_bytes()})
+        merges: list[int] = []
+        done = asyncio.Event()
+        merger = asyncio.create_task(merge_until(host, done, merges))
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+        done.set()
+        await merger
+        store = CheckpointStore(Path(tmp) / "ckpt", RUN_ID, keep=1)
+        started = time.perf_counter()
+        await asyncio.to_thread(store.save, core.snapshot(RUN_ID, 1))
+        checkpoint_s = time.perf_counter() - started
+        await service.stop()
+        await p2p.shutdown()
+        queue.put(
+            {
+                "party": "syncer",
+                "peak_rss": peak_rss_bytes(),
+                "merges": len(merges),
+                "versions": list(core.versions),
+                "refusals": dict(service.refusals),
+                "probe": probe_status(host.probe),
+                "checkpoint_s": round(checkpoint_s, 3),
+            }
+        )
+
+
+def probe_status(probe: Any) -> dict[str, Any]:
+    return probe.status() if probe is not None else {}
+
+
+# ---------------------------------------------------------------------------------------------- the learner
+
+
+def loopback_transport(p2p: Any, identity: Any, run: Any, syncer: str) -> Any:
+    """`FramedSyncTransport` to the one syncer (no DHT lookup)."""
+    from node.diloco.sync_client import FramedSyncTransport, run_fragment_plan
+
+    class Loopback(FramedSyncTransport):
+        async def current_syncer(self) -> tuple[str, int]:
+            return syncer, 1
+
+    records = SimpleNamespace(run_id=RUN_ID, clock=time.time)
+    plan = run_fragment_plan(run)
+    return Loopback(p2p, identity, records, plan, authorized_syncers=[syncer])  # type: ignore[arg-type]
+
+
+async def connect(maddrs: list[str], path: Path) -> tuple[Any, Any]:
+    from hivemind.p2p import P2P
+
+    from protocol.identity import NodeIdentity
+
+    identity = NodeIdentity.load_or_create(path)
+    p2p = await P2P.create(
+        initial_peers=maddrs, identity_path=str(identity.path), check_if_identity_free=False
+    )
+    return p2p, identity
+
+
+def inner_step(model: Any, opt: Any, vocab: int, seed: int) -> float:
+    inputs, targets = learnable_batch(vocab, 1, seed)
+    _, loss = model(inputs, targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+async def learner_main(preset: str, info: dict[str, Any], queue: Any, max_steps: int) -> None:
+    import torch
+
+    from node.diloco.sync_client import FragmentSync
+    from node.diloco.sync_types import SyncClientConfig
+    from node.ml.model import ModelConfig, build_model
+
+    run = manifest(preset)
+    cfg = ModelConfig.from_dict(run.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        p2p, identity = await connect(info["maddrs"], Path(tmp) / "learner.key")
+        model = build_model(cfg, run.seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        transport = loopback_transport(p2p, identity, run, info["peer_id"])
+        config = SyncClientConfig(poll_wait_s=1.0, retry_min_s=0.1, retry_max_s=0.5)
+        sync = FragmentSync.create(
+            dict(model.named_parameters()), transport.plan, run.diloco, transport, config=config
+        )
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(sync.run_sender(stop)), asyncio.create_task(sync.run_watcher(stop))]
+        started, step, losses = time.perf_counter(), 0, []
+        while step < max_steps and min(sync.versions().values()) < 1:
+            step += 1
+            losses.append(await asyncio.to_thread(inner_step, model, opt, cfg.vocab_size, step))
+            sync.after_inner_step(step, SEQ)
+            await asyncio.sleep(0.2)  # the loops' turn: pushes and fetches of ~100 MB frames
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await p2p.shutdown()
+        queue.put(
+            {
+                "party": "learner",
+                "peak_rss": peak_rss_bytes(),
+                "steps": step,
+                "round_s": round(time.perf_counter() - started, 2),
+                "versions": {str(f): v for f, v in sync.versions().items()},
+                "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)] if losses else [],
+                "sync": {k: v for k, v in sync.status().items() if k in ("sent", "acked", "refused")},
+            }
+        )
+
+
+async def joiner_main(preset: str, info: dict[str, Any], queue: Any) -> None:
+    """A late joiner: its model from the seed, then every fragment's current version from the syncer, timed."""
+    from node.diloco.sync_client import FragmentSync
+    from node.ml.model import ModelConfig, build_model
+
+    run = manifest(preset)
+    with tempfile.TemporaryDirectory() as tmp:
+        p2p, identity = await connect(info["maddrs"], Path(tmp) / "joiner.key")
+        model = build_model(ModelConfig.from_dict(run.model), run.seed)
+        transport = loopback_transport(p2p, identity, run, info["peer_id"])
+        sync = FragmentSync.create(dict(model.named_parameters()), transport.plan, run.diloco, transport)
+        started = time.perf_counter()
+        joined = await sync.join_global(asyncio.Event(), timeout_s=120.0)
+        elapsed = time.perf_counter() - started
+        await p2p.shutdown()
+        queue.put(
+            {
+                "party": "joiner",
+                "joined": joined,
+                "state_transfer_s": round(elapsed, 3),
+                "versions": {str(f): v for f, v in sync.versions().items()},
+                "peak_rss": peak_rss_bytes(),
+            }
+        )
+
+
+def _child(kind: str, preset: str, queue: Any, extra: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # two cores, three processes
+    if kind == "syncer":
+        asyncio.run(syncer_main(preset, queue, extra))
+    elif kind == "learner":
+        asyncio.run(learner_main(preset, extra[0], queue, extra[1]))
+    elif kind == "joiner":
+        asyncio.run(joiner_main(preset, extra, queue))
+    elif kind == "core":
+        queue.put(core_round(preset, *extra))
+
+
+def merge_round(preset: str, max_steps: int, timeout_s: float) -> dict[str, Any]:
+    """The llama-124m round: syncer, learner, then the late joiner, each its own process."""
+    ctx = mp.get_context("spawn")
+    queue, stop = ctx.Queue(), ctx.Event()
+    syncer = ctx.Process(target=_child, args=("syncer", preset, queue, stop))
+    syncer.start()
+    try:
+        info = queue.get(timeout=timeout_s)
+        results: dict[str, Any] = {"syncer_setup_peak_rss": info["setup_peak"]}
+        for kind, extra in (("learner", (info, max_steps)), ("joiner", info)):
+            child = ctx.Process(target=_child, args=(kind, preset, queue, extra))
+            child.start()
+            got = queue.get(timeout=timeout_s)
+            results[got.pop("party")] = got
+            child.join(30)
+        stop.set()
+        got = queue.get(timeout=timeout_s)
+        results[got.pop("party")] = got
+        return results
+    finally:
+        stop.set()
+        syncer.join(30)
+        if syncer.is_alive():
+            syncer.kill()
+
+
+# ---------------------------------------------------------------------------------------------- llama-1b
+
+
+def synthetic(core: Any, fragment: int, gen: Any) -> dict[str, Any]:
+    """A learner's fragment: the global tensors plus a little noise (what the syncer holds per contribution)."""
+    import torch
+
+    params = {}
+    for name, tensor in core.fragment_tensors(fragment).items():
+        params[name] = torch.randn(tensor.shape, generator=gen).mul_(1e-3).add_(tensor)
+    return params
+
+
+def copying_probe(run: Any) -> Any:
+    """On a tree before the probe's skeleton (`--core` on an older checkout, to measure the difference): the probe
+    as it was, a model of its own the scored parameters are copied into."""
+    import torch
+
+    from node.diloco.loss_probe import LossProbe
+    from node.ml.data import evaluate
+    from node.ml.model import ModelConfig, build_model
+
+    cfg = ModelConfig.from_dict(run.model)
+    model, held = (
+        build_model(cfg, run.seed),
+        [learnable_batch(cfg.vocab_size, 2, seed=1000 + i) for i in range(2)],
+    )
+
+    def loss(params: Any) -> float:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(params[name])
+        return evaluate(model, held)
+
+    return LossProbe(loss)
+
+
+def core_round(preset: str, contributors: int, probe: bool, num_fragments: int = 4) -> dict[str, Any]:
+    """A syncer core merging every fragment of `preset` from synthetic contributions, each scored by the held-out
+    loss probe first (`probe`), in this process; then a checkpoint written from its snapshot. Peak RSS after
+    building (`setup`) and after the round."""
+    import torch
+
+    from node.diloco.screening import ScreeningConfig
+    from node.diloco.syncer_core import Refusal, probe_base
+    from node.ml.checkpoint import CheckpointStore
+    from node.ml.model import ModelConfig, build_model
+
+    run = manifest(preset, num_fragments=num_fragments)
+    model = build_model(ModelConfig.from_dict(run.model), run.seed)
+    core = new_core(run, dict(model.named_parameters()), ScreeningConfig(loss_probe=probe))
+    del model
+    try:
+        scorer = build_probe_for(run) if probe else None
+    except ImportError:
+        scorer = copying_probe(run)
+    setup_peak, started, merged, refused = peak_rss_bytes(), time.perf_counter(), 0, []
+    gen = torch.Generator().manual_seed(0)
+    for fragment in range(core.plan.num_fragments):
+        for peer in range(contributors):
+            params = synthetic(core, fragment, gen)
+            base = probe_base(core, fragment, 0)
+            score = (
+                scorer.measure(dict(core.params), tuple(core.versions), base, params, time.perf_counter)
+                if scorer and base
+                else None
+            )
+            try:
+                core.accept(
+                    f"peer-{peer}", fragment, params, base_version=0, steps=4, tokens=4 * SEQ, sched_step=4,
+                    step_time_s=1.0, nonce=bytes([peer]) * 16, now=time.monotonic() + 60.0, loss=score,
+                )  # fmt: skip
+            except Refusal as e:
+                refused.append(e.reason)
+            del params
+        merged += core.merge_now(fragment, contributors, time.monotonic() + 60.0) is not None
+    round_s, round_peak = time.perf_counter() - started, peak_rss_bytes()
+    with tempfile.TemporaryDirectory(dir=os.environ.get("SCALE_CKPT_DIR")) as tmp:
+        saved = time.perf_counter()
+        CheckpointStore(Path(tmp), RUN_ID, keep=1).save(core.snapshot(RUN_ID, 1))
+        checkpoint_s = time.perf_counter() - saved
+    return {
+        "setup_peak_rss": setup_peak,
+        "round_peak_rss": round_peak,
+        "peak_rss": peak_rss_bytes(),
+        "fragments_merged": merged,
+        "num_fragments": core.plan.num_fragments,
+        "refused": refused,
+        "probe": probe_status(scorer),
+        "round_s": round(round_s, 2),
+        "checkpoint_s": round(checkpoint_s, 2),
+    }
+
+
+def child_peak_rss(pid: int | None) -> int | None:
+    """VmHWM (peak RSS) of a live child, from /proc (None if unreadable)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def run_core(
+    preset: str, contributors: int, probe: bool, timeout_s: float, num_fragments: int = 4
+) -> dict[str, Any]:
+    """`core_round` in a child process, killed if the machine runs short of memory (other work shares it)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child, args=("core", preset, queue, (contributors, probe, num_fragments)))
+    child.start()
+    deadline, lowest = time.monotonic() + timeout_s, available_bytes()
+    try:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(queue_module.Empty):
+                return {**queue.get(timeout=0.5), "lowest_available_bytes": lowest}
+            lowest = min(lowest, available_bytes() or lowest)
+            if lowest < MIN_FREE:
+                reached = child_peak_rss(child.pid)
+                child.kill()
+                why = f"killed: the machine's available memory fell under {MIN_FREE / GiB:.0f} GiB"
+                return {"skipped": why, "peak_rss_when_killed": reached, "lowest_available_bytes": lowest}
+            if not child.is_alive() and queue.empty():
+                return {"skipped": f"the child died (exit code {child.exitcode})"}
+        return {"skipped": f"no result within {timeout_s:.0f} s"}
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+
+
+def stage_slice(preset: str, num_stages: int) -> dict[str, Any]:
+    """Parameter bytes of each pipeline stage of `preset` (meta device: nothing allocated)."""
+    import torch
+
+    from node.ml.model import ModelConfig, StageModule, stage_spans
+
+    cfg = ModelConfig.from_dict(manifest(preset).model)
+    spans = stage_spans(cfg.num_layers, num_stages)
+    counts = []
+    for index, span in enumerate(spans):
+        with torch.device("meta"):
+            stage = StageModule(cfg, span, is_first=index == 0, is_last=index == num_stages - 1)
+        counts.append(sum(p.numel() for p in stage.parameters()))
+    return {"num_stages": num_stages, "params": counts, "largest_bytes": max(counts) * 4}
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def ratio(peak: int | None, size: dict[str, int]) -> float | None:
+    if peak is None:
+        return None
+    return round(peak / (size["model_bytes"] + 2 * size["fragment_bytes"]), 3)
+
+
+def part_1b(args: argparse.Namespace) -> dict[str, Any]:
+    """The llama-1b syncer core, guarded: skipped (with the reason) unless the memory it needs is free: the
+    global parameters, the versions still held and the momentum (3 models) plus a merge's temporaries."""
+    size = sizes(manifest("llama-1b", num_fragments=FRAGMENTS_1B))
+    need = int(3 * size["model_bytes"] + 8 * size["fragment_bytes"] + 0.75 * GiB)
+    free = available_bytes()
+    out: dict[str, Any] = {
+        **size,
+        "fragments_per_stage": FRAGMENTS_1B,
+        "need_bytes": need,
+        "available_bytes": free,
+    }
+    if args.quick or args.model != "llama-124m":
+        return {**out, "skipped": "quick mode: llama-124m only"}
+    if free < need:
+        return {**out, "skipped": f"{free / GiB:.1f} GiB available < {need / GiB:.1f} GiB needed"}
+    out.update(run_core("llama-1b", 2, False, timeout_s=3000, num_fragments=FRAGMENTS_1B))
+    return out
+
+
+def headline_1b(big: dict[str, Any]) -> dict[str, Any]:
+    merged = big.get("fragments_merged") == big.get("num_fragments") and "skipped" not in big
+    ratio_1b = ratio(big.get("peak_rss"), big)
+    killed = big.get("peak_rss_when_killed")
+    return {
+        "merged_1b": bool(merged),
+        "syncer_rss_ratio_1b": ratio_1b,
+        "syncer_peak_gib_1b": round(big["peak_rss"] / GiB, 3) if "peak_rss" in big else None,
+        "skipped_1b": big.get("skipped"),
+        # killed for memory: the ratio it had reached by then, a lower bound of the peak's
+        "syncer_rss_ratio_1b_at_least": ratio(killed, big) if killed else None,
+        "syncer_goal_met_1b": ratio_1b is not None and ratio_1b <= 1.0,
+    }
+
+
+def headline(model: str, rnd: dict[str, Any], big: dict[str, Any], stage: dict[str, Any]) -> dict[str, Any]:
+    size = sizes(manifest(model))
+    syncer, learner, joiner = rnd["syncer"], rnd["learner"], rnd["joiner"]
+    return {
+        "model": model,
+        **headline_1b(big),
+        "state_transfer_s_124m": joiner["state_transfer_s"] if model == "llama-124m" else None,
+        "state_transfer_s": joiner["state_transfer_s"],
+        "syncer_peak_gib": round(syncer["peak_rss"] / GiB, 3),
+        "learner_peak_gib": round(learner["peak_rss"] / GiB, 3),
+        "syncer_rss_ratio": ratio(syncer["peak_rss"], size),
+        "model_gib": round(size["model_bytes"] / GiB, 3),
+        "fragment_gib": round(size["fragment_bytes"] / GiB, 3),
+        "round_merged": min(int(v) for v in learner["versions"].values()) >= 1,
+        "stage_slice_gib_1b": round(stage["largest_bytes"] / GiB, 3),
+    }
+
+
+def only_1b(args: argparse.Namespace, out: Path) -> int:
+    """Rerun the 1B part alone (when the machine is quiet) into an existing results JSON."""
+    path = out / f"{NAME}.json"
+    payload = json.loads(path.read_text())
+    big = part_1b(args)
+    payload["core_1b"] = big
+    payload["headline"].update(headline_1b(big))
+    payload["measured_at_1b"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    plot(payload["headline"], big, out / f"{NAME}.png")
+    print(json.dumps(payload["headline"], indent=2))
+    return 0
+
+
+def plot(head: dict[str, Any], big: dict[str, Any], path: Path) -> None:
+    """Peak RSS per party against its goal (the syncer: model + 2 fragments; others: the model's bytes); the 1B core,
+    when killed for memory, as a hatched bar of what it had reached (a lower bound)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    goal = head["model_gib"] + 2 * head["fragment_gib"]
+    bars = [
+        (f"syncer\n{head['model']}", head["syncer_peak_gib"], goal, ""),
+        (f"syncer core\n{head['model']}", head.get("syncer_core_peak_gib") or 0.0, goal, ""),
+        (f"learner\n{head['model']}", head["learner_peak_gib"], head["model_gib"], ""),
+    ]
+    goal_1b = (big["model_bytes"] + 2 * big["fragment_bytes"]) / GiB
+    killed = big.get("peak_rss_when_killed")
+    if head["syncer_peak_gib_1b"] is not None:
+        bars.append(("syncer core\nllama-1b", head["syncer_peak_gib_1b"], goal_1b, ""))
+    elif killed:
+        bars.append(("syncer core\nllama-1b (killed)", killed / GiB, goal_1b, "//"))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for x, (_, peak, _, hatch) in enumerate(bars):
+        ax.bar(x, peak, color="tab:blue", hatch=hatch, label="peak RSS" if x == 0 else None)
+    ax.scatter(range(len(bars)), [b[2] for b in bars], color="tab:red", marker="_", s=2500, label="goal")
+    ax.set_xticks(list(range(len(bars))), [b[0] for b in bars])
+    ax.set_ylabel("GiB")
+    ax.set_title(f"peak RSS through a merge round; late joiner state in {head['state_transfer_s']:.1f} s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the llama-124m round only")
+    parser.add_argument(
+        "--model", default="llama-124m", help="preset of the merge round (llama-tiny in tests)"
+    )
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--core", default=None, help="only a syncer core's round of this preset, printed")
+    parser.add_argument("--only-1b", action="store_true", help="rerun the 1B part into the existing JSON")
+    args = parser.parse_args(argv)
+    if args.core:  # e.g. on an older checkout, to measure what a change saved
+        fragments = FRAGMENTS_1B if args.core == "llama-1b" else 4
+        print(json.dumps(run_core(args.core, 2, args.core != "llama-1b", 3000, fragments), indent=2))
+        return 0
+    from benchmarks.common import RESULTS_DIR, machine_info
+
+    out = args.out or RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    if args.only_1b:
+        return only_1b(args, out)
+    rnd = merge_round(args.model, args.max_steps, timeout_s=900)
+    core = run_core(args.model, 2, True, timeout_s=900)
+    big = part_1b(args)
+    stage = stage_slice("llama-1b", 4)
+    head = headline(args.model, rnd, big, stage)
+    head["syncer_core_peak_gib"] = round(core["peak_rss"] / GiB, 3)
+    head["syncer_core_rss_ratio"] = ratio(core["peak_rss"], sizes(manifest(args.model)))
+    payload = {
+        "name": NAME,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine_info(),
+        "command": "python -m benchmarks.scale" + (" --quick" if args.quick else ""),
+        "headline": head,
+        "round": rnd,
+        "core": core,
+        "core_1b": big,
+        "stage_1b": stage,
+    }
+    (out / f"{NAME}.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    plot(head, big, out / f"{NAME}.png")
+    print(json.dumps(head, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
