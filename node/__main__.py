@@ -78,7 +78,7 @@ def status(argv: Sequence[str]) -> int:
     if args.peer is not None and not is_peer_id(args.peer):
         parser.error(f"--peer {args.peer!r} is not a peer id (12D3KooW...)")
     peer = args.peer or (own_peer_id(args.state_dir) if args.state_dir is not None else None)
-    return asyncio.run(status_command(args.target, args.timeout, peer=peer))
+    return asyncio.run(status_command(args.target, args.timeout, peer=peer, state_dir=args.state_dir))
 
 
 def own_peer_id(state_dir: Path) -> str:

@@ -98,7 +98,7 @@ async def _serve(
         with contextlib.suppress(asyncio.TimeoutError):  # the heartbeat loop retries; it logs the failure
             await membership.announce()
         ctx.events.emit("joined", run_id=ctx.run_id, role=choice.role, stage=choice.stage, why=choice.reason)
-        _note_reachability(ctx.events, joined)
+        _note_reachability(ctx, joined)
         _spawn_tasks(ctx, joined, membership, role, stop)
         if on_ready is not None:
             on_ready(ctx)
@@ -178,7 +178,12 @@ def _spawn_tasks(
     supervisor.spawn("role", partial(role.run, ctx, stop), ends_node=True)
 
 
-def _note_reachability(events: EventLog, joined: Any) -> None:
+def _note_reachability(ctx: NodeContext, joined: Any) -> None:
+    """The `connectivity` event (direct / relay / client, and why) and, when a bootstrap checked, what it saw."""
+    events = ctx.events
+    if joined.connectivity is not None:
+        ctx.connectivity = joined.connectivity.as_dict()
+        events.emit("connectivity", **ctx.connectivity)
     reach = joined.reachability
     if reach is not None:
         events.emit(

@@ -1,0 +1,177 @@
+"""Relays: the bootstrap relays for nodes others cannot dial, and a node says how it is connected.
+
+Three pure parts and one patch:
+
+* `daemon_maddr_bytes` / `DaemonMaddr`: hivemind's multiaddr codec writes a `/p2p/<peer id>` component as a CIDv1
+  (`0x01 0x72 <multihash>`), while p2pd (go-multiaddr) reads the bare multihash; every `connect` that hands the
+  daemon an address with a `/p2p/` part (every relay circuit `/p2p/<relay>/p2p-circuit/p2p/<peer>`) fails with
+  "length greater than remaining number of bytes in buffer". `DaemonMaddr` is a `Multiaddr` whose bytes are the
+  daemon's encoding; pass it wherever an address goes to `p2p._client.connect`.
+* `relay_flags`: the p2pd flags hivemind's `P2P.create` has no parameter for (`-relayService`,
+  `-relayDiscovery`), added to the daemon's command line by `install_daemon_flags` inside the DHT process.
+* `decide_connectivity`: direct / relay / client, with the reason, from what the reach check and the relay wait saw.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.multiaddr.transforms import bytes_iter
+
+_P2P_CODE = 0x01A5  # the multiaddr protocol code of /p2p/ (alias /ipfs/)
+_CIDV1_LIBP2P_KEY = b"\x01\x72"  # CID version 1, multicodec libp2p-key: what hivemind's codec prepends
+CIRCUIT = "p2p-circuit"
+
+
+def _uvarint(value: int) -> bytes:
+    """Unsigned LEB128, the multiformats varint."""
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def daemon_maddr_bytes(maddr: str | Multiaddr) -> bytes:
+    """The binary multiaddr p2pd reads: hivemind's encoding with each /p2p/ value as the bare peer-id multihash."""
+    raw = Multiaddr(maddr).to_bytes() if isinstance(maddr, str) else Multiaddr.to_bytes(maddr)
+    out = io.BytesIO()
+    for offset, proto, _codec, part in bytes_iter(raw):
+        if proto.code != _P2P_CODE:
+            out.write(_component(raw, offset))
+            continue
+        multihash = part[len(_CIDV1_LIBP2P_KEY) :] if part.startswith(_CIDV1_LIBP2P_KEY) else part
+        out.write(_uvarint(_P2P_CODE) + _uvarint(len(multihash)) + multihash)
+    return out.getvalue()
+
+
+def _component(raw: bytes, offset: int) -> bytes:
+    """The bytes of the one component of `raw` that starts at `offset` (code, length prefix and value)."""
+    rest = raw[offset:]
+    for index, (next_offset, *_rest) in enumerate(bytes_iter(rest)):
+        if index == 1:
+            return rest[:next_offset]
+    return rest
+
+
+class DaemonMaddr(Multiaddr):
+    """A `Multiaddr` that gives p2pd the encoding it reads (see `daemon_maddr_bytes`); prints as usual."""
+
+    def to_bytes(self) -> bytes:
+        return daemon_maddr_bytes(Multiaddr(super().to_bytes()))
+
+    __bytes__ = to_bytes
+
+
+def is_circuit(maddr: str) -> bool:
+    return f"/{CIRCUIT}" in maddr
+
+
+def relay_flags(*, serve: bool, use_reservations: bool) -> dict[str, bool]:
+    """p2pd flags hivemind cannot pass: `serve` makes the daemon a relay for others (p2pd serves by default, so
+    an ordinary node turns it off); `use_reservations` reserves a slot on the static relays (the bootstraps,
+    p2pd's default trusted relays) at once: without `-relayDiscovery=0` p2pd looks for relays in the background
+    and reserved nothing within 15 s in our trials; with it the reservation took about 20 ms on loopback."""
+    flags = {"relayService": serve}
+    if use_reservations:
+        flags["relayDiscovery"] = False
+    return flags
+
+
+def install_daemon_flags(flags: Mapping[str, bool]) -> None:
+    """Append `flags` to every p2pd command line this process starts (call it only in the DHT's own process:
+    hivemind's `P2P.create` builds the command line with `_make_process_args` and has no place for them)."""
+    from hivemind.p2p import P2P
+
+    original: Callable[..., list[str]] = P2P.__dict__["_make_process_args"].__func__
+
+    def with_flags(*args: Any, **kwargs: Any) -> list[str]:
+        return original(*args, **{**kwargs, **flags})
+
+    P2P._make_process_args = staticmethod(with_flags)
+
+
+class Mode(str, Enum):
+    DIRECT = "direct"  # others dial us at our own addresses; we serve
+    RELAY = "relay"  # others reach us through a relay's circuit; we serve, more slowly
+    CLIENT = "client"  # nobody can reach us: we train and push, but serve nothing
+
+
+@dataclass(frozen=True, slots=True)
+class Connectivity:
+    """How others reach this node, and why: shown in the log, on /api/status and in `node status`."""
+
+    mode: Mode
+    reason: str
+    addresses: tuple[str, ...] = ()  # what others dial: our own addresses, or the relay circuits
+    relays: tuple[str, ...] = ()  # peer ids of the relays holding our reservation
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode.value,
+            "reason": self.reason,
+            "addresses": list(self.addresses),
+            "relays": list(self.relays),
+        }
+
+
+def relays_of(circuits: Sequence[str]) -> tuple[str, ...]:
+    """The relay peer ids in circuit addresses `/.../p2p/<relay>/p2p-circuit[/p2p/<us>]`."""
+    found = []
+    for maddr in circuits:
+        head = maddr.split(f"/{CIRCUIT}", 1)[0]
+        if "/p2p/" in head:
+            found.append(head.rsplit("/p2p/", 1)[1])
+    return tuple(dict.fromkeys(found))
+
+
+def decide_connectivity(
+    *,
+    reachable: bool | None,
+    checked: bool,
+    dialed: Sequence[str],
+    circuits: Sequence[str],
+    relay_tried: bool,
+    client_mode_asked: bool = False,
+) -> Connectivity:
+    """Direct, relay or client, with the reason in words a volunteer can act on.
+
+    `reachable`: the reach check's answer (None: nobody could tell); `checked`: whether a check ran at all;
+    `dialed`: our addresses it tried (or announce); `circuits`: relay circuit addresses we hold after asking for a
+    reservation; `relay_tried`: whether we asked (we do only when unreachable and relays are allowed).
+    """
+    tried = ", ".join(dialed) or "none"
+    if client_mode_asked:
+        return Connectivity(Mode.CLIENT, "client mode was asked for (network.client_mode)")
+    if not checked:
+        return Connectivity(
+            Mode.DIRECT, "not checked: every peer is on this machine's loopback", tuple(dialed)
+        )
+    if reachable is None:
+        return Connectivity(
+            Mode.DIRECT, "no bootstrap could check our addresses; serving as announced", tuple(dialed)
+        )
+    if reachable:
+        return Connectivity(Mode.DIRECT, f"a bootstrap dialed us back at {tried}", tuple(dialed))
+    if circuits:
+        relays = relays_of(circuits)
+        return Connectivity(
+            Mode.RELAY,
+            f"not reachable, using relay: the bootstrap could not dial {tried}; peers reach us through "
+            f"{', '.join(r[-8:] for r in relays)}",
+            tuple(circuits),
+            relays,
+        )
+    why = (
+        "no relay granted a reservation" if relay_tried else "relays are off (network.use_auto_relay = false)"
+    )
+    return Connectivity(
+        Mode.CLIENT,
+        f"not reachable and {why}: the bootstrap could not dial {tried}; training and pushing, serving nothing",
+    )
