@@ -349,7 +349,7 @@ def build_run_parser() -> argparse.ArgumentParser:
         dest="progress",
         action="store_false",
         default=None,
-        help="no progress line on the console (log lines only)",
+        help="no progress line on the console, log lines only (default: a live line on a terminal)",
     )
     return parser
 
@@ -584,24 +584,9 @@ BOOTSTRAP_FLAGS = {  # BootstrapConfig field -> the flag that sets it
 }
 
 
-def build_bootstrap_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bootstrap",
-        description="Run a hivenode bootstrap peer. Settings: defaults < bootstrap.toml (--config) < "
-        f"{BOOTSTRAP.env} environment variable < these flags; every one is in docs/config.md.",
-    )
+def _add_owner_switches(parser: argparse.ArgumentParser) -> None:
+    """The bootstrap's `--no-...` switches: what it runs for the swarm unless told not to."""
     add = parser.add_argument
-    add("--run", type=Path, metavar="run.toml", help="run settings (default: the built-in default run)")
-    add("--listen", action="append", metavar="MADDR", help=f"DHT listen multiaddr (default {DEFAULT_LISTEN})")
-    add("--announce", action="append", metavar="MADDR", help="public multiaddr to announce (repeatable)")
-    add(
-        "--join", action="append", metavar="MADDR", help="another bootstrap or hivemind-dht peer (repeatable)"
-    )
-    add("--identity", type=Path, metavar="PATH", help="DHT key (default: <state-dir>/identity.key)")
-    add("--owner-key", type=Path, metavar="PATH", help="key that signs the manifest (default: --identity)")
-    add("--authorize-syncer", action="append", metavar="PEER_ID", help="add an authorized syncer")
-    add("--authorize-verifier", action="append", metavar="PEER_ID", help="add an authorized verifier")
-    add("--authorize-bootstrap", action="append", metavar="PEER_ID", help="add another bootstrap of the run")
     add(
         "--no-syncer",
         dest="run_syncer",
@@ -621,8 +606,29 @@ def build_bootstrap_parser() -> argparse.ArgumentParser:
         dest="relay",
         action="store_false",
         default=None,
-        help="do not relay for nodes others cannot dial (they fall back to client mode)",
+        help="do not relay for undialable nodes",
     )
+
+
+def build_bootstrap_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bootstrap",
+        description="Run a hivenode bootstrap peer. Settings: defaults < bootstrap.toml (--config) < "
+        f"{BOOTSTRAP.env} environment variable < these flags; every one is in docs/config.md.",
+    )
+    add = parser.add_argument
+    add("--run", type=Path, metavar="run.toml", help="run settings (default: the built-in default run)")
+    add("--listen", action="append", metavar="MADDR", help=f"DHT listen multiaddr (default {DEFAULT_LISTEN})")
+    add("--announce", action="append", metavar="MADDR", help="public multiaddr to announce (repeatable)")
+    add(
+        "--join", action="append", metavar="MADDR", help="another bootstrap or hivemind-dht peer (repeatable)"
+    )
+    add("--identity", type=Path, metavar="PATH", help="DHT key (default: <state-dir>/identity.key)")
+    add("--owner-key", type=Path, metavar="PATH", help="key that signs the manifest (default: --identity)")
+    add("--authorize-syncer", action="append", metavar="PEER_ID", help="add an authorized syncer")
+    add("--authorize-verifier", action="append", metavar="PEER_ID", help="add an authorized verifier")
+    add("--authorize-bootstrap", action="append", metavar="PEER_ID", help="add another bootstrap of the run")
+    _add_owner_switches(parser)
     add("--roles-config", type=Path, metavar="node.toml", help="settings of the owner's syncer and verifier")
     add("--http", metavar="HOST:PORT", help="HTTP address (default 127.0.0.1:0)")
     add("--maddrs-file", type=Path, metavar="PATH", help="write our multiaddrs here, one per line")

@@ -29,7 +29,7 @@ from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 
 from node.config import NetworkConfig
-from node.swarm.relay import install_daemon_flags, relay_flags
+from node.swarm.relay import install_daemon_flags, relay_options
 from protocol.errors import JoinError
 from protocol.identity import NodeIdentity
 from protocol.keys import KeyKind
@@ -281,14 +281,6 @@ def start_dht(
     """
     if identity.path is None:
         raise ValueError("the DHT needs an identity stored in a file")
-    relayed = relayed and bool(initial_peers)
-    if relayed:  # reserve on the bootstraps at once: we start relayed only once we know nobody can dial us
-        relay_kwargs: dict[str, Any] = {
-            "trusted_relays": list(initial_peers),
-            "force_reachability": "private",
-        }
-    else:
-        relay_kwargs = {}
     try:
         dht = DetachedDHT(
             initial_peers=list(initial_peers) or None,
@@ -301,11 +293,9 @@ def start_dht(
             startup_timeout=network.join_timeout_s,
             client_mode=network.client_mode if client_mode is None else client_mode,
             use_relay=network.use_relay,
-            use_auto_relay=relayed,
             store_quota=store_quota or dht_store_quota(),
             validate_first=validate_first,
-            daemon_flags=relay_flags(serve=network.relay_service, use_reservations=relayed),
-            **relay_kwargs,
+            **relay_options(initial_peers, serve=network.relay_service, relayed=relayed),
             # hivemind's default sends every value a GET found to the nearest peer that lacked it, one record
             # per subkey, charged to the reader's store quota there: a bootstrap polling the swarm directory
             # once a second went over 240 records a minute, and its own heartbeat was refused with the rest

@@ -84,6 +84,20 @@ def relay_flags(*, serve: bool, use_reservations: bool) -> dict[str, bool]:
     return flags
 
 
+def relay_options(initial_peers: Sequence[str], *, serve: bool, relayed: bool) -> dict[str, Any]:
+    """`DetachedDHT` keyword arguments for relaying: `serve` (bootstraps) relays for others; `relayed` reserves a
+    slot on the `initial_peers` at once (p2pd needs them named as static relays, and would otherwise wait for
+    AutoNAT to call us private; we ask only after a reach check found nobody can dial us)."""
+    relayed = relayed and bool(initial_peers)
+    options: dict[str, Any] = {
+        "use_auto_relay": relayed,
+        "daemon_flags": relay_flags(serve=serve, use_reservations=relayed),
+    }
+    if relayed:
+        options.update(trusted_relays=list(initial_peers), force_reachability="private")
+    return options
+
+
 def install_daemon_flags(flags: Mapping[str, bool]) -> None:
     """Append `flags` to every p2pd command line this process starts (call it only in the DHT's own process:
     hivemind's `P2P.create` builds the command line with `_make_process_args` and has no place for them)."""
