@@ -496,7 +496,7 @@ def _network(config: BootstrapConfig) -> NetworkConfig:
         announce=config.announce,
         join_timeout_s=config.join_timeout_s,
         request_timeout_s=config.request_timeout_s,
-        relay_service=config.relay,  # nodes nobody can dial reserve a slot here (node.swarm.relay)
+        use_relay=config.relay,  # nodes nobody can dial reserve a slot here (node.swarm.relay)
     )
 
 

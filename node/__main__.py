@@ -8,8 +8,10 @@ import argparse
 import asyncio
 import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from node.app import run_node
 from node.config import (
@@ -21,6 +23,8 @@ from node.config import (
     reference_text,
 )
 from node.context import LogContext, NodeContext, setup_logging
+from node.status.progress import JoinProgress
+from node.status.progress_view import ProgressView
 from protocol.errors import ConfigError, HivenodeError
 from protocol.identity import NodeIdentity
 from protocol.keys import is_peer_id
@@ -38,7 +42,28 @@ async def _run(config: NodeConfig, log_context: LogContext) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)  # the only thing a signal does
-    await run_node(config, stop, log_context, _print_ready)
+    progress = JoinProgress(time.monotonic)
+    view = ProgressView(progress) if config.progress else None
+    sources: list[Callable[[], dict[str, Any]]] = []
+
+    def ready(ctx: NodeContext) -> None:
+        _print_ready(ctx)
+        sources.append(ctx.status_source)
+
+    view_stop = asyncio.Event()
+    task = None
+    if view is not None:
+        task = asyncio.create_task(view.run(view_stop, lambda: sources[0]() if sources else {}))
+    try:
+        await run_node(config, stop, log_context, ready, progress)
+    except HivenodeError as e:
+        progress.fail(str(e))  # the view shows it with what to do next
+        raise
+    finally:
+        view_stop.set()
+        if task is not None and view is not None:
+            await task
+            view.close()
     return EXIT_OK
 
 

@@ -95,12 +95,12 @@ class NetworkConfig:
     )
     request_timeout_s: float = 5.0  # bounds: each DHT store/get and each HTTP fetch of a bootstrap URL
     client_mode: bool = False  # True: do not serve DHT requests (for nodes others cannot dial)
-    use_relay: bool = True  # reach peers behind NAT through libp2p circuit relays (hivemind's default)
+    # libp2p circuit relays: reach relayed peers through relays, and relay for others (p2pd does both or neither)
+    use_relay: bool = True
     # when a bootstrap cannot dial us back, reserve a slot on a bootstrap's relay and serve through it (relay mode);
     # false, or no relay grants one: client mode (train and push, serve nothing)
     use_auto_relay: bool = True
     relay_wait_s: float = 10.0  # bounds: getting a relay reservation and seeing a probe reach us through it
-    relay_service: bool = False  # relay other peers' connections (bootstraps do; p2pd's own default is on)
     check_reachability: bool = (
         True  # at start, ask a bootstrap to dial us back; unreachable -> relay or client
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import hivemind
@@ -125,12 +125,17 @@ async def _refuse_tampered_manifests(dht: hivemind.DHT, timeout_s: float) -> Non
         )
 
 
-async def join(config: NodeConfig, identity: NodeIdentity) -> Joined:
+async def join(
+    config: NodeConfig, identity: NodeIdentity, on_phase: Callable[[str, str], None] | None = None
+) -> Joined:
     """Reach the swarm, find and verify the run, pin its owner. Raises ConfigError/JoinError/ManifestRejected/
-    OwnerPinMismatch with one-line messages; on failure nothing is left running."""
+    OwnerPinMismatch with one-line messages; on failure nothing is left running. `on_phase("manifest", mode)`
+    once the swarm is reached (the join's progress, node.status.progress)."""
     pins = OwnerPins(config.state_dir / OwnerPins.FILENAME)
     plan = await resolve_join(config.join, config.network.request_timeout_s, pins)
     dht, reachability, connectivity = await start_reachable_dht(identity, plan.maddrs, config.network)
+    if on_phase is not None:
+        on_phase("manifest", f"reached the swarm ({connectivity.mode.value})")
     try:
         signed = await discover_run(dht, plan, config, pins)
         manifest = signed.verify()

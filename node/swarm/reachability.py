@@ -258,7 +258,10 @@ def circuit_addresses(entry_points: Sequence[str], peer_id: str) -> list[str]:
 
 async def probe_circuit(circuit: str, timeout_s: float) -> bool:
     """Whether a fresh daemon opens a secure connection to us through `circuit`: the relay holds our reservation
-    and relays for us (a relay that refuses answers NO_RESERVATION at once)."""
+    and relays for us (a relay that refuses answers NO_RESERVATION at once). Only a connection over the circuit
+    counts: when the relay refuses, p2pd looks us up in its DHT and may dial our own address, which a probe on
+    our machine reaches and nobody else does."""
+    target = circuit.rsplit("/p2p/", 1)[1]
     try:
         probe = await P2P.create(
             initial_peers=[circuit],
@@ -273,8 +276,13 @@ async def probe_circuit(circuit: str, timeout_s: float) -> bool:
     except Exception as e:  # P2PDaemonError: the relay refused, or no reservation yet
         logger.debug("relay probe of %s failed: %s", circuit, _daemon_message(e))
         return False
-    await probe.shutdown()
-    return True
+    try:
+        peers = await probe.list_peers()
+    finally:
+        await probe.shutdown()
+    return any(
+        info.peer_id.to_base58() == target and any(CIRCUIT in str(a) for a in info.addrs) for info in peers
+    )
 
 
 async def relay_circuits(entry_points: Sequence[str], peer_id: str, wait_s: float) -> tuple[str, ...]:
@@ -334,7 +342,7 @@ async def start_reachable_dht(
     logger.warning(reach.advice(network.listen))
     dht.shutdown()
     client = dataclasses.replace(network, client_mode=True)
-    relayed = network.use_auto_relay
+    relayed = network.use_auto_relay and network.use_relay
     dht = start_dht(identity, entry_points, client, HivenodeRecordValidator(), relayed=relayed)
     try:
         circuits = (

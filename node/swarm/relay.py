@@ -7,17 +7,20 @@ Three pure parts and one patch:
   daemon an address with a `/p2p/` part (every relay circuit `/p2p/<relay>/p2p-circuit/p2p/<peer>`) fails with
   "length greater than remaining number of bytes in buffer". `DaemonMaddr` is a `Multiaddr` whose bytes are the
   daemon's encoding; pass it wherever an address goes to `p2p._client.connect`.
-* `relay_flags`: the p2pd flags hivemind's `P2P.create` has no parameter for (`-relayService`,
-  `-relayDiscovery`), added to the daemon's command line by `install_daemon_flags` inside the DHT process.
+* `relay_flags` / `relay_options`: what p2pd needs that hivemind's `P2P.create` cannot pass (a JSON config that
+  really turns relaying off, `-relayDiscovery=0`), added to the daemon's command line by `install_daemon_flags`
+  inside the DHT process.
 * `decide_connectivity`: direct / relay / client, with the reason, from what the reach check and the relay wait saw.
 """
 
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from hivemind.utils.multiaddr import Multiaddr
@@ -73,32 +76,59 @@ def is_circuit(maddr: str) -> bool:
     return f"/{CIRCUIT}" in maddr
 
 
-def relay_flags(*, serve: bool, use_reservations: bool) -> dict[str, bool]:
-    """p2pd flags hivemind cannot pass: `serve` makes the daemon a relay for others (p2pd serves by default, so
-    an ordinary node turns it off); `use_reservations` reserves a slot on the static relays (the bootstraps,
-    p2pd's default trusted relays) at once: without `-relayDiscovery=0` p2pd looks for relays in the background
-    and reserved nothing within 15 s in our trials; with it the reservation took about 20 ms on loopback."""
-    flags = {"relayService": serve}
-    if use_reservations:
+NO_RELAY_CONFIG = {
+    "Relay": {"Enabled": False}
+}  # p2pd's JSON config (-f): the only switch that turns relaying off
+
+
+def relay_flags(*, relay: bool, reserve: bool, config_path: Path | None = None) -> dict[str, bool | str]:
+    """p2pd flags hivemind cannot pass.
+
+    `relay=False`: no circuit relay at all (we neither relay for others nor dial through relays). hivemind's
+    `use_relay=False` gives p2pd `-relay=0`, which p2pd ignores: its built-in config has relaying on, the flag can
+    only switch it on, and with it on p2pd always serves as a relay v2 hop (measured: a node reserved a slot and
+    was reached through a `-relay=0 -relayService=0` daemon). Only a JSON config (`-f`, written at `config_path`
+    by `write_no_relay_config`) with Relay.Enabled=false turns it off. `reserve`: reserve a slot on the static
+    relays (the bootstraps) at once: without `-relayDiscovery=0` p2pd looks for relays in the background and
+    reserved nothing within 20 s in our trials; with it the first probe through the relay succeeds (~0.5 s, most
+    of it the probe's own daemon start)."""
+    flags: dict[str, bool | str] = {}
+    if not relay:
+        if config_path is None:
+            raise ValueError("turning the relay off needs a path for p2pd's JSON config")
+        flags.update(relay=False, f=str(config_path))
+    if reserve:
         flags["relayDiscovery"] = False
     return flags
 
 
-def relay_options(initial_peers: Sequence[str], *, serve: bool, relayed: bool) -> dict[str, Any]:
-    """`DetachedDHT` keyword arguments for relaying: `serve` (bootstraps) relays for others; `relayed` reserves a
-    slot on the `initial_peers` at once (p2pd needs them named as static relays, and would otherwise wait for
-    AutoNAT to call us private; we ask only after a reach check found nobody can dial us)."""
-    relayed = relayed and bool(initial_peers)
+def write_no_relay_config(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(NO_RELAY_CONFIG))
+    return path
+
+
+def relay_options(
+    initial_peers: Sequence[str], *, relay: bool, relayed: bool, config_path: Path | None = None
+) -> dict[str, Any]:
+    """`DetachedDHT` keyword arguments for relaying: `relay=False` turns circuit relays off (a bootstrap's
+    `--no-relay`); `relayed` reserves a slot on the `initial_peers` at once (p2pd needs them named as static
+    relays, and would otherwise wait for AutoNAT to call us private; we ask only after a reach check found that
+    nobody can dial us)."""
+    relayed = relay and relayed and bool(initial_peers)
+    if not relay and config_path is not None:
+        write_no_relay_config(config_path)
     options: dict[str, Any] = {
+        "use_relay": relay,
         "use_auto_relay": relayed,
-        "daemon_flags": relay_flags(serve=serve, use_reservations=relayed),
+        "daemon_flags": relay_flags(relay=relay, reserve=relayed, config_path=config_path),
     }
     if relayed:
         options.update(trusted_relays=list(initial_peers), force_reachability="private")
     return options
 
 
-def install_daemon_flags(flags: Mapping[str, bool]) -> None:
+def install_daemon_flags(flags: Mapping[str, bool | str]) -> None:
     """Append `flags` to every p2pd command line this process starts (call it only in the DHT's own process:
     hivemind's `P2P.create` builds the command line with `_make_process_args` and has no place for them)."""
     from hivemind.p2p import P2P
@@ -183,7 +213,9 @@ def decide_connectivity(
             relays,
         )
     why = (
-        "no relay granted a reservation" if relay_tried else "relays are off (network.use_auto_relay = false)"
+        "no relay granted a reservation"
+        if relay_tried
+        else "relays are off (network.use_auto_relay or use_relay = false)"
     )
     return Connectivity(
         Mode.CLIENT,

@@ -4,8 +4,10 @@ The test makes a network namespace behind a veth pair: the namespace reaches the
 the veth) and the swarm reaches the namespace's veth address (its status API), but the replica listens for libp2p
 only on 10.88.N.2, an address on the namespace's loopback that the root side has an `unreachable` route to: like a
 volunteer behind NAT, it can dial out and cannot be dialed (checked directly below, with a fresh daemon). The
-swarm (bootstrap, syncer, verifier, a stage-0 replica) runs in the root namespace, listening on 10.77.N.1; the
-namespaced node is the only stage-1 replica, so every microbatch the verifier completes went through the relay.
+swarm runs in the root namespace: bootstrap and syncer on 10.77.N.1, the verifier and a stage-0 replica on loopback,
+which the namespace cannot reach (else the replica's own DHT connections to the verifier would carry its work, as
+a first version of this test found: libp2p reuses a connection whichever side opened it). The namespaced node is
+the only stage-1 replica, so every microbatch the verifier completes went through the bootstrap's relay.
 
 - With the relay (the bootstrap's default) the replica reports relay mode, the bootstrap's circuit is its address,
   and it applies microbatches and is credited verified tokens.
@@ -114,15 +116,19 @@ def _status(node: Node) -> dict[str, Any]:
 
 
 def _swarm(group: Procs, ns: Namespace, *bootstrap_args: str) -> tuple[Any, Node, Node]:
-    """Bootstrap, syncer, verifier and a stage-0 replica on the root side; the stage-1 replica in `ns`."""
-    listen = ("--listen", f"/ip4/{ns.outer}/tcp/0")
+    """Bootstrap and syncer on the veth's root side (the namespace reaches them), the verifier and a stage-0
+    replica on the root namespace's loopback (the namespace cannot reach them: the replica in it can never open a
+    connection to the verifier that the verifier would then reuse); the stage-1 replica in `ns`."""
+    outer = ("--listen", f"/ip4/{ns.outer}/tcp/0")
     run_path = PIPELINE_RUN.write_authorizing(group.root, syncers=["syncer"], verifiers=["verifier"])
-    bootstrap = group.start_bootstrap("--run", str(run_path), *listen, *bootstrap_args)
+    bootstrap = group.start_bootstrap("--run", str(run_path), *outer, *bootstrap_args)
     assert ns.outer in bootstrap.maddr, bootstrap.maddr
     others = [
-        group.join_node(bootstrap, "syncer", *listen, state="syncer", wait=False),
-        group.join_node(bootstrap, "stage", *listen, stage=0, state="stage0", wait=False),
-        group.join_node(bootstrap, "verifier", *listen, state="verifier", wait=False),
+        group.join_node(bootstrap, "syncer", *outer, state="syncer", wait=False),
+        group.join_node(
+            bootstrap, "stage", stage=0, state="stage0", wait=False
+        ),  # loopback: the harness default
+        group.join_node(bootstrap, "verifier", state="verifier", wait=False),
     ]
     group.prefix = ns.prefix()
     hidden = group.join_node(

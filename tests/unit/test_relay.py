@@ -3,6 +3,9 @@ direct / relay / client decision with its reason."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -15,6 +18,7 @@ from node.swarm.relay import (
     decide_connectivity,
     is_circuit,
     relay_flags,
+    relay_options,
     relays_of,
 )
 from protocol.identity import NodeIdentity
@@ -55,9 +59,24 @@ def test_daemon_maddr_prints_as_usual_and_encodes_for_the_daemon() -> None:
     assert DaemonMaddr(plain).to_bytes() == Multiaddr(plain).to_bytes()  # nothing to fix without /p2p/
 
 
-def test_relay_flags_serve_and_reserve() -> None:
-    assert relay_flags(serve=True, use_reservations=False) == {"relayService": True}
-    assert relay_flags(serve=False, use_reservations=True) == {"relayService": False, "relayDiscovery": False}
+def test_relay_flags_turn_relaying_off_through_a_json_config_and_reserve_at_once(tmp_path: Path) -> None:
+    assert relay_flags(relay=True, reserve=False) == {}
+    assert relay_flags(relay=True, reserve=True) == {"relayDiscovery": False}
+    path = tmp_path / "p2pd.json"
+    assert relay_flags(relay=False, reserve=False, config_path=path) == {"relay": False, "f": str(path)}
+    with pytest.raises(ValueError):
+        relay_flags(relay=False, reserve=False)
+    options = relay_options(["/ip4/1.2.3.4/tcp/1/p2p/" + RELAY], relay=False, relayed=True, config_path=path)
+    assert (
+        options["use_relay"] is False and options["use_auto_relay"] is False
+    )  # no relay: nothing to reserve
+    assert json.loads(path.read_text()) == {"Relay": {"Enabled": False}}
+    options = relay_options(["/ip4/1.2.3.4/tcp/1/p2p/" + RELAY], relay=True, relayed=True)
+    assert options["use_auto_relay"] and options["force_reachability"] == "private"
+    assert options["trusted_relays"] == ["/ip4/1.2.3.4/tcp/1/p2p/" + RELAY]
+    assert (
+        relay_options([], relay=True, relayed=True)["use_auto_relay"] is False
+    )  # no bootstrap to reserve on
 
 
 def test_circuits_and_their_relays() -> None:
@@ -111,7 +130,27 @@ def test_the_advice_no_longer_claims_client_mode() -> None:
 def test_public_defaults() -> None:
     assert DEFAULT_LISTEN == "/ip4/0.0.0.0/tcp/0" and LOOPBACK_LISTEN == "/ip4/127.0.0.1/tcp/0"
     network = NetworkConfig()
-    assert network.listen == (DEFAULT_LISTEN,) and network.use_auto_relay and not network.relay_service
+    assert network.listen == (DEFAULT_LISTEN,) and network.use_auto_relay and network.use_relay
     assert BootstrapConfig().relay and BootstrapConfig().listen == (DEFAULT_LISTEN,)
     with pytest.raises(ValueError, match="relay_wait_s"):
         NetworkConfig(relay_wait_s=0)
+
+
+def test_node_status_shows_the_latest_connectivity_from_the_event_log(tmp_path: Path) -> None:
+    from node.status.command import last_connectivity, render_connectivity
+
+    assert "unknown" in render_connectivity(last_connectivity(tmp_path))  # never joined: no event log
+    lines = [
+        {"t": 1, "event": "connectivity", "mode": "direct", "reason": "a bootstrap dialed us back"},
+        {"t": 2, "event": "joined"},
+        {
+            "t": 3,
+            "event": "connectivity",
+            "mode": "relay",
+            "reason": "not reachable, using relay",
+            "relays": [RELAY],
+        },
+    ]
+    (tmp_path / "events.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\nnot json\n")
+    line = render_connectivity(last_connectivity(tmp_path))
+    assert line == f"connectivity: relay (not reachable, using relay); relays: {RELAY}"
