@@ -100,6 +100,7 @@ class JoinProgress:
         self._rate: float | None = None
         self._last: tuple[float, int] | None = None  # (time, inner step) of the previous observation
         self.changes = 0  # bumped on every phase change (the plain view logs one line per change)
+        self.listeners: list[Callable[[], None]] = []  # called after each change (a view redraws at once)
 
     def enter(self, phase: str, detail: str = "") -> None:
         """Move to `phase` (never back: a late `enter` of an earlier phase only updates nothing)."""
@@ -108,9 +109,15 @@ class JoinProgress:
         index = PHASES.index(phase) + 1
         if self.phase == FAILED or index < self.step_index:
             return
-        if index > self.step_index or detail != self.detail:
-            self.changes += 1
+        changed = index > self.step_index or detail != self.detail
         self.phase, self.step_index, self.detail = phase, index, detail
+        if changed:
+            self._changed()
+
+    def _changed(self) -> None:
+        self.changes += 1
+        for listener in self.listeners:
+            listener()
 
     def observe(self, status: Mapping[str, Any]) -> None:
         """Take the node's /api/status document: the role's state decides state load vs training; the step
@@ -132,9 +139,10 @@ class JoinProgress:
             self._last = (now, step)
 
     def fail(self, message: str) -> None:
-        if self.phase != FAILED:
-            self.changes += 1
+        if self.phase == FAILED:
+            return
         self.phase, self.error = FAILED, message
+        self._changed()
 
     def snapshot(self) -> ProgressSnapshot:
         status = self._status

@@ -38,6 +38,9 @@ class ProgressView:
         self._logged_at = -float("inf")
         self._live: Any = None
         self.lines: list[str] = []  # what the plain view logged (tests read it)
+        progress.listeners.append(
+            self.refresh
+        )  # every phase shown, even those shorter than the redraw period
 
     def refresh(self) -> None:
         line = render_line(self.progress.snapshot())

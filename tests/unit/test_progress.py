@@ -124,10 +124,9 @@ def test_the_plain_view_logs_one_line_per_phase_then_every_period_while_training
     with caplog.at_level(logging.INFO, logger="node.progress"):
         view.refresh()
         view.refresh()  # nothing changed: nothing logged
-        progress.enter("manifest")
-        view.refresh()
+        progress.enter("manifest")  # logged at once, without waiting for the next redraw
         progress.observe({"role": "learner", "state": "training", "inner_step": 1})
-        view.refresh()
+        view.refresh()  # nothing new
         clock.now += 10
         view.refresh()  # training, but within the period
         clock.now += 25
