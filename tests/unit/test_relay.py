@@ -154,3 +154,13 @@ def test_node_status_shows_the_latest_connectivity_from_the_event_log(tmp_path: 
     (tmp_path / "events.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\nnot json\n")
     line = render_connectivity(last_connectivity(tmp_path))
     assert line == f"connectivity: relay (not reachable, using relay); relays: {RELAY}"
+
+
+def test_no_relay_turns_the_bootstraps_relay_off(tmp_path: Path) -> None:
+    from bootstrap.server import _network
+    from node.config import load_bootstrap_config
+
+    on = load_bootstrap_config(["--state-dir", str(tmp_path)], environ={})
+    off = load_bootstrap_config(["--state-dir", str(tmp_path), "--no-relay"], environ={})
+    assert on.relay and not off.relay
+    assert _network(on).use_relay and not _network(off).use_relay
