@@ -57,14 +57,16 @@ class ProgressView:
     def _draw(self, line: str) -> None:
         from rich.console import Console
         from rich.live import Live
-        from rich.text import Text
 
-        style = "bold red" if self.progress.phase == FAILED else "cyan"
+        failed = self.progress.phase == FAILED
+        style = "bold red" if failed else "cyan"
         if self._live is None:
             console = Console(file=self.stream, highlight=False)
-            self._live = Live(Text(line, style=style), console=console, auto_refresh=False, transient=False)
+            self._live = Live(
+                _one_line(line, style, whole=failed), console=console, auto_refresh=False, transient=False
+            )
             self._live.start()
-        self._live.update(Text(line, style=style), refresh=True)
+        self._live.update(_one_line(line, style, whole=failed), refresh=True)
 
     def close(self) -> None:
         self.refresh()
@@ -87,3 +89,13 @@ class ProgressView:
             self.refresh()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), period_s)
+
+
+def _one_line(line: str, style: str, *, whole: bool = False) -> Any:
+    """The live line, cut to the terminal's width (a wrapped live line leaves copies of itself behind); `whole`:
+    the last line, a failure and what to do next, is shown in full."""
+    from rich.text import Text
+
+    if whole:
+        return Text(line, style=style)
+    return Text(line, style=style, no_wrap=True, overflow="ellipsis")

@@ -158,3 +158,13 @@ def test_the_terminal_view_draws_one_live_line() -> None:
 def test_quiet_turns_it_off() -> None:
     assert load_node_config(["--join", MADDR]).progress is True
     assert load_node_config(["--join", MADDR, "--quiet"]).progress is False
+
+
+def test_the_terminal_view_shows_a_failure_in_full() -> None:
+    progress = JoinProgress(Clock())
+    stream = io.StringIO()
+    view = ProgressView(progress, stream=stream, tty=True)
+    view.refresh()
+    progress.fail("cannot reach the swarm: no entry point answered (" + "x" * 200 + ")")
+    view.close()
+    assert "next: check that the bootstrap is running" in " ".join(stream.getvalue().split())
