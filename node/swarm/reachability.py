@@ -301,6 +301,28 @@ async def relay_circuits(entry_points: Sequence[str], peer_id: str, wait_s: floa
     return ()
 
 
+def _unchecked(
+    network: NetworkConfig, entry_points: Sequence[str], ours: Sequence[str]
+) -> Connectivity | None:
+    """The connectivity of a node no bootstrap is asked about (client mode asked for, checks off, no bootstrap,
+    all on loopback), with the reason; None when a reach check should run."""
+    if network.client_mode:
+        return decide_connectivity(
+            reachable=None, checked=False, dialed=ours, circuits=(), relay_tried=False, client_mode_asked=True
+        )
+    if needs_reach_check(network, entry_points):
+        return None
+    if not network.check_reachability:
+        because = "network.check_reachability is off"
+    elif not entry_points:
+        because = "no bootstrap to ask"
+    else:
+        because = "every peer is on this machine's loopback"
+    return decide_connectivity(
+        reachable=None, checked=False, dialed=ours, circuits=(), relay_tried=False, unchecked_because=because
+    )
+
+
 async def start_reachable_dht(
     identity: NodeIdentity, entry_points: Sequence[str], network: NetworkConfig
 ) -> tuple[hivemind.DHT, Reachability | None, Connectivity]:
@@ -309,27 +331,11 @@ async def start_reachable_dht(
     stored, we serve no DHT requests); a probe through a relay decides relay mode, else client mode (it still
     trains, but serves nothing). Raises JoinError like `start_dht`; on failure nothing is left running."""
     dht = start_dht(identity, entry_points, network, HivenodeRecordValidator())
-    ours = tuple(str(m) for m in network.announce) or tuple(network.listen)
-    if network.client_mode:
-        return (
-            dht,
-            None,
-            decide_connectivity(
-                reachable=None,
-                checked=False,
-                dialed=ours,
-                circuits=(),
-                relay_tried=False,
-                client_mode_asked=True,
-            ),
-        )
-    if not needs_reach_check(network, entry_points):
-        return (
-            dht,
-            None,
-            decide_connectivity(reachable=None, checked=False, dialed=ours, circuits=(), relay_tried=False),
-        )
     try:
+        ours = tuple(str(m) for m in network.announce) or tuple(str(m) for m in dht.get_visible_maddrs())
+        unchecked = _unchecked(network, entry_points, ours)
+        if unchecked is not None:
+            return dht, None, unchecked
         reach = await check_reachability(dht, entry_points, timeout_s=network.join_timeout_s)
     except BaseException:
         dht.shutdown()

@@ -183,6 +183,7 @@ def decide_connectivity(
     circuits: Sequence[str],
     relay_tried: bool,
     client_mode_asked: bool = False,
+    unchecked_because: str = "every peer is on this machine's loopback",
 ) -> Connectivity:
     """Direct, relay or client, with the reason in words a volunteer can act on.
 
@@ -194,9 +195,7 @@ def decide_connectivity(
     if client_mode_asked:
         return Connectivity(Mode.CLIENT, "client mode was asked for (network.client_mode)")
     if not checked:
-        return Connectivity(
-            Mode.DIRECT, "not checked: every peer is on this machine's loopback", tuple(dialed)
-        )
+        return Connectivity(Mode.DIRECT, f"not checked: {unchecked_because}", tuple(dialed))
     if reachable is None:
         return Connectivity(
             Mode.DIRECT, "no bootstrap could check our addresses; serving as announced", tuple(dialed)
