@@ -22,7 +22,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from node.config import NetworkConfig
 from node.swarm.dht import _daemon_message, start_dht
 from node.swarm.relay import CIRCUIT, Connectivity, decide_connectivity
-from protocol.errors import MalformedFrame
+from protocol.errors import JoinError, MalformedFrame
 from protocol.identity import NodeIdentity
 from protocol.limits import LimitsConfig, RateLimit
 from protocol.records import HivenodeRecordValidator
@@ -323,6 +323,27 @@ def _unchecked(
     )
 
 
+RESTART_ATTEMPTS = 3
+RESTART_PAUSE_S = 1.0
+
+
+async def _start_again(
+    identity: NodeIdentity, entry_points: Sequence[str], network: NetworkConfig, *, relayed: bool
+) -> hivemind.DHT:
+    """The DHT again, after the reach check, with the same identity: the bootstrap may still hold the connection
+    of our first daemon for a moment, and p2pd then answered "failed to connect to bootstrap peers" (seen once in
+    test_relay_netns), so a failed start is tried again after a pause."""
+    for attempt in range(1, RESTART_ATTEMPTS + 1):
+        try:
+            return start_dht(identity, entry_points, network, HivenodeRecordValidator(), relayed=relayed)
+        except JoinError as e:
+            if attempt == RESTART_ATTEMPTS:
+                raise
+            logger.info("restarting the DHT failed (%s); again in %.0f s", e, RESTART_PAUSE_S)
+            await asyncio.sleep(RESTART_PAUSE_S)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
 async def start_reachable_dht(
     identity: NodeIdentity, entry_points: Sequence[str], network: NetworkConfig
 ) -> tuple[hivemind.DHT, Reachability | None, Connectivity]:
@@ -349,7 +370,7 @@ async def start_reachable_dht(
     dht.shutdown()
     client = dataclasses.replace(network, client_mode=True)
     relayed = network.use_auto_relay and network.use_relay
-    dht = start_dht(identity, entry_points, client, HivenodeRecordValidator(), relayed=relayed)
+    dht = await _start_again(identity, entry_points, client, relayed=relayed)
     try:
         circuits = (
             await relay_circuits(entry_points, identity.peer_id, network.relay_wait_s) if relayed else ()
