@@ -496,6 +496,7 @@ def _network(config: BootstrapConfig) -> NetworkConfig:
         announce=config.announce,
         join_timeout_s=config.join_timeout_s,
         request_timeout_s=config.request_timeout_s,
+        use_relay=config.relay,  # nodes nobody can dial reserve a slot here (node.swarm.relay)
     )
 
 
@@ -515,6 +516,10 @@ def announce_lines(bootstrap: Bootstrap) -> list[str]:
     lines.append(f"dashboard: http://{bootstrap.http_address}/")
     for role in bootstrap.owner_roles.roles if bootstrap.owner_roles is not None else ():
         lines.append(f"owner's {role.role}: {role.peer_id} (log: {role.log_path})")
+    if bootstrap.config.relay:
+        lines.append("relay: on (nodes that cannot be dialed reserve a slot here; --no-relay turns it off)")
+    else:
+        lines.append("relay: off (nodes that cannot be dialed run in client mode)")
     return lines
 
 

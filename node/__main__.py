@@ -8,9 +8,10 @@ import argparse
 import asyncio
 import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from node.app import run_node
 from node.config import (
@@ -22,6 +23,8 @@ from node.config import (
     reference_text,
 )
 from node.context import LogContext, NodeContext, exit_process, run_loop, setup_logging
+from node.status.progress import JoinProgress
+from node.status.progress_view import ProgressView
 from protocol.errors import ConfigError, HivenodeError
 from protocol.identity import NodeIdentity
 from protocol.keys import is_peer_id
@@ -39,7 +42,28 @@ async def _run(config: NodeConfig, log_context: LogContext) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)  # the only thing a signal does
-    await run_node(config, stop, log_context, _print_ready)
+    progress = JoinProgress(time.monotonic)
+    view = ProgressView(progress) if config.progress else None
+    sources: list[Callable[[], dict[str, Any]]] = []
+
+    def ready(ctx: NodeContext) -> None:
+        _print_ready(ctx)
+        sources.append(ctx.status_source)
+
+    view_stop = asyncio.Event()
+    task = None
+    if view is not None:
+        task = asyncio.create_task(view.run(view_stop, lambda: sources[0]() if sources else {}))
+    try:
+        await run_node(config, stop, log_context, ready, progress)
+    except HivenodeError as e:
+        progress.fail(str(e))  # the view shows it with what to do next
+        raise
+    finally:
+        view_stop.set()
+        if task is not None and view is not None:
+            await task
+            view.close()
     return EXIT_OK
 
 
@@ -79,7 +103,7 @@ def status(argv: Sequence[str]) -> int:
     if args.peer is not None and not is_peer_id(args.peer):
         parser.error(f"--peer {args.peer!r} is not a peer id (12D3KooW...)")
     peer = args.peer or (own_peer_id(args.state_dir) if args.state_dir is not None else None)
-    return asyncio.run(status_command(args.target, args.timeout, peer=peer))
+    return asyncio.run(status_command(args.target, args.timeout, peer=peer, state_dir=args.state_dir))
 
 
 def own_peer_id(state_dir: Path) -> str:

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -28,6 +29,7 @@ from node.context import (
 )
 from node.roles import registry as roles
 from node.status import http as status
+from node.status.progress import JoinProgress
 from protocol.errors import HivenodeError
 from protocol.identity import IdentityLock, NodeIdentity
 
@@ -37,20 +39,27 @@ ReadyCallback = Callable[[NodeContext], None]
 
 
 async def run_node(
-    config: NodeConfig, stop: asyncio.Event, log_context: LogContext, on_ready: ReadyCallback | None = None
+    config: NodeConfig,
+    stop: asyncio.Event,
+    log_context: LogContext,
+    on_ready: ReadyCallback | None = None,
+    progress: JoinProgress | None = None,
 ) -> None:
-    """Join, serve until stopped, leave; `on_ready(ctx)` once the node is announced and serving.
+    """Join, serve until stopped, leave; `on_ready(ctx)` once the node is announced and serving; `progress`
+    is told each phase of the join (node.status.progress).
 
     Raises HivenodeError subclasses with one-line messages for the CLI.
     """
+    progress = progress or JoinProgress(time.monotonic)
     device = resolve_device(config.device)
     threading.Thread(target=_preload_model_code, name="preload", daemon=True).start()
     identity = NodeIdentity.load_or_create(config.identity_file)
     log_context.peer_id = identity.peer_id
     with IdentityLock(config.identity_file):
-        joined = await swarm.join(config, identity)
+        progress.enter("connecting", f"dialing {len(config.join)} entry point(s)")
+        joined = await swarm.join(config, identity, on_phase=progress.enter)
         try:
-            await _serve(config, identity, joined, stop, log_context, device, on_ready)
+            await _serve(config, identity, joined, stop, log_context, device, on_ready, progress)
         finally:
             joined.dht.shutdown()
             logger.info("stopped (pid %d)", os.getpid())
@@ -75,6 +84,7 @@ async def _serve(
     log_context: LogContext,
     device: str,
     on_ready: ReadyCallback | None,
+    progress: JoinProgress,
 ) -> None:
     ctx = _build_context(config, identity, joined, log_context, device)
     role: Any = None
@@ -87,8 +97,10 @@ async def _serve(
     membership = swarm.Membership(ctx.records, period_s=period_s, heartbeat=heartbeat, metrics=ctx.metrics)
     server = status.StatusServer(config.http.host, config.http.port, ctx.metrics.registry)
     try:
+        progress.enter("tokenizer/data", "the run's tokenizer")
         ctx.tokenizer = await _tokenizer(ctx, membership)
         choice = await _choose_role(ctx, joined, membership)
+        progress.enter("state load", f"role {choice.role}")
         role = roles.build_role(choice.role, ctx)
         ctx.status_source = partial(status.node_status, ctx, role, membership)
         server.set_status_source(ctx.status_source)
@@ -98,7 +110,7 @@ async def _serve(
         with contextlib.suppress(asyncio.TimeoutError):  # the heartbeat loop retries; it logs the failure
             await membership.announce()
         ctx.events.emit("joined", run_id=ctx.run_id, role=choice.role, stage=choice.stage, why=choice.reason)
-        _note_reachability(ctx.events, joined)
+        _note_reachability(ctx, joined)
         _spawn_tasks(ctx, joined, membership, role, stop)
         if on_ready is not None:
             on_ready(ctx)
@@ -178,7 +190,12 @@ def _spawn_tasks(
     supervisor.spawn("role", partial(role.run, ctx, stop), ends_node=True)
 
 
-def _note_reachability(events: EventLog, joined: Any) -> None:
+def _note_reachability(ctx: NodeContext, joined: Any) -> None:
+    """The `connectivity` event (direct / relay / client, and why) and, when a bootstrap checked, what it saw."""
+    events = ctx.events
+    if joined.connectivity is not None:
+        ctx.connectivity = joined.connectivity.as_dict()
+        events.emit("connectivity", **ctx.connectivity)
     reach = joined.reachability
     if reach is not None:
         events.emit(

@@ -52,7 +52,10 @@ else:  # pragma: no cover - pyproject pulls tomli on 3.10
 
 ROLE_CHOICES = ("auto", "learner", "stage", "verifier", "syncer")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-DEFAULT_LISTEN = "/ip4/127.0.0.1/tcp/0"  # loopback only, as hivemind: a public node passes its own --listen
+# every interface, a random port: a volunteer on the internet is dialable (or relayed) without flags; hivemind's own
+# default is loopback only, which made every internet joiner a client without saying so. Tests pass LOOPBACK_LISTEN.
+DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/0"
+LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
 STATE_DIR_ENV = "HIVENODE_STATE_DIR"  # read once in default_state_dir(), never at import
 BOOTSTRAP_STATE_DIR = (
     f"${STATE_DIR_ENV}/bootstrap, else $XDG_STATE_HOME/hivenode/bootstrap (~/.local/state/hivenode/bootstrap)"
@@ -92,9 +95,15 @@ class NetworkConfig:
     )
     request_timeout_s: float = 5.0  # bounds: each DHT store/get and each HTTP fetch of a bootstrap URL
     client_mode: bool = False  # True: do not serve DHT requests (for nodes others cannot dial)
-    use_relay: bool = True  # reach peers behind NAT through libp2p circuit relays (hivemind's default)
-    use_auto_relay: bool = False  # become reachable through relays; turned on when others cannot dial us
-    check_reachability: bool = True  # at start, ask a bootstrap to dial us back; unreachable -> client mode
+    # libp2p circuit relays: reach relayed peers through relays, and relay for others (p2pd does both or neither)
+    use_relay: bool = True
+    # when a bootstrap cannot dial us back, reserve a slot on a bootstrap's relay and serve through it (relay mode);
+    # false, or no relay grants one: client mode (train and push, serve nothing)
+    use_auto_relay: bool = True
+    relay_wait_s: float = 10.0  # bounds: getting a relay reservation and seeing a probe reach us through it
+    check_reachability: bool = (
+        True  # at start, ask a bootstrap to dial us back; unreachable -> relay or client
+    )
     # Losing the bootstraps (a partition, a dead uplink): hivemind never re-dials its initial peers on its own, so
     # we check the routing table this often and re-dial them with exponential backoff between these bounds.
     peer_check_period_s: float = 5.0
@@ -104,7 +113,7 @@ class NetworkConfig:
     def __post_init__(self) -> None:
         _positive("network.join_timeout_s", self.join_timeout_s)
         _positive("network.request_timeout_s", self.request_timeout_s)
-        for name in ("peer_check_period_s", "redial_min_s", "redial_max_s"):
+        for name in ("peer_check_period_s", "redial_min_s", "redial_max_s", "relay_wait_s"):
             _positive(f"network.{name}", getattr(self, name))
         if self.redial_max_s < self.redial_min_s:
             raise ValueError("network.redial_max_s must be >= network.redial_min_s")
@@ -165,6 +174,8 @@ class BootstrapConfig:
     request_timeout_s: float = 5.0  # bounds each DHT store/get
     swarm_cache_s: float = 0.5  # /api/swarm answers from a snapshot at most this old (bounds DHT load)
     serve_reach_checks: bool = True  # dial joining nodes back so they learn whether peers can reach them
+    # relay connections to nodes others cannot dial (libp2p circuit relay v2; they reserve a slot here)
+    relay: bool = True
     # bounds the fetch of the active syncer's /api/status (merge details)
     syncer_status_timeout_s: float = 2.0
     shutdown_timeout_s: float = 5.0  # bounds: announcing leave, cancelling tasks
@@ -200,6 +211,7 @@ class NodeConfig:
     max_steps: int | None = None  # stop after this many inner steps (roles that step); none = never
     run_id: str | None = None  # which run to join when the DHT hosts several
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
+    progress: bool = True  # the join's progress on the console (a live line on a terminal); false: --quiet
     shutdown_timeout_s: float = 5.0  # bounds: announcing leave, cancelling tasks, stopping the DHT
     network: NetworkConfig = field(default_factory=NetworkConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
@@ -275,6 +287,7 @@ FLAGS = {  # node.toml key -> the flag that sets it (one source for the referenc
     "data": "--data",
     "max_steps": "--max-steps",
     "log_level": "--log-level",
+    "progress": "--quiet",
     "http.host": "--http",
     "http.port": "--http",
     "network.listen": "--listen",
@@ -331,6 +344,13 @@ def build_run_parser() -> argparse.ArgumentParser:
     add("--max-steps", type=int, metavar="N", help="stop after N inner steps (default: never)")
     add("--config", type=Path, metavar="node.toml", help="settings file (default: none); flags win over it")
     add("--log-level", choices=LOG_LEVELS, help="default: INFO")
+    add(
+        "--quiet",
+        dest="progress",
+        action="store_false",
+        default=None,
+        help="no progress line on the console, log lines only (default: a live line on a terminal)",
+    )
     return parser
 
 
@@ -345,6 +365,7 @@ def _cli_layer(args: argparse.Namespace) -> _Layer:
         "data": args.data,
         "max_steps": args.max_steps,
         "log_level": args.log_level,
+        "progress": args.progress,
     }
     tables: dict[str, dict[str, Any]] = {}
     if args.http is not None:
@@ -551,6 +572,7 @@ BOOTSTRAP_FLAGS = {  # BootstrapConfig field -> the flag that sets it
     "authorize_bootstraps": "--authorize-bootstrap",
     "run_syncer": "--no-syncer",
     "run_verifier": "--no-verifier",
+    "relay": "--no-relay",
     "roles_config_path": "--roles-config",
     "listen": "--listen",
     "announce": "--announce",
@@ -560,6 +582,32 @@ BOOTSTRAP_FLAGS = {  # BootstrapConfig field -> the flag that sets it
     "maddrs_file": "--maddrs-file",
     "log_level": "--log-level",
 }
+
+
+def _add_owner_switches(parser: argparse.ArgumentParser) -> None:
+    """The bootstrap's `--no-...` switches: what it runs for the swarm unless told not to."""
+    add = parser.add_argument
+    add(
+        "--no-syncer",
+        dest="run_syncer",
+        action="store_false",
+        default=None,
+        help="do not run the owner's syncer (authorize yours with --authorize-syncer)",
+    )
+    add(
+        "--no-verifier",
+        dest="run_verifier",
+        action="store_false",
+        default=None,
+        help="do not run the owner's verifier (pipeline runs; authorize yours with --authorize-verifier)",
+    )
+    add(
+        "--no-relay",
+        dest="relay",
+        action="store_false",
+        default=None,
+        help="do not relay for undialable nodes",
+    )
 
 
 def build_bootstrap_parser() -> argparse.ArgumentParser:
@@ -580,20 +628,7 @@ def build_bootstrap_parser() -> argparse.ArgumentParser:
     add("--authorize-syncer", action="append", metavar="PEER_ID", help="add an authorized syncer")
     add("--authorize-verifier", action="append", metavar="PEER_ID", help="add an authorized verifier")
     add("--authorize-bootstrap", action="append", metavar="PEER_ID", help="add another bootstrap of the run")
-    add(
-        "--no-syncer",
-        dest="run_syncer",
-        action="store_false",
-        default=None,
-        help="do not run the owner's syncer (authorize yours with --authorize-syncer)",
-    )
-    add(
-        "--no-verifier",
-        dest="run_verifier",
-        action="store_false",
-        default=None,
-        help="do not run the owner's verifier (pipeline runs; authorize yours with --authorize-verifier)",
-    )
+    _add_owner_switches(parser)
     add("--roles-config", type=Path, metavar="node.toml", help="settings of the owner's syncer and verifier")
     add("--http", metavar="HOST:PORT", help="HTTP address (default 127.0.0.1:0)")
     add("--maddrs-file", type=Path, metavar="PATH", help="write our multiaddrs here, one per line")
@@ -649,6 +684,7 @@ def _bootstrap_flags(args: argparse.Namespace) -> dict[str, Any]:
         "authorize_bootstraps": args.authorize_bootstrap,
         "run_syncer": args.run_syncer,
         "run_verifier": args.run_verifier,
+        "relay": args.relay,
         "roles_config_path": args.roles_config,
         "listen": args.listen,
         "announce": args.announce,

@@ -266,6 +266,7 @@ class NodeContext:
     http_address: str = ""  # host:port of our status API once it listens
     status_source: Callable[[], dict[str, Any]] = field(default=lambda: {})
     tokenizer: Any = None  # node.ml.tokenizer.Tokenizer of the run's BPE, verified; None: raw bytes
+    connectivity: dict[str, Any] = field(default_factory=dict)  # node.swarm.relay.Connectivity.as_dict()
 
     @property
     def encode(self) -> Callable[[bytes], list[int]] | None:

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from node.config import LOOPBACK_LISTEN
 from node.status.swarm_view import (
     NOTES_FILENAME,
     SwarmHistory,
@@ -535,7 +536,7 @@ class DemoSwarm:
             identity = NodeIdentity.load_or_create(state_dir / "identity.key")
             argv = [sys.executable, "-m", "node", "--join", "MADDR", "--role", spec.role]
             argv += ["--state-dir", str(state_dir), "--identity", str(identity.path), "--log-level", "INFO"]
-            argv += ["--http", "127.0.0.1:0"]
+            argv += ["--http", "127.0.0.1:0", "--listen", LOOPBACK_LISTEN]  # the demo stays on this machine
             if spec.stage is not None:
                 argv += ["--stage", str(spec.stage)]
             if spec.options:
@@ -560,6 +561,7 @@ class DemoSwarm:
         argv = [sys.executable, "-m", "bootstrap", "--run", str(self.run_file), "--state-dir"]
         argv += [str(self.state / "bootstrap"), "--http", f"127.0.0.1:{self.config.http_port}"]
         argv += ["--no-syncer", "--no-verifier"]  # the demo runs its own, and kills them on its schedule
+        argv += ["--listen", LOOPBACK_LISTEN]
         self.group.start("bootstrap", argv)
         text = await self._wait_log("bootstrap", [_DASHBOARD, _MADDR], stop)
         self.dashboard = _DASHBOARD.search(text).group(1) + "/"  # type: ignore[union-attr]

@@ -45,15 +45,17 @@ class FramedTransport:
         if peer_id in self._dialed or not self.maddrs.get(peer_id):
             return
         from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
+
+        from node.swarm.relay import DaemonMaddr
 
         self._dialed.add(peer_id)
         # hivemind's P2P has no public connect; its daemon client does. Peers usually already know each other
-        # through the DHT, so a failure here is only logged: the stream open below is what counts.
+        # through the DHT, so a failure here is only logged: the stream open below is what counts. A relayed replica
+        # is reachable only at the circuits it announces, which p2pd reads only in `DaemonMaddr`'s encoding.
         client = self.p2p._client
         try:
             await asyncio.wait_for(
-                client.connect(PeerID.from_base58(peer_id), [Multiaddr(m) for m in self.maddrs[peer_id]]),
+                client.connect(PeerID.from_base58(peer_id), [DaemonMaddr(m) for m in self.maddrs[peer_id]]),
                 self.connect_timeout_s,
             )
         except Exception as e:  # the daemon reports dial errors with several types; the call below decides

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -9,7 +11,7 @@ from typing import Any
 from hivemind.utils import get_dht_time
 
 from node.config import NetworkConfig
-from node.context import short_id
+from node.context import EVENTS_FILENAME, short_id
 from node.status.http import summarize_bans
 from node.status.swarm_view import goodput_text, throughput_text
 from protocol.dht_io import SwarmRecords, fetch_discovery
@@ -114,11 +116,36 @@ async def swarm_from_dht(maddrs: list[str], network: NetworkConfig) -> list[dict
             dht.shutdown()
 
 
-async def status_command(target: str, timeout_s: float = 10.0, *, peer: str | None = None) -> int:
+def last_connectivity(state_dir: Path) -> dict[str, Any] | None:
+    """The latest `connectivity` event in a node's event log (how it was reachable, and why), if any."""
+    found = None
+    with contextlib.suppress(OSError):
+        for line in (state_dir / EVENTS_FILENAME).read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and record.get("event") == "connectivity":
+                    found = record
+    return found
+
+
+def render_connectivity(record: dict[str, Any] | None) -> str:
+    """One line: direct / relay / client and why (from `last_connectivity`)."""
+    if record is None:
+        return "connectivity: unknown (this node has not joined yet)"
+    line = f"connectivity: {record.get('mode', '?')} ({record.get('reason', '')})"
+    relays = record.get("relays") or []
+    return line + (f"; relays: {', '.join(map(str, relays))}" if relays else "")
+
+
+async def status_command(
+    target: str, timeout_s: float = 10.0, *, peer: str | None = None, state_dir: Path | None = None
+) -> int:
     """Print a summary of the swarm behind `target` (a bootstrap URL or a multiaddr), and with `peer` that peer's
-    credit from the bootstrap's ledger; return an exit code."""
+    credit from the bootstrap's ledger (with `state_dir`, our node's connectivity first); return an exit code."""
     from node.swarm import check_multiaddr, fetch_json, is_url, swarm_url
 
+    if state_dir is not None:
+        print(render_connectivity(last_connectivity(state_dir)))
     if is_url(target):
         print(render_swarm(await fetch_json(swarm_url(target), timeout_s)))
         if peer is not None:

@@ -178,6 +178,7 @@ def node_status(ctx: NodeContext, role: Role, membership: Membership) -> dict[st
         "uptime_s": round(time.monotonic() - _STARTED_AT, 1),
         "last_heartbeat_at": membership.last_ok_at,
         "tasks": ctx.supervisor.status(),
+        "connectivity": ctx.connectivity,  # {"mode": direct | relay | client, "reason": ..., ...}
     }
     status.update(role.status())
     return status

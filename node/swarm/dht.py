@@ -29,6 +29,7 @@ from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 
 from node.config import NetworkConfig
+from node.swarm.relay import install_daemon_flags, relay_options
 from protocol.errors import JoinError
 from protocol.identity import NodeIdentity
 from protocol.keys import KeyKind
@@ -38,6 +39,7 @@ from protocol.records import HivenodeRecordValidator, RecordLimits
 logger = logging.getLogger(__name__)
 
 PARENT_WATCH_PERIOD_S = 0.5
+NO_RELAY_CONFIG_FILENAME = "p2pd-no-relay.json"  # beside the identity: p2pd's config when relaying is off
 _DAEMON_TIMESTAMP = re.compile(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d(\.\d+)? ")
 
 
@@ -208,10 +210,16 @@ class DetachedDHT(hivemind.DHT):
     """
 
     def __init__(
-        self, *args: Any, store_quota: QuotaConfig | None = None, validate_first: bool = True, **kwargs: Any
+        self,
+        *args: Any,
+        store_quota: QuotaConfig | None = None,
+        validate_first: bool = True,
+        daemon_flags: dict[str, bool | str] | None = None,
+        **kwargs: Any,
     ) -> None:
         self._store_quota = store_quota  # read in run(), in the DHT process (forked with this attribute)
         self._validate_first = validate_first
+        self._daemon_flags = daemon_flags or {}  # p2pd flags hivemind has no parameter for (node.swarm.relay)
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
@@ -224,6 +232,8 @@ class DetachedDHT(hivemind.DHT):
             QuotaDHTProtocol.quota_config = self._store_quota
             QuotaDHTProtocol.validate_first = self._validate_first
             hivemind.dht.node.DHTProtocol = QuotaDHTProtocol
+        if self._daemon_flags:
+            install_daemon_flags(self._daemon_flags)
         super().run()  # hivemind then ignores SIGINT in this process
 
 
@@ -259,12 +269,15 @@ def start_dht(
     store_quota: QuotaConfig | None = None,
     client_mode: bool | None = None,
     validate_first: bool = True,
+    relayed: bool = False,
 ) -> hivemind.DHT:
     """Start hivemind's DHT with our Ed25519 identity (its peer id is `identity.peer_id`); raise JoinError.
 
     hivemind's own identity-in-use check only works for RSA keys, so it is off; `IdentityLock` covers it.
     Blocks for the daemon start, at most `network.join_timeout_s`. `store_quota` defaults to `dht_store_quota()`;
-    `client_mode` to `network.client_mode`. `validate_first=False` (tests only) lets records count toward the
+    `client_mode` to `network.client_mode`. `relayed`: the daemon reserves a slot on the `initial_peers` as relays
+    (`start_reachable_dht` asks for it once a reach check failed); `network.use_relay=False` turns circuit relays
+    off for real (a bootstrap's `--no-relay`; see `node.swarm.relay.relay_flags`). `validate_first=False` (tests only) lets records count toward the
     quota before they are validated, as hivenode did before.
     """
     if identity.path is None:
@@ -280,10 +293,14 @@ def start_dht(
             announce_maddrs=list(network.announce) or None,
             startup_timeout=network.join_timeout_s,
             client_mode=network.client_mode if client_mode is None else client_mode,
-            use_relay=network.use_relay,
-            use_auto_relay=network.use_auto_relay,
             store_quota=store_quota or dht_store_quota(),
             validate_first=validate_first,
+            **relay_options(
+                initial_peers,
+                relay=network.use_relay,
+                relayed=relayed,
+                config_path=identity.path.parent / NO_RELAY_CONFIG_FILENAME,
+            ),
             # hivemind's default sends every value a GET found to the nearest peer that lacked it, one record
             # per subkey, charged to the reader's store quota there: a bootstrap polling the swarm directory
             # once a second went over 240 records a minute, and its own heartbeat was refused with the rest

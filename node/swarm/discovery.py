@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import hivemind
@@ -16,6 +16,7 @@ from hivemind.utils import get_dht_time
 
 from node.config import NodeConfig
 from node.swarm.reachability import Reachability, start_reachable_dht
+from node.swarm.relay import Connectivity, Mode
 from node.swarm.targets import JoinPlan, resolve_join
 from protocol.dht_io import SwarmRecords, fetch_discovery, fetch_manifest, manifest_rejections
 from protocol.errors import JoinError, ManifestRejected
@@ -40,10 +41,13 @@ class Joined:
         str, ...
     ] = ()  # the bootstrap multiaddrs we joined through (re-dialed if peers are lost)
     reachability: Reachability | None = None  # None: not checked (see `needs_reach_check`)
+    connectivity: Connectivity | None = None  # direct / relay / client, and why
 
     @property
     def client_mode(self) -> bool:
-        """True when others cannot dial us: the DHT serves nothing and neither should our roles."""
+        """True when nobody can reach us, not even through a relay: our roles should serve nothing."""
+        if self.connectivity is not None:
+            return self.connectivity.mode is Mode.CLIENT
         return self.reachability is not None and self.reachability.reachable is False
 
 
@@ -121,12 +125,17 @@ async def _refuse_tampered_manifests(dht: hivemind.DHT, timeout_s: float) -> Non
         )
 
 
-async def join(config: NodeConfig, identity: NodeIdentity) -> Joined:
+async def join(
+    config: NodeConfig, identity: NodeIdentity, on_phase: Callable[[str, str], None] | None = None
+) -> Joined:
     """Reach the swarm, find and verify the run, pin its owner. Raises ConfigError/JoinError/ManifestRejected/
-    OwnerPinMismatch with one-line messages; on failure nothing is left running."""
+    OwnerPinMismatch with one-line messages; on failure nothing is left running. `on_phase("manifest", mode)`
+    once the swarm is reached (the join's progress, node.status.progress)."""
     pins = OwnerPins(config.state_dir / OwnerPins.FILENAME)
     plan = await resolve_join(config.join, config.network.request_timeout_s, pins)
-    dht, reachability = await start_reachable_dht(identity, plan.maddrs, config.network)
+    dht, reachability, connectivity = await start_reachable_dht(identity, plan.maddrs, config.network)
+    if on_phase is not None:
+        on_phase("manifest", f"reached the swarm ({connectivity.mode.value})")
     try:
         signed = await discover_run(dht, plan, config, pins)
         manifest = signed.verify()
@@ -135,10 +144,15 @@ async def join(config: NodeConfig, identity: NodeIdentity) -> Joined:
         dht.add_validators([HivenodeRecordValidator([rules])])
         records = SwarmRecords(dht, rules, identity, timeout_s=config.network.request_timeout_s)
         maddrs = tuple(str(m) for m in dht.get_visible_maddrs())
+        if connectivity.mode is Mode.RELAY:  # our own addresses reach nobody: peers dial the relay circuits
+            maddrs = connectivity.addresses
     except BaseException:
         dht.shutdown()
         raise
     logger.info(
         "joined run %r (%s) through %d entry point(s)", manifest.name, signed.run_id, len(plan.maddrs)
     )
-    return Joined(dht, signed, manifest, records, maddrs, get_dht_time(), plan.maddrs, reachability)
+    logger.info("connectivity: %s (%s)", connectivity.mode.value, connectivity.reason)
+    return Joined(
+        dht, signed, manifest, records, maddrs, get_dht_time(), plan.maddrs, reachability, connectivity
+    )

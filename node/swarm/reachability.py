@@ -1,6 +1,7 @@
 """Reachability: can others dial us? A bootstrap serves `REACH_ROUTE` and dials a caller back from a fresh daemon;
-a node asks it once after starting its DHT and, if nobody can reach it, restarts as a client-mode node
-(`start_reachable_dht`).
+a node asks it once after starting its DHT and, if nobody can reach it, restarts with a reservation on the
+bootstraps' relays, checks that a fresh daemon reaches it through one, and is then in relay mode; client mode only
+when no relay works (`start_reachable_dht`, which also says which mode and why: `node.swarm.relay.Connectivity`).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +21,8 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from node.config import NetworkConfig
 from node.swarm.dht import _daemon_message, start_dht
-from protocol.errors import MalformedFrame
+from node.swarm.relay import CIRCUIT, Connectivity, decide_connectivity
+from protocol.errors import JoinError, MalformedFrame
 from protocol.identity import NodeIdentity
 from protocol.limits import LimitsConfig, RateLimit
 from protocol.records import HivenodeRecordValidator
@@ -55,9 +58,9 @@ class Reachability:
         ip = next((h for h in map(_host, self.observed) if h), None) or "<public ip>"
         tried = ", ".join(self.checked) or "none"
         return (
-            f"peers cannot reach this node (the bootstrap could not dial {tried}); running in client mode "
-            f"(it still trains, but serves nothing); to serve, open TCP port {port} to this machine (forward it "
-            f"on your router) and start with --listen /ip4/0.0.0.0/tcp/{port} --announce /ip4/{ip}/tcp/{port}"
+            f"peers cannot dial this node directly (the bootstrap could not dial {tried}); to be dialed directly "
+            f"(faster than a relay), open TCP port {port} to this machine (forward it on your router) and start "
+            f"with --listen /ip4/0.0.0.0/tcp/{port} --announce /ip4/{ip}/tcp/{port}"
         )
 
 
@@ -246,25 +249,136 @@ async def check_reachability(
     return Reachability(None, tuple(ours))
 
 
+def circuit_addresses(entry_points: Sequence[str], peer_id: str) -> list[str]:
+    """Where others reach `peer_id` through each bootstrap's relay: `<entry>/p2p-circuit/p2p/<peer_id>`."""
+    return [
+        f"{e}/{CIRCUIT}/p2p/{peer_id}" for e in entry_points if _maddr_part(e, "p2p") and CIRCUIT not in e
+    ]
+
+
+async def probe_circuit(circuit: str, timeout_s: float) -> bool:
+    """Whether a fresh daemon opens a secure connection to us through `circuit`: the relay holds our reservation
+    and relays for us (a relay that refuses answers NO_RESERVATION at once). Only a connection over the circuit
+    counts: when the relay refuses, p2pd looks us up in its DHT and may dial our own address, which a probe on
+    our machine reaches and nobody else does."""
+    target = circuit.rsplit("/p2p/", 1)[1]
+    try:
+        probe = await P2P.create(
+            initial_peers=[circuit],
+            dht_mode="client",
+            use_relay=True,
+            auto_nat=False,
+            nat_port_map=False,
+            no_listen=True,
+            startup_timeout=timeout_s,
+            check_if_identity_free=False,
+        )
+    except Exception as e:  # P2PDaemonError: the relay refused, or no reservation yet
+        logger.debug("relay probe of %s failed: %s", circuit, _daemon_message(e))
+        return False
+    try:
+        peers = await probe.list_peers()
+    finally:
+        await probe.shutdown()
+    return any(
+        info.peer_id.to_base58() == target and any(CIRCUIT in str(a) for a in info.addrs) for info in peers
+    )
+
+
+async def relay_circuits(entry_points: Sequence[str], peer_id: str, wait_s: float) -> tuple[str, ...]:
+    """The circuits through which a probe reached us, polling until one works or `wait_s` ran out (the
+    reservation is usually there in tens of milliseconds; a probe costs a daemon start, ~0.5 s)."""
+    candidates = circuit_addresses(entry_points, peer_id)
+    deadline = time.monotonic() + wait_s
+    while candidates:
+        for circuit in candidates:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return ()
+            if await probe_circuit(circuit, timeout_s=min(left, REACH_PROBE_TIMEOUT_S)):
+                return (circuit,)
+        await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    return ()
+
+
+def _unchecked(
+    network: NetworkConfig, entry_points: Sequence[str], ours: Sequence[str]
+) -> Connectivity | None:
+    """The connectivity of a node no bootstrap is asked about (client mode asked for, checks off, no bootstrap,
+    all on loopback), with the reason; None when a reach check should run."""
+    if network.client_mode:
+        return decide_connectivity(
+            reachable=None, checked=False, dialed=ours, circuits=(), relay_tried=False, client_mode_asked=True
+        )
+    if needs_reach_check(network, entry_points):
+        return None
+    if not network.check_reachability:
+        because = "network.check_reachability is off"
+    elif not entry_points:
+        because = "no bootstrap to ask"
+    else:
+        because = "every peer is on this machine's loopback"
+    return decide_connectivity(
+        reachable=None, checked=False, dialed=ours, circuits=(), relay_tried=False, unchecked_because=because
+    )
+
+
+RESTART_ATTEMPTS = 3
+RESTART_PAUSE_S = 1.0
+
+
+async def _start_again(
+    identity: NodeIdentity, entry_points: Sequence[str], network: NetworkConfig, *, relayed: bool
+) -> hivemind.DHT:
+    """The DHT again, after the reach check, with the same identity: the bootstrap may still hold the connection
+    of our first daemon for a moment, and p2pd then answered "failed to connect to bootstrap peers" (seen once in
+    test_relay_netns), so a failed start is tried again after a pause."""
+    for attempt in range(1, RESTART_ATTEMPTS + 1):
+        try:
+            return start_dht(identity, entry_points, network, HivenodeRecordValidator(), relayed=relayed)
+        except JoinError as e:
+            if attempt == RESTART_ATTEMPTS:
+                raise
+            logger.info("restarting the DHT failed (%s); again in %.0f s", e, RESTART_PAUSE_S)
+            await asyncio.sleep(RESTART_PAUSE_S)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
 async def start_reachable_dht(
     identity: NodeIdentity, entry_points: Sequence[str], network: NetworkConfig
-) -> tuple[hivemind.DHT, Reachability | None]:
+) -> tuple[hivemind.DHT, Reachability | None, Connectivity]:
     """Start the DHT, then ask a bootstrap to dial us back (Petals' pattern). If it cannot, say in one line what
-    to open or set, and restart as a client-mode node with auto-relay: it still trains and stores its records,
-    but serves nothing. Raises JoinError like `start_dht`; on failure nothing is left running."""
+    to open or set, and restart with a reservation on the bootstraps' relays (DHT client mode: our records are
+    stored, we serve no DHT requests); a probe through a relay decides relay mode, else client mode (it still
+    trains, but serves nothing). Raises JoinError like `start_dht`; on failure nothing is left running."""
     dht = start_dht(identity, entry_points, network, HivenodeRecordValidator())
-    if not needs_reach_check(network, entry_points):
-        return dht, None
     try:
+        ours = tuple(str(m) for m in network.announce) or tuple(str(m) for m in dht.get_visible_maddrs())
+        unchecked = _unchecked(network, entry_points, ours)
+        if unchecked is not None:
+            return dht, None, unchecked
         reach = await check_reachability(dht, entry_points, timeout_s=network.join_timeout_s)
     except BaseException:
         dht.shutdown()
         raise
-    if reach.reachable is None:
-        logger.info("no bootstrap could check whether peers reach us; serving as announced")
     if reach.reachable is not False:
-        return dht, reach
+        connectivity = decide_connectivity(
+            reachable=reach.reachable, checked=True, dialed=reach.checked, circuits=(), relay_tried=False
+        )
+        return dht, reach, connectivity
     logger.warning(reach.advice(network.listen))
     dht.shutdown()
-    client = dataclasses.replace(network, client_mode=True, use_auto_relay=True)
-    return start_dht(identity, entry_points, client, HivenodeRecordValidator()), reach
+    client = dataclasses.replace(network, client_mode=True)
+    relayed = network.use_auto_relay and network.use_relay
+    dht = await _start_again(identity, entry_points, client, relayed=relayed)
+    try:
+        circuits = (
+            await relay_circuits(entry_points, identity.peer_id, network.relay_wait_s) if relayed else ()
+        )
+    except BaseException:
+        dht.shutdown()
+        raise
+    connectivity = decide_connectivity(
+        reachable=False, checked=True, dialed=reach.checked, circuits=circuits, relay_tried=relayed
+    )
+    return dht, reach, connectivity

@@ -12,11 +12,11 @@ from functools import partial
 from typing import Any
 
 import hivemind
-from hivemind.utils.multiaddr import Multiaddr
 
 from node.config import NetworkConfig
 from node.context import wait_or_stop
 from node.swarm.reachability import _maddr_part, _without_peer_id
+from node.swarm.relay import DaemonMaddr
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ async def _redial(_dht: Any, node: Any, entry_points: Sequence[str]) -> int:
         peer_id = PeerID.from_base58(peer)
         with contextlib.suppress(Exception):  # unreachable: the ping below fails too and says so
             await asyncio.wait_for(
-                node.p2p._client.connect(peer_id, [Multiaddr(_without_peer_id(entry))]), 5.0
+                node.p2p._client.connect(peer_id, [DaemonMaddr(_without_peer_id(entry))]), 5.0
             )
         if await node.protocol.call_ping(peer_id) is not None:
             answered += 1

@@ -174,6 +174,15 @@ class Bootstrap(Proc):
         return {p["peer_id"] for p in self.swarm()["peers"]}
 
 
+LOOPBACK_LISTEN = "/ip4/127.0.0.1/tcp/0"
+
+
+def loopback(args: Sequence[str]) -> list[str]:
+    """`args` with `--listen` on loopback unless they name one: the nodes' default is every interface (a public
+    swarm), and tests stay on loopback."""
+    return list(args) if "--listen" in args else [*args, "--listen", LOOPBACK_LISTEN]
+
+
 class Procs:
     """Starts processes under `root` (a temp dir) and kills every one of them, and their children, on close()."""
 
@@ -181,6 +190,9 @@ class Procs:
         self.root = root
         self.started: list[Proc] = []
         self._count = 0
+        self.prefix: list[
+            str
+        ] = []  # put before the next nodes' command (`ip netns exec NS`: test_relay_netns)
 
     def _spawn(self, cls: type[Proc], name: str, argv: list[str], **fields: Any) -> Any:
         self._count += 1
@@ -207,7 +219,7 @@ class Procs:
         """`python -m bootstrap`; without `owner_roles` it runs no syncer or verifier of its own (`--no-syncer
         --no-verifier`): most tests start the roles they need themselves, with keys they authorize."""
         state_dir = self.root / (state or f"bootstrap{self._count + 1}")
-        argv = [PYTHON, "-m", "bootstrap", "--state-dir", str(state_dir), *args]
+        argv = [PYTHON, "-m", "bootstrap", "--state-dir", str(state_dir), *loopback(args)]
         if not owner_roles:
             argv += ["--no-syncer", "--no-verifier"]
         proc: Bootstrap = self._spawn(Bootstrap, "bootstrap", argv)
@@ -230,7 +242,7 @@ class Procs:
             light = self.root / "light-node.toml"
             light.write_text("[learner]\nmin_step_s = 0.5\n")
             args = (*args, "--config", str(light))
-        argv = [PYTHON, "-m", "node", "--state-dir", str(state_dir), *args]
+        argv = [*self.prefix, PYTHON, "-m", "node", "--state-dir", str(state_dir), *loopback(args)]
         proc: Node = self._spawn(Node, "node", argv)
         if wait:
             self.wait_node(proc)

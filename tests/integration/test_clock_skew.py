@@ -23,7 +23,7 @@ import torch
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from node.config import NetworkConfig
+from node.config import LOOPBACK_LISTEN, NetworkConfig
 from node.swarm import start_dht
 from protocol.codec import TensorLimits
 from protocol.dht_io import SwarmRecords
@@ -171,7 +171,7 @@ async def _skew_rejections(_dht: Any, node: Any) -> dict[str, int]:
 
 
 def test_dht_records_from_a_clock_five_minutes_ahead_are_refused_as_clock_skew(tmp_path: Path) -> None:
-    network = NetworkConfig(join_timeout_s=20, request_timeout_s=5)
+    network = NetworkConfig(listen=(LOOPBACK_LISTEN,), join_timeout_s=20, request_timeout_s=5)
     ids = {
         name: NodeIdentity.load_or_create(tmp_path / f"{name}.key")
         for name in ("reader", "near", "far", "ok")

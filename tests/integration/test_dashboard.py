@@ -91,7 +91,7 @@ def _publish_ban(maddr: str, verifier_key: Path, offender: str, stage: int) -> b
     """Sign a ban notice with an authorized verifier key and store it in the swarm's DHT (as a verifier would)."""
     from hivemind.utils import get_dht_time
 
-    from node.config import NetworkConfig
+    from node.config import LOOPBACK_LISTEN, NetworkConfig
     from node.swarm import start_dht
     from protocol.dht_io import SwarmRecords, fetch_discovery
     from protocol.records import BanNotice, HivenodeRecordValidator, RunRules
@@ -100,7 +100,9 @@ def _publish_ban(maddr: str, verifier_key: Path, offender: str, stage: int) -> b
         with tempfile.TemporaryDirectory() as tmp:
             # the DHT peer is a throwaway; the record is signed by the verifier key
             throwaway = NodeIdentity.load_or_create(Path(tmp) / "dht.key")
-            dht = start_dht(throwaway, [maddr], NetworkConfig(), HivenodeRecordValidator())
+            dht = start_dht(
+                throwaway, [maddr], NetworkConfig(listen=(LOOPBACK_LISTEN,)), HivenodeRecordValidator()
+            )
             try:
                 signed = (await fetch_discovery(dht, timeout_s=10.0, now=get_dht_time()))[0]
                 rules = RunRules.from_manifest(signed, signed.verify())

@@ -33,7 +33,7 @@ import pytest
 from hivemind.dht.routing import DHTID
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from node.config import NetworkConfig
+from node.config import LOOPBACK_LISTEN, NetworkConfig
 from node.swarm import dht_quota_stats, dht_store_quota, start_dht
 from protocol import keys
 from protocol.dht_io import SwarmRecords
@@ -177,7 +177,7 @@ def _torch_shm_manager() -> Iterator[None]:
 @pytest.fixture
 def swarm_factory(tmp_path: Path) -> Iterator[Any]:
     started: list[Any] = []
-    network = NetworkConfig(join_timeout_s=20, request_timeout_s=5)
+    network = NetworkConfig(listen=(LOOPBACK_LISTEN,), join_timeout_s=20, request_timeout_s=5)
 
     def make(
         *, quota: bool, allow_foreign: bool, validate_first: bool = True, quota_config: QuotaConfig = QUOTA

@@ -14,7 +14,7 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from node.config import NetworkConfig
+from node.config import LOOPBACK_LISTEN, NetworkConfig
 from node.swarm import start_dht
 from protocol import keys
 from protocol.dht_io import SwarmRecords, fetch_discovery, fetch_manifest, publish_discovery
@@ -55,7 +55,7 @@ def run(coro: Awaitable[T], timeout_s: float = 20.0) -> T:
 @pytest.fixture(scope="module")
 def dhts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dhts]:
     root: Path = tmp_path_factory.mktemp("dht")
-    network = NetworkConfig(join_timeout_s=20, request_timeout_s=5)
+    network = NetworkConfig(listen=(LOOPBACK_LISTEN,), join_timeout_s=20, request_timeout_s=5)
     ida = NodeIdentity.load_or_create(root / "a.key")
     idb = NodeIdentity.load_or_create(root / "b.key")
     started = []

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from hivemind.utils import get_dht_time
 
-from node.config import NetworkConfig
+from node.config import LOOPBACK_LISTEN, NetworkConfig
 from node.swarm import start_dht
 from protocol.dht_io import SwarmRecords
 from protocol.identity import NodeIdentity
@@ -42,7 +42,12 @@ def claim_bootstrap_role(
     async def run() -> bool:
         signed = SignedManifest.from_b64(bootstrap.swarm()["manifest"])
         rules = RunRules.from_manifest(signed, signed.verify())
-        dht = start_dht(identity, [bootstrap.maddr], NetworkConfig(), HivenodeRecordValidator([rules]))
+        dht = start_dht(
+            identity,
+            [bootstrap.maddr],
+            NetworkConfig(listen=(LOOPBACK_LISTEN,)),
+            HivenodeRecordValidator([rules]),
+        )
         try:
             records = SwarmRecords(dht, rules, identity)
             beat = Heartbeat(role="bootstrap", state="serving", maddrs=(announced,), sent_at=get_dht_time())

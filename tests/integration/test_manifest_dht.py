@@ -17,7 +17,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from node import swarm
-from node.config import NetworkConfig, NodeConfig
+from node.config import LOOPBACK_LISTEN, NetworkConfig, NodeConfig
 from protocol import keys
 from protocol.errors import JoinError, ManifestRejected
 from protocol.identity import NodeIdentity
@@ -80,7 +80,7 @@ def test_a_tampered_manifest_in_the_dht_is_named_at_once(tmp_path: Path) -> None
 def discover(tmp_path: Path, maddr: str, join_timeout_s: float) -> tuple[SignedManifest | Exception, float]:
     """`discover_run` as a joining node runs it, from a real validating DHT whose only peer is `maddr`: what it
     returned or raised, and how long it took (the DHT's start not included)."""
-    network = NetworkConfig(join_timeout_s=join_timeout_s, request_timeout_s=5.0)
+    network = NetworkConfig(listen=(LOOPBACK_LISTEN,), join_timeout_s=join_timeout_s, request_timeout_s=5.0)
     config = NodeConfig(join=(maddr,), state_dir=tmp_path / "state", network=network)
     identity = NodeIdentity.load_or_create(tmp_path / "identity.key")
     dht = swarm.start_dht(identity, [maddr], network, HivenodeRecordValidator())

@@ -1,9 +1,11 @@
 """Reachability and recovery with real `python -m bootstrap` / `python -m node` processes on loopback.
 
 - A node that announces an address nobody can dial (a closed port) is dialed back by the bootstrap at start,
-  learns it is unreachable, says in one line what to open or set, and runs on as a client-mode node that still
-  heartbeats into the swarm. Control: a node announcing the port it really listens on is found reachable and says
-  nothing. Counted: one reach check per node at the bootstrap, with its result.
+  learns it is unreachable, says in one line what to open or set, reserves a slot on the bootstrap's relay and
+  runs in relay mode (reached through the bootstrap's circuit), heartbeating into the swarm. Control: a node
+  announcing the port it really listens on is found reachable (direct) and says nothing. Counted: one reach check
+  per node at the bootstrap, with its result. With `--no-relay` on the bootstrap the same node runs in client
+  mode and says why (the relay case of issue 19 item 3; the namespaced version is test_relay_netns.py).
 - Both the bootstrap and two nodes sit behind WAN proxies (tools/wan_proxy.py) and announce them; the
   proxies partition everything, then heal. The node with our re-dialer notices it lost its bootstrap, re-dials the
   bootstrap with exponential backoff (each failed attempt logged), and is back in the swarm soon after the heal.
@@ -29,7 +31,7 @@ from tools.wan_proxy import LinkProfile, ProxyThread
 logger = logging.getLogger(__name__)
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-ADVICE = re.compile(r"peers cannot reach this node .* --announce /ip4/127\.0\.0\.1/tcp/(\d+)")
+ADVICE = re.compile(r"peers cannot dial this node directly .* --announce /ip4/127\.0\.0\.1/tcp/(\d+)")
 HEARTBEAT_PERIOD_S = 2.0  # the built-in default run
 PARTITION_S = 8.0  # long enough for every peer to be dropped and a few re-dials to fail
 RECOVERY_S = 30.0  # after the heal, the re-dialing node is back within this
@@ -60,7 +62,7 @@ def group(tmp_path: Path) -> Iterator[Procs]:
         yield started
 
 
-def test_an_unreachable_node_falls_back_to_client_mode_and_says_what_to_open(group: Procs) -> None:
+def test_an_unreachable_node_is_relayed_by_the_bootstrap_and_says_what_to_open(group: Procs) -> None:
     bootstrap = group.start_bootstrap()
     dead_port = free_port()  # nothing listens here: whoever dials it is refused
     live_port = free_port()
@@ -88,21 +90,32 @@ def test_an_unreachable_node_falls_back_to_client_mode_and_says_what_to_open(gro
     bad = wait_until(lambda: _event(root / "unreachable", "reachability"), 30, what="the reachability event")
     good = wait_until(lambda: _event(root / "reachable", "reachability"), 30, what="the control's event")
 
-    # The unreachable node: one line of advice naming the port to open and the flag to set, then client mode.
-    advice = [line for line in unreachable.stderr().splitlines() if "peers cannot reach this node" in line]
+    # The unreachable node: one line of advice naming the port to open and the flag to set, then relay mode.
+    advice = [line for line in unreachable.stderr().splitlines() if "peers cannot dial this node" in line]
     assert len(advice) == 1, advice
     match = ADVICE.search(advice[0])
     assert match and int(match.group(1)) == dead_port, advice[0]
-    assert bad["reachable"] is False and bad["client_mode"] is True
+    assert bad["reachable"] is False and bad["client_mode"] is False
     assert bad["checked"] == [f"/ip4/127.0.0.1/tcp/{dead_port}"] and bad["dialable"] == []
-    # ... and it still takes part: its heartbeats reach the swarm through the DHT as a client.
     unreachable_id = _peer_id(group, unreachable)
-    wait_until(lambda: unreachable_id in _peers(bootstrap), 20, what="the client-mode node in the swarm")
+    mode = _event(root / "unreachable", "connectivity")
+    assert mode is not None and mode["mode"] == "relay" and "using relay" in mode["reason"], mode
+    assert mode["addresses"] == [f"{bootstrap.maddr}/p2p-circuit/p2p/{unreachable_id}"]
+    status = get_json(unreachable.status_url)["connectivity"]
+    assert status["mode"] == "relay" and status["relays"] == [bootstrap.maddr.rsplit("/p2p/", 1)[1]]
+    assert "client mode" not in unreachable.stderr()  # the old, misleading line for a relayed node
+    # ... and it takes part: its heartbeats, announcing the circuit, reach the swarm.
+    listed = wait_until(
+        lambda: _peers(bootstrap).get(unreachable_id), 20, what="the relayed node in the swarm"
+    )
+    assert listed["maddrs"] == mode["addresses"], listed
 
     # Control: announcing the port it listens on, a node is reachable, and nobody is told to open anything.
     assert good["reachable"] is True and good["client_mode"] is False
     assert good["dialable"] == [f"/ip4/127.0.0.1/tcp/{live_port}"]
-    assert "peers cannot reach this node" not in reachable.stderr()
+    assert "peers cannot dial this node" not in reachable.stderr()
+    direct = _event(root / "reachable", "connectivity")
+    assert direct is not None and direct["mode"] == "direct" and "dialed us back" in direct["reason"], direct
 
     # Counted at the bootstrap: exactly one check per node, with the result each node acted on.
     checks = re.findall(r"reach check for (\S+): (\d) of (\d) address", bootstrap.stderr())
@@ -110,6 +123,30 @@ def test_an_unreachable_node_falls_back_to_client_mode_and_says_what_to_open(gro
     assert len(checks) == 2, checks
     assert by_peer[unreachable_id[-8:]] == (0, 1)
     assert by_peer[_peer_id(group, reachable)[-8:]] == (1, 1)
+
+
+def test_without_a_relay_an_unreachable_node_runs_in_client_mode_and_says_why(group: Procs) -> None:
+    """Negative control of the relay above: `--no-relay` on the bootstrap, nothing else changes."""
+    bootstrap = group.start_bootstrap("--no-relay")
+    bootstrap.wait_line(r"^relay: off", 5)
+    dead_port = free_port()
+    node = group.start_node(
+        "--join",
+        bootstrap.maddr,
+        "--role",
+        "learner",
+        "--announce",
+        f"/ip4/127.0.0.1/tcp/{dead_port}",
+        state="client",
+    )
+    mode = wait_until(
+        lambda: _event(group.root / "client", "connectivity"), 30, what="the connectivity event"
+    )
+    assert mode["mode"] == "client" and "no relay granted a reservation" in mode["reason"], mode
+    assert _event(group.root / "client", "reachability")["client_mode"] is True  # type: ignore[index]
+    assert get_json(node.status_url)["connectivity"]["mode"] == "client"
+    node_id = _peer_id(group, node)
+    wait_until(lambda: node_id in _peers(bootstrap), 20, what="the client-mode node in the swarm")
 
 
 def _write_config(path: Path, *, peer_check_period_s: float) -> Path:

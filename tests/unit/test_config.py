@@ -53,6 +53,7 @@ def test_the_cli_flag_set_is_frozen() -> None:
         "--log-level",
         "--listen",  # reachability for public nodes (issue 7)
         "--announce",
+        "--quiet",  # the join's progress line off (issue 19 item 5): a console choice, not a setting to keep
     }
 
 
