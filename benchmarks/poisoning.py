@@ -73,6 +73,9 @@ sync_every_steps = 8
 overlap_steps = 1
 min_sync_interval_s = 0.0
 mode = "decoupled"
+[admission]
+mode = "{admission}"
+pow_bits = 12
 """
 NODE_TOML = """
 [learner]
@@ -98,6 +101,8 @@ class Arm:
     attackers: int
     honest: int = 4
     control: str = "clean"
+    admission: str = "pow"  # the run's [admission] mode when defended (undefended: open)
+    late_s: float = 0.0  # the attackers join this long after the honest learners train (seniority)
 
 
 ARMS = {
@@ -116,6 +121,9 @@ ARMS = {
         Arm(name="inflated_claims", attack="inflate:20", attackers=1),
         Arm(name="lone_k1", attack="signflip", attackers=1, honest=1, control="clean_k1"),
         Arm(name="sybil_majority", attack="signflip", attackers=5),
+        # fresh identities (each paid its proof-of-work) join once the honest learners are senior: the seniority
+        # cap holds their summed share of any merge to young_weight_cap (0.25)
+        Arm(name="sybil_late", attack="signflip", attackers=5, late_s=30.0),
     )
 }
 
@@ -136,13 +144,15 @@ class Swarm:
         self.syncer_key = root / "syncer.key"
         syncer_id = NodeIdentity.load_or_create(self.syncer_key).peer_id
         self.run_path = root / "run.toml"
-        self.run_path.write_text(RUN_TOML.format(arm=arm.name, syncer=syncer_id))
+        admission = arm.admission if defended else "open"
+        self.run_path.write_text(RUN_TOML.format(arm=arm.name, syncer=syncer_id, admission=admission))
         self.node_toml = root / "node.toml"
         defended_text = "true" if defended else "false"
         self.node_toml.write_text(NODE_TOML.format(min_step_s=min_step_s, defended=defended_text))
         self.honest = [f"honest{i}" for i in range(arm.honest)]
         self.attackers = [f"attacker{i}" for i in range(arm.attackers)]
         self._urls: dict[str, str] = {}
+        self._started: set[str] = set()
 
     def start(self) -> float:
         """Start every process; returns when every learner trains (the window's start, wall clock)."""
@@ -174,17 +184,27 @@ class Swarm:
             + common,
         )
         wait_for(lambda: (self.status("syncer") or {}).get("state") == "syncing", 60, "the syncer")
-        for name in self.honest + self.attackers:
+        if self.arm.late_s > 0:  # the honest learners first, long enough to be senior
+            self._start_learners(self.honest, common)
+            time.sleep(self.arm.late_s)
+        self._start_learners(self.honest + self.attackers, common)
+        return time.time()
+
+    def _start_learners(self, names: list[str], common: list[str]) -> None:
+        """Start those of `names` not started yet; returns when all of `names` train."""
+        node = [sys.executable, "-m", "node"]
+        for name in names:
+            if name in self._started:
+                continue
             prefix = (
                 ["env", f"HIVENODE_UNSAFE_LEARNER_ATTACK={self.arm.attack}"] if name in self.attackers else []
             )
             argv = [*prefix, *node, "--state-dir", str(self.root / name), "--role", "learner", *common]
             self.group.start(name, argv)
-        learners = self.honest + self.attackers
+            self._started.add(name)
         wait_for(
-            lambda: all((self.status(n) or {}).get("state") == "training" for n in learners), 120, "learners"
+            lambda: all((self.status(n) or {}).get("state") == "training" for n in names), 120, "learners"
         )
-        return time.time()
 
     def url(self, name: str) -> str | None:
         found = re.findall(r"^status: (http://\S+)$", self.group.log(name), re.MULTILINE)
@@ -262,6 +282,7 @@ def summarize(
     detected = min(refused_at) if refused_at else None
     after = [m for m in merges if detected is None or m["t"] >= detected]
     shares = [sum(w for p, w in m["weights"].items() if p in attackers) for m in after]
+    every = [sum(w for p, w in m["weights"].items() if p in attackers) for m in merges]
     attacker_bans = [e["t"] - t0 for e in bans if e["offender"] in attackers]
     probe = status.get("loss_probe") or {}
     interval = merge_interval(merges)
@@ -280,6 +301,8 @@ def summarize(
             / max(1, len(merges)),
             4,
         ),
+        # the most attacker identities held of any one merge (the seniority cap bounds it for fresh identities)
+        "attacker_weight_share_max": round(max(every), 4) if every else 0.0,
         "detected_after_s": round(detected - t0, 2) if detected is not None else None,
         "time_to_ban_s": round(min(attacker_bans), 2) if attacker_bans else None,
         "attackers_banned": len({e["offender"] for e in bans if e["offender"] in attackers}),
@@ -326,6 +349,17 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             (r["attacker_weight_share"] for r in defended.values()), default=None
         ),
         "honest_banned": sum(r["honest_banned"] for r in results.values() if r["defended"]),
+        "max_attacker_merge_share": max(
+            (r["attacker_weight_share_max"] for r in defended.values()), default=None
+        ),
+        "max_attacker_merge_share_undefended": max(
+            (
+                r["attacker_weight_share_max"]
+                for r in results.values()
+                if not r["defended"] and r["attackers"]
+            ),
+            default=None,
+        ),
         "max_check_cost_share": max(costs) if costs else None,
         "arms": sorted(results),
     }

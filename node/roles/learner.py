@@ -138,6 +138,9 @@ class LearnerRole:
             ctx.supervisor.spawn("data-rebalance", partial(self._rebalance, stop), policy=RestartPolicy())
         plan = run_fragment_plan(ctx.manifest)
         p2p = await ctx.dht.replicate_p2p()
+        from node.swarm.admission import admission_meta
+
+        admission = await admission_meta(ctx)  # the run's admission cost, paid once per identity (cached)
         transport = learner_attack_from_env(  # only ever through HIVENODE_UNSAFE_LEARNER_ATTACK (benchmarks)
             FramedSyncTransport(
                 p2p,
@@ -146,6 +149,7 @@ class LearnerRole:
                 plan,
                 authorized_syncers=ctx.manifest.authorized_syncers,
                 lookup_period_s=ctx.manifest.heartbeat_period_s,
+                admission=admission,
             )
         )
         assert self._model is not None

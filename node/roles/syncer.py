@@ -282,6 +282,8 @@ class SyncerRole:
             now=time.monotonic(),
             max_merged_keys=self.config.max_merged_keys,
             screening=self.config.screening,
+            admission=manifest.admission,
+            run_id=self.ctx.run_id,
         )
 
     async def _held_out_shards(self) -> Any:
