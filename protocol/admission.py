@@ -16,14 +16,15 @@ send it in their push meta under `ADMISSION_META`; the syncer checks it (node.di
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from protocol.errors import ProtocolError
 
 ADMISSION_MODES = ("open", "allowlist", "pow")
-ADMISSION_META = "admission"  # the push meta key that carries the proof: {"nonce": int}
+ADMISSION_META = (
+    "admission"  # the push meta key that carries the proof: its nonce, an int (meta holds scalars)
+)
 DEFAULT_POW_BITS = 22  # ~4 M hashes: a few seconds of one CPU core per identity (docs/security.md)
 MAX_POW_BITS = 48  # beyond this no volunteer could ever join
 MAX_NONCE = 2**63 - 1  # msgpack int range, and far beyond any search
@@ -102,26 +103,20 @@ def solve(
     raise ValueError("no nonce found")  # pragma: no cover - 2^63 hashes
 
 
-def proof_meta(nonce: int) -> dict[str, Any]:
-    """What a push carries under `ADMISSION_META`."""
-    return {"nonce": nonce}
-
-
 def verify_admission(spec: AdmissionSpec, run_id: str, peer_id: str, proof: object) -> None:
     """Raise AdmissionRefused unless `peer_id` may contribute to `run_id` with `proof` (the push meta's
-    `ADMISSION_META` value, None when absent). Cost: one hash at most."""
+    `ADMISSION_META` value: the nonce; None when absent). Cost: one hash at most."""
     if spec.mode == "open":
         return
     if spec.mode == "allowlist":
         if peer_id not in spec.allowlist:
             raise AdmissionRefused(f"{peer_id[-8:]} is not on the run's allow-list")
         return
-    if not isinstance(proof, Mapping):
+    if proof is None:
         raise AdmissionRefused(f"{peer_id[-8:]} sent no proof-of-work")
-    nonce = proof.get("nonce")
-    if type(nonce) is not int or not 0 <= nonce <= MAX_NONCE:
+    if type(proof) is not int or not 0 <= proof <= MAX_NONCE:
         raise AdmissionRefused(f"{peer_id[-8:]} sent a malformed proof-of-work")
-    got = leading_zero_bits(proof_digest(run_id, peer_id, nonce))
+    got = leading_zero_bits(proof_digest(run_id, peer_id, proof))
     if got < spec.pow_bits:
         # a proof of another run or another peer lands here too: it is bound to both
         raise AdmissionRefused(f"{peer_id[-8:]}'s proof has {got} leading zero bits < {spec.pow_bits}")
@@ -133,7 +128,6 @@ __all__ = [
     "AdmissionRefused",
     "AdmissionSpec",
     "proof_digest",
-    "proof_meta",
     "solve",
     "verify_admission",
 ]

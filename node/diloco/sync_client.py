@@ -427,7 +427,7 @@ class FramedSyncTransport:
         lookup_period_s: float = 2.0,
         wall_clock: Callable[[], float] = time.time,
         dht_clock: Callable[[], float] | None = None,
-        admission: Mapping[str, Any] | None = None,
+        admission: int | None = None,
     ) -> None:
         from protocol.replay import ReplayGuard
 
@@ -443,7 +443,7 @@ class FramedSyncTransport:
         self.dht_clock = dht_clock or records.clock
         self.limits = fragment_limits(plan)
         # our admission proof (protocol.admission, node.swarm.admission), sent with every push; None: none needed
-        self.admission = dict(admission) if admission is not None else None
+        self.admission = admission
         self._replay = ReplayGuard()
         self._syncer: tuple[str, int] | None = None  # (peer id, term)
         self._looked_up_at = -math.inf
@@ -618,9 +618,7 @@ def choose_syncer(
     return min(live, key=lambda r: (-r.state.term, r.peer_id))
 
 
-def contribution_meta(
-    contribution: OutgoingContribution, *, admission: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
+def contribution_meta(contribution: OutgoingContribution, *, admission: int | None = None) -> dict[str, Any]:
     from protocol.admission import ADMISSION_META
     from protocol.receipts import RECEIPTS_META, receipts_meta
 
@@ -637,7 +635,7 @@ def contribution_meta(
     if contribution.receipts:
         meta[RECEIPTS_META] = receipts_meta(contribution.receipts)
     if admission is not None:
-        meta[ADMISSION_META] = dict(admission)
+        meta[ADMISSION_META] = admission
     return meta
 
 

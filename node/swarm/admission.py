@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from protocol.admission import AdmissionRefused, AdmissionSpec, proof_meta, solve, verify_admission
+from protocol.admission import AdmissionRefused, AdmissionSpec, solve, verify_admission
 from protocol.manifest import write_atomically
 
 if TYPE_CHECKING:
@@ -46,10 +46,10 @@ def cached_nonce(state_dir: Path, spec: AdmissionSpec, run_id: str, peer_id: str
         return None
     nonce = entry.get("nonce")
     try:
-        verify_admission(spec, run_id, peer_id, {"nonce": nonce})
+        verify_admission(spec, run_id, peer_id, nonce)
     except AdmissionRefused:
         return None
-    return nonce if isinstance(nonce, int) else None
+    return nonce if type(nonce) is int else None
 
 
 def store_nonce(state_dir: Path, run_id: str, peer_id: str, nonce: int, bits: int) -> None:
@@ -60,20 +60,18 @@ def store_nonce(state_dir: Path, run_id: str, peer_id: str, nonce: int, bits: in
     write_atomically(path, json.dumps(data, indent=1, sort_keys=True))
 
 
-def obtain_proof(state_dir: Path, spec: AdmissionSpec, run_id: str, peer_id: str) -> dict[str, Any] | None:
-    """The push meta's admission value: the cached proof or a new one (solved here, blocking); None when the
-    run asks for no proof (open, or an allow-list: the syncer checks our peer id)."""
+def obtain_proof(state_dir: Path, spec: AdmissionSpec, run_id: str, peer_id: str) -> int | None:
+    """The push meta's admission value: the nonce of the cached proof or of a new one (solved here, blocking);
+    None when the run asks for no proof (open, or an allow-list: the syncer checks our peer id)."""
     if spec.mode != "pow":
         return None
     nonce = cached_nonce(state_dir, spec, run_id, peer_id)
     if nonce is not None:
         logger.info("admission: cached proof-of-work of %d bits for this run", spec.pow_bits)
-        return proof_meta(nonce)
+        return nonce
     expected = 2**spec.pow_bits
     logger.info(
-        "admission: solving the run's proof-of-work (%d bits, ~%.1f M hashes expected)",
-        spec.pow_bits,
-        expected / 1e6,
+        "admission: solving the run's proof-of-work (%d bits, ~%d hashes expected)", spec.pow_bits, expected
     )
     started = time.monotonic()
 
@@ -89,10 +87,10 @@ def obtain_proof(state_dir: Path, spec: AdmissionSpec, run_id: str, peer_id: str
     elapsed = time.monotonic() - started
     logger.info("admission: proof-of-work solved in %.1f s (nonce %d), cached", elapsed, nonce)
     store_nonce(state_dir, run_id, peer_id, nonce, spec.pow_bits)
-    return proof_meta(nonce)
+    return nonce
 
 
-async def admission_meta(ctx: NodeContext) -> dict[str, Any] | None:
+async def admission_meta(ctx: NodeContext) -> int | None:
     """`obtain_proof` for this node, in a worker thread (the node keeps heartbeating while it solves)."""
     spec: AdmissionSpec = ctx.manifest.admission
     started = time.monotonic()

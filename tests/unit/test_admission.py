@@ -15,7 +15,6 @@ from protocol.admission import (
     AdmissionSpec,
     leading_zero_bits,
     proof_digest,
-    proof_meta,
     solve,
     verify_admission,
 )
@@ -40,16 +39,16 @@ def _pow(bits: int = BITS) -> AdmissionSpec:
 def test_a_solved_proof_verifies_and_has_the_bits() -> None:
     nonce = solve(RUN, PEER, BITS)
     assert leading_zero_bits(proof_digest(RUN, PEER, nonce)) >= BITS
-    verify_admission(_pow(), RUN, PEER, proof_meta(nonce))  # no raise
+    verify_admission(_pow(), RUN, PEER, nonce)  # no raise
 
 
 def test_a_proof_is_bound_to_its_run_and_to_its_peer() -> None:
     nonce = solve(RUN, PEER, 16)  # 16 bits: a random nonce passes with probability 2^-16
     with pytest.raises(AdmissionRefused, match="leading zero bits") as wrong_run:
-        verify_admission(_pow(16), OTHER_RUN, PEER, proof_meta(nonce))
+        verify_admission(_pow(16), OTHER_RUN, PEER, nonce)
     assert wrong_run.value.reason == "admission"
     with pytest.raises(AdmissionRefused, match="leading zero bits"):
-        verify_admission(_pow(16), RUN, OTHER_PEER, proof_meta(nonce))  # a Sybil cannot reuse it
+        verify_admission(_pow(16), RUN, OTHER_PEER, nonce)  # a Sybil cannot reuse it
 
 
 def test_a_proof_of_too_few_bits_is_refused() -> None:
@@ -57,10 +56,10 @@ def test_a_proof_of_too_few_bits_is_refused() -> None:
     while leading_zero_bits(proof_digest(RUN, PEER, nonce)) >= 12:  # one with exactly too few bits
         nonce = solve(RUN, PEER, 4, start=nonce + 1)
     with pytest.raises(AdmissionRefused, match="< 12"):
-        verify_admission(_pow(12), RUN, PEER, proof_meta(nonce))
+        verify_admission(_pow(12), RUN, PEER, nonce)
 
 
-@pytest.mark.parametrize("proof", [None, {}, {"nonce": "12"}, {"nonce": -1}, {"nonce": 2**64}, [1], 7])
+@pytest.mark.parametrize("proof", [None, {}, {"nonce": 7}, "12", -1, 2**64, [1], 1.0, True])
 def test_a_missing_or_malformed_proof_is_refused(proof: object) -> None:
     with pytest.raises(AdmissionRefused):
         verify_admission(_pow(), RUN, PEER, proof)
@@ -70,7 +69,7 @@ def test_allowlist_admits_only_listed_peers_and_open_admits_anyone() -> None:
     allow = AdmissionSpec(mode="allowlist", allowlist=(PEER,))
     verify_admission(allow, RUN, PEER, None)
     with pytest.raises(AdmissionRefused, match="allow-list"):
-        verify_admission(allow, RUN, OTHER_PEER, proof_meta(solve(RUN, OTHER_PEER, 0)))
+        verify_admission(allow, RUN, OTHER_PEER, solve(RUN, OTHER_PEER, 0))
     verify_admission(AdmissionSpec(mode="open"), RUN, OTHER_PEER, None)  # the defence off: no cost at all
 
 
@@ -91,12 +90,12 @@ def test_the_node_solves_once_and_caches_its_proof(tmp_path: Path) -> None:
     assert meta is not None
     verify_admission(spec, RUN, PEER, meta)
     cached = json.loads((tmp_path / ADMISSION_FILE).read_text())
-    assert cached[f"{RUN}/{PEER}"]["nonce"] == meta["nonce"]
+    assert cached[f"{RUN}/{PEER}"]["nonce"] == meta
     assert obtain_proof(tmp_path, spec, RUN, PEER) == meta  # from the cache
     # another run, or a harder difficulty, is not served by that entry
     assert cached_nonce(tmp_path, spec, OTHER_RUN, PEER) is None
     harder = _pow(BITS + 6)
-    if leading_zero_bits(proof_digest(RUN, PEER, meta["nonce"])) < harder.pow_bits:
+    if leading_zero_bits(proof_digest(RUN, PEER, meta)) < harder.pow_bits:
         assert cached_nonce(tmp_path, harder, RUN, PEER) is None
     assert obtain_proof(tmp_path, AdmissionSpec(mode="open"), RUN, PEER) is None
 
@@ -107,7 +106,7 @@ def _core(admission: AdmissionSpec) -> SyncerCore:
 
 def test_the_syncer_core_refuses_a_push_without_admission_and_counts_it() -> None:
     core = _core(_pow())
-    core.admit_push(PEER, proof_meta(solve(RUN, PEER, BITS)), now=1.0)  # paid: admitted
+    core.admit_push(PEER, solve(RUN, PEER, BITS), now=1.0)  # paid: admitted
     for _ in range(3):
         with pytest.raises(Refusal) as refused:
             core.admit_push(OTHER_PEER, None, now=1.0)
@@ -115,6 +114,26 @@ def test_the_syncer_core_refuses_a_push_without_admission_and_counts_it() -> Non
     assert core.gate.refused == {OTHER_PEER: 3}
     # a stolen proof (another peer's) does not admit
     with pytest.raises(Refusal):
-        core.admit_push(OTHER_PEER, proof_meta(solve(RUN, PEER, 16)), now=1.0)
+        core.admit_push(OTHER_PEER, solve(RUN, PEER, 16), now=1.0)
     # negative control: an open run (the defence off) admits the same push
     _core(AdmissionSpec(mode="open")).admit_push(OTHER_PEER, None, now=1.0)
+
+
+def test_a_push_meta_with_the_proof_seals_into_an_envelope() -> None:
+    """The proof travels as the nonce itself: envelope meta holds scalars only (a dict there failed every push)."""
+    import torch
+
+    from node.diloco.sync_client import contribution_meta
+    from node.diloco.sync_types import OutgoingContribution
+    from protocol.envelope import Context, Kind, seal
+
+    identity = NodeIdentity.generate()
+    nonce = solve(RUN, identity.peer_id, BITS)
+    outgoing = OutgoingContribution(
+        fragment=0, params={"w": torch.zeros(2)}, base_version=0, steps=1, tokens=8, sent_step=1,
+        sched_step=1, step_time_s=0.1,
+    )  # fmt: skip
+    meta = contribution_meta(outgoing, admission=nonce)
+    assert meta["admission"] == nonce and "admission" not in contribution_meta(outgoing)
+    context = Context(run_id=RUN, kind=Kind.FRAGMENT, receiver=OTHER_PEER)
+    seal(identity, context, microbatch=0, step=0, now=1.0, tensors=outgoing.params, meta=meta)
