@@ -5,8 +5,11 @@ One arm per attack, one after another, each a fresh swarm of real processes on l
 attacker learners (`HIVENODE_UNSAFE_LEARNER_ATTACK`, node.diloco.attack_transport) that train like the others and
 poison what they push. The `clean` arm (no attacker, same honest learners, same seeds) is the control of every
 arm with 4 honest learners; `clean_k1` (one honest learner) that of `lone_k1`. An arm named with `--undefended`
-also runs with the syncer's screening off (`[syncer.screening] enabled = false`): the negative control, where the
-attack is seen to win.
+also runs with the syncer's screening off (`[syncer.screening] enabled = false`, which also turns off the
+seniority cap) and `[admission] mode = "open"`: the negative control, where the attack is seen to win. Defended
+runs ask a 12-bit proof-of-work of every learner (the default mode at a difficulty the machine solves in ms).
+`sybil_late`: 5 fresh identities join 30 s after 4 honest learners train, so the honest ones are senior
+(node.diloco.seniority) and the Sybils' summed share of any merge is capped (`attacker_weight_share_max`).
 
 Per arm, from the syncer's events and status after `--duration` seconds:
 
@@ -183,7 +186,8 @@ class Swarm:
             ]
             + common,
         )
-        wait_for(lambda: (self.status("syncer") or {}).get("state") == "syncing", 60, "the syncer")
+        # 120 s: under load (average 10+ on two cores) the first lease took over 60 s (seen before this change too)
+        wait_for(lambda: (self.status("syncer") or {}).get("state") == "syncing", 120, "the syncer")
         if self.arm.late_s > 0:  # the honest learners first, long enough to be senior
             self._start_learners(self.honest, common)
             time.sleep(self.arm.late_s)
