@@ -140,7 +140,8 @@ class LearnerRole:
         p2p = await ctx.dht.replicate_p2p()
         from node.swarm.admission import admission_meta
 
-        admission = await admission_meta(ctx)  # the run's admission cost, paid once per identity (cached)
+        # the run's admission cost, paid once per identity (cached); nothing to pay where no syncer can exist
+        admission = await admission_meta(ctx) if ctx.manifest.authorized_syncers else None
         transport = learner_attack_from_env(  # only ever through HIVENODE_UNSAFE_LEARNER_ATTACK (benchmarks)
             FramedSyncTransport(
                 p2p,

@@ -173,12 +173,17 @@ class SyncerService:
             # per learner: refused contributions by tag, evidence (hash, scores, reason), ban and its reason
             "learners": self.ledger.status(time.time()),
             "refusals_by_peer": self.ledger.refusals(),
-            # the run's admission cost (protocol.admission) and who was refused for want of it; seniority cap
-            "admission": {
-                "mode": core.gate.spec.mode if (core := self.role.core) is not None else None,
-                "refused_by_peer": dict(core.gate.refused) if core is not None else {},
-            },
-            "seniority": core.seniority.status(time.monotonic()) if core is not None else {},
+            **self._sybil_status(),
+        }
+
+    def _sybil_status(self) -> dict[str, Any]:
+        """The run's admission cost (protocol.admission), who was refused for want of it, and the seniority cap."""
+        core = self.role.core
+        if core is None:
+            return {"admission": {}, "seniority": {}}
+        return {
+            "admission": {"mode": core.gate.spec.mode, "refused_by_peer": dict(core.gate.refused)},
+            "seniority": core.seniority.status(time.monotonic()),
         }
 
     def _on_reject(self, remote: str, route: str, error: ProtocolError) -> None:
