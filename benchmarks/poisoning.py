@@ -314,6 +314,7 @@ def summarize(
         "honest_refused": sum((learners.get(p) or {}).get("refused", 0) for p in honest),
         "refusals": status.get("refusals", {}),
         "screening": status.get("screening", {}),
+        "seniority": status.get("seniority", {}),  # identities, young ones, demotions, capped merges
         "probe_mean_cost_s": cost,
         "probe_max_cost_s": probe.get("max_cost_s"),
         "merge_interval_s": round(interval, 3) if interval else None,
