@@ -307,6 +307,7 @@ def summarize(
         ),
         # the most attacker identities held of any one merge (the seniority cap bounds it for fresh identities)
         "attacker_weight_share_max": round(max(every), 4) if every else 0.0,
+        "share_curve": [(round(m["t"] - t0, 2), round(w, 4)) for m, w in zip(merges, every, strict=True)],
         "detected_after_s": round(detected - t0, 2) if detected is not None else None,
         "time_to_ban_s": round(min(attacker_bans), 2) if attacker_bans else None,
         "attackers_banned": len({e["offender"] for e in bans if e["offender"] in attackers}),
@@ -376,16 +377,25 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, (ax, share_ax) = plt.subplots(1, 2, figsize=(14, 5))
     for name, result in results.items():
         curve = result["loss_curve"]
+        style = "--" if not result["defended"] else ("-" if result["attackers"] else ":")
         if curve:
-            style = "--" if not result["defended"] else ("-" if result["attackers"] else ":")
             ax.plot([c[0] for c in curve], [c[1] for c in curve], style, marker=".", label=name)
+        shares = result.get("share_curve") or []
+        if result["attackers"] and shares:
+            share_ax.plot([c[0] for c in shares], [c[1] for c in shares], style, marker=".", label=name)
     ax.set_xlabel("seconds since every learner trained")
     ax.set_ylabel("held-out loss of the global model (nats/byte)")
     ax.set_title("poisoning arms (dotted: clean controls, dashed: screening off)")
     ax.legend(fontsize=8)
+    share_ax.set_xlabel("seconds since every learner trained")
+    share_ax.set_ylabel("attackers' summed weight in each merge")
+    share_ax.set_title("attackers' share per merge")
+    share_ax.axhline(0.25, color="grey", linewidth=0.8, linestyle=":")  # the default young_weight_cap
+    if share_ax.lines[1:]:
+        share_ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
