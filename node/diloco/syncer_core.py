@@ -1,10 +1,10 @@
 """The syncer's pure core: the global fragments and their outer Nesterov state, one open round per fragment,
-admission of an identity (`admit_push`: the run's admission cost, protocol.admission), of a contribution (staleness, idempotency, the contribution screen of node.diloco.screening, counter caps,
-verifier receipts), the quorum/grace decision (`QuorumPolicy`) and the merge (`merge_fragment` + `OuterNesterov`,
-a round rolled back when its outer step is not finite; young identities' weight capped by node.diloco.seniority),
-split into a heavy `compute_merge` (run in a
-worker thread) and a cheap `commit_merge`; snapshots for checkpoints. No sockets and no clock of its own: the
-caller (node.roles.syncer) passes `now` and serialises calls."""
+admission of an identity (`admit_push`: the run's admission cost, protocol.admission) and of a contribution
+(staleness, idempotency, the contribution screen of node.diloco.screening, counter caps, verifier receipts), the
+quorum/grace decision (`QuorumPolicy`) and the merge (`merge_fragment` + `OuterNesterov`, young identities' weight
+capped by node.diloco.seniority, a round rolled back when its outer step is not finite), split into a heavy
+`compute_merge` (run in a worker thread) and a cheap `commit_merge`; snapshots for checkpoints. No sockets and no
+clock of its own: the caller (node.roles.syncer) passes `now` and serialises calls."""
 
 from __future__ import annotations
 
