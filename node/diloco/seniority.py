@@ -2,7 +2,9 @@
 
 Admission (protocol.admission) makes each identity cost something; this bounds what many of them can do once
 paid for. An identity is *young* until it has been in `young_rounds` accepted merges (any fragment) with
-positive weight. In one merge, the total weight of young identities is capped at `young_weight_cap` of the
+positive weight, each merge counted by the fraction of its weight the cap left it (a young identity scaled to
+0.27 of its weight ages 0.27 of a round): a burst that keeps hitting the cap ages that much slower (measured: 5
+late Sybils among 4 senior learners, counted whole, were senior after ~25 s and then held whole merges). In one merge, the total weight of young identities is capped at `young_weight_cap` of the
 merge: when they hold more, their weights are scaled down together (each keeps its share among the young),
 so a burst of fresh Sybils can never set the merged direction against the senior learners in the round.
 A merge of young identities alone, while senior identities were merged within `senior_active_s`, has its outer
@@ -44,13 +46,14 @@ class SeniorityConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CappedWeights:
     weights: dict[str, float]  # the raw (unnormalised) weights, young ones scaled down
+    credit: dict[str, float]  # per young peer scaled down, the fraction of a round the merge ages it by (< 1)
     grad_scale: float  # what the merge's outer gradient is scaled by (< 1 for a young-only merge)
     young_share: float  # the young identities' share before the cap
 
 
 @dataclass(slots=True)
 class _Record:
-    rounds: int
+    rounds: float
     last_merged: float
 
 
@@ -64,7 +67,7 @@ class Seniority:
         self.capped_merges = 0
         self._senior_merged_at = -math.inf  # the last merge with a senior participant
 
-    def rounds(self, peer: str, now: float) -> int:
+    def rounds(self, peer: str, now: float) -> float:
         record = self._peers.get(peer)
         if record is None or now - record.last_merged > self.config.forget_s:
             return 0
@@ -73,13 +76,16 @@ class Seniority:
     def is_young(self, peer: str, now: float) -> bool:
         return self.rounds(peer, now) < self.config.young_rounds
 
-    def observe_merge(self, participants: Iterable[str], now: float) -> None:
-        """Each participant (positive weight) of a committed merge gains one round."""
+    def observe_merge(
+        self, participants: Iterable[str], now: float, credit: Mapping[str, float] | None = None
+    ) -> None:
+        """Each participant (positive weight) of a committed merge gains one round, or its `credit` (what the
+        cap left it of its weight, `CappedWeights.credit`)."""
         for peer in participants:
-            rounds = self.rounds(peer, now)
+            rounds = self.rounds(peer, now) + min(1.0, max(0.0, (credit or {}).get(peer, 1.0)))
             self._peers.pop(peer, None)  # re-inserted last: the table is ordered by the latest merge
-            self._peers[peer] = _Record(rounds + 1, now)
-            if rounds + 1 >= self.config.young_rounds:
+            self._peers[peer] = _Record(rounds, now)
+            if rounds >= self.config.young_rounds:
                 self._senior_merged_at = now
         while len(self._peers) > self.config.max_peers:
             self._peers.popitem(last=False)
@@ -103,17 +109,19 @@ class Seniority:
         share = young_total / total if total > 0 else 0.0
         out = dict(weights)
         if cap >= 1.0 or share <= cap:
-            return CappedWeights(weights=out, grad_scale=1.0, young_share=share)
+            return CappedWeights(weights=out, credit={}, grad_scale=1.0, young_share=share)
         if senior_total <= 0:  # young only: capped only while seniors exist in the run
             scale = cap if self._seniors_active(now) else 1.0
             self.capped_merges += scale < 1.0
-            return CappedWeights(weights=out, grad_scale=scale, young_share=share)
+            credit = {p: scale for p in young} if scale < 1.0 else {}
+            return CappedWeights(weights=out, credit=credit, grad_scale=scale, young_share=share)
         # f * Y / (f * Y + S) = cap  <=>  f = cap * S / ((1 - cap) * Y)
         factor = cap * senior_total / ((1.0 - cap) * young_total)
         for peer in young:
             out[peer] = weights[peer] * factor
         self.capped_merges += 1
-        return CappedWeights(weights=out, grad_scale=1.0, young_share=share)
+        credit = {p: factor for p in young}
+        return CappedWeights(weights=out, credit=credit, grad_scale=1.0, young_share=share)
 
     def status(self, now: float) -> dict[str, Any]:
         young = sum(1 for p in self._peers if self.is_young(p, now))

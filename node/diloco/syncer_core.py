@@ -90,6 +90,8 @@ class PreparedMerge:
     expected: int
     started_at: float
     screened: ScreenUpdate | None = None  # what the merge adds to the contribution screen's history
+    # per young peer the seniority cap scaled down, the fraction of a round the merge ages it by
+    seniority_credit: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -648,7 +650,7 @@ class SyncerCore:
             self.versions[fragment],
             self.max_staleness,
         )
-        result = merge_capped(self, fragment, global_params, merged, started_at)
+        result, credit = merge_capped(self, fragment, global_params, merged, started_at)
         try:
             new_params = self.outer.step(
                 global_params, result.outer_grad, require_finite=self.screen.config.rollback
@@ -667,6 +669,7 @@ class SyncerCore:
             expected=expected,
             started_at=started_at,
             screened=self.screen.prepare_commit(fragment, result, _loss_scores(sources)),
+            seniority_credit=credit,
         )
 
     def void_merge(
@@ -708,7 +711,7 @@ class SyncerCore:
             raise RuntimeError(f"fragment {fragment} changed during its merge")
         version = self._publish(fragment, prepared.new_params, now)
         self.screen.commit(fragment, prepared.screened)
-        self.seniority.observe_merge(prepared.result.participants, now)
+        self.seniority.observe_merge(prepared.result.participants, now, prepared.seniority_credit)
         self._drop_missed(fragment)
         for peer in prepared.result.participants:
             for entry in prepared.sources[peer]:
@@ -947,8 +950,9 @@ def merge_capped(
     global_params: Mapping[str, torch.Tensor],
     merged: Mapping[str, Contribution],
     now: float,
-) -> MergeResult:
-    """`merge_fragment` with the seniority cap on young identities' weights (node.diloco.seniority)."""
+) -> tuple[MergeResult, dict[str, float]]:
+    """`merge_fragment` with the seniority cap on young identities' weights (node.diloco.seniority); also the
+    fraction of a round each young peer it scaled down ages by (`CappedWeights.credit`)."""
     capped: list[CappedWeights] = []
 
     def reweight(weights: Mapping[str, float]) -> Mapping[str, float]:
@@ -971,4 +975,4 @@ def merge_capped(
         grad = {name: g * scale for name, g in result.outer_grad.items()}
         weights = {peer: w * scale for peer, w in result.weights.items()}
         result = dataclasses.replace(result, outer_grad=grad, weights=weights)
-    return result
+    return result, dict(capped[-1].credit) if capped else {}

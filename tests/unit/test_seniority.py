@@ -108,3 +108,24 @@ def test_control_the_syncer_core_with_screening_off_lets_the_sybils_hold_the_maj
         push(c, peer, 0, now=now, base=c.versions[0], nonce=f"{peer}{now}".encode())
     record = c.merge_now(0, len(HONEST) + len(SYBILS), now)
     assert record is not None and _share(record.weights, SYBILS) > 0.5
+
+
+def test_a_capped_burst_ages_by_the_weight_it_was_left_not_by_whole_rounds() -> None:
+    """Counted whole, 5 Sybils merged (capped) beside 4 seniors were senior after young_rounds merges and then
+    held whole merges (seen live: benchmarks/poisoning.py sybil_late); credited with the fraction of weight the cap
+    left them, they are still young after the same merges."""
+    policy = Seniority(SeniorityConfig(young_rounds=16, young_weight_cap=0.25))
+    _senior(policy, HONEST)
+    raw = {**{p: 1.0 for p in HONEST}, **{p: 1.0 for p in SYBILS}}
+    for step in range(16):
+        capped = policy.cap(raw, now=float(step))
+        assert _share(capped.weights, SYBILS) == pytest.approx(0.25)
+        policy.observe_merge(list(raw), float(step), capped.credit)
+    assert all(policy.is_young(p, 16.0) for p in SYBILS)
+    assert policy.rounds(SYBILS[0], 16.0) == pytest.approx(16 * 4 / 15)  # f = cap S / ((1 - cap) Y) = 4/15
+    # control: counted whole (no credit), the same merges make them senior, and the next merge is theirs
+    whole = Seniority(SeniorityConfig(young_rounds=16, young_weight_cap=0.25))
+    _senior(whole, HONEST)
+    for step in range(16):
+        whole.observe_merge(list(raw), float(step))
+    assert _share(whole.cap(raw, now=16.0).weights, SYBILS) > 0.5
