@@ -92,6 +92,8 @@ overlap_steps = 2
 min_sync_interval_s = 0.0
 mode = "{mode}"
 sync_learners = {num_learners}
+[admission]
+pow_bits = 12
 """
 NODE_TOML = """
 [learner]

@@ -5,8 +5,11 @@ One arm per attack, one after another, each a fresh swarm of real processes on l
 attacker learners (`HIVENODE_UNSAFE_LEARNER_ATTACK`, node.diloco.attack_transport) that train like the others and
 poison what they push. The `clean` arm (no attacker, same honest learners, same seeds) is the control of every
 arm with 4 honest learners; `clean_k1` (one honest learner) that of `lone_k1`. An arm named with `--undefended`
-also runs with the syncer's screening off (`[syncer.screening] enabled = false`): the negative control, where the
-attack is seen to win.
+also runs with the syncer's screening off (`[syncer.screening] enabled = false`, which also turns off the
+seniority cap) and `[admission] mode = "open"`: the negative control, where the attack is seen to win. Defended
+runs ask a 12-bit proof-of-work of every learner (the default mode at a difficulty the machine solves in ms).
+`sybil_late`: 5 fresh identities join 30 s after 4 honest learners train, so the honest ones are senior
+(node.diloco.seniority) and the Sybils' summed share of any merge is capped (`attacker_weight_share_max`).
 
 Per arm, from the syncer's events and status after `--duration` seconds:
 
@@ -73,6 +76,9 @@ sync_every_steps = 8
 overlap_steps = 1
 min_sync_interval_s = 0.0
 mode = "decoupled"
+[admission]
+mode = "{admission}"
+pow_bits = 12
 """
 NODE_TOML = """
 [learner]
@@ -98,6 +104,8 @@ class Arm:
     attackers: int
     honest: int = 4
     control: str = "clean"
+    admission: str = "pow"  # the run's [admission] mode when defended (undefended: open)
+    late_s: float = 0.0  # the attackers join this long after the honest learners train (seniority)
 
 
 ARMS = {
@@ -116,6 +124,9 @@ ARMS = {
         Arm(name="inflated_claims", attack="inflate:20", attackers=1),
         Arm(name="lone_k1", attack="signflip", attackers=1, honest=1, control="clean_k1"),
         Arm(name="sybil_majority", attack="signflip", attackers=5),
+        # fresh identities (each paid its proof-of-work) join once the honest learners are senior: the seniority
+        # cap holds their summed share of any merge to young_weight_cap (0.25)
+        Arm(name="sybil_late", attack="signflip", attackers=5, late_s=30.0),
     )
 }
 
@@ -136,13 +147,15 @@ class Swarm:
         self.syncer_key = root / "syncer.key"
         syncer_id = NodeIdentity.load_or_create(self.syncer_key).peer_id
         self.run_path = root / "run.toml"
-        self.run_path.write_text(RUN_TOML.format(arm=arm.name, syncer=syncer_id))
+        admission = arm.admission if defended else "open"
+        self.run_path.write_text(RUN_TOML.format(arm=arm.name, syncer=syncer_id, admission=admission))
         self.node_toml = root / "node.toml"
         defended_text = "true" if defended else "false"
         self.node_toml.write_text(NODE_TOML.format(min_step_s=min_step_s, defended=defended_text))
         self.honest = [f"honest{i}" for i in range(arm.honest)]
         self.attackers = [f"attacker{i}" for i in range(arm.attackers)]
         self._urls: dict[str, str] = {}
+        self._started: set[str] = set()
 
     def start(self) -> float:
         """Start every process; returns when every learner trains (the window's start, wall clock)."""
@@ -155,7 +168,9 @@ class Swarm:
             str(self.run_path),
             "--state-dir",
             str(self.root / "bootstrap"),
-            "--no-syncer",  # the arm runs its own syncer; a second one would hold the lease and this one wait
+            # the benchmark runs its own syncer: the owner's (a bootstrap default since #19) raced it for the lease
+            # and, when it won, ours stood by and the arm timed out waiting for it
+            "--no-syncer",
             "--no-verifier",
         ]
         self.group.start("bootstrap", [python, *bootstrap, "--maddrs-file", str(maddrs)])
@@ -176,17 +191,27 @@ class Swarm:
             + common,
         )
         wait_for(lambda: (self.status("syncer") or {}).get("state") == "syncing", 60, "the syncer")
-        for name in self.honest + self.attackers:
+        if self.arm.late_s > 0:  # the honest learners first, long enough to be senior
+            self._start_learners(self.honest, common)
+            time.sleep(self.arm.late_s)
+        self._start_learners(self.honest + self.attackers, common)
+        return time.time()
+
+    def _start_learners(self, names: list[str], common: list[str]) -> None:
+        """Start those of `names` not started yet; returns when all of `names` train."""
+        node = [sys.executable, "-m", "node"]
+        for name in names:
+            if name in self._started:
+                continue
             prefix = (
                 ["env", f"HIVENODE_UNSAFE_LEARNER_ATTACK={self.arm.attack}"] if name in self.attackers else []
             )
             argv = [*prefix, *node, "--state-dir", str(self.root / name), "--role", "learner", *common]
             self.group.start(name, argv)
-        learners = self.honest + self.attackers
+            self._started.add(name)
         wait_for(
-            lambda: all((self.status(n) or {}).get("state") == "training" for n in learners), 120, "learners"
+            lambda: all((self.status(n) or {}).get("state") == "training" for n in names), 120, "learners"
         )
-        return time.time()
 
     def url(self, name: str) -> str | None:
         found = re.findall(r"^status: (http://\S+)$", self.group.log(name), re.MULTILINE)
@@ -264,6 +289,7 @@ def summarize(
     detected = min(refused_at) if refused_at else None
     after = [m for m in merges if detected is None or m["t"] >= detected]
     shares = [sum(w for p, w in m["weights"].items() if p in attackers) for m in after]
+    every = [sum(w for p, w in m["weights"].items() if p in attackers) for m in merges]
     attacker_bans = [e["t"] - t0 for e in bans if e["offender"] in attackers]
     probe = status.get("loss_probe") or {}
     interval = merge_interval(merges)
@@ -283,9 +309,10 @@ def summarize(
             4,
         ),
         # merges holding any of the attackers' weight (the undefended control shows its ascent steps entered)
-        "attacker_merges": sum(
-            1 for m in merges if any(w > 0 for p, w in m["weights"].items() if p in attackers)
-        ),
+        "attacker_merges": sum(1 for w in every if w > 0),
+        # the most attacker identities held of any one merge (the seniority cap bounds it for fresh identities)
+        "attacker_weight_share_max": round(max(every), 4) if every else 0.0,
+        "share_curve": [(round(m["t"] - t0, 2), round(w, 4)) for m, w in zip(merges, every, strict=True)],
         "detected_after_s": round(detected - t0, 2) if detected is not None else None,
         "time_to_ban_s": round(min(attacker_bans), 2) if attacker_bans else None,
         "attackers_banned": len({e["offender"] for e in bans if e["offender"] in attackers}),
@@ -293,6 +320,7 @@ def summarize(
         "honest_refused": sum((learners.get(p) or {}).get("refused", 0) for p in honest),
         "refusals": status.get("refusals", {}),
         "screening": status.get("screening", {}),
+        "seniority": status.get("seniority", {}),  # identities, young ones, demotions, capped merges
         "probe_mean_cost_s": cost,
         "probe_max_cost_s": probe.get("max_cost_s"),
         "merge_interval_s": round(interval, 3) if interval else None,
@@ -332,6 +360,17 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             (r["attacker_weight_share"] for r in defended.values()), default=None
         ),
         "honest_banned": sum(r["honest_banned"] for r in results.values() if r["defended"]),
+        "max_attacker_merge_share": max(
+            (r["attacker_weight_share_max"] for r in defended.values()), default=None
+        ),
+        "max_attacker_merge_share_undefended": max(
+            (
+                r["attacker_weight_share_max"]
+                for r in results.values()
+                if not r["defended"] and r["attackers"]
+            ),
+            default=None,
+        ),
         "max_check_cost_share": max(costs) if costs else None,
         "arms": sorted(results),
     }
@@ -343,16 +382,25 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, (ax, share_ax) = plt.subplots(1, 2, figsize=(14, 5))
     for name, result in results.items():
         curve = result["loss_curve"]
+        style = "--" if not result["defended"] else ("-" if result["attackers"] else ":")
         if curve:
-            style = "--" if not result["defended"] else ("-" if result["attackers"] else ":")
             ax.plot([c[0] for c in curve], [c[1] for c in curve], style, marker=".", label=name)
+        shares = result.get("share_curve") or []
+        if result["attackers"] and shares:
+            share_ax.plot([c[0] for c in shares], [c[1] for c in shares], style, marker=".", label=name)
     ax.set_xlabel("seconds since every learner trained")
     ax.set_ylabel("held-out loss of the global model (nats/byte)")
     ax.set_title("poisoning arms (dotted: clean controls, dashed: screening off)")
     ax.legend(fontsize=8)
+    share_ax.set_xlabel("seconds since every learner trained")
+    share_ax.set_ylabel("attackers' summed weight in each merge")
+    share_ax.set_title("attackers' share per merge")
+    share_ax.axhline(0.25, color="grey", linewidth=0.8, linestyle=":")  # the default young_weight_cap
+    if share_ax.lines[1:]:
+        share_ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

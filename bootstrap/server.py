@@ -450,7 +450,7 @@ class Bootstrap:
             "time": get_dht_time(),
             "peers": [p.to_json() for p in peers],
             "leaving": [p.to_json() for p in listed if p.heartbeat.leaving],
-            "bans": summarize_bans(bans, self.manifest.bans_required),
+            "bans": summarize_bans(bans, self.manifest.ban_quorum),
             "syncer": [s.to_json() for s in syncers],
             "bootstrap_maddrs": list(dict.fromkeys([*self.maddrs, *other_bootstraps])),
         }

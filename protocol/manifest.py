@@ -35,6 +35,7 @@ from typing import Any
 import msgpack
 from cryptography.hazmat.primitives import serialization
 
+from protocol.admission import AdmissionSpec
 from protocol.boundary_codec import BoundaryCodecSpec
 from protocol.compress import CodecSpec
 from protocol.errors import ConfigError, IdentityError, ManifestRejected, OwnerPinMismatch
@@ -237,7 +238,9 @@ class RunManifest:
     # SENTINEL policy every verifier of the run applies (node.config.run_sentinel_config reads it): the monitor's
     # settings as scalars, the ledger's and the spot checks' as the sub-tables `ledger` and `spot`; empty = defaults
     sentinel: dict[str, Scalar | dict[str, Scalar]] = field(default_factory=dict)
-    bans_required: int = 1  # distinct authorized verifier signatures before a ban takes effect
+    # distinct authorized verifier signatures before a ban takes effect; 0 = auto (`ban_quorum`): two once the run
+    # authorizes two or more verifiers, so one verifier (compromised or wrong) can never ban alone
+    bans_required: int = 0
     # corpus spec: {source = "builtin"}, a path, or {source = "shards", index_sha256 = ...}: token shards the
     # bootstrap serves (`--data-dir`), named by the sha256 of their index, so the run's identity names its tokens
     data: dict[str, Scalar] = field(default_factory=lambda: {"source": "builtin"})
@@ -252,6 +255,9 @@ class RunManifest:
     # empty: raw bytes (vocabulary 256); else {sha256, vocab_size} of a BPE tokenizer.json that every peer
     # fetches (from the bootstrap) and checks against this before training (node.ml.tokenizer)
     tokenizer: dict[str, Scalar] = field(default_factory=dict)
+    # what an identity pays before the syncer takes its contributions (protocol.admission): open, an allow-list,
+    # or a proof-of-work bound to the run and the peer id (the default)
+    admission: AdmissionSpec = field(default_factory=AdmissionSpec)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.name, str) and 0 < len(self.name) <= 64, "name must be 1-64 characters")
@@ -267,7 +273,10 @@ class RunManifest:
         )
         _require(_is_int(self.num_stages) and self.num_stages >= 1, "num_stages must be an int >= 1")
         _require(self.num_stages <= self.model["num_layers"], "num_stages cannot exceed model.num_layers")
-        _require(_is_int(self.bans_required) and self.bans_required >= 1, "bans_required must be an int >= 1")
+        _require(
+            _is_int(self.bans_required) and self.bans_required >= 0,
+            "bans_required must be an int >= 0 (0: auto)",
+        )
         _check_sentinel_table(self.sentinel)
         _check_scalar_table("data", self.data)
         _require(isinstance(self.data.get("source"), str), "data.source must be a string")
@@ -280,9 +289,18 @@ class RunManifest:
         _check_peer_ids("authorized_syncers", self.authorized_syncers)
         _check_peer_ids("authorized_verifiers", self.authorized_verifiers)
         _check_peer_ids("bootstraps", self.bootstraps)
+        _check_peer_ids("admission.allowlist", self.admission.allowlist)
         hb = self.heartbeat_period_s
         _require(_is_real(hb) and 0.2 <= hb <= 600, f"heartbeat_period_s must be in [0.2, 600], got {hb!r}")
         _require(_is_int(self.revision) and 0 <= self.revision < 2**31, "revision must be an int >= 0")
+
+    @property
+    def ban_quorum(self) -> int:
+        """Distinct authorized verifier signatures a ban needs: `bans_required`, or with 0 (auto) min(2, the
+        authorized verifiers) and at least 1."""
+        if self.bans_required:
+            return self.bans_required
+        return max(1, min(2, len(self.authorized_verifiers)))
 
     @property
     def max_tensor_bytes(self) -> int:
@@ -327,6 +345,7 @@ class RunManifest:
             "wire": WireSpec,
             "outer_codec": CodecSpec,
             "activation_codec": BoundaryCodecSpec,
+            "admission": AdmissionSpec,
         }
         for name, spec in nested.items():
             if name in kwargs:

@@ -242,6 +242,10 @@ def run_toml(config: DemoConfig, syncers: Sequence[str], verifiers: Sequence[str
         f"sync_every_steps = {config.sync_every_steps}",
         f"num_fragments = {config.num_fragments}",
         f"min_sync_interval_s = {float(config.min_sync_interval_s)}",
+        "",
+        "[admission]",  # a proof-of-work as in a public run, cheap: each demo learner solves in milliseconds
+        'mode = "pow"',
+        "pow_bits = 12",
     ]
     return "\n".join(lines) + "\n"
 

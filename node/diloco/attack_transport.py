@@ -10,7 +10,8 @@ Kinds (`delta` is the learner's honest progress, base - params, on the base vers
 * `signflip` sends base + delta (an ascent step at the honest norm);
 * `noise` sends base - (gaussian noise at the honest delta's norm);
 * `replay` sends its first contribution of each fragment again and again, on whatever base is current (stale);
-* `inflate:F` sends honest parameters but claims F x the steps and tokens.
+* `inflate:F` sends honest parameters but claims F x the steps and tokens;
+* `no_admission` sends honest contributions without the admission proof (a Sybil that did not pay).
 
 The base is the syncer's own copy of the version (one fetch per push when the learner's base is not the current
 one: then the contribution goes honest). Only the syncer's checks stand between these and the model.
@@ -38,7 +39,7 @@ from node.diloco.sync_types import (
 logger = logging.getLogger(__name__)
 
 UNSAFE_LEARNER_ATTACK_ENV = "HIVENODE_UNSAFE_LEARNER_ATTACK"
-KINDS = ("scale", "value", "signflip", "noise", "replay", "inflate")
+KINDS = ("scale", "value", "signflip", "noise", "replay", "inflate", "no_admission")
 
 
 def parse_learner_attack(spec: str) -> tuple[str, float]:
@@ -79,9 +80,14 @@ class AttackingTransport:
         self.gen = torch.Generator().manual_seed(seed)
         self._first: dict[int, dict[str, torch.Tensor]] = {}  # replay: the first contribution per fragment
         self.poisoned = 0
+        if kind == "no_admission" and hasattr(inner, "admission"):
+            inner.admission = None  # the framed transport sends no proof
 
     async def push(self, contribution: OutgoingContribution) -> PushReceipt:
         c = contribution
+        if self.kind == "no_admission":
+            self.poisoned += 1
+            return await self.inner.push(c)
         if self.kind == "inflate":
             factor = max(1, int(self.strength))
             c = dataclasses.replace(c, steps=c.steps * factor, tokens=c.tokens * factor)

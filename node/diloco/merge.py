@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +98,7 @@ def merge_fragment(
     current_version: int | None = None,
     max_staleness: int | None = None,
     trim_fraction: float = 0.0,
+    reweight: Callable[[Mapping[str, float]], Mapping[str, float]] | None = None,
 ) -> MergeResult:
     """Merge `contributions` to one fragment into an outer gradient (see the module docstring).
 
@@ -108,11 +109,17 @@ def merge_fragment(
     With `trim_fraction` > 0 and at least three weighted contributions, each coordinate of each delta is first
     clamped to the range of the values left after dropping the max(1, floor(trim_fraction x n)) highest and
     lowest (a winsorized merge: one or a few contributions cannot pull any coordinate past the honest ones').
+    `reweight` maps the accepted contributions' raw token weights to the weights used (the syncer's seniority
+    cap, node.diloco.seniority); a weight it leaves out is kept.
     Raises NothingToMerge if no accepted contribution has positive weight, ValueError on bad arguments
     (duplicate peer ids, bad clip_factor or tolerance, empty fragment).
     """
     _check_arguments(global_params, contributions, clip_factor, degenerate_tol)
     accepted, rejected = _screen(global_params, contributions, current_version, max_staleness)
+    if reweight is not None:
+        scaled = reweight({a.peer_id: a.weight for a in accepted})
+        for a in accepted:
+            a.weight = max(0.0, float(scaled.get(a.peer_id, a.weight)))
     total = math.fsum(a.weight for a in accepted)
     if total <= 0:
         raise NothingToMerge(

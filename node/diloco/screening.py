@@ -95,6 +95,10 @@ class ScreeningConfig:
     )
     forgive_half_life_s: float = 600.0  # a violation weighs half after this long
     ban_s: float = 3600.0  # a learner ban lasts this long (published through the signed ban gossip)
+    # seniority (node.diloco.seniority): identities in fewer accepted merges than young_rounds are young, and
+    # together hold at most young_weight_cap of any merge (1.0: off); a refused contribution makes its sender young
+    young_rounds: int = 16
+    young_weight_cap: float = 0.25
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_history <= self.history:
@@ -113,6 +117,8 @@ class ScreeningConfig:
             raise ValueError("screening.claim_min_peers must be >= 1 and copy_tolerance in [0, 1)")
         if not 0.0 <= self.trim_fraction < 0.5:
             raise ValueError("screening.trim_fraction must be in [0, 0.5) (0: off)")
+        if self.young_rounds < 0 or not 0.0 <= self.young_weight_cap <= 1.0:
+            raise ValueError("screening.young_rounds must be >= 0 and young_weight_cap in [0, 1]")
         if not (self.ban_after >= 0 and self.forgive_half_life_s > 0 and self.ban_s > 0):
             raise ValueError("screening.ban_after must be >= 0, forgive_half_life_s and ban_s > 0")
         if self.loss_batches < 1 or self.loss_batch_size < 1:

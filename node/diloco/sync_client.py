@@ -440,6 +440,7 @@ class FramedSyncTransport:
         lookup_period_s: float = 2.0,
         wall_clock: Callable[[], float] = time.time,
         dht_clock: Callable[[], float] | None = None,
+        admission: int | None = None,
     ) -> None:
         from protocol.replay import ReplayGuard
 
@@ -454,6 +455,8 @@ class FramedSyncTransport:
         self.wall_clock = wall_clock
         self.dht_clock = dht_clock or records.clock
         self.limits = fragment_limits(plan)
+        # our admission proof (protocol.admission, node.swarm.admission), sent with every push; None: none needed
+        self.admission = admission
         self._replay = ReplayGuard()
         self._syncer: tuple[str, int] | None = None  # (peer id, term)
         self._looked_up_at = -math.inf
@@ -545,7 +548,7 @@ class FramedSyncTransport:
             microbatch=contribution.fragment,
             step=contribution.base_version,
             tensors=contribution.params,
-            meta=contribution_meta(contribution),
+            meta=contribution_meta(contribution, admission=self.admission),
         )
         try:
             peer, answer = await self._call(PUSH_ROUTE, frame, max_frame_bytes(control_limits()))
@@ -643,7 +646,8 @@ def choose_syncer(
     return min(live, key=lambda r: (-r.state.term, r.peer_id))
 
 
-def contribution_meta(contribution: OutgoingContribution) -> dict[str, Any]:
+def contribution_meta(contribution: OutgoingContribution, *, admission: int | None = None) -> dict[str, Any]:
+    from protocol.admission import ADMISSION_META
     from protocol.receipts import RECEIPTS_META, receipts_meta
 
     meta: dict[str, Any] = {
@@ -658,6 +662,8 @@ def contribution_meta(contribution: OutgoingContribution) -> dict[str, Any]:
     }
     if contribution.receipts:
         meta[RECEIPTS_META] = receipts_meta(contribution.receipts)
+    if admission is not None:
+        meta[ADMISSION_META] = admission
     return meta
 
 

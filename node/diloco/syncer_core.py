@@ -1,17 +1,19 @@
 """The syncer's pure core: the global fragments and their outer Nesterov state, one open round per fragment,
-admission of a contribution (staleness, idempotency, the contribution screen of node.diloco.screening, counter caps,
-verifier receipts), the quorum/grace decision (`QuorumPolicy`) and the merge (`merge_fragment` + `OuterNesterov`,
-a round rolled back when its outer step is not finite), split into a heavy `compute_merge` (run in a
-worker thread) and a cheap `commit_merge`; snapshots for checkpoints. No sockets and no clock of its own: the
-caller (node.roles.syncer) passes `now` and serialises calls."""
+admission of an identity (`admit_push`: the run's admission cost, protocol.admission) and of a contribution
+(staleness, idempotency, the contribution screen of node.diloco.screening, counter caps, verifier receipts), the
+quorum/grace decision (`QuorumPolicy`) and the merge (`merge_fragment` + `OuterNesterov`, young identities' weight
+capped by node.diloco.seniority, a round rolled back when its outer step is not finite), split into a heavy
+`compute_merge` (run in a worker thread) and a cheap `commit_merge`; snapshots for checkpoints. No sockets and no
+clock of its own: the caller (node.roles.syncer) passes `now` and serialises calls."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +29,9 @@ from node.diloco.outer import NonFiniteStep, OuterNesterov
 from node.diloco.quorum import QuorumConfig, QuorumPolicy
 from node.diloco.receipts import ReceiptLedger
 from node.diloco.screening import ContributionScreen, ScreeningConfig, ScreenUpdate
+from node.diloco.seniority import CappedWeights, Seniority, SeniorityConfig
 from node.ml.checkpoint import SyncerSnapshot
+from protocol.admission import AdmissionRefused, AdmissionSpec, verify_admission
 from protocol.compress import CodecSpec
 from protocol.errors import MalformedFrame, ProtocolError
 
@@ -86,6 +90,8 @@ class PreparedMerge:
     expected: int
     started_at: float
     screened: ScreenUpdate | None = None  # what the merge adds to the contribution screen's history
+    # per young peer the seniority cap scaled down, the fraction of a round the merge ages it by
+    seniority_credit: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -396,6 +402,47 @@ class ScheduleClock:
         return estimates[(len(estimates) - 1) // 2]
 
 
+class AdmissionGate:
+    """The run's admission cost at the syncer (protocol.admission): checked before anything else looks at a push
+    (one hash at most); the pushes it refused, per peer (bounded, oldest first out)."""
+
+    def __init__(self, spec: AdmissionSpec, run_id: str, max_peers: int) -> None:
+        self.spec, self.run_id, self.max_peers = spec, run_id, max_peers
+        self.refused: dict[str, int] = {}
+
+    def admit(self, peer: str, proof: object, now: float, seniority: Seniority) -> None:
+        """Raise Refusal (reason "admission") unless `peer` is on the allow-list or `proof` (the push meta's
+        `admission` value) is a proof-of-work bound to this run and to `peer`; a refusal demotes the peer."""
+        try:
+            verify_admission(self.spec, self.run_id, peer, proof)
+        except AdmissionRefused as e:
+            seniority.demote(peer, now)
+            count = self.refused.pop(peer, 0) + 1
+            self.refused[peer] = count  # re-inserted last: oldest first out
+            while len(self.refused) > self.max_peers:
+                del self.refused[next(iter(self.refused))]
+            if count == 1 or count % 100 == 0:  # logged, not a log line per push of a flood
+                logger.warning("refused a push of %s: admission: %s (%d so far)", peer[-8:], e, count)
+            raise refuse("admission", str(e), blame=True) from None
+
+
+@contextlib.contextmanager
+def demoted_on_refusal(seniority: Seniority, peer: str, now: float) -> Iterator[None]:
+    """A blamed Refusal raised inside makes `peer` young again (node.diloco.seniority), then propagates."""
+    try:
+        yield
+    except Refusal as e:
+        if e.blame_sender:
+            seniority.demote(peer, now)
+        raise
+
+
+def seniority_config(screening: ScreeningConfig, max_peers: int) -> SeniorityConfig:
+    """The seniority cap of a screening config; off (cap 1.0) when screening is off (comparisons only)."""
+    cap = screening.young_weight_cap if screening.enabled else 1.0
+    return SeniorityConfig(young_rounds=screening.young_rounds, young_weight_cap=cap, max_peers=max_peers)
+
+
 def check_shape(
     plan: FragmentPlan,
     shapes: Mapping[str, tuple[int, ...]],
@@ -433,6 +480,8 @@ class SyncerCore:
         now: float,
         max_merged_keys: int = 65536,
         screening: ScreeningConfig | None = None,  # None: the defaults (on)
+        admission: AdmissionSpec | None = None,  # the manifest's [admission]; None: open (no cost)
+        run_id: str = "",  # what admission proofs are bound to
     ) -> None:
         missing = set(plan.names()) - set(params)
         if missing:
@@ -460,8 +509,14 @@ class SyncerCore:
         self.history = VersionHistory(plan.num_fragments, max_staleness, now)
         self.history.reset(self._current(), now)
         self.receipt_ledger = ReceiptLedger(max_merged_keys)
+        self.gate = AdmissionGate(admission or AdmissionSpec(mode="open"), run_id, max_merged_keys)
+        self.seniority = Seniority(seniority_config(self.screen.config, max_merged_keys))
 
     # ---- admission ----
+
+    def admit_push(self, peer: str, proof: object, now: float) -> None:
+        """`AdmissionGate.admit`: Refusal "admission" unless `peer` paid the run's cost; demotes it if not."""
+        self.gate.admit(peer, proof, now, self.seniority)
 
     def accept(
         self,
@@ -486,39 +541,35 @@ class SyncerCore:
         tokens are then capped at their growth since its last merged contribution (`ReceiptLedger`). None for
         a learner (no verifier watches it). `loss`: its held-out loss-delta score (`LossProbe.measure`), if the
         shell measured one. `trust` in [0, 1] scales the tokens it is credited with (the learner ledger's
-        probation after refusals: its merge weight tokens^2 / steps falls with trust squared)."""
-        self.check_contribution(fragment, params)
-        key = (peer, fragment, base_version, nonce)
-        check_base(self, fragment, base_version, key)
-        base = self.history.at(fragment, base_version)  # None: unknown, taken as current
-        verdict = self.screen.check(fragment, params, base, self.fragment_tensors(fragment), loss, peer)
-        if verdict.params is None:  # blamed as a rule: the sender built it, and the strikes count it per peer
-            raise refuse(verdict.tag, verdict.reason, blame=verdict.blame)
-        if steps > 0 and (copied := self._copied(peer, fragment, verdict.params, base)) is not None:
-            raise refuse(*copied, blame=True)  # no work of its own: it earns nothing
-        steps, tokens, capped, elapsed = new_counters(self, peer, fragment, base_version, steps, tokens, now)
-        counts: dict[tuple[str, str], int] = {}
-        receipt_capped = False
-        if receipts is not None:
-            verified, counts = self.receipt_ledger.growth(peer, fragment, receipts)
-            if tokens > verified:
-                tokens, receipt_capped = verified, True
-        self.claims.observe(peer, steps, elapsed, now)
-        tokens = math.floor(tokens * min(1.0, max(0.0, trust)))
-        contribution = Contribution(peer, verdict.params, base_version, steps, tokens)
-        self._enter(fragment, _Entry(contribution, key, now, counts, loss.delta if loss else None), now)
-        if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
-            self.policy.observe_step(step_time_s)
-        self._schedule.report(peer, sched_step, now)
-        # A late contribution in a lock-step mode (its round merged without its learner, e.g. one whose
-        # heartbeat expired while it was stopped) goes into the next round, but its learner must not wait for
-        # that round: the others send theirs only after rounds of other fragments that wait for this learner,
-        # and neither side would move. Told `late`, it loads the versions that exist now and realigns its
-        # schedule to the earliest open round, as a restarted learner does (SyncWatcher._rejoin).
-        current = self.versions[fragment]
-        late = not self.policy.config.drop_stale and base_version < current
-        target = current if late else current + 1
-        return Admission(target_version=target, capped=capped, receipt_capped=receipt_capped, late=late)
+        probation after refusals: its merge weight tokens^2 / steps falls with trust squared). A blamed refusal
+        makes the peer young again (node.diloco.seniority)."""
+        with demoted_on_refusal(self.seniority, peer, now):
+            self.check_contribution(fragment, params)
+            key = (peer, fragment, base_version, nonce)
+            check_base(self, fragment, base_version, key)
+            base = self.history.at(fragment, base_version)  # None: unknown, taken as current
+            verdict = self.screen.check(fragment, params, base, self.fragment_tensors(fragment), loss, peer)
+            if verdict.params is None:  # blamed as a rule: the sender built it, the strikes count it per peer
+                raise refuse(verdict.tag, verdict.reason, blame=verdict.blame)
+            if steps > 0 and (copied := self._copied(peer, fragment, verdict.params, base)) is not None:
+                raise refuse(*copied, blame=True)  # no work of its own: it earns nothing
+            steps, tokens, capped, elapsed = new_counters(
+                self, peer, fragment, base_version, steps, tokens, now
+            )
+            counts: dict[tuple[str, str], int] = {}
+            receipt_capped = False
+            if receipts is not None:
+                verified, counts = self.receipt_ledger.growth(peer, fragment, receipts)
+                if tokens > verified:
+                    tokens, receipt_capped = verified, True
+            self.claims.observe(peer, steps, elapsed, now)
+            tokens = math.floor(tokens * min(1.0, max(0.0, trust)))
+            contribution = Contribution(peer, verdict.params, base_version, steps, tokens)
+            self._enter(fragment, _Entry(contribution, key, now, counts, loss.delta if loss else None), now)
+            if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
+                self.policy.observe_step(step_time_s)
+            self._schedule.report(peer, sched_step, now)
+        return admission_of(self, fragment, base_version, capped, receipt_capped)
 
     def _copied(
         self,
@@ -599,15 +650,7 @@ class SyncerCore:
             self.versions[fragment],
             self.max_staleness,
         )
-        result = merge_fragment(
-            global_params,
-            list(merged.values()),
-            embedding_names=self.embedding_names,
-            clip_factor=self.clip_factor,
-            current_version=self.versions[fragment],
-            max_staleness=self.max_staleness,
-            trim_fraction=self.screen.config.trim_fraction if self.screen.config.enabled else 0.0,
-        )
+        result, credit = merge_capped(self, fragment, global_params, merged, started_at)
         try:
             new_params = self.outer.step(
                 global_params, result.outer_grad, require_finite=self.screen.config.rollback
@@ -626,6 +669,7 @@ class SyncerCore:
             expected=expected,
             started_at=started_at,
             screened=self.screen.prepare_commit(fragment, result, _loss_scores(sources)),
+            seniority_credit=credit,
         )
 
     def void_merge(
@@ -667,6 +711,7 @@ class SyncerCore:
             raise RuntimeError(f"fragment {fragment} changed during its merge")
         version = self._publish(fragment, prepared.new_params, now)
         self.screen.commit(fragment, prepared.screened)
+        self.seniority.observe_merge(prepared.result.participants, now, prepared.seniority_credit)
         self._drop_missed(fragment)
         for peer in prepared.result.participants:
             for entry in prepared.sources[peer]:
@@ -888,3 +933,51 @@ def new_counters(
     if core.screen.config.enabled:  # screening off (comparisons only): the time/batch caps alone
         steps, tokens, measured = core.claims.cap(steps, tokens, elapsed, now)
     return steps, tokens, capped or measured, elapsed
+
+
+def admission_of(
+    core: SyncerCore, fragment: int, base_version: int, capped: bool, receipt_capped: bool
+) -> Admission:
+    """A late contribution in a lock-step mode (its round merged without its learner, e.g. one whose
+    heartbeat expired while it was stopped) goes into the next round, but its learner must not wait for
+    that round: the others send theirs only after rounds of other fragments that wait for this learner,
+    and neither side would move. Told `late`, it loads the versions that exist now and realigns its
+    schedule to the earliest open round, as a restarted learner does (SyncWatcher._rejoin)."""
+    current = core.versions[fragment]
+    late = not core.policy.config.drop_stale and base_version < current
+    target = current if late else current + 1
+    return Admission(target_version=target, capped=capped, receipt_capped=receipt_capped, late=late)
+
+
+def merge_capped(
+    core: SyncerCore,
+    fragment: int,
+    global_params: Mapping[str, torch.Tensor],
+    merged: Mapping[str, Contribution],
+    now: float,
+) -> tuple[MergeResult, dict[str, float]]:
+    """`merge_fragment` with the seniority cap on young identities' weights (node.diloco.seniority); also the
+    fraction of a round each young peer it scaled down ages by (`CappedWeights.credit`)."""
+    capped: list[CappedWeights] = []
+
+    def reweight(weights: Mapping[str, float]) -> Mapping[str, float]:
+        capped.append(core.seniority.cap(weights, now))
+        return capped[-1].weights
+
+    result = merge_fragment(
+        global_params,
+        list(merged.values()),
+        embedding_names=core.embedding_names,
+        clip_factor=core.clip_factor,
+        current_version=core.versions[fragment],
+        max_staleness=core.max_staleness,
+        trim_fraction=core.screen.config.trim_fraction if core.screen.config.enabled else 0.0,
+        reweight=reweight,
+    )
+    if capped and capped[-1].grad_scale < 1.0:  # young identities alone while seniors are active
+        # the step and the recorded weights both shrink, as if seniors without progress held the rest
+        scale = capped[-1].grad_scale
+        grad = {name: g * scale for name, g in result.outer_grad.items()}
+        weights = {peer: w * scale for peer, w in result.weights.items()}
+        result = dataclasses.replace(result, outer_grad=grad, weights=weights)
+    return result, dict(capped[-1].credit) if capped else {}

@@ -138,6 +138,10 @@ class LearnerRole:
             ctx.supervisor.spawn("data-rebalance", partial(self._rebalance, stop), policy=RestartPolicy())
         plan = run_fragment_plan(ctx.manifest)
         p2p = await ctx.dht.replicate_p2p()
+        from node.swarm.admission import admission_meta
+
+        # the run's admission cost, paid once per identity (cached); nothing to pay where no syncer can exist
+        admission = await admission_meta(ctx) if ctx.manifest.authorized_syncers else None
         transport = learner_attack_from_env(  # only ever through HIVENODE_UNSAFE_LEARNER_ATTACK (benchmarks)
             FramedSyncTransport(
                 p2p,
@@ -146,6 +150,7 @@ class LearnerRole:
                 plan,
                 authorized_syncers=ctx.manifest.authorized_syncers,
                 lookup_period_s=ctx.manifest.heartbeat_period_s,
+                admission=admission,
             )
         )
         assert self._model is not None

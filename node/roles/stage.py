@@ -948,6 +948,7 @@ class StageRole:
             logger.info("the run lists no authorized syncer: this stage trains without outer syncs")
             return
         from node.diloco.sync_client import FragmentSync, FramedSyncTransport, run_fragment_plan
+        from node.swarm.admission import admission_meta
 
         plan = run_fragment_plan(self.manifest)
         transport = FramedSyncTransport(
@@ -956,6 +957,7 @@ class StageRole:
             self.ctx.records,
             plan,
             authorized_syncers=self.manifest.authorized_syncers,
+            admission=await admission_meta(self.ctx),  # stage replicas push fragments too: same cost
         )
         receipts = lambda: list(self.service.receipts.values())  # noqa: E731 - relayed with every push
         self.sync = FragmentSync.create(

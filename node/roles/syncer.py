@@ -232,7 +232,7 @@ class SyncerRole:
     # ---- lifecycle ----
 
     async def run(self, ctx: NodeContext, stop: asyncio.Event) -> None:
-        self.core = await asyncio.to_thread(self._build_core)
+        self.core = await asyncio.to_thread(build_core, self)
         self.p2p = await ctx.dht.replicate_p2p()
         await self.service.start(self.p2p, ctx.metrics.count_throttle)
         from node.context import RestartPolicy
@@ -261,28 +261,6 @@ class SyncerRole:
             await stop.wait()
         finally:
             await self._shutdown()
-
-    def _build_core(self) -> SyncerCore:
-        from node.ml.model import ModelConfig, build_model, embedding_param_names
-
-        manifest = self.ctx.manifest
-        cfg = ModelConfig.from_dict(manifest.model)
-        model = build_model(cfg, manifest.seed)
-        return SyncerCore(
-            self.plan,
-            dict(model.named_parameters()),
-            quorum=quorum_config(manifest.diloco, max_grace_s=self.config.max_grace_s),
-            embedding_names=embedding_param_names(cfg),
-            outer_lr=manifest.diloco.outer_lr,
-            outer_momentum=manifest.diloco.outer_momentum,
-            clip_factor=self.config.clip_factor or None,
-            max_staleness=self.config.max_staleness,
-            max_steps_per_s=self.config.max_steps_per_s,
-            tokens_per_step=manifest.inner.batch_size * cfg.context_len,
-            now=time.monotonic(),
-            max_merged_keys=self.config.max_merged_keys,
-            screening=self.config.screening,
-        )
 
     async def _held_out_shards(self) -> Any:
         """The run's held-out token shards as a memmap stream, when it trains on shards (else None)."""
@@ -603,6 +581,32 @@ def role_status(role: SyncerRole) -> dict[str, Any]:
         "mirror_versions": list(mirror.versions) if (mirror := role.mirror.snapshot) is not None else None,
         "recent_merges": list(role.recent_merges),
     }
+
+
+def build_core(role: SyncerRole) -> SyncerCore:
+    """The syncer core at version 0 of the run's model (a checkpoint or a holder's state replaces it later)."""
+    from node.ml.model import ModelConfig, build_model, embedding_param_names
+
+    manifest = role.ctx.manifest
+    cfg = ModelConfig.from_dict(manifest.model)
+    model = build_model(cfg, manifest.seed)
+    return SyncerCore(
+        role.plan,
+        dict(model.named_parameters()),
+        quorum=quorum_config(manifest.diloco, max_grace_s=role.config.max_grace_s),
+        embedding_names=embedding_param_names(cfg),
+        outer_lr=manifest.diloco.outer_lr,
+        outer_momentum=manifest.diloco.outer_momentum,
+        clip_factor=role.config.clip_factor or None,
+        max_staleness=role.config.max_staleness,
+        max_steps_per_s=role.config.max_steps_per_s,
+        tokens_per_step=manifest.inner.batch_size * cfg.context_len,
+        now=time.monotonic(),
+        max_merged_keys=role.config.max_merged_keys,
+        screening=role.config.screening,
+        admission=manifest.admission,
+        run_id=role.ctx.run_id,
+    )
 
 
 async def evaluate_global(role: SyncerRole) -> None:

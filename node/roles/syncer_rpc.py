@@ -30,6 +30,7 @@ from node.diloco.sync_client import (
     open_version_envelope,
 )
 from node.diloco.syncer_core import Refusal, SyncerCore, probe_base, refuse, takes_base, wire_params
+from protocol.admission import ADMISSION_META
 from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
 from protocol.errors import MalformedFrame, ProtocolError
 from protocol.limits import LimitsConfig
@@ -172,6 +173,17 @@ class SyncerService:
             # per learner: refused contributions by tag, evidence (hash, scores, reason), ban and its reason
             "learners": self.ledger.status(time.time()),
             "refusals_by_peer": self.ledger.refusals(),
+            **self._sybil_status(),
+        }
+
+    def _sybil_status(self) -> dict[str, Any]:
+        """The run's admission cost (protocol.admission), who was refused for want of it, and the seniority cap."""
+        core = self.role.core
+        if core is None:
+            return {"admission": {}, "seniority": {}}
+        return {
+            "admission": {"mode": core.gate.spec.mode, "refused_by_peer": dict(core.gate.refused)},
+            "seniority": core.seniority.status(time.monotonic()),
         }
 
     def _on_reject(self, remote: str, route: str, error: ProtocolError) -> None:
@@ -209,6 +221,8 @@ class SyncerService:
         frames = parse_receipts_meta(meta)
         core = self.role.core
         assert core is not None
+        # an identity that has not paid the run's admission cost: refused before any screening (one hash)
+        core.admit_push(remote, meta.get(ADMISSION_META), time.monotonic())
         # malformed or undecodable: refused and counted first
         params = wire_params(
             core, self.codec, fields["fragment"], fields["base_version"], opened.tensors, meta

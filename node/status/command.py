@@ -107,7 +107,7 @@ async def swarm_from_dht(maddrs: list[str], network: NetworkConfig) -> list[dict
                         "run_name": manifest.name,
                         "peers": [p.to_json() for p in peers],
                         "syncer": [s.to_json() for s in syncers],
-                        "bans": summarize_bans(bans, manifest.bans_required),
+                        "bans": summarize_bans(bans, manifest.ban_quorum),
                         "bootstrap_maddrs": maddrs,
                     }
                 )

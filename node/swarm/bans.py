@@ -1,10 +1,16 @@
 """Ban watching, run by every role: polls live peers' DHT ban records, aggregates them into a `BanList`
 (`verification.bans.decide_bans`), publishes this node's queued notices, reports over-accusing verifiers.
+
+A round reads at most `max_poll_peers` peers' records, in DHT reads of `poll_batch` peers, each batch on its own
+deadline within the round's: under a heartbeat flood (thousands of fake peers) a round still folds in what the
+batches it finished found, and the next round goes on from where it stopped (`poll_order`), where one read of
+every peer at once timed out and kept nothing, round after round (issue 18 item 4).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import math
@@ -35,12 +41,26 @@ class BanWatchConfig:
     poll_every_s: float = 5.0  # DHT ban reads this often
     ban_ttl_s: float = 3600.0  # expiration of the notices this node publishes
     timeout_s: float = 10.0  # one DHT round
+    max_poll_peers: int = 512  # peers whose ban records one round reads (the others in the next rounds)
+    poll_batch: int = 32  # peers per DHT read; a read that times out loses only its batch
 
     def __post_init__(self) -> None:
         for name in ("poll_every_s", "ban_ttl_s", "timeout_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("max_poll_peers", "poll_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def poll_order(peers: Iterable[str], first: Iterable[str], after: str, limit: int) -> list[str]:
+    """The peers one round reads, in order: `first` (the offenders we publish against), then the others in
+    rotation, starting after `after` (where the previous round stopped), at most `limit` in all."""
+    head = sorted(set(first))
+    rest = sorted(set(peers) - set(head))
+    start = bisect.bisect_right(rest, after)
+    return (head + rest[start:] + rest[:start])[:limit]
 
 
 class BanWatcher:
@@ -70,7 +90,10 @@ class BanWatcher:
         self.clock = clock
         self.bans = BanList()
         self.published: dict[str, BanNotice] = {}
+        self._published_at: dict[str, float] = {}  # offender -> when our notice was first queued
         self._suspicious: set[str] = set()
+        self._cursor = ""  # the last peer the previous round read (rotation, see poll_order)
+        self.batches_timed_out = 0
 
     def is_banned(self, peer_id: str) -> bool:
         return self.bans.is_banned(peer_id, self.clock())
@@ -79,12 +102,19 @@ class BanWatcher:
         return self.bans.active(self.clock())
 
     async def publish_pending(self) -> None:
-        """Publish queued notices, and re-publish ours before they expire (a ban holds while it is renewed)."""
+        """Publish queued notices, and re-publish ours (a DHT node that lost the record gets it again) until
+        `ban_ttl_s` after they were queued: the ban expires then, instead of being renewed for good."""
+        now = self.clock()
         while self.outbox:
             notice = self.outbox.popleft()
             self.published[notice.offender] = notice
-        expiration = self.clock() + self.config.ban_ttl_s
+            self._published_at[notice.offender] = now
+        for offender, at in list(self._published_at.items()):
+            if now >= at + self.config.ban_ttl_s:
+                del self._published_at[offender]
+                self.published.pop(offender, None)
         for notice in list(self.published.values()):
+            expiration = self._published_at[notice.offender] + self.config.ban_ttl_s
             try:
                 ok = await asyncio.wait_for(
                     self.records.publish_ban(notice, expiration=expiration), self.config.timeout_s
@@ -95,16 +125,32 @@ class BanWatcher:
             if ok:
                 logger.info("published ban notice against %s", notice.offender[-8:])
 
+    async def _read(self, peers: Iterable[str]) -> Mapping[str, list[Any]]:
+        """This round's ban records: batch by batch (`poll_order`) until the round's deadline."""
+        config = self.config
+        order = poll_order(peers, self.published, self._cursor, config.max_poll_peers)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.timeout_s
+        found: dict[str, list[Any]] = {}
+        for i in range(0, len(order), config.poll_batch):
+            batch = order[i : i + config.poll_batch]
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            try:
+                found.update(await asyncio.wait_for(self.records.list_bans(batch), left))
+            except asyncio.TimeoutError:
+                self.batches_timed_out += 1
+                logger.warning("reading ban records of %d peers timed out; keeping the rest", len(batch))
+                break
+            finally:
+                self._cursor = batch[-1] if batch[-1] not in self.published else self._cursor
+        return found
+
     async def poll(self, peers: Iterable[str]) -> list[BanDecision]:
-        """Read ban records of `peers`, fold the bans in effect into the list; returns the new ones."""
-        candidates = set(peers) | set(self.published)
-        try:
-            found: Mapping[str, list[Any]] = await asyncio.wait_for(
-                self.records.list_bans(candidates), self.config.timeout_s
-            )
-        except asyncio.TimeoutError:
-            logger.warning("reading ban records timed out; keeping the last view")
-            return []
+        """Read ban records of `peers` (a bounded part of them per round, see `_read`), fold the bans in effect
+        into the list; returns the new ones."""
+        found = await self._read(peers)
         votes = [
             BanVote(
                 verifier=r.verifier,
@@ -171,7 +217,7 @@ def ban_watcher_for(ctx: NodeContext, *, outbox: deque[BanNotice] | None = None)
         ctx.records,
         authorized_verifiers=manifest.authorized_verifiers,
         authorized_syncers=manifest.authorized_syncers,
-        bans_required=int(getattr(manifest, "bans_required", 1)),
+        bans_required=manifest.ban_quorum,
         run_id=ctx.run_id,
         emit=ctx.events.emit,
         outbox=outbox,

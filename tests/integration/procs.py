@@ -438,6 +438,8 @@ class RunSpec:
     min_sync_interval_s: float = 0.0
     mode: str = "decoupled"
     outer_codec: tuple[tuple[str, str | int], ...] = ()  # [outer_codec] settings; empty: the default (fp32)
+    # [admission]: the default mode (a proof-of-work) at a difficulty each learner solves in milliseconds
+    admission: tuple[tuple[str, str | int], ...] = (("mode", "pow"), ("pow_bits", 12))
 
     @property
     def model(self) -> dict[str, int]:
@@ -467,6 +469,8 @@ class RunSpec:
         }
         if self.outer_codec:
             tables["outer_codec"] = dict(self.outer_codec)
+        if self.admission:
+            tables["admission"] = dict(self.admission)
         return toml_text(top, tables)
 
     def write_run_toml(self, path: Path) -> Path:

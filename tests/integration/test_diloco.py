@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from node.diloco.sync_client import PUSH_ROUTE, fragment_limits, run_fragment_plan
+from protocol.admission import solve
 from protocol.envelope import Context, Kind, max_frame_bytes, seal
 from protocol.errors import RemoteRefused
 from protocol.identity import NodeIdentity
@@ -130,9 +131,12 @@ class TestSwarm:
     ) -> None:
         from hivemind.p2p import P2P
 
-        plan = run_fragment_plan(parse_run_toml(swarm.run_path.read_text()))
+        manifest = parse_run_toml(swarm.run_path.read_text())
+        plan = run_fragment_plan(manifest)
         run_id = swarm.syncer.try_status()["run_id"]
         attacker = NodeIdentity.load_or_create(swarm.root / "attacker.key")
+        # it paid the run's admission (a proof-of-work): what is tested here are the checks after that one
+        proof = solve(run_id, attacker.peer_id, manifest.admission.pow_bits)
         cap = max_frame_bytes(fragment_limits(plan))
 
         async def attack() -> dict[str, str]:
@@ -150,6 +154,7 @@ class TestSwarm:
                 "tokens": 4,
                 "sched_step": 1,
                 "step_time_s": 0.1,
+                "admission": proof,
             }
 
             def forged(tensors: dict[str, torch.Tensor]) -> bytes:

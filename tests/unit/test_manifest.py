@@ -93,7 +93,8 @@ def test_built_in_default_run_needs_no_file_and_has_the_documented_defaults() ->
     assert (m.model["preset"], m.model["num_kv_heads"], m.model["mlp_width"]) == ("llama-tiny", 4, 352)
     assert (m.diloco.min_quorum, m.diloco.grace_gamma, m.diloco.grace_tau) == (1, 0.8, 2.0)
     assert (m.diloco.outer_lr, m.diloco.outer_momentum) == (0.7, 0.9)
-    assert m.bans_required == 1 and m.data["source"] == "builtin" and m.heartbeat_period_s == 2.0
+    assert m.bans_required == 0 and m.data["source"] == "builtin" and m.heartbeat_period_s == 2.0
+    assert m.ban_quorum == 1  # auto, and no verifier: one signature (of a syncer's learner ban) is enough
 
 
 def test_full_run_toml_parses_with_ints_accepted_where_floats_are_meant() -> None:
@@ -132,7 +133,7 @@ def test_wire_cap_is_the_largest_tensor_a_peer_may_send() -> None:
         ("[model]\nmlp_ratio = 4", "unknown model keys ['mlp_ratio']"),
         ("num_stages = 9", "num_stages cannot exceed"),
         ('seed = "7"', "seed"),
-        ("bans_required = 0", "bans_required"),
+        ("bans_required = -1", "bans_required"),
         ("[inner]\nlr = true", "inner.lr"),
         ('authorized_syncers = ["QmNotAnEd25519Key"]', "authorized_syncers"),
         ("heartbeat_period_s = 0.01", "heartbeat_period_s"),
@@ -276,3 +277,14 @@ def test_inner_schedule_warms_up_then_decays_by_cosine_to_the_floor() -> None:
     assert (plain.clip_norm, plain.accumulation) == (0.0, 1)
     with pytest.raises(ConfigError, match="accumulation"):
         parse_run_toml("[inner]\naccumulation = 0")
+
+
+def test_bans_required_auto_needs_two_verifiers_once_two_are_authorized() -> None:
+    """Issue 18 item 4: with bans_required = 0 (the default) one verifier bans alone only while it is the
+    run's only one; from two authorized verifiers on, a ban takes two signatures. An explicit value wins."""
+    keys = [NodeIdentity.generate().peer_id for _ in range(3)]
+    assert RunManifest(authorized_verifiers=tuple(keys[:1])).ban_quorum == 1
+    assert RunManifest(authorized_verifiers=tuple(keys[:2])).ban_quorum == 2
+    assert RunManifest(authorized_verifiers=tuple(keys)).ban_quorum == 2
+    assert RunManifest(authorized_verifiers=tuple(keys), bans_required=3).ban_quorum == 3
+    assert RunManifest(authorized_verifiers=tuple(keys), bans_required=1).ban_quorum == 1

@@ -1,0 +1,134 @@
+"""Seniority: how much of a merge fresh identities may hold (issue 18, Sybil resistance).
+
+Admission (protocol.admission) makes each identity cost something; this bounds what many of them can do once
+paid for. An identity is *young* until it has been in `young_rounds` accepted merges (any fragment) with
+positive weight, each merge counted by the fraction of its weight the cap left it (a young identity scaled to
+0.27 of its weight ages 0.27 of a round): a burst that keeps hitting the cap ages that much slower (measured: 5
+late Sybils among 4 senior learners, counted whole, were senior after ~25 s and then held whole merges). In one merge, the total weight of young identities is capped at `young_weight_cap` of the
+merge: when they hold more, their weights are scaled down together (each keeps its share among the young),
+so a burst of fresh Sybils can never set the merged direction against the senior learners in the round.
+A merge of young identities alone, while senior identities were merged within `senior_active_s`, has its outer
+gradient scaled by the cap (as if seniors with no progress held the rest): at K = 1 a Sybil would otherwise wait
+for a round of its own. When nobody is senior yet (a run's start), nothing is capped.
+
+A refused contribution demotes its identity (its rounds restart from 0): it must earn its weight again. An
+identity not merged for `forget_s` starts over too, so seniority cannot be banked by idle identities.
+
+Pure: the caller passes `now`; bounded (least recently merged identities are forgotten first).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SeniorityConfig:
+    young_rounds: int = 16  # accepted merges before an identity is senior
+    young_weight_cap: float = 0.25  # the most young identities hold of one merge (1.0: off)
+    senior_active_s: float = 600.0  # seniors merged this recently make a young-only merge a capped one
+    forget_s: float = 86400.0  # an identity not merged for this long is young again
+    max_peers: int = 65536  # identities remembered
+
+    def __post_init__(self) -> None:
+        if self.young_rounds < 0 or self.max_peers < 1:
+            raise ValueError("seniority needs young_rounds >= 0 and max_peers >= 1")
+        if not 0.0 <= self.young_weight_cap <= 1.0:
+            raise ValueError("young_weight_cap must be in [0, 1] (1: off)")
+        if not (self.senior_active_s > 0 and self.forget_s > 0):
+            raise ValueError("senior_active_s and forget_s must be positive")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CappedWeights:
+    weights: dict[str, float]  # the raw (unnormalised) weights, young ones scaled down
+    credit: dict[str, float]  # per young peer scaled down, the fraction of a round the merge ages it by (< 1)
+    grad_scale: float  # what the merge's outer gradient is scaled by (< 1 for a young-only merge)
+    young_share: float  # the young identities' share before the cap
+
+
+@dataclass(slots=True)
+class _Record:
+    rounds: float
+    last_merged: float
+
+
+class Seniority:
+    """Per identity, the merges it was accepted in (see the module docstring)."""
+
+    def __init__(self, config: SeniorityConfig | None = None) -> None:
+        self.config = config or SeniorityConfig()
+        self._peers: OrderedDict[str, _Record] = OrderedDict()
+        self.demotions = 0
+        self.capped_merges = 0
+        self._senior_merged_at = -math.inf  # the last merge with a senior participant
+
+    def rounds(self, peer: str, now: float) -> float:
+        record = self._peers.get(peer)
+        if record is None or now - record.last_merged > self.config.forget_s:
+            return 0
+        return record.rounds
+
+    def is_young(self, peer: str, now: float) -> bool:
+        return self.rounds(peer, now) < self.config.young_rounds
+
+    def observe_merge(
+        self, participants: Iterable[str], now: float, credit: Mapping[str, float] | None = None
+    ) -> None:
+        """Each participant (positive weight) of a committed merge gains one round, or its `credit` (what the
+        cap left it of its weight, `CappedWeights.credit`)."""
+        for peer in participants:
+            rounds = self.rounds(peer, now) + min(1.0, max(0.0, (credit or {}).get(peer, 1.0)))
+            self._peers.pop(peer, None)  # re-inserted last: the table is ordered by the latest merge
+            self._peers[peer] = _Record(rounds, now)
+            if rounds >= self.config.young_rounds:
+                self._senior_merged_at = now
+        while len(self._peers) > self.config.max_peers:
+            self._peers.popitem(last=False)
+
+    def demote(self, peer: str, now: float) -> None:
+        """A refused contribution: the identity starts over (young, 0 rounds)."""
+        if self._peers.pop(peer, None) is not None:
+            self.demotions += 1
+
+    def _seniors_active(self, now: float) -> bool:
+        # a scalar, not a scan of the table: `cap` runs in the merge's worker thread while the loop updates it
+        return now - self._senior_merged_at <= self.config.senior_active_s
+
+    def cap(self, weights: Mapping[str, float], now: float) -> CappedWeights:
+        """`weights` (raw, peer -> weight) with the young identities' total held to the cap."""
+        cap = self.config.young_weight_cap
+        young = {p for p, w in weights.items() if w > 0 and self.is_young(p, now)}
+        young_total = math.fsum(weights[p] for p in young)
+        senior_total = math.fsum(w for p, w in weights.items() if p not in young and w > 0)
+        total = young_total + senior_total
+        share = young_total / total if total > 0 else 0.0
+        out = dict(weights)
+        if cap >= 1.0 or share <= cap:
+            return CappedWeights(weights=out, credit={}, grad_scale=1.0, young_share=share)
+        if senior_total <= 0:  # young only: capped only while seniors exist in the run
+            scale = cap if self._seniors_active(now) else 1.0
+            self.capped_merges += scale < 1.0
+            credit = {p: scale for p in young} if scale < 1.0 else {}
+            return CappedWeights(weights=out, credit=credit, grad_scale=scale, young_share=share)
+        # f * Y / (f * Y + S) = cap  <=>  f = cap * S / ((1 - cap) * Y)
+        factor = cap * senior_total / ((1.0 - cap) * young_total)
+        for peer in young:
+            out[peer] = weights[peer] * factor
+        self.capped_merges += 1
+        credit = {p: factor for p in young}
+        return CappedWeights(weights=out, credit=credit, grad_scale=1.0, young_share=share)
+
+    def status(self, now: float) -> dict[str, Any]:
+        young = sum(1 for p in self._peers if self.is_young(p, now))
+        return {
+            "identities": len(self._peers),
+            "young": young,
+            "senior": len(self._peers) - young,
+            "demotions": self.demotions,
+            "capped_merges": self.capped_merges,
+        }
