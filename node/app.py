@@ -173,6 +173,7 @@ async def _choose_role(ctx: NodeContext, joined: Any, membership: swarm.Membersh
         peers,
         joined.now,
         client_mode=joined.client_mode or config.network.client_mode,
+        relayed=joined.relayed,
     )
     ctx.role_name, ctx.stage, ctx.log_context.role = choice.role, choice.stage, choice.role
     return choice

@@ -95,10 +95,13 @@ def choose_role(
     now: float,
     *,
     client_mode: bool = False,
+    relayed: bool = False,
 ) -> RoleChoice:
     """What this node will be (see the module docstring); raise ConfigError for a request the run does not allow.
 
-    `client_mode`: others cannot dial this node, so `auto` never makes it a role that serves RPCs."""
+    `client_mode`: others cannot dial this node, so `auto` never makes it a role that serves RPCs; `relayed`:
+    others reach it only through a relay, whose circuits carry 128 KiB each (a relayed stage replica measured
+    0.2-0.3 microbatches/s), so `auto` does not either; `--role stage` still may."""
     if requested_stage is not None and requested != "stage":
         raise ConfigError("--stage only applies to --role stage")
     authorized = {"syncer": manifest.authorized_syncers, "verifier": manifest.authorized_verifiers}
@@ -108,7 +111,7 @@ def choose_role(
             f"add it with `python -m bootstrap --authorize-{requested} {peer_id}`"
         )
     if requested == "auto":
-        return _auto(peer_id, manifest, peers, now, client_mode=client_mode)
+        return _auto(peer_id, manifest, peers, now, client_mode=client_mode, relayed=relayed)
     if client_mode and requested in SERVING_ROLES:
         logger.warning(
             "--role %s: peers cannot dial this node (client mode), so it will not get their requests",
@@ -129,7 +132,13 @@ SERVING_ROLES = ("stage", "syncer")  # roles whose work arrives as RPCs from oth
 
 
 def _auto(
-    peer_id: str, manifest: RunManifest, peers: Sequence[PeerRecord], now: float, *, client_mode: bool
+    peer_id: str,
+    manifest: RunManifest,
+    peers: Sequence[PeerRecord],
+    now: float,
+    *,
+    client_mode: bool,
+    relayed: bool = False,
 ) -> RoleChoice:
     if peer_id in manifest.authorized_syncers and not _live(peers, "syncer", now):
         choice = RoleChoice("syncer", None, "authorized syncer and no syncer is alive")
@@ -137,12 +146,14 @@ def _auto(
         choice = RoleChoice("stage", *_place_stage(manifest, peers, now))
     else:
         return RoleChoice("learner", None, "default for volunteers")
-    if not client_mode:
+    if not (client_mode or relayed):
         return choice
-    reason = (
-        f"client mode (peers cannot dial this node): learner instead of {choice.role}, "
-        "whose work arrives as requests from other peers"
+    how = (
+        "client mode (peers cannot dial this node)"
+        if client_mode
+        else "relay mode (peers reach this node only through a relay's 128 KiB circuits)"
     )
+    reason = f"{how}: learner instead of {choice.role}, whose work arrives as requests from other peers"
     logger.info("role auto: %s", reason)
     return RoleChoice("learner", None, reason)
 

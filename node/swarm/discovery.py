@@ -44,6 +44,11 @@ class Joined:
     connectivity: Connectivity | None = None  # direct / relay / client, and why
 
     @property
+    def relayed(self) -> bool:
+        """True when others reach us only through a relay's circuit (libp2p's limits: 128 KiB, 2 min each)."""
+        return self.connectivity is not None and self.connectivity.mode is Mode.RELAY
+
+    @property
     def client_mode(self) -> bool:
         """True when nobody can reach us, not even through a relay: our roles should serve nothing."""
         if self.connectivity is not None:

@@ -592,6 +592,10 @@ def test_auto_never_puts_a_node_nobody_can_dial_on_a_stage_or_the_syncer(
     assert choose_role("auto", None, me, run, [], 0.0, client_mode=True).role == "learner"
     # an explicit request is kept (the owner may run it behind a relay), with a warning
     assert choose_role("stage", 1, me, pipeline, [], 0.0, client_mode=True).stage == 1
+    # reached only through a relay's small circuits: auto keeps it a learner too, an explicit stage is kept
+    relayed = choose_role("auto", None, me, pipeline, [], 0.0, relayed=True)
+    assert relayed.role == "learner" and "relay mode" in relayed.reason
+    assert choose_role("stage", 1, me, pipeline, [], 0.0, relayed=True).stage == 1
 
 
 def test_when_a_whole_stage_is_cooling_down_its_untried_replicas_are_still_used() -> None:
