@@ -126,17 +126,23 @@ class LossBound:
             return None
         return f"held-out loss {score.before:.4g} -> {score.after:.4g} ({score.delta:+.4g} > {bound:+.4g}: {basis})"
 
-    def judge(self, fragment: int, score: LossScore, peer: str) -> tuple[str | None, bool]:
-        """(`check`'s reason, whether a failure is blamed on `peer`). Blamed only when another peer's contribution
-        to the fragment passed among the recent scores: when nobody's work lowers the held-out loss enough (a
-        learning rate too high for the batch, a model set back), the bound is wrong for this run, not the peer;
-        the contribution is still refused, but no honest volunteer is banned for it. An attacker's ascent steps
-        are blamed as soon as one honest learner passes."""
+    def judge(self, fragment: int, score: LossScore, peer: str) -> tuple[str | None, str | None]:
+        """(`check`'s reason, why a failure is not blamed on `peer` or None when it is). Blamed only once the
+        bound has learned from `min_history` merged scores of this fragment that lowered the loss (a syncer that
+        just took over has none, and the outage work it receives first is many steps on an old base), and when
+        another peer's contribution to the fragment passed among the recent scores: when nobody's work lowers the
+        held-out loss enough (a learning rate too high for the batch, a model set back), the bound is wrong for
+        this run, not the peer. Either way the contribution is still refused; only bans wait. An attacker's
+        ascent steps are blamed as soon as the bound has its history and one honest learner passes."""
         reason = self.check(fragment, score)
         window = self._outcomes.setdefault(fragment, deque(maxlen=self.history))
         corroborated = any(other != peer and passed for other, passed in window)
         window.append((peer, reason is None))
-        return reason, corroborated
+        if reason is None:
+            return None, None
+        if len(self._scores.get(fragment, ())) < self.min_history:
+            return reason, f"the bound has fewer than {self.min_history} merged scores to learn from"
+        return reason, None if corroborated else "no other peer's work passed lately"
 
     def commit(self, fragment: int, deltas: list[float]) -> None:
         """The scores of a published merge's participants."""

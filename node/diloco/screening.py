@@ -185,12 +185,12 @@ class ContributionScreen:
         (`LossBound.judge`)."""
         if score is None or not (self.config.enabled and self.config.loss_probe):
             return None
-        reason, corroborated = self.loss.judge(fragment, score, peer)
+        reason, excuse = self.loss.judge(fragment, score, peer)
         if reason is None:
             return None
-        if not corroborated:
-            reason += " (not blamed: no other peer's work passed lately)"
-        return replace(self._reject(LOSS, reason), blame=corroborated)
+        if excuse is not None:
+            reason += f" (not blamed: {excuse})"
+        return replace(self._reject(LOSS, reason), blame=excuse is None)
 
     def check(
         self,

@@ -148,7 +148,7 @@ def test_an_honest_contribution_lowers_the_held_out_loss_and_is_merged() -> None
 
 def test_a_sign_flipped_contribution_at_an_honest_norm_is_rejected_by_the_loss_score() -> None:
     h = Harness(ScreeningConfig())
-    for seed in range(1, 4):
+    for seed in range(1, 5):  # min_history merges: the bound has learned, so a refusal is blamed
         h.push("honest", trained(h.c, seed=seed))
         h.c.merge_now(0, 1, h.now)
     before = h.held_out()
@@ -165,10 +165,14 @@ def test_a_loss_refusal_is_blamed_only_when_another_peers_work_passed() -> None:
     loss): refused, but not blamed, so no honest volunteer is banned for it. Once an honest peer passes, the
     ascent step is blamed (the control)."""
     h = Harness(ScreeningConfig())
+    for seed in range(1, 5):  # the bound's history, merged from one peer's work
+        h.push("teacher", trained(h.c, seed=seed))
+        h.c.merge_now(0, 1, h.now)
+    h.c.screen.loss._outcomes[0].clear()  # the teacher's passes have left the window of recent scores
     with pytest.raises(Refusal) as alone:
         h.push("evil", flipped(h.c, trained(h.c, seed=7)))
     assert alone.value.reason == LOSS and not alone.value.blame_sender
-    assert "not blamed" in str(alone.value)
+    assert "not blamed: no other peer" in str(alone.value)
     with pytest.raises(Refusal) as again:  # its own refusals never corroborate one another
         h.push("evil", flipped(h.c, trained(h.c, seed=8)))
     assert not again.value.blame_sender
@@ -178,18 +182,42 @@ def test_a_loss_refusal_is_blamed_only_when_another_peers_work_passed() -> None:
     assert blamed.value.reason == LOSS and blamed.value.blame_sender
 
 
+def test_a_syncer_without_merged_scores_refuses_but_does_not_blame() -> None:
+    """A syncer that just took over has no merged scores: the first work it gets is outage work (many steps on
+    an old base) that may raise the held-out loss though honest, and one honest learner passing must not get the
+    other banned (seen in test_syncer_failover). The control: the same push after min_history merges is blamed."""
+    h = Harness(ScreeningConfig())
+    h.push("honest", trained(h.c, seed=1))  # another peer passed
+    with pytest.raises(Refusal) as early:
+        h.push("evil", flipped(h.c, trained(h.c, seed=7)))
+    assert early.value.reason == LOSS and not early.value.blame_sender
+    assert "fewer than 4 merged scores" in str(early.value)
+    h.c.merge_now(0, 1, h.now)
+    for seed in range(2, 5):
+        h.push("honest", trained(h.c, seed=seed))
+        h.c.merge_now(0, 1, h.now)
+    with pytest.raises(Refusal) as learned:
+        h.push("evil", flipped(h.c, trained(h.c, seed=7)))
+    assert learned.value.blame_sender
+
+
 def test_judge_counts_only_other_peers_passes() -> None:
     bound = LossBound(tolerance=0.02, mad_factor=3.0, history=4, min_history=4)
     fail, ok = LossScore(before=3.0, after=3.3, cost_s=0.0), LossScore(before=3.0, after=2.9, cost_s=0.0)
-    assert bound.judge(0, fail, "a") == (bound.check(0, fail), False)
-    assert bound.judge(0, ok, "a") == (None, False)
-    assert bound.judge(0, fail, "a")[1] is False  # a's own pass does not corroborate a's failure
-    assert bound.judge(1, ok, "b") == (None, False)  # another fragment's pass neither
-    assert bound.judge(0, ok, "b") == (None, True)
-    assert bound.judge(0, fail, "a")[1] is True
+    assert bound.judge(0, ok, "b") == (None, None)
+    reason, excuse = bound.judge(0, fail, "a")  # b passed, but the bound has learned nothing yet
+    assert reason == bound.check(0, fail) and excuse is not None and "merged scores" in excuse
+    bound.commit(0, [-0.1] * 4)
+    bound._outcomes[0].clear()
+    assert bound.judge(0, fail, "a")[1] == "no other peer's work passed lately"
+    assert bound.judge(0, ok, "a") == (None, None)
+    assert bound.judge(0, fail, "a")[1] is not None  # a's own pass does not corroborate a's failure
+    assert bound.judge(1, ok, "b") == (None, None)  # another fragment's pass neither
+    assert bound.judge(0, ok, "b") == (None, None)
+    assert bound.judge(0, fail, "a")[1] is None  # blamed
     for _ in range(4):  # b's pass leaves the window of recent scores
         bound.judge(0, fail, "c")
-    assert bound.judge(0, fail, "a")[1] is False
+    assert bound.judge(0, fail, "a")[1] is not None
 
 
 def test_negative_control_without_the_probe_the_ascent_step_is_merged_and_raises_the_loss() -> None:
