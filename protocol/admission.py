@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from protocol.errors import ProtocolError
 
@@ -59,13 +60,19 @@ class AdmissionSpec:
             raise ValueError("admission.allowlist lists a peer twice")
 
 
-def proof_digest(run_id: str, peer_id: str, nonce: int) -> bytes:
-    """sha256 over the domain, the run id, the peer id and the nonce (lengths first: no two inputs collide)."""
+def _prefix(run_id: str, peer_id: str) -> Any:
+    """The sha256 state over the domain, the run id and the peer id (lengths first: no two inputs collide)."""
     run, peer = run_id.encode(), peer_id.encode()
     h = hashlib.sha256(_DOMAIN)
     h.update(len(run).to_bytes(2, "big") + run + len(peer).to_bytes(2, "big") + peer)
+    return h
+
+
+def proof_digest(run_id: str, peer_id: str, nonce: int) -> bytes:
+    """sha256 over the domain, the run id, the peer id and the nonce."""
+    h = _prefix(run_id, peer_id)
     h.update(nonce.to_bytes(8, "big"))
-    return h.digest()
+    return bytes(h.digest())
 
 
 def leading_zero_bits(digest: bytes) -> int:
@@ -87,9 +94,7 @@ def solve(
     raising from it)."""
     if not 0 <= bits <= MAX_POW_BITS:
         raise ValueError(f"bits must be in [0, {MAX_POW_BITS}]")
-    run, peer = run_id.encode(), peer_id.encode()
-    prefix = hashlib.sha256(_DOMAIN)
-    prefix.update(len(run).to_bytes(2, "big") + run + len(peer).to_bytes(2, "big") + peer)
+    prefix = _prefix(run_id, peer_id)
     limit = 1 << (256 - bits)  # a digest below this has >= bits leading zero bits
     nonce = start
     while nonce <= MAX_NONCE:

@@ -611,7 +611,6 @@ def build_core(role: SyncerRole) -> SyncerCore:
 
 async def evaluate_global(role: SyncerRole) -> None:
     """The held-out loss of the global model now (syncer.eval_every_merges), for status and the event tape."""
-
     core = role.core
     if role._eval is None or core is None:
         return

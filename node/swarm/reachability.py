@@ -144,21 +144,27 @@ def parse_reach_reply(
     return dialable, unknown, tuple(strings("observed")[:MAX_REACH_MADDRS])
 
 
+async def _probe_daemon(target: str, *, use_relay: bool, timeout_s: float) -> Any:
+    """A fresh daemon that listens nowhere and knows no one but `target`, which it must connect to to start
+    (raises P2PDaemonError otherwise): what others see when they dial that address."""
+    return await P2P.create(
+        initial_peers=[target],
+        dht_mode="client",
+        use_relay=use_relay,
+        auto_nat=False,
+        nat_port_map=False,
+        no_listen=True,
+        startup_timeout=timeout_s,
+        check_if_identity_free=False,
+    )
+
+
 async def probe_dial(maddr: str, peer_id: str, timeout_s: float) -> bool | None:
     """Whether a fresh daemon, with no relay and no other connection, can open a secure connection to `peer_id`
     at `maddr` (the handshake checks the peer id). None when the probe itself failed (our daemon did not start in
     time, say): that says nothing about the peer, and must not make it give up serving."""
     try:
-        probe = await P2P.create(
-            initial_peers=[f"{maddr}/p2p/{peer_id}"],
-            dht_mode="client",
-            use_relay=False,
-            auto_nat=False,
-            nat_port_map=False,
-            no_listen=True,
-            startup_timeout=timeout_s,
-            check_if_identity_free=False,
-        )
+        probe = await _probe_daemon(f"{maddr}/p2p/{peer_id}", use_relay=False, timeout_s=timeout_s)
     except Exception as e:  # P2PDaemonError; only "failed to connect to bootstrap peers" is about the peer
         message = _daemon_message(e)
         logger.debug("reach probe of %s at %s failed: %s", peer_id[-8:], maddr, message)
@@ -263,16 +269,7 @@ async def probe_circuit(circuit: str, timeout_s: float) -> bool:
     our machine reaches and nobody else does."""
     target = circuit.rsplit("/p2p/", 1)[1]
     try:
-        probe = await P2P.create(
-            initial_peers=[circuit],
-            dht_mode="client",
-            use_relay=True,
-            auto_nat=False,
-            nat_port_map=False,
-            no_listen=True,
-            startup_timeout=timeout_s,
-            check_if_identity_free=False,
-        )
+        probe = await _probe_daemon(circuit, use_relay=True, timeout_s=timeout_s)
     except Exception as e:  # P2PDaemonError: the relay refused, or no reservation yet
         logger.debug("relay probe of %s failed: %s", circuit, _daemon_message(e))
         return False
