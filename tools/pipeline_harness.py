@@ -21,13 +21,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import logging
 import random
 from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node.ml.data import Batch, BatchSampler, Corpus, load_corpus, validation_batches
 from node.ml.model import ModelConfig, build_model, lm_loss, load_state_subset, stage_state_subset
@@ -106,6 +109,27 @@ class MemoryBanRecords:
     async def list_bans(self, offenders: object) -> dict[str, list[BanRecord]]:
         wanted = set(offenders)  # type: ignore[call-overload]
         return {o: [r] for o, r in self.rows.items() if o in wanted}
+
+
+def seeded_identity(seed: int, index: int) -> NodeIdentity:
+    """The same identity for the same (seed, index) in every run: peer ids order replicas and break ties, so
+    random ones would make two runs of one seed differ."""
+    secret = hashlib.sha256(f"pipeline-harness/{seed}/{index}".encode()).digest()
+    return NodeIdentity(private_key=Ed25519PrivateKey.from_private_bytes(secret))
+
+
+class InlineExecutor(Executor):
+    """Runs each job at once on the event loop's thread. A replica's compute thread would let the order in which
+    replicas step and answer follow thread timing (under load, runs of one seed differed: an honest replica was
+    banned in one of four); in process there is one CPU to share anyway."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # handed to the awaiting coroutine, as a thread pool would
+            future.set_exception(e)
+        return future
 
 
 class EvenRouter(ReplicaRouter):
@@ -281,10 +305,10 @@ def build_arm(
     """A fresh pipeline; `attack` is a `verification.attacks` spec applied by the attackers, `weights` a full
     model state every replica starts from (default: the run seed's init)."""
     torch.manual_seed(seed)
-    verifier = verifier or NodeIdentity.generate()
+    verifier = verifier or seeded_identity(seed, -1)
     run = manifest_for(config, verifier)
     clock = {"t": 0.0}
-    replicas = plan_replicas(config, parse_attack(attack) if attack is not None else None)
+    replicas = plan_replicas(config, parse_attack(attack) if attack is not None else None, seed)
     attacks = {identity.peer_id: a for identity, _, a in replicas if a is not None}
     tap = RecordingTap(
         verifier=verifier.peer_id,
@@ -326,7 +350,7 @@ def build_arm(
     return Arm(config, driver, services, stages, tap, watcher, attacks, clock)
 
 
-def plan_replicas(config: HarnessConfig, spec: AttackConfig | None) -> list[ReplicaPlan]:
+def plan_replicas(config: HarnessConfig, spec: AttackConfig | None, seed: int = 0) -> list[ReplicaPlan]:
     """Every replica's identity and stage, stage by stage; replicas 0..attackers-1 of the attacked stage get
     the attack (when one is given), each with its own noise stream."""
     replicas: list[ReplicaPlan] = []
@@ -335,7 +359,7 @@ def plan_replicas(config: HarnessConfig, spec: AttackConfig | None) -> list[Repl
             attack_obj = None
             if spec is not None and stage == config.attacked_stage and index < config.attackers:
                 attack_obj = CountingAttack(dataclasses.replace(spec, seed=spec.seed + 101 * index))
-            replicas.append((NodeIdentity.generate(), stage, attack_obj))
+            replicas.append((seeded_identity(seed, len(replicas)), stage, attack_obj))
     return replicas
 
 
@@ -360,6 +384,7 @@ def stage_service(
         authorized=run.authorized_verifiers,
         is_banned=watcher.is_banned,
         attack=attack,
+        executor=InlineExecutor(),
     )
 
 
@@ -538,6 +563,7 @@ __all__ = [
     "CountingAttack",
     "EvenRouter",
     "HarnessConfig",
+    "InlineExecutor",
     "MemoryBanRecords",
     "RecordingTap",
     "ReplicaChecks",
@@ -546,6 +572,7 @@ __all__ = [
     "drive",
     "merge_stages",
     "pretrained_state",
+    "seeded_identity",
     "set_lr",
     "shift_weights",
 ]

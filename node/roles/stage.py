@@ -37,7 +37,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -565,7 +565,7 @@ class StageService:
         core: StageCore,
         *,
         authorized: Callable[[], Sequence[str]] | Sequence[str],
-        executor: ThreadPoolExecutor | None = None,
+        executor: Executor | None = None,
         wall_clock: Callable[[], float] = time.time,
         max_receipts: int = 64,
         is_banned: Callable[[str], bool] = lambda _peer: False,

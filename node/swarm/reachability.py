@@ -33,9 +33,9 @@ logger = logging.getLogger(__name__)
 REACH_ROUTE = "reach.check"  # served by bootstraps: "dial me back at these addresses"
 MAX_REACH_MADDRS = 4  # addresses one check may ask a bootstrap to dial
 MAX_REACH_REQUEST_BYTES = 4096
-# One check dials from fresh daemons (a p2pd start each, ~0.5 s of CPU): a peer gets two in a burst and one per 30 s,
-# and the bootstrap one a second overall, so the check cannot be turned into a way to make it spawn daemons.
-REACH_RATE = RateLimit(rate_per_s=1.0 / 30.0, burst=2.0)
+# One check dials from fresh daemons (a p2pd start each, ~0.5 s of CPU): a peer gets three in a burst (a check and
+# the retries of an inconclusive one) and one per 30 s, and the bootstrap one a second overall, so the check cannot be turned into a way to make it spawn daemons.
+REACH_RATE = RateLimit(rate_per_s=1.0 / 30.0, burst=3.0)
 REACH_GLOBAL_RATE = RateLimit(rate_per_s=1.0, burst=5.0)
 # A probe's own dial gives up after ~5-7 s on a black hole (measured); the rest is its daemon's start.
 REACH_PROBE_TIMEOUT_S = 15.0
@@ -220,39 +220,66 @@ def needs_reach_check(network: NetworkConfig, entry_points: Sequence[str]) -> bo
     return not (local and all(_is_loopback(m) for m in entry_points))
 
 
+REACH_ATTEMPTS = (
+    3  # inconclusive checks (a probe daemon that did not start in time, a timeout) are asked again
+)
+REACH_RETRY_PAUSE_S = 2.0
+
+
 async def check_reachability(
     dht: hivemind.DHT, entry_points: Sequence[str], *, timeout_s: float
 ) -> Reachability:
-    """Ask the first bootstrap of `entry_points` that answers to dial us back at our announced addresses."""
+    """Ask the first bootstrap of `entry_points` that answers to dial us back at our announced addresses; when
+    none could tell (its probe failed, the call timed out), ask again, `REACH_ATTEMPTS` rounds in all."""
     ours = [_without_peer_id(str(m)) for m in dht.get_visible_maddrs()][:MAX_REACH_MADDRS]
     ours = [m for m in ours if "p2p-circuit" not in m]
     if not ours:
         return Reachability(False)
     p2p = await dht.replicate_p2p()
     try:
-        for entry in entry_points:
-            checker = _maddr_part(entry, "p2p")
-            if checker is None:
-                continue
-            try:
-                answer = await call_framed(
-                    p2p,
-                    checker,
-                    REACH_ROUTE,
-                    msgpack.packb(ours),
-                    max_response_bytes=MAX_REACH_REQUEST_BYTES,
-                    timeout_s=timeout_s,
+        for attempt in range(1, REACH_ATTEMPTS + 1):
+            reach = await _ask_bootstraps(p2p, entry_points, ours, timeout_s)
+            if reach is not None:
+                return reach
+            if attempt < REACH_ATTEMPTS:
+                logger.info(
+                    "no bootstrap could tell whether we are reachable (check %d of %d); asking again in %.0f s",
+                    attempt,
+                    REACH_ATTEMPTS,
+                    REACH_RETRY_PAUSE_S,
                 )
-                dialable, unknown, observed = parse_reach_reply(answer, ours)
-            except Exception as e:  # an older bootstrap, a throttled check, a timeout: ask the next one
-                logger.debug("reach check via %s failed: %r", checker[-8:], e)
-                continue
-            if not dialable and unknown:
-                continue  # its probe failed, not ours to judge: ask the next bootstrap
-            return Reachability(bool(dialable), tuple(ours), dialable, observed, checker)
+                await asyncio.sleep(REACH_RETRY_PAUSE_S)
     finally:
         await p2p.shutdown()
     return Reachability(None, tuple(ours))
+
+
+async def _ask_bootstraps(
+    p2p: Any, entry_points: Sequence[str], ours: list[str], timeout_s: float
+) -> Reachability | None:
+    """One round of `check_reachability`: the first bootstrap's conclusive answer, None if none gave one."""
+    for entry in entry_points:
+        checker = _maddr_part(entry, "p2p")
+        if checker is None:
+            continue
+        try:
+            answer = await call_framed(
+                p2p,
+                checker,
+                REACH_ROUTE,
+                msgpack.packb(ours),
+                max_response_bytes=MAX_REACH_REQUEST_BYTES,
+                timeout_s=timeout_s,
+            )
+            dialable, unknown, observed = parse_reach_reply(answer, ours)
+        except Exception as e:  # an older bootstrap, a throttled check, a timeout: ask the next one
+            logger.info("reach check via %s failed: %r", checker[-8:], e)
+            continue
+        if not dialable and unknown:
+            logger.info("reach check via %s: its probe of %s failed", checker[-8:], ", ".join(unknown))
+            continue  # its probe failed, not ours to judge: ask the next bootstrap
+        return Reachability(bool(dialable), tuple(ours), dialable, observed, checker)
+    return None
 
 
 def circuit_addresses(entry_points: Sequence[str], peer_id: str) -> list[str]:

@@ -162,7 +162,11 @@ def test_a_node_nobody_can_dial_serves_its_stage_through_the_bootstraps_relay(
         up_at = time.monotonic()
         status = hidden.status()
         connectivity = status["connectivity"]
-        assert connectivity["mode"] == "relay", connectivity
+        assert connectivity["mode"] == "relay", (
+            connectivity,
+            hidden.stderr()[-3000:],
+            bootstrap.stderr()[-3000:],
+        )
         assert "not reachable, using relay" in connectivity["reason"]
         circuit = connectivity["addresses"][0]
         relay_id = bootstrap.maddr.rsplit("/p2p/", 1)[1]

@@ -20,13 +20,22 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from protocol.identity import NodeIdentity
-from tools.pipeline_harness import Arm, HarnessConfig, build_arm, drive, set_lr, shift_weights
+from tools.pipeline_harness import (
+    Arm,
+    HarnessConfig,
+    build_arm,
+    drive,
+    seeded_identity,
+    set_lr,
+    shift_weights,
+)
 from verification.sentinel import SentinelConfig
 
 MODEL = {"vocab_size": 256, "context_len": 32, "num_layers": 3, "width": 64, "num_heads": 2}
 RUN_ID = "0" * 40
-VERIFIER = NodeIdentity.generate()
+VERIFIER = seeded_identity(
+    0, -1
+)  # with the replicas' seeded identities: a run of one seed is the same run every time
 REPLICAS = (2, 3, 2)
 ATTACK_START = 50  # the attacker's own steps sent honestly first (monitors warm up, spot checks calibrate)
 BAN_WITHIN = 15  # own attacked microbatches before the ban, at most
