@@ -79,6 +79,9 @@ class HarnessConfig:
     # production router, which in one process learns timings of a shared CPU and keeps to the replicas it
     # measured first.
     even_routing: bool = False
+    # Compute on the event loop's thread, in an order fixed by the seed; False: a thread per replica, as a node
+    # runs it, whose timing decides when each replica steps (runs of one seed then differ).
+    inline_compute: bool = True
     activation_codec: BoundaryCodecName = "fp32"  # the manifest's [activation_codec]
 
     def __post_init__(self) -> None:
@@ -329,7 +332,9 @@ def build_arm(
         clock=lambda: clock["t"],
     )
     services = {
-        identity.peer_id: stage_service(run, identity, stage, attack_obj, weights, watcher)
+        identity.peer_id: stage_service(
+            run, identity, stage, attack_obj, weights, watcher, inline=config.inline_compute
+        )
         for identity, stage, attack_obj in replicas
     }
     stages = {identity.peer_id: stage for identity, stage, _ in replicas}
@@ -370,6 +375,8 @@ def stage_service(
     attack: CountingAttack | None,
     weights: Mapping[str, torch.Tensor] | None,
     watcher: BanWatcher,
+    *,
+    inline: bool = True,
 ) -> StageService:
     """One replica: the production stage core and service, from `weights` if given, enforcing `watcher`'s bans."""
     core = build_core(run, RUN_ID, stage, StageConfig())
@@ -384,7 +391,7 @@ def stage_service(
         authorized=run.authorized_verifiers,
         is_banned=watcher.is_banned,
         attack=attack,
-        executor=InlineExecutor(),
+        executor=InlineExecutor() if inline else None,
     )
 
 
