@@ -457,7 +457,9 @@ def test_heartbeat_from_a_role_status_always_fits_the_record_schema() -> None:
     owner, me = NodeIdentity.generate(), NodeIdentity.generate()
     signed = SignedManifest.sign(RunManifest(), owner)
     rules = RunRules.from_manifest(signed, signed.verify())
-    ctx = SimpleNamespace(role_name="stage", stage=1, device="cpu", http_address="127.0.0.1:5")
+    ctx = SimpleNamespace(
+        role_name="stage", stage=1, device="cpu", http_address="127.0.0.1:5", connectivity={"mode": "relay"}
+    )
     sloppy = {
         "state": "warming up",
         "loss": float("nan"),
@@ -486,6 +488,7 @@ def test_heartbeat_from_a_role_status_always_fits_the_record_schema() -> None:
         limits=RecordLimits(),
     )
     assert record.signer == me.peer_id
+    assert hb.mode == record.body["mode"] == "relay"  # the mode decided at join travels in the heartbeat
 
 
 # ---- the bootstrap's settings: the same loader and precedence ----
