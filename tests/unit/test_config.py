@@ -627,3 +627,18 @@ def test_the_bootstrap_refuses_a_run_whose_sentinel_table_has_an_unknown_key(tmp
         load_manifest(BootstrapConfig(state_dir=tmp_path, run_path=run))
     run.write_text("[sentinel]\nfence_k = 5.0\n")
     assert load_manifest(BootstrapConfig(state_dir=tmp_path, run_path=run)).sentinel == {"fence_k": 5.0}
+
+
+@pytest.mark.parametrize(
+    ("connectivity", "mode"),
+    [
+        ({"mode": "direct", "reason": "a bootstrap dialed us back"}, "direct"),
+        ({"mode": "client", "reason": "no relay granted a reservation"}, "client"),
+        ({}, "unknown"),  # not decided (no join yet): the heartbeat keeps the body older nodes write
+        ({"mode": "satellite"}, "unknown"),  # never sent: it would be refused
+    ],
+)
+def test_the_heartbeat_mode_is_the_connectivity_decided_at_join(connectivity: dict, mode: str) -> None:
+    from node.swarm.membership import connectivity_mode
+
+    assert connectivity_mode(connectivity) == mode
