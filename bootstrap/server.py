@@ -230,6 +230,7 @@ class Bootstrap:
             maddrs=self.maddrs[:8],
             version=VERSION,
             sent_at=now,
+            mode="direct",  # every peer joins by dialing a bootstrap at its own addresses
         )
 
     async def publish_manifest(self) -> bool:

@@ -144,6 +144,8 @@ def _build_context(
         supervisor=supervisor,
         log_context=log_context,
         device=device,
+        # set before the first heartbeat, which carries its mode
+        connectivity=joined.connectivity.as_dict() if joined.connectivity is not None else {},
     )
 
 
@@ -194,8 +196,7 @@ def _spawn_tasks(
 def _note_reachability(ctx: NodeContext, joined: Any) -> None:
     """The `connectivity` event (direct / relay / client, and why) and, when a bootstrap checked, what it saw."""
     events = ctx.events
-    if joined.connectivity is not None:
-        ctx.connectivity = joined.connectivity.as_dict()
+    if ctx.connectivity:
         events.emit("connectivity", **ctx.connectivity)
     reach = joined.reachability
     if reach is not None:

@@ -46,6 +46,10 @@ _SIGN_DOMAIN = b"hivenode-record-v1\x00"
 ROLES = ("bootstrap", "learner", "stage", "verifier", "syncer")
 PEER_STATES = ("joining", "idle", "training", "serving", "verifying", "syncing", "standby", "leaving")
 SYNCER_STATES = ("active", "standby")
+# how others reach a peer (node.swarm.relay.Mode): dialed at its own addresses, through a relay's circuit, or not at
+# all (it serves nothing). A heartbeat may omit it (written before the field existed): shown as `UNKNOWN_MODE`.
+CONNECTIVITY_MODES = ("direct", "relay", "client")
+UNKNOWN_MODE = "unknown"
 MAX_MADDRS = 8
 MAX_FRAGMENTS = 1024
 MAX_MANIFEST_REJECTIONS = 8
@@ -160,7 +164,10 @@ HEARTBEAT_SCHEMA: dict[str, Check] = {
     "loss": _optional(_float(-1e9, 1e9)),
     "version": _str(32),
     "sent_at": _float(),
+    "mode": _str(16, CONNECTIVITY_MODES),  # optional (HEARTBEAT_OPTIONAL); "unknown" is never sent
 }
+# keys a body may leave out: fields added after the first release, so heartbeats of older nodes still validate
+HEARTBEAT_OPTIONAL = frozenset({"mode"})
 SYNCER_SCHEMA: dict[str, Check] = {
     "lease_until": _float(),  # DHT time the lease ends
     "term": _int(0),  # lease generation; a standby takes over with term + 1
@@ -182,15 +189,17 @@ def _ban_schema(limits: RecordLimits) -> dict[str, Check]:
     }
 
 
-def _check_schema(kind: KeyKind, body: object, schema: Mapping[str, Check]) -> dict[str, Any]:
+def _check_schema(
+    kind: KeyKind, body: object, schema: Mapping[str, Check], optional: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RecordRejected(f"{kind.value} body is not a map", reason="schema")
-    if set(body) != set(schema):
-        missing, extra = sorted(set(schema) - set(body)), sorted(set(body) - set(schema))
+    missing, extra = sorted(set(schema) - set(body) - optional), sorted(set(body) - set(schema))
+    if missing or extra:
         raise RecordRejected(
             f"{kind.value} body keys: missing {missing}, unexpected {extra}", reason="schema"
         )
-    bad = [name for name, check in schema.items() if not check(body[name])]
+    bad = [name for name, check in schema.items() if name in body and not check(body[name])]
     if bad:
         raise RecordRejected(f"{kind.value} body has bad fields {bad}", reason="schema")
     return body
@@ -344,8 +353,9 @@ def check_envelope(
     rules = runs.get(parsed.run_id) if parsed.run_id is not None else None
     if parsed.kind not in (KeyKind.MANIFEST, KeyKind.DISCOVERY) and rules is None:
         raise RecordRejected(f"record of unknown run {raw_key[:8]}", reason="unknown run")
+    optional = HEARTBEAT_OPTIONAL if parsed.kind is KeyKind.PEERS else frozenset()
     body = _check_schema(
-        parsed.kind, _unpack(body_bytes, limits.max_value_bytes), _schema_for(parsed.kind, limits)
+        parsed.kind, _unpack(body_bytes, limits.max_value_bytes), _schema_for(parsed.kind, limits), optional
     )
     signer = _expected_signer(parsed, subkey, body, rules)
     if not verify_signature(
@@ -467,6 +477,14 @@ class Heartbeat:
     loss: float | None = None
     version: str = ""
     sent_at: float = 0.0
+    mode: str = UNKNOWN_MODE  # one of CONNECTIVITY_MODES, or UNKNOWN_MODE (not sent: older nodes' validators
+    # refuse keys they do not know, so a node that cannot say its mode keeps the old body)
+
+    def __post_init__(self) -> None:
+        if self.mode != UNKNOWN_MODE and self.mode not in CONNECTIVITY_MODES:
+            raise RecordRejected(
+                f"heartbeat mode {self.mode!r} is not one of {CONNECTIVITY_MODES}", reason="schema"
+            )
 
     def to_body(self) -> dict[str, Any]:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -475,10 +493,13 @@ class Heartbeat:
         for name in ("throughput", "load", "sent_at"):
             body[name] = float(body[name])
         body["loss"] = float(self.loss) if self.loss is not None else None
+        if self.mode == UNKNOWN_MODE:
+            del body["mode"]
         return body
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Heartbeat:
+        """The heartbeat of a checked body; a body without `mode` (an older node's) has mode `UNKNOWN_MODE`."""
         values = dict(body)
         values["span"] = tuple(values["span"]) if values["span"] is not None else None
         values["maddrs"] = tuple(values["maddrs"])
@@ -492,8 +513,9 @@ class PeerRecord:
     expires_at: float
 
     def to_json(self) -> dict[str, Any]:
-        data = {"peer_id": self.peer_id, **self.heartbeat.to_body(), "expires_at": self.expires_at}
-        return data
+        # the mode always shows, "unknown" included, so views need not know which bodies may omit it
+        body = {**self.heartbeat.to_body(), "mode": self.heartbeat.mode}
+        return {"peer_id": self.peer_id, **body, "expires_at": self.expires_at}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,6 +12,13 @@ const HEALTH_HELP = {
   missing: "stopped heartbeating without announcing leaving (killed, stalled or cut off)",
   banned: "a ban is in effect",
 };
+const MODES = ["direct", "relay", "client", "unknown"];
+const MODE_HELP = {
+  direct: "peers dial it at its own addresses",
+  relay: "not reachable: peers reach it through a relay's circuit (slower)",
+  client: "not reachable and no relay: it trains and pushes but serves nothing",
+  unknown: "its heartbeat does not say (an older node)",
+};
 const PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#9d755d", "#e45756", "#72b7b2", "#eeca3b"];
 const SVG_NS = "http://www.w3.org/2000/svg";
 
@@ -150,7 +157,11 @@ function renderSummary(doc) {
   setText("run-meta", `run ${doc.run_id || "?"} · owner ${shortId(doc.owner)} · ${doc.settings ? doc.settings.num_stages : "?"} stage(s)`);
   const live = (doc.peers || []).length;
   setText("summary-peers", String(live));
-  setText("summary-health", HEALTHS.filter((h) => counts[h]).map((h) => `${counts[h]} ${h}`).join(", "));
+  const modes = map.modes || {};
+  const health = HEALTHS.filter((h) => counts[h]).map((h) => `${counts[h]} ${h}`);
+  // direct is the usual case: say only how many are relayed, client-only or of unknown mode
+  const reach = MODES.filter((m) => m !== "direct" && modes[m]).map((m) => `${modes[m]} ${m}`);
+  setText("summary-health", [...health, ...reach].join(", "));
   setText("summary-throughput", fmt(last(history.throughput || [])));
   // goodput is merged work only: 0 before the first merge, unknown (never a heartbeat figure) if undescribed
   const source = history.goodput_source;
@@ -170,15 +181,16 @@ function renderSummary(doc) {
 }
 
 function peerTile(cell) {
-  const lines = [`${cell.role}${cell.stage !== null && cell.stage !== undefined ? ` · stage ${cell.stage}` : ""}`];
+  const mode = MODES.includes(cell.mode) ? cell.mode : "unknown";
+  const lines = [`${cell.role}${cell.stage !== null && cell.stage !== undefined ? ` · stage ${cell.stage}` : ""} · ${mode}`];
   if (cell.role === "learner" || cell.role === "stage") {
     lines.push(`${fmt(cell.throughput)} tok/s`);
     lines.push(`step ${fmt(cell.inner_step)} · loss ${fmt(cell.loss, 2)}`);
   } else {
     lines.push(cell.state || "");
   }
-  const title = `${cell.peer_id}\n${cell.health}: ${HEALTH_HELP[cell.health] || ""}\nstate ${cell.state}\n${cell.http ? `http ${cell.http}` : ""}`;
-  const tile = el("div", { class: "peer", "data-peer-id": cell.peer_id, "data-health": cell.health, "data-role": cell.role, title });
+  const title = `${cell.peer_id}\n${cell.health}: ${HEALTH_HELP[cell.health] || ""}\n${mode}: ${MODE_HELP[mode]}\nstate ${cell.state}\n${cell.http ? `http ${cell.http}` : ""}`;
+  const tile = el("div", { class: "peer", "data-peer-id": cell.peer_id, "data-health": cell.health, "data-role": cell.role, "data-mode": mode, title });
   tile.append(el("b", { text: cell.short }));
   for (const line of lines) tile.append(el("br"), document.createTextNode(line));
   return tile;

@@ -13,7 +13,7 @@ from hivemind.utils import get_dht_time
 from node.config import NetworkConfig
 from node.context import EVENTS_FILENAME, short_id
 from node.status.http import summarize_bans
-from node.status.swarm_view import goodput_text, throughput_text
+from node.status.swarm_view import goodput_text, peer_mode, throughput_text
 from protocol.dht_io import SwarmRecords, fetch_discovery
 from protocol.errors import HivenodeError
 from protocol.identity import NodeIdentity
@@ -32,7 +32,7 @@ def render_swarm(data: dict[str, Any]) -> str:
         loss = peer.get("loss")
         lines.append(
             f"  {short_id(str(peer.get('peer_id', '')))}  {peer.get('role', '?'):9}{where:9} {peer.get('state', '?'):10}"
-            f" step {step if step is not None else '-'}  {peer.get('throughput', 0.0):.0f} tok/s"
+            f" {peer_mode(peer):7} step {step if step is not None else '-'}  {peer.get('throughput', 0.0):.0f} tok/s"
             f"  loss {f'{loss:.3f}' if isinstance(loss, int | float) else '-'}  {peer.get('http', '')}"
         )
     syncers = data.get("syncer") or []

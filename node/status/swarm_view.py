@@ -25,6 +25,8 @@ and its report read the same structures. Definitions:
   `stale_periods` periods older than the freshest one seen, or, among three or more peers doing the same work, it trains at under
   `slow_fraction` of their median throughput); `idle` (joined but does no work, e.g. a role this version does
   not have); else `alive`.
+- *mode* of a peer: how others reach it, from its heartbeat (`direct`, `relay`: through a relay's circuit,
+  slower; `client`: not at all, it serves nothing), `unknown` for a heartbeat without it (an older node).
 - *throughput*: tokens/s processed, from the increments of every learner's token counter and of every stage-0
   replica's (a pipeline microbatch crosses every stage; counting stage 0 counts it once), averaged over
   `rate_window_s`. A counter that goes down (a restarted process) counts from zero.
@@ -45,6 +47,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from protocol.records import CONNECTIVITY_MODES, UNKNOWN_MODE
 
 HEALTHS = ("alive", "straggling", "idle", "leaving", "missing", "banned")
 TRAINING_ROLES = ("learner", "stage")
@@ -103,6 +107,12 @@ def _num(value: object) -> float | None:
 
 def _round(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
+
+
+def peer_mode(record: Mapping[str, Any]) -> str:
+    """A peer record's connectivity mode; anything but a known mode (absent, or a document from elsewhere) is unknown."""
+    mode = record.get("mode")
+    return mode if isinstance(mode, str) and mode in CONNECTIVITY_MODES else UNKNOWN_MODE
 
 
 def banned_set(bans: Iterable[Mapping[str, Any]]) -> set[str]:
@@ -564,8 +574,10 @@ class SwarmHistory:
             else:
                 groups.setdefault(cell["role"], []).append(cell)
         counts: dict[str, int] = dict.fromkeys(HEALTHS, 0)
+        modes: dict[str, int] = dict.fromkeys((*CONNECTIVITY_MODES, UNKNOWN_MODE), 0)
         for cell in cells:
             counts[cell["health"]] += 1
+            modes[cell["mode"]] += 1
         return {
             "stages": stages,
             "learners": groups["learner"],
@@ -573,6 +585,7 @@ class SwarmHistory:
             "syncers": groups["syncer"],
             "bootstraps": groups["bootstrap"],
             "counts": counts,
+            "modes": modes,
         }
 
     def _cell(self, track: _PeerTrack) -> dict[str, Any]:
@@ -590,6 +603,7 @@ class SwarmHistory:
             "inner_step": record.get("inner_step"),
             "tokens": record.get("tokens"),
             "http": record.get("http", ""),
+            "mode": peer_mode(record),
             "last_seen": round(track.last_seen, 3),
         }
 

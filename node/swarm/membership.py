@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hivemind.utils import get_dht_time
@@ -20,7 +20,7 @@ from hivemind.utils import get_dht_time
 from node.context import VERSION, NodeContext, NodeMetrics, wait_or_stop
 from protocol.dht_io import SwarmRecords
 from protocol.errors import HivenodeError
-from protocol.records import PEER_STATES, Heartbeat, PeerRecord
+from protocol.records import CONNECTIVITY_MODES, PEER_STATES, UNKNOWN_MODE, Heartbeat, PeerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,14 @@ def build_heartbeat(
         loss=float(loss) if isinstance(loss, int | float) and math.isfinite(loss) else None,
         version=VERSION,
         sent_at=now,
+        mode=connectivity_mode(ctx.connectivity),
     )
+
+
+def connectivity_mode(connectivity: Mapping[str, Any]) -> str:
+    """The mode a heartbeat carries: the one decided at join (`Connectivity.as_dict()`), else unknown."""
+    mode = connectivity.get("mode")
+    return mode if isinstance(mode, str) and mode in CONNECTIVITY_MODES else UNKNOWN_MODE
 
 
 class Membership:

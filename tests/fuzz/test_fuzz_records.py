@@ -47,6 +47,7 @@ from protocol.keys import KeyKind
 from protocol.limits import QuotaConfig
 from protocol.manifest import RunManifest, SignedManifest, authorize
 from protocol.records import (
+    UNKNOWN_MODE,
     BanNotice,
     Heartbeat,
     HivenodeRecordValidator,
@@ -94,14 +95,22 @@ def seed_corpus() -> dict[str, dict[str, bytes]]:
     """target -> {seed name: input bytes}; deterministic (fixed keys, fixed times, Ed25519 signs deterministically)."""
     run = RULES.run_id
     heartbeat = Heartbeat(
-        role="stage", stage=1, span=(2, 4), throughput=10.0, maddrs=tuple(OURS), sent_at=SEED_TIME
+        role="stage",
+        stage=1,
+        span=(2, 4),
+        throughput=10.0,
+        maddrs=tuple(OURS),
+        sent_at=SEED_TIME,
+        mode="relay",
     )
+    older = dataclasses.replace(heartbeat, mode=UNKNOWN_MODE)  # a body without `mode`, as older nodes write
     syncer = SyncerState(lease_until=SEED_TIME + 30, term=2, versions=(1, 2, 3), sent_at=SEED_TIME)
     ban = BanNotice(
         offender=PEER.peer_id, reason="flagged 3 times", evidence=b"\x01" * 32, issued_at=SEED_TIME
     )
     records = {
         "heartbeat": _record(PEER, keys.peers_key(run), PEER.peer_id, heartbeat.to_body(), 4.0),
+        "heartbeat-no-mode": _record(PEER, keys.peers_key(run), PEER.peer_id, older.to_body(), 4.0),
         "syncer": _record(SYNCER, keys.syncer_key(run), SYNCER.peer_id, syncer.to_body(), 30.0),
         "ban": _record(VERIFIER, keys.bans_key(run, PEER.peer_id), VERIFIER.peer_id, ban.to_body(), 600.0),
         "manifest": _record(OWNER, keys.manifest_key(run), None, {"signed": SIGNED.to_wire()}, 600.0),

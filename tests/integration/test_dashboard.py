@@ -170,6 +170,7 @@ def _check_page(url: str, offender: str, screenshot: Path, *, merges: bool = Fal
             page.screenshot(path=str(screenshot), full_page=True)
             shown = {
                 "roles": set(page.locator(".peer").evaluate_all("els => els.map(e => e.dataset.role)")),
+                "modes": set(page.locator(".peer").evaluate_all("els => els.map(e => e.dataset.mode)")),
                 "ban": page.locator(row).inner_text(),
                 "evidence": page.locator(f"{row} pre").first.inner_text().strip(),
                 "bans": int(page.locator("#summary-bans").inner_text()),
@@ -184,6 +185,7 @@ def _check_page(url: str, offender: str, screenshot: Path, *, merges: bool = Fal
         finally:
             browser.close()
     assert {"bootstrap", "syncer", "stage", "verifier"} <= shown["roles"]
+    assert shown["modes"] == {"direct"}  # every demo peer is on loopback: nobody needs a relay
     assert shown["bans"] >= 1
     assert offender[-8:] in shown["ban"] and "B evidence" in shown["ban"]
     assert len(shown["evidence"]) > 16 and all(c in "0123456789abcdef" for c in shown["evidence"])
@@ -257,3 +259,103 @@ def test_operator_views_of_the_same_swarm(demo_swarm, tmp_path: Path) -> None:
     assert "syncer record(s)" in result.stdout and "\nswarm: " in result.stdout
     syncer = next(p for p in peers if p["role"] == "syncer")
     assert f"{syncer['peer_id'][-8:]}  active" in result.stdout  # its lease record, with its versions
+
+
+# ---- the peers' connectivity modes, from heartbeat records to the page (no swarm: the page's requests are routed) --
+
+FAKE_ORIGIN = "http://dashboard.test"
+
+
+def _modes_document() -> dict:
+    """An /api/swarm document built as the bootstrap builds it: heartbeat bodies -> PeerRecord.to_json -> the
+    swarm view's map. One peer per mode, one older node without a mode, and a bootstrap."""
+    from node.status.swarm_view import SwarmHistory, ViewConfig
+    from protocol.records import Heartbeat, PeerRecord
+
+    now = 1_800_000_000.0
+    heartbeats = {
+        "12D3KooWDirect01": {"role": "learner", "mode": "direct"},
+        "12D3KooWRelay002": {"role": "learner", "mode": "relay"},
+        "12D3KooWClient03": {"role": "learner", "mode": "client"},
+        "12D3KooWOlder004": {"role": "learner"},  # an older node: its heartbeat has no mode
+        "12D3KooWBoot0005": {"role": "bootstrap", "mode": "direct"},
+    }
+    peers = [
+        PeerRecord(
+            peer_id=peer_id,
+            heartbeat=Heartbeat.from_body(
+                Heartbeat(sent_at=now, maddrs=(), **fields).to_body()
+            ),  # the wire body
+            expires_at=now + 4,
+        ).to_json()
+        for peer_id, fields in heartbeats.items()
+    ]
+    document = {
+        "run_id": "r" * 16,
+        "run_name": "modes",
+        "owner": "12D3KooWOwner000",
+        "settings": {"num_stages": 1, "heartbeat_period_s": 2.0},
+        "time": now,
+        "peers": peers,
+        "bans": [],
+        "syncer": [],
+    }
+    history = SwarmHistory(ViewConfig())
+    history.observe(document, now)
+    return {**document, "map": history.swarm_map(document), "history": history.history_json(), "events": []}
+
+
+def _serve_routed(route, document: dict) -> None:
+    """The bootstrap's routes for the page: `/`, `/static/...` from bootstrap/static/, `/api/swarm` -> document."""
+    import json
+
+    path = route.request.url[len(FAKE_ORIGIN) :].split("?", 1)[0]
+    static = REPO_ROOT / "bootstrap" / "static"
+    if path == "/api/swarm":
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(document))
+    elif path == "/":
+        route.fulfill(status=200, content_type="text/html", body=(static / "index.html").read_text())
+    elif path.startswith("/static/") and (static / path[len("/static/") :]).is_file():
+        kind = "text/css" if path.endswith(".css") else "text/javascript"
+        route.fulfill(status=200, content_type=kind, body=(static / path[len("/static/") :]).read_text())
+    else:
+        route.fulfill(status=404, body="not found")
+
+
+def test_the_map_shows_how_each_peer_is_reached() -> None:
+    """Relayed, client-only and older (mode unknown) peers are told apart on the map and counted in the summary."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    document = _modes_document()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.route(f"{FAKE_ORIGIN}/**", lambda route: _serve_routed(route, document))
+            page.goto(FAKE_ORIGIN + "/")
+            page.wait_for_function("document.querySelectorAll('.peer').length === 5", timeout=30_000)
+            tiles = page.locator(".peer").evaluate_all(
+                "els => els.map(e => [e.dataset.peerId, e.dataset.mode, e.textContent, e.title])"
+            )
+            summary = page.locator("#summary-health").inner_text()
+            assert not errors, errors
+        finally:
+            browser.close()
+    shown = {peer_id[-8:]: (mode, text, title) for peer_id, mode, text, title in tiles}
+    assert {k: v[0] for k, v in shown.items()} == {
+        "Direct01": "direct",
+        "Relay002": "relay",
+        "Client03": "client",
+        "Older004": "unknown",
+        "Boot0005": "direct",
+    }
+    assert "learner · relay" in shown["Relay002"][1] and "relay's circuit" in shown["Relay002"][2]
+    assert "learner · client" in shown["Client03"][1] and "serves nothing" in shown["Client03"][2]
+    assert "learner · unknown" in shown["Older004"][1]
+    assert "1 relay" in summary and "1 client" in summary and "1 unknown" in summary, summary
+    assert "direct" not in summary, summary  # the usual case is not counted out loud

@@ -109,6 +109,7 @@ def test_an_unreachable_node_is_relayed_by_the_bootstrap_and_says_what_to_open(g
         lambda: _peers(bootstrap).get(unreachable_id), 20, what="the relayed node in the swarm"
     )
     assert listed["maddrs"] == mode["addresses"], listed
+    assert listed["mode"] == "relay", listed  # the swarm view tells a relayed peer from a direct one
 
     # Control: announcing the port it listens on, a node is reachable, and nobody is told to open anything.
     assert good["reachable"] is True and good["client_mode"] is False
@@ -116,13 +117,16 @@ def test_an_unreachable_node_is_relayed_by_the_bootstrap_and_says_what_to_open(g
     assert "peers cannot dial this node" not in reachable.stderr()
     direct = _event(root / "reachable", "connectivity")
     assert direct is not None and direct["mode"] == "direct" and "dialed us back" in direct["reason"], direct
+    reachable_id = _peer_id(group, reachable)
+    control = wait_until(lambda: _peers(bootstrap).get(reachable_id), 20, what="the control in the swarm")
+    assert control["mode"] == "direct", control
 
     # Counted at the bootstrap: exactly one check per node, with the result each node acted on.
     checks = re.findall(r"reach check for (\S+): (\d) of (\d) address", bootstrap.stderr())
     by_peer = {peer: (int(ok), int(total)) for peer, ok, total in checks}
     assert len(checks) == 2, checks
     assert by_peer[unreachable_id[-8:]] == (0, 1)
-    assert by_peer[_peer_id(group, reachable)[-8:]] == (1, 1)
+    assert by_peer[reachable_id[-8:]] == (1, 1)
 
 
 def test_without_a_relay_an_unreachable_node_runs_in_client_mode_and_says_why(group: Procs) -> None:
@@ -146,7 +150,8 @@ def test_without_a_relay_an_unreachable_node_runs_in_client_mode_and_says_why(gr
     assert _event(group.root / "client", "reachability")["client_mode"] is True  # type: ignore[index]
     assert get_json(node.status_url)["connectivity"]["mode"] == "client"
     node_id = _peer_id(group, node)
-    wait_until(lambda: node_id in _peers(bootstrap), 20, what="the client-mode node in the swarm")
+    listed = wait_until(lambda: _peers(bootstrap).get(node_id), 20, what="the client-mode node in the swarm")
+    assert listed["mode"] == "client", listed
 
 
 def _write_config(path: Path, *, peer_check_period_s: float) -> Path:

@@ -457,7 +457,9 @@ def test_heartbeat_from_a_role_status_always_fits_the_record_schema() -> None:
     owner, me = NodeIdentity.generate(), NodeIdentity.generate()
     signed = SignedManifest.sign(RunManifest(), owner)
     rules = RunRules.from_manifest(signed, signed.verify())
-    ctx = SimpleNamespace(role_name="stage", stage=1, device="cpu", http_address="127.0.0.1:5")
+    ctx = SimpleNamespace(
+        role_name="stage", stage=1, device="cpu", http_address="127.0.0.1:5", connectivity={"mode": "relay"}
+    )
     sloppy = {
         "state": "warming up",
         "loss": float("nan"),
@@ -486,6 +488,7 @@ def test_heartbeat_from_a_role_status_always_fits_the_record_schema() -> None:
         limits=RecordLimits(),
     )
     assert record.signer == me.peer_id
+    assert hb.mode == record.body["mode"] == "relay"  # the mode decided at join travels in the heartbeat
 
 
 # ---- the bootstrap's settings: the same loader and precedence ----
@@ -624,3 +627,18 @@ def test_the_bootstrap_refuses_a_run_whose_sentinel_table_has_an_unknown_key(tmp
         load_manifest(BootstrapConfig(state_dir=tmp_path, run_path=run))
     run.write_text("[sentinel]\nfence_k = 5.0\n")
     assert load_manifest(BootstrapConfig(state_dir=tmp_path, run_path=run)).sentinel == {"fence_k": 5.0}
+
+
+@pytest.mark.parametrize(
+    ("connectivity", "mode"),
+    [
+        ({"mode": "direct", "reason": "a bootstrap dialed us back"}, "direct"),
+        ({"mode": "client", "reason": "no relay granted a reservation"}, "client"),
+        ({}, "unknown"),  # not decided (no join yet): the heartbeat keeps the body older nodes write
+        ({"mode": "satellite"}, "unknown"),  # never sent: it would be refused
+    ],
+)
+def test_the_heartbeat_mode_is_the_connectivity_decided_at_join(connectivity: dict, mode: str) -> None:
+    from node.swarm.membership import connectivity_mode
+
+    assert connectivity_mode(connectivity) == mode

@@ -16,9 +16,12 @@ from protocol.errors import RecordRejected
 from protocol.identity import NodeIdentity
 from protocol.manifest import RunManifest, SignedManifest, authorize
 from protocol.records import (
+    CONNECTIVITY_MODES,
+    UNKNOWN_MODE,
     BanNotice,
     Heartbeat,
     HivenodeRecordValidator,
+    PeerRecord,
     RecordLimits,
     RunRules,
     SyncerState,
@@ -123,10 +126,64 @@ def test_a_peer_heartbeat_under_its_own_subkey_is_accepted() -> None:
 
 
 def test_heartbeat_round_trips_every_field() -> None:
-    full = heartbeat(stage=1, span=(2, 4), maddrs=("/ip4/1.2.3.4/tcp/5",), loss=2.5, inner_step=7, tokens=99)
+    full = heartbeat(
+        stage=1, span=(2, 4), maddrs=("/ip4/1.2.3.4/tcp/5",), loss=2.5, inner_step=7, tokens=99, mode="relay"
+    )
     assert Heartbeat.from_body(full.to_body()) == full
     envelope, raw_key, sub = signed_heartbeat(stage=1, span=(2, 4), loss=2.5)
     assert check(envelope, raw_key, sub).body["span"] == [2, 4]
+
+
+@pytest.mark.parametrize("mode", CONNECTIVITY_MODES)
+def test_a_heartbeat_carries_its_connectivity_mode(mode: str) -> None:
+    envelope, raw_key, sub = signed_heartbeat(mode=mode)
+    record = check(envelope, raw_key, sub)
+    assert record.body["mode"] == mode
+    parsed = Heartbeat.from_body(record.body)
+    assert parsed.mode == mode and parsed == heartbeat(mode=mode)
+    assert PeerRecord(peer_id=sub, heartbeat=parsed, expires_at=NOW + 5).to_json()["mode"] == mode
+
+
+def test_a_heartbeat_without_a_mode_still_validates_and_reads_unknown() -> None:
+    """An older node's heartbeat (no `mode` key) is accepted; its mode shows as unknown. A node that cannot say
+    its mode writes that same older body, which older validators (exact keys) accept too."""
+    body = heartbeat().to_body()
+    assert "mode" not in body  # unknown is never sent
+    raw_key = keys.peers_key(RUN_ID)
+    record = check(make_envelope(PEER, raw_key, PEER.peer_id, body, NOW + 5), raw_key, PEER.peer_id)
+    parsed = Heartbeat.from_body(record.body)
+    assert parsed.mode == UNKNOWN_MODE
+    assert (
+        PeerRecord(peer_id=PEER.peer_id, heartbeat=parsed, expires_at=NOW + 5).to_json()["mode"] == "unknown"
+    )
+    # only the optional key may be left out: a missing required key is still refused
+    del body["version"]
+    envelope = make_envelope(PEER, raw_key, PEER.peer_id, body, NOW + 5)
+    assert reason_of(lambda: check(envelope, raw_key, PEER.peer_id)) == "schema"
+
+
+@pytest.mark.parametrize("mode", ["satellite", "unknown", "", "Relay", "r" * 17, 1, None, b"relay", True])
+def test_a_heartbeat_with_a_bad_mode_is_refused(mode: Any) -> None:
+    raw_key = keys.peers_key(RUN_ID)
+    body = heartbeat().to_body()
+    control = make_envelope(PEER, raw_key, PEER.peer_id, {**body, "mode": "relay"}, NOW + 5)
+    assert (
+        check(control, raw_key, PEER.peer_id).body["mode"] == "relay"
+    )  # the same body with a known mode passes
+    envelope = make_envelope(PEER, raw_key, PEER.peer_id, {**body, "mode": mode}, NOW + 5)
+    assert reason_of(lambda: check(envelope, raw_key, PEER.peer_id)) == "schema"
+
+
+def test_a_heartbeat_with_a_bad_mode_cannot_be_built_or_parsed() -> None:
+    assert reason_of(lambda: heartbeat(mode="satellite")) == "schema"
+    body = {**heartbeat().to_body(), "mode": "satellite"}
+    assert reason_of(lambda: Heartbeat.from_body(body)) == "schema"
+
+
+def test_the_wire_modes_are_the_modes_a_node_decides() -> None:
+    from node.swarm.relay import Mode
+
+    assert tuple(m.value for m in Mode) == CONNECTIVITY_MODES and UNKNOWN_MODE not in CONNECTIVITY_MODES
 
 
 def test_manifest_syncer_ban_and_discovery_records_are_accepted() -> None:

@@ -46,6 +46,24 @@ def test_merged_goodput_is_shown_with_its_merges() -> None:
     assert line.startswith("swarm: goodput 1,234 tok/s merged, 12 merges seen;")
 
 
+def test_the_swarm_summary_says_how_each_peer_is_reached() -> None:
+    peers = [
+        {"peer_id": "12D3KooWRelayed1", "role": "learner", "state": "training", "mode": "relay"},
+        {"peer_id": "12D3KooWClientO2", "role": "learner", "state": "training", "mode": "client"},
+        {
+            "peer_id": "12D3KooWOlderNo3",
+            "role": "stage",
+            "stage": 0,
+            "state": "serving",
+        },  # no mode: older node
+    ]
+    text = render_swarm({**swarm(history(goodput=0.0, source="no merges yet", merges=0)), "peers": peers})
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ")}
+    assert "training   relay   step" in lines["Relayed1"]
+    assert "training   client  step" in lines["ClientO2"]
+    assert "serving    unknown step" in lines["OlderNo3"]
+
+
 def test_the_demo_join_line_names_an_absolute_command() -> None:
     maddr = "/ip4/127.0.0.1/tcp/4242/p2p/12D3KooWTest"
     venv = join_command(maddr)

@@ -262,6 +262,33 @@ def test_map_groups_roles_and_fills_stage_rows() -> None:
     assert [len(view[k]) for k in ("learners", "verifiers", "syncers", "bootstraps")] == [1, 1, 1, 1]
 
 
+def test_the_map_shows_each_peers_connectivity_mode_and_counts_them() -> None:
+    history = SwarmHistory(config())
+    peers = [
+        peer("D", "learner", mode="direct"),
+        peer("R", "learner", mode="relay"),
+        peer("C", "learner", mode="client"),
+        peer("OLD", "learner"),  # an older node's heartbeat has no mode
+        peer("ODD", "learner", mode="<b>satellite</b>"),  # a document from elsewhere: not shown as given
+        peer("BOOT", "bootstrap", mode="direct"),
+    ]
+    history.observe(doc(0.0, peers), 0.0)
+    view = history.swarm_map(doc(0.0, []))
+    modes = {c["short"]: c["mode"] for c in view["learners"] + view["bootstraps"]}
+    assert modes == {
+        "D": "direct",
+        "R": "relay",
+        "C": "client",
+        "OLD": "unknown",
+        "ODD": "unknown",
+        "BOOT": "direct",
+    }
+    assert view["modes"] == {"direct": 2, "relay": 1, "client": 1, "unknown": 2}
+    # a peer that rejoins relayed shows its new mode
+    history.observe(doc(1.0, [peer("D", "learner", mode="relay")]), 1.0)
+    assert {c["short"]: c["mode"] for c in history.swarm_map(doc(1.0, []))["learners"]}["D"] == "relay"
+
+
 def test_ring_buffers_stay_bounded() -> None:
     history = SwarmHistory(config(max_samples=5, max_events=7, max_peers_tracked=3, remember_missing_s=1.0))
     for i in range(50):
