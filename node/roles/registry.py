@@ -101,7 +101,8 @@ def choose_role(
 
     `client_mode`: others cannot dial this node, so `auto` never makes it a role that serves RPCs; `relayed`:
     others reach it only through a relay, whose circuits carry 128 KiB each (a relayed stage replica measured
-    0.2-0.3 microbatches/s), so `auto` does not either; `--role stage` still may."""
+    0.2-0.3 microbatches/s), so `auto` does not either; `--role stage` still may, `--role syncer` may not (the
+    lease holder every learner must reach: ConfigError)."""
     if requested_stage is not None and requested != "stage":
         raise ConfigError("--stage only applies to --role stage")
     authorized = {"syncer": manifest.authorized_syncers, "verifier": manifest.authorized_verifiers}
@@ -112,6 +113,13 @@ def choose_role(
         )
     if requested == "auto":
         return _auto(peer_id, manifest, peers, now, client_mode=client_mode, relayed=relayed)
+    if requested == "syncer" and (client_mode or relayed):
+        raise ConfigError(
+            f"--role syncer: peers cannot dial this node directly ({'relay' if relayed else 'client'} mode), and "
+            "every learner pushes its fragments to the syncer (megabytes each; a relay circuit carries 128 KiB): "
+            "as the lease holder it would stall the run. Open the TCP port named in the reachability line above "
+            "(--listen/--announce) or run the syncer on a machine others can dial"
+        )
     if client_mode and requested in SERVING_ROLES:
         logger.warning(
             "--role %s: peers cannot dial this node (client mode), so it will not get their requests",

@@ -573,6 +573,7 @@ def test_auto_never_puts_a_node_nobody_can_dial_on_a_stage_or_the_syncer(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from node.roles.registry import choose_role
+    from protocol.errors import ConfigError
     from protocol.identity import NodeIdentity
     from protocol.manifest import RunManifest
 
@@ -596,6 +597,11 @@ def test_auto_never_puts_a_node_nobody_can_dial_on_a_stage_or_the_syncer(
     relayed = choose_role("auto", None, me, pipeline, [], 0.0, relayed=True)
     assert relayed.role == "learner" and "relay mode" in relayed.reason
     assert choose_role("stage", 1, me, pipeline, [], 0.0, relayed=True).stage == 1
+    # a syncer nobody can dial would hold the lease and stall every learner: refused, saying what to open
+    assert choose_role("syncer", None, me, run, [], 0.0).role == "syncer"  # control: dialable
+    for undialable in ({"client_mode": True}, {"relayed": True}):
+        with pytest.raises(ConfigError, match="--role syncer: peers cannot dial this node directly"):
+            choose_role("syncer", None, me, run, [], 0.0, **undialable)
 
 
 def test_when_a_whole_stage_is_cooling_down_its_untried_replicas_are_still_used() -> None:
