@@ -544,6 +544,8 @@ class StageCore:
 
     def _measure(self, started: float, tokens: int, *, share: float) -> None:
         """Fold one compute time into seconds per token of a whole microbatch (forward ~1/3, backward ~2/3)."""
+        if self.device.type == "cuda":  # kernels run asynchronously: time them done, not launched
+            torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         self.counters.compute_s += seconds
         if tokens <= 0 or share <= 0:
