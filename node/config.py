@@ -205,7 +205,7 @@ class NodeConfig:
     state_dir: Path  # identity, pinned owners, event log
     role: str = "auto"  # auto | learner | stage | verifier | syncer (node.roles.registry.choose_role: auto)
     stage: int | None = None  # pipeline stage for role `stage`; none = the least served
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps: where every role computes (auto: the best)
     identity_path: Path | None = None  # Ed25519 key file; none = <state_dir>/identity.key
     data: str | None = None  # corpus override (file, directory, dataset name); none = the run's data spec
     max_steps: int | None = None  # stop after this many inner steps (roles that step); none = never
@@ -234,8 +234,8 @@ class NodeConfig:
             raise ValueError(f"stage must be an int, got {self.stage!r}")
         if self.stage is not None and self.stage < 0:
             raise ValueError(f"stage must be >= 0, got {self.stage}")
-        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu") or _is_cuda(self.device)):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not isinstance(self.device, str) or not _is_device(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         if self.max_steps is not None and (
             isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps < 1
         ):
@@ -251,8 +251,9 @@ class NodeConfig:
         return self.identity_path or self.state_dir / "identity.key"
 
 
-def _is_cuda(device: str) -> bool:
-    return device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())
+def _is_device(device: str) -> bool:
+    """A `--device` this loader accepts; whether this machine has it is `node.context.resolve_device`'s check."""
+    return device in ("auto", "cpu", "mps", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
 
 
 ROLE_TABLES = ("learner", "syncer", "stage_options", "verifier")
@@ -319,7 +320,11 @@ def build_run_parser() -> argparse.ArgumentParser:
     )
     add("--role", choices=ROLE_CHOICES, help="what this node does (default: auto)")
     add("--stage", type=int, help="pipeline stage for --role stage (default: the least served)")
-    add("--device", help="auto | cpu | cuda | cuda:N (default: auto)")
+    add(
+        "--device",
+        help="where every role computes: auto | cpu | cuda | cuda:N | mps (default: auto, the best available: "
+        "cuda, else mps, else cpu)",
+    )
     add("--identity", type=Path, metavar="PATH", help="Ed25519 key file (default: <state-dir>/identity.key)")
     add(
         "--state-dir",

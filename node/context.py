@@ -283,14 +283,34 @@ class NodeContext:
 
 
 def resolve_device(requested: str) -> str:
-    """`auto` -> `cuda` when a CUDA device is visible, else `cpu`; an explicit cuda without one is an error."""
+    """`auto` -> the best device visible to this process: `cuda`, else `mps` (Apple silicon), else `cpu`. An
+    explicit device this process cannot use is a ConfigError at start, not a crash at the first tensor."""
     import torch  # hivemind imports torch anyway; keep it out of this module's import time
 
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {requested}: no CUDA device is visible to this process")
+        if torch.cuda.is_available():
+            return "cuda"
+        return "mps" if _mps_available() else "cpu"
+    if requested.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {requested}: no CUDA device is visible to this process")
+        index, count = int(requested.partition(":")[2] or 0), torch.cuda.device_count()
+        if index >= count:
+            raise ConfigError(
+                f"--device {requested}: this process sees {count} CUDA device(s), 0..{count - 1}"
+            )
+    if requested == "mps" and not _mps_available():
+        raise ConfigError(
+            f"--device {requested}: MPS is not available (Apple silicon and a torch built with it)"
+        )
     return requested
+
+
+def _mps_available() -> bool:
+    import torch
+
+    mps = getattr(torch.backends, "mps", None)  # absent from some torch builds
+    return bool(mps is not None and mps.is_available())
 
 
 async def wait_or_stop(stop: asyncio.Event, timeout_s: float) -> bool:

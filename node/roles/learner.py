@@ -34,6 +34,7 @@ from node.config import component_config
 from node.diloco.attack_transport import learner_attack_from_env
 from node.diloco.sync_client import FragmentSync, FramedSyncTransport, run_fragment_plan
 from node.diloco.sync_types import SyncClientConfig
+from node.ml.device import autocast
 
 if TYPE_CHECKING:
     from node.context import NodeContext
@@ -289,7 +290,7 @@ class LearnerRole:
         for _ in range(inner.accumulation):  # gradients summed over the batches, each loss scaled down
             inputs, targets = self._sampler.next_batch()
             # bf16 autocast on CUDA (fp32 master weights and optimizer state; the loss is fp32, lm_loss)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
+            with autocast(device):
                 _, loss = self._model(inputs.to(device), targets.to(device))
             (loss / inner.accumulation).backward()
             total += float(loss.detach())

@@ -46,6 +46,7 @@ import torch
 from torch.func import functional_call
 
 from node.config import component_config
+from node.ml.device import autocast, to_device, to_wire, to_wire_optional
 from node.ml.model import ModelConfig, StageModule, build_stage, stage_spans
 from node.pipeline.routing import (
     IdempotencyKey,
@@ -212,8 +213,13 @@ class StageCore:
         config: StageConfig | None = None,
         on_step: Callable[[int, int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        device: str = "cpu",
     ) -> None:
-        self.module = module
+        """`device`: where the module, its fp32 master weights, the optimizer state and every microbatch's
+        compute live (bf16 autocast on CUDA). The public methods take and return CPU tensors (the wire's):
+        inputs move to the device on entry, answers come back as CPU fp32 (`node.ml.device`)."""
+        self.device = torch.device(device)
+        self.module = module.to(self.device)  # before the optimizer: AdamW's state follows its parameters
         self.module.train()
         self.stage = stage
         self.run_id = run_id
@@ -254,7 +260,8 @@ class StageCore:
         return 0.0 if spt is None or spt <= 0 else 1.0 / spt
 
     def accumulated_gradients(self) -> dict[str, torch.Tensor]:
-        """The batch-mean gradient accumulated since the last step (what `.grad` will be at the next one)."""
+        """The batch-mean gradient accumulated since the last step (what `.grad` will be at the next one), on the
+        compute device."""
         if self._acc_sequences == 0:
             return {}
         return {name: total / self._acc_sequences for name, total in self._grad_sum.items()}
@@ -276,10 +283,11 @@ class StageCore:
         self._check_input(x)
         key = self._key(sender, microbatch, Phase.BACKWARD)
         self._refuse_applied(key, "forward")
+        x = to_device(x, self.device)
         held = self._contexts.get((sender, microbatch))
         if held is not None and self._same_input(held, x):  # a retry whose answer was lost: same output
             self.counters.answered_from_cache += 1
-            return held.output.detach()
+            return to_wire(held.output)
         if (
             held is not None
         ):  # the verifier rerouted upstream: a new input for this microbatch replaces the old
@@ -287,15 +295,16 @@ class StageCore:
         started = time.perf_counter()
         leaves = self._leaves()
         x_in = None if self.is_first else x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            output = functional_call(self.module, leaves, (x if x_in is None else x_in,))
+        with torch.enable_grad(), autocast(self.device):
+            # fp32 inside the graph: the backward's fp32 gradient then flows through the cast (bf16 on CUDA)
+            output = functional_call(self.module, leaves, (x if x_in is None else x_in,)).float()
         context = _Context(
             self.clock(), x_in, output, leaves, *self._size(x), tokens_in=x if x_in is None else None
         )
         self._remember(sender, microbatch, context)
         self._measure(started, self._size(x)[1], share=1 / 3)
         self.counters.microbatches_served += 1
-        return output.detach()
+        return to_wire(output)
 
     @staticmethod
     def _same_input(held: _Context, x: torch.Tensor) -> bool:
@@ -309,15 +318,16 @@ class StageCore:
             if targets is None:
                 raise TensorPolicyError("the last stage needs targets", reason="missing targets")
             self.shape.check_tokens(targets, "targets")
+        given = [x] if targets is None or not self.is_last else [x, targets]
+        args = tuple(to_device(t, self.device) for t in given)
         self.module.eval()
         try:
-            with torch.no_grad():
-                args = (x,) if not self.is_last else (x, targets)
+            with torch.no_grad(), autocast(self.device):
                 out = functional_call(self.module, self._leaves(), args)
         finally:
             self.module.train()
         self.counters.microbatches_served += 1
-        return out.detach()
+        return to_wire(out)
 
     def input_gradient(
         self, x: torch.Tensor, grad_output: torch.Tensor | None, targets: torch.Tensor | None
@@ -327,23 +337,23 @@ class StageCore:
         self._check_input(x)
         if self.is_first:
             raise TensorPolicyError("stage 0 has no input gradient", reason="bad tensors")
-        x_in = x.detach().requires_grad_(True)
-        with torch.enable_grad():
+        x_in = to_device(x, self.device).detach().requires_grad_(True)
+        with torch.enable_grad(), autocast(self.device):
             if self.is_last:
                 if targets is None or tuple(targets.shape) != tuple(x.shape[:2]):
                     raise TensorPolicyError(
                         "the last stage needs targets of the input's [B, T]", reason="bad shape"
                     )
                 self.shape.check_tokens(targets, "targets")
-                out = functional_call(self.module, self._leaves(), (x_in, targets))
-                (grad,) = torch.autograd.grad(out, [x_in])
+                out = functional_call(self.module, self._leaves(), (x_in, to_device(targets, self.device)))
+                (grad,) = torch.autograd.grad(out.float(), [x_in])
             else:
-                out = functional_call(self.module, self._leaves(), (x_in,))
+                out = functional_call(self.module, self._leaves(), (x_in,)).float()
                 if grad_output is None or tuple(grad_output.shape) != tuple(out.shape):
                     raise TensorPolicyError("the output gradient must match the output", reason="bad shape")
-                (grad,) = torch.autograd.grad(out, [x_in], grad_outputs=grad_output)
+                (grad,) = torch.autograd.grad(out, [x_in], grad_outputs=to_device(grad_output, self.device))
         self.counters.microbatches_served += 1
-        return grad.detach()
+        return to_wire(grad)
 
     def forward_loss(
         self, sender: str, microbatch: int, x: torch.Tensor, targets: torch.Tensor
@@ -361,12 +371,13 @@ class StageCore:
             return cached[0], cached[1]
         started = time.perf_counter()
         leaves = self._leaves()
+        x, targets = to_device(x, self.device), to_device(targets, self.device)
         x_in = None if self.is_first else x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            loss = functional_call(self.module, leaves, (x if x_in is None else x_in, targets))
+        with torch.enable_grad(), autocast(self.device):
+            loss = functional_call(self.module, leaves, (x if x_in is None else x_in, targets)).float()
             inputs = ([] if x_in is None else [x_in]) + list(leaves.values())
             grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-        input_grad = None if x_in is None else grads[0]
+        input_grad = None if x_in is None else to_wire(grads[0])  # cached as answered: the wire's tensor
         sequences, tokens = self._size(x)
         loss_value = float(loss.detach())
         self.train_loss = loss_value if self.train_loss is None else 0.9 * self.train_loss + 0.1 * loss_value
@@ -399,8 +410,9 @@ class StageCore:
         del self._contexts[(sender, microbatch)]
         started = time.perf_counter()
         inputs = ([] if context.x is None else [context.x]) + list(context.leaves.values())
+        grad_output = to_device(grad_output, self.device)
         grads = torch.autograd.grad(context.output, inputs, grad_outputs=grad_output, allow_unused=True)
-        input_grad = None if context.x is None else grads[0]
+        input_grad = to_wire_optional(None if context.x is None else grads[0])  # cached as answered
         self._apply(
             key,
             list(context.leaves),
@@ -532,6 +544,8 @@ class StageCore:
 
     def _measure(self, started: float, tokens: int, *, share: float) -> None:
         """Fold one compute time into seconds per token of a whole microbatch (forward ~1/3, backward ~2/3)."""
+        if self.device.type == "cuda":  # kernels run asynchronously: time them done, not launched
+            torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - started
         self.counters.compute_s += seconds
         if tokens <= 0 or share <= 0:
@@ -813,8 +827,10 @@ def build_core(
     config: StageConfig,
     *,
     on_step: Callable[[int, int], None] | None = None,
+    device: str = "cpu",
 ) -> StageCore:
-    """A fresh core for `stage` of the run's model, initialised from the run seed (version 0)."""
+    """A fresh core for `stage` of the run's model, initialised from the run seed (version 0) on the CPU (the
+    same values on every device), then moved to `device` (`--device`, resolved) for its compute."""
     cfg = ModelConfig.from_dict(manifest.model)
     module = build_stage(cfg, manifest.seed, stage, manifest.num_stages)
     return StageCore(
@@ -825,6 +841,7 @@ def build_core(
         shape=BoundaryShape.from_manifest(manifest),
         config=config,
         on_step=on_step,
+        device=device,
     )
 
 
@@ -873,7 +890,12 @@ class StageRole:
         self.spans = stage_spans(ctx.manifest.model["num_layers"], ctx.manifest.num_stages)
         self.sync: Any = None  # node.diloco.sync_client.FragmentSync of the current stage, if a syncer exists
         self.core = build_core(
-            ctx.manifest, ctx.run_id, ctx.stage, self.config, on_step=partial(self._after_step, ctx.stage)
+            ctx.manifest,
+            ctx.run_id,
+            ctx.stage,
+            self.config,
+            on_step=partial(self._after_step, ctx.stage),
+            device=ctx.device,
         )
         self.service = StageService(
             ctx.identity,
@@ -1029,7 +1051,12 @@ class StageRole:
             self._sync_stop.set()
         self.moves += 1
         core = build_core(
-            self.manifest, self.ctx.run_id, stage, self.config, on_step=partial(self._after_step, stage)
+            self.manifest,
+            self.ctx.run_id,
+            stage,
+            self.config,
+            on_step=partial(self._after_step, stage),
+            device=self.ctx.device,
         )
         old_layers, new_layers = (b - a for a, b in (self.core.span, core.span))
         core.assume_throughput(self.core.throughput * old_layers / max(new_layers, 1))

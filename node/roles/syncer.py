@@ -620,7 +620,7 @@ async def evaluate_global(role: SyncerRole) -> None:
         tokens, merges = core.tokens_merged, core.merges
 
     def run() -> float:
-        return skeleton_loss(model, state, batches)
+        return skeleton_loss(model, state, batches, device=role.ctx.device)
 
     role.held_out_loss = await asyncio.to_thread(run)
     role.ctx.events.emit("eval", loss=round(role.held_out_loss, 5), tokens_total=tokens, merges=merges)
@@ -667,14 +667,14 @@ def build_eval(ctx: NodeContext, config: SyncerConfig, held: Any = None) -> tupl
         context_len=cfg.context_len,
         num_batches=config.eval_batches,
     )
-    return model_skeleton(cfg), batches
+    return model_skeleton(cfg, ctx.device), batches
 
 
-def model_skeleton(cfg: Any) -> Any:
+def model_skeleton(cfg: Any, device: str = "cpu") -> Any:
     """The model's modules in eval mode with their parameters on the meta device (no memory) and real rotary
-    tables: the parameters come in at each call (`skeleton_loss`), the syncer core's own tensors, shared. The
-    probe and the evaluation used to copy the global model into a model of their own: one more model in memory
-    each (the syncer's memory at scale, docs/scale.md)."""
+    tables on `device`: the parameters come in at each call (`skeleton_loss`), the syncer core's own tensors,
+    shared. The probe and the evaluation used to copy the global model into a model of their own: one more model
+    in memory each (the syncer's memory at scale, docs/scale.md)."""
     from node.ml.model import CausalLM
 
     with torch.device("meta"):
@@ -683,18 +683,32 @@ def model_skeleton(cfg: Any) -> Any:
     meta = [name for name, buffer in model.named_buffers() if buffer.is_meta]
     if meta:
         raise RuntimeError(f"model skeleton: buffers left on the meta device: {meta[:3]}")
+    for module in model.modules():  # the buffers alone: a meta parameter cannot be copied anywhere
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(device)
     return model.eval()
 
 
-def skeleton_loss(model: Any, params: Mapping[str, torch.Tensor], batches: list[Any]) -> float:
-    """Mean held-out loss of `params` (every parameter of the model, by name) run through the skeleton."""
+def skeleton_loss(
+    model: Any, params: Mapping[str, torch.Tensor], batches: list[Any], *, device: str = "cpu"
+) -> float:
+    """Mean held-out loss of `params` (every parameter of the model, by name) run through the skeleton on
+    `device` (the skeleton's, `model_skeleton`). The master copy stays where the syncer core keeps it, on the
+    CPU in fp32 (the outer step's precision; the global model and its momentum on an accelerator would cost its
+    memory twice over for what is a few forward passes per merge): the device only computes, on a transient
+    copy. fp32 there too, no bf16 autocast: the probe's score is the difference of two losses, and bf16's
+    rounding would be noise of the size of an honest contribution's gain."""
     from torch.func import functional_call
 
     from node.ml.data import evaluate
 
-    tensors = dict(params)
+    tensors = {name: tensor.to(device) for name, tensor in params.items()}  # the same tensors on the CPU
+
+    def loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, tensors, (inputs.to(device), targets.to(device)))
+
     with torch.no_grad():
-        return evaluate(lambda inputs, targets: functional_call(model, tensors, (inputs, targets)), batches)
+        return evaluate(loss, batches)
 
 
 def build_probe(ctx: NodeContext, screening: ScreeningConfig, held: Any = None) -> LossProbe:
@@ -719,7 +733,9 @@ def build_probe(ctx: NodeContext, screening: ScreeningConfig, held: Any = None) 
         0, last_start + 1, (screening.loss_batches, screening.loss_batch_size), generator=gen
     )
     batches = [stream.windows(row, cfg.context_len) for row in starts]
-    return LossProbe(partial(skeleton_loss, model_skeleton(cfg), batches=batches))
+    return LossProbe(
+        partial(skeleton_loss, model_skeleton(cfg, ctx.device), batches=batches, device=ctx.device)
+    )
 
 
 def _fragment_stages(manifest: Any, plan: FragmentPlan) -> list[int]:

@@ -23,6 +23,11 @@ The parts, most of them in node/pipeline/driver.py and verification/tap.py:
   (tests, benchmarks: the same sealing, opening and stage code, no network).
 * `VerifierRole` (`--role verifier`, only for keys the manifest authorizes): data, replica discovery from
   heartbeats, the driving loop, held-out loss through the pipeline, receipts, status.
+
+`--device`: a verifier runs no model. Every recomputation it asks for (a spot check) runs on another stage
+replica, on that replica's device (`StageCore` computes there and answers CPU fp32), and what the verifier does
+itself (dtype and shape checks, the tap's statistics, the spot-check comparisons) works on the opened wire
+tensors: CPU fp32, whatever device any replica computed on. The device is reported (heartbeat, status), not used.
 """
 
 from __future__ import annotations
