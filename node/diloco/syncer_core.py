@@ -833,6 +833,7 @@ class SyncerCore:
             published_wall=tuple(self.published_wall(f, wall_offset) for f in range(self.plan.num_fragments))
             if wall_offset is not None
             else (),
+            seniority=self.seniority.export(wall_offset) if wall_offset is not None else (),
         )
 
     def published_wall(self, fragment: int, wall_offset: float | None) -> float:
@@ -855,6 +856,8 @@ class SyncerCore:
             self.history.date(
                 self.versions, [w - wall_offset if w > 0 else None for w in snapshot.published_wall]
             )
+        if wall_offset is not None and snapshot.seniority:  # none saved (an older checkpoint): keep the table
+            self.seniority.load(snapshot.seniority, now, wall_offset)
 
 
 def wire_params(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from node.diloco.compression import push_limits
 from node.diloco.learner_ledger import LearnerBan, LearnerLedger, ban_evidence_scores, contribution_digest
+from node.diloco.seniority import seniority_chunks
 from node.diloco.sync_client import (
     FETCH_ROUTE,
     OFFER_PREFIX,
@@ -423,13 +424,19 @@ class SyncerService:
             version = core.versions[fragment]
             ledger = _ledger_json([e for e in core.merged_ledger() if e[1] == fragment])
             published = core.published_wall(fragment, wall_offset())
+            seniority = seniority_chunks(core.seniority.export(wall_offset()))  # the most recently merged
         return self._answer(
             Kind.VERSION,
             remote,
             microbatch=fragment,
             step=version,
             tensors=tensors,
-            meta={"term": self.role.term, "merged": ledger, "published_wall": published},
+            meta={
+                "term": self.role.term,
+                "merged": ledger,
+                "published_wall": published,
+                "seniority": seniority,
+            },
         )
 
     async def _handle_offer(self, frame: bytearray, remote: str) -> bytes:
