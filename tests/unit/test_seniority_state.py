@@ -4,8 +4,11 @@ passed in: a restarted process has another monotonic clock, so `wall_offset` dif
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -202,3 +205,40 @@ def test_the_standby_mirror_gets_the_most_recent_identities_in_a_bounded_signed_
     for bad in ("[]", ["[", 3], ["x" * (WIRE_MAX_CHARS + 1)], ["[[1]]"]):
         with pytest.raises(SeniorityStateError):
             seniority_from_chunks(bad)
+
+
+def test_the_active_syncers_state_answer_carries_its_seniority_to_a_standby() -> None:
+    """Through the real STATE route (`SyncerService._handle_state`): the answer a standby's mirror opens holds the
+    table, which a core restored from it (as `restore_best` does with the mirror) knows."""
+    from node.diloco.sync_client import fragment_limits
+    from tests.unit.test_syncer_ban_push import RUN as BAN_RUN
+    from tests.unit.test_syncer_ban_push import RUN_ID, Host
+
+    host = Host(swarm_banned=set())
+    standby = NodeIdentity.generate()
+    host.ctx.manifest = dataclasses.replace(BAN_RUN, authorized_syncers=(standby.peer_id,))
+    now = time.monotonic()
+    for _ in range(host.core.seniority.config.young_rounds):
+        host.core.seniority.observe_merge(HONEST, now)
+    ask = seal(
+        standby,
+        Context(run_id=RUN_ID, kind=Kind.CONTROL, receiver=host.identity.peer_id),
+        microbatch=0,
+        step=0,
+        now=time.time(),
+        meta={"fragment": 0},
+    )
+    answer = asyncio.run(host.service._handle_state(ask, standby.peer_id))
+    opened = open_envelope(
+        answer,
+        remote_peer=host.identity.peer_id,
+        expect=Context(run_id=RUN_ID, kind=Kind.VERSION, receiver=standby.peer_id),
+        limits=fragment_limits(host.plan, factor=2),
+        replay=ReplayGuard(),
+        now=time.time(),
+    )
+    saved = seniority_from_chunks(opened.meta["seniority"])
+    assert sorted(peer for peer, _, _ in saved) == sorted(HONEST)
+    policy = Seniority(host.core.seniority.config)
+    policy.load(saved, now=5.0, wall_offset=time.time() - 5.0)  # another process's clock
+    assert not any(policy.is_young(p, 5.0) for p in HONEST) and policy.is_young(SYBILS[0], 5.0)
