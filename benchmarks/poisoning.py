@@ -41,6 +41,7 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,6 +223,20 @@ class Swarm:
     def status(self, name: str) -> dict[str, Any] | None:
         return try_json(self.url(name))
 
+    def admission_metric(self, name: str) -> dict[str, float]:
+        """`hivenode_admission_refused_total` by reason, scraped from the node's /metrics ({} if it does not
+        answer)."""
+        url = self.url(name)
+        if not url:
+            return {}
+        try:
+            with urllib.request.urlopen(url.replace("/api/status", "/metrics"), timeout=5.0) as response:
+                text = response.read().decode()
+        except (OSError, ValueError):
+            return {}
+        pattern = r'^hivenode_admission_refused_total\{reason="(\w+)"\} (\S+)$'
+        return {reason: float(value) for reason, value in re.findall(pattern, text, re.MULTILINE)}
+
     def peer_ids(self, names: list[str]) -> set[str]:
         return {st["peer_id"] for n in names if (st := self.status(n)) and st.get("peer_id")}
 
@@ -254,9 +269,10 @@ def run_arm(
 
         def summary() -> dict[str, Any]:
             status = swarm.status("syncer") or {}
-            return summarize(
+            out = summarize(
                 arm, swarm.events(), status, honest=honest, attackers=attackers, t0=t0, defended=defended
             )
+            return {**out, "admission_refused_metric": swarm.admission_metric("syncer")}  # /metrics, by cause
 
         while until is not None and time.monotonic() < deadline and not until(summary()):
             time.sleep(1.0)

@@ -147,6 +147,7 @@ class Host:
     as a live learner: the benchmark measures memory and transfer, not membership."""
 
     def __init__(self, run: Any, identity: Any, core: Any, probe: Any) -> None:
+        from node.context import NodeMetrics
         from node.diloco.screening import ScreeningConfig
         from node.diloco.sync_client import fragment_limits, run_fragment_plan
         from node.roles.syncer import SyncerConfig
@@ -154,7 +155,12 @@ class Host:
 
         events = SimpleNamespace(emit=lambda *a, **k: None)
         self.ctx = SimpleNamespace(
-            manifest=run, run_id=RUN_ID, identity=identity, peer_id=identity.peer_id, events=events
+            manifest=run,
+            run_id=RUN_ID,
+            identity=identity,
+            peer_id=identity.peer_id,
+            events=events,
+            metrics=NodeMetrics(),  # the service counts admission refusals on /metrics
         )
         self.config = SyncerConfig(screening=ScreeningConfig())
         self.mode, self.term, self.primary, self.active = "decoupled", 1, None, True

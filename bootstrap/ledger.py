@@ -12,6 +12,10 @@ and first/last seen. Its inputs are what the bootstrap already observes every he
   `recent_merges` adds nothing, across bootstrap restarts too.
 * the live heartbeats: last seen, and uptime (the time between two sightings at most `gap_periods`
   heartbeat periods apart, so an absence is not counted as uptime).
+* the active syncer's admission refusals (its /api/status `admission.refused_by_reason`: pushes refused for want
+  of the run's proof-of-work, before any screening, issue 18). Those identities never contributed, so they are
+  not rows of the leaderboard; the counts are kept per syncer process (`counted_since`) and reason, as the
+  largest count seen, so re-reading the same status adds nothing and the run's total is their sum.
 
 Every method takes `now` (wall seconds): no clock is read here. Nothing in it is trusted for more than what it
 reports: the syncer is authorized by the owner, and the heartbeats are signed by their peers.
@@ -60,7 +64,14 @@ CREATE TABLE IF NOT EXISTS contributions (
     t REAL NOT NULL, accepted INTEGER NOT NULL, tokens REAL NOT NULL, reason TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (run_id, fragment, version, peer_id));
 CREATE INDEX IF NOT EXISTS contributions_by_peer ON contributions (run_id, peer_id, t);
+CREATE TABLE IF NOT EXISTS admission_refusals (
+    run_id TEXT NOT NULL, syncer_id TEXT NOT NULL, since REAL NOT NULL, reason TEXT NOT NULL,
+    count INTEGER NOT NULL, t REAL NOT NULL,
+    PRIMARY KEY (run_id, syncer_id, since, reason));
 """
+MAX_ADMISSION_REASONS = (
+    16  # protocol.admission has 4 causes; a syncer naming more is not believed beyond this
+)
 
 
 class ContributionLedger:
@@ -141,6 +152,38 @@ class ContributionLedger:
                 added += 1
         return added
 
+    def record_admission(self, status: Mapping[str, Any], now: float) -> int:
+        """The syncer status's admission refusals by reason (see the module docstring); how many counts grew.
+        A malformed status is skipped with a log line, never a crash."""
+        try:
+            syncer_id, admission = str(status["peer_id"]), status.get("admission") or {}
+            since, by_reason = float(admission["counted_since"]), admission["refused_by_reason"]
+            counts = [(str(reason), int(count)) for reason, count in by_reason.items()]
+            if not (0 < len(syncer_id) <= 128 and len(counts) <= MAX_ADMISSION_REASONS):
+                raise ValueError("too long")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if status.get("admission"):  # an older syncer has none: nothing to say
+                logger.warning("ledger: skipping malformed admission counts (%s: %s)", type(e).__name__, e)
+            return 0
+        grown = 0
+        with self._transaction():
+            for reason, count in counts:
+                cursor = self._db.execute(
+                    "INSERT INTO admission_refusals VALUES (?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT DO UPDATE SET count = excluded.count, t = excluded.t WHERE excluded.count > count",
+                    (self.run_id, syncer_id, since, reason[:64], max(0, count), now),
+                )
+                grown += cursor.rowcount
+        return grown
+
+    def admission_refusals(self) -> dict[str, int]:
+        """Pushes refused at admission over the run (every syncer process), by reason."""
+        rows = self._db.execute(
+            "SELECT reason, SUM(count) AS n FROM admission_refusals WHERE run_id = ? GROUP BY reason ORDER BY reason",
+            (self.run_id,),
+        ).fetchall()
+        return {row["reason"]: int(row["n"]) for row in rows if row["n"]}
+
     def _insert(
         self,
         fragment: int,
@@ -219,7 +262,12 @@ class LeaderboardApi:
     async def handle_json(self, request: web.Request) -> web.Response:
         peer_id = request.query.get("peer")
         if not peer_id:
-            return web.json_response({"run_id": self.ledger.run_id, "peers": self.ledger.leaderboard()})
+            board = {
+                "run_id": self.ledger.run_id,
+                "peers": self.ledger.leaderboard(),
+                "admission_refused": self.ledger.admission_refusals(),  # identities with no row: never contributed
+            }
+            return web.json_response(board)
         try:
             swarm = await self.swarm()
         except asyncio.TimeoutError:

@@ -282,6 +282,8 @@ class Bootstrap:
             peers = [(str(p["peer_id"]), str(p["role"])) for p in live if p.get("role") != "bootstrap"]
             self.ledger.observe_peers(peers, now, self.manifest.heartbeat_period_s)
             self.ledger.record_merges((self._syncer_status or {}).get("recent_merges") or [], now)
+            if self._syncer_status is not None:
+                self.ledger.record_admission(self._syncer_status, now)
         except (
             sqlite3.Error
         ) as e:  # a full disk or a locked file: the swarm goes on, the ledger catches up later

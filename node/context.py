@@ -240,6 +240,13 @@ class NodeMetrics:
             registry=self.registry,
         )
 
+        self.admission_refused = Counter(
+            "hivenode_admission_refused",
+            "Pushes the syncer refused for want of the run's admission cost (protocol.admission), by cause",
+            ["reason"],
+            registry=self.registry,
+        )
+
     def count_throttle(self, _peer: str, route: str, admission: Any) -> None:
         """`FramedServer(on_throttle=metrics.count_throttle)`: count refusals by route and limit."""
         self.rpc_throttled.labels(route=route, reason=admission.reason).inc()

@@ -32,10 +32,18 @@ MAX_NONCE = 2**63 - 1  # msgpack int range, and far beyond any search
 _DOMAIN = b"hivenode-admission-v1\x00"
 
 
+ADMISSION_CAUSES = ("not_allowlisted", "no_proof", "malformed_proof", "weak_proof")
+
+
 class AdmissionRefused(ProtocolError):
-    """An identity has not paid the run's admission cost; `reason` is always "admission", the message says why."""
+    """An identity has not paid the run's admission cost; `reason` is always "admission" (what the pusher sees),
+    `cause` one of ADMISSION_CAUSES (what metrics count it by), the message says why."""
 
     reason = "admission"
+
+    def __init__(self, message: str, *, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,19 +123,22 @@ def verify_admission(spec: AdmissionSpec, run_id: str, peer_id: str, proof: obje
         return
     if spec.mode == "allowlist":
         if peer_id not in spec.allowlist:
-            raise AdmissionRefused(f"{peer_id[-8:]} is not on the run's allow-list")
+            raise AdmissionRefused(f"{peer_id[-8:]} is not on the run's allow-list", cause="not_allowlisted")
         return
     if proof is None:
-        raise AdmissionRefused(f"{peer_id[-8:]} sent no proof-of-work")
+        raise AdmissionRefused(f"{peer_id[-8:]} sent no proof-of-work", cause="no_proof")
     if type(proof) is not int or not 0 <= proof <= MAX_NONCE:
-        raise AdmissionRefused(f"{peer_id[-8:]} sent a malformed proof-of-work")
+        raise AdmissionRefused(f"{peer_id[-8:]} sent a malformed proof-of-work", cause="malformed_proof")
     got = leading_zero_bits(proof_digest(run_id, peer_id, proof))
     if got < spec.pow_bits:
         # a proof of another run or another peer lands here too: it is bound to both
-        raise AdmissionRefused(f"{peer_id[-8:]}'s proof has {got} leading zero bits < {spec.pow_bits}")
+        raise AdmissionRefused(
+            f"{peer_id[-8:]}'s proof has {got} leading zero bits < {spec.pow_bits}", cause="weak_proof"
+        )
 
 
 __all__ = [
+    "ADMISSION_CAUSES",
     "ADMISSION_META",
     "ADMISSION_MODES",
     "AdmissionRefused",

@@ -44,6 +44,24 @@ function render() {
   }
 }
 
+// Pushes the syncer refused for want of the run's admission cost (proof-of-work or allow-list), before any
+// screening: those identities never contributed, so they have no row above.
+const ADMISSION_REASONS = {
+  no_proof: "no proof-of-work", weak_proof: "proof too weak", malformed_proof: "malformed proof",
+  not_allowlisted: "not on the allow-list",
+};
+
+function renderAdmission(counts) {
+  const entries = Object.entries(counts || {}).filter(([, n]) => n > 0);
+  const total = entries.reduce((sum, [, n]) => sum + n, 0);
+  const detail = entries.map(([reason, n]) => `${ADMISSION_REASONS[reason] || reason} ${n}`).join(" · ");
+  const p = document.getElementById("admission");
+  p.dataset.total = String(total);
+  p.textContent = total
+    ? `Refused at admission (the run's proof-of-work, before any screening; not in the table): ${total} push(es): ${detail}`
+    : "Refused at admission: none";
+}
+
 async function poll() {
   const conn = document.getElementById("conn");
   try {
@@ -55,6 +73,7 @@ async function poll() {
     conn.dataset.state = "ok";
     conn.textContent = "live";
     render();
+    renderAdmission(data.admission_refused);
   } catch (e) {
     conn.dataset.state = "error";
     conn.textContent = `error: ${e.message}`;

@@ -15,15 +15,32 @@ A refused contribution demotes its identity (its rounds restart from 0): it must
 identity not merged for `forget_s` starts over too, so seniority cannot be banked by idle identities.
 
 Pure: the caller passes `now`; bounded (least recently merged identities are forgotten first).
+
+Saved with the syncer's state (`export` / `load`, as JSON `[[peer, rounds, last merged on the wall clock], ...]`,
+the most recently merged first, at most `SAVED_MAX`): a restarted syncer or a standby that takes over would
+otherwise see every learner young again, and with nobody senior nothing is capped, so a Sybil burst right after a
+restart would hold whole merges. Malformed saved state raises `SeniorityStateError`; the caller logs it and starts
+with an empty table (young again, the state of a fresh run) rather than refuse to resume.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+SAVED_MAX = 4096  # identities saved with a checkpoint (the most recently merged)
+MAX_PEER_CHARS = 128  # as protocol.envelope.MAX_ID_CHARS
+
+SavedSeniority = tuple[tuple[str, float, float], ...]  # (peer, rounds, last merged on the wall clock)
+
+
+class SeniorityStateError(ValueError):
+    """Saved seniority state that does not parse (the caller starts with an empty table)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,6 +140,26 @@ class Seniority:
         credit = {p: factor for p in young}
         return CappedWeights(weights=out, credit=credit, grad_scale=1.0, young_share=share)
 
+    def export(self, wall_offset: float, *, limit: int = SAVED_MAX) -> SavedSeniority:
+        """At most `limit` identities, the most recently merged first, dated on the wall clock (`wall_offset`:
+        wall clock minus the clock `now` is on), for a checkpoint or a standby's mirror (`load` forgets the
+        idle ones)."""
+        recent = itertools.islice(reversed(self._peers.items()), limit)
+        return tuple((peer, r.rounds, r.last_merged + wall_offset) for peer, r in recent)
+
+    def load(self, saved: SavedSeniority, now: float, wall_offset: float) -> None:
+        """Replace the table with `saved` (from `export`, maybe of another process: dates are on the wall
+        clock). A date ahead of `now` (another machine's clock) counts as merged now."""
+        peers: OrderedDict[str, _Record] = OrderedDict()
+        for peer, rounds, wall in sorted(saved, key=lambda e: e[2])[-self.config.max_peers :]:
+            last = min(now, wall - wall_offset)
+            if now - last <= self.config.forget_s:
+                peers.pop(peer, None)
+                peers[peer] = _Record(rounds, last)
+        self._peers = peers  # one assignment: `cap` may read the table from the merge's worker thread
+        seniors = [r.last_merged for r in peers.values() if r.rounds >= self.config.young_rounds]
+        self._senior_merged_at = max(seniors, default=-math.inf)
+
     def status(self, now: float) -> dict[str, Any]:
         young = sum(1 for p in self._peers if self.is_young(p, now))
         return {
@@ -132,3 +169,56 @@ class Seniority:
             "demotions": self.demotions,
             "capped_merges": self.capped_merges,
         }
+
+
+def seniority_to_json(saved: SavedSeniority, *, max_chars: int | None = None) -> str:
+    """`saved` as JSON; with `max_chars`, only the leading (most recently merged) entries that fit."""
+    kept: list[str] = []
+    size = 2
+    for peer, rounds, wall in saved:
+        item = json.dumps([peer, round(rounds, 4), round(wall, 3)])
+        size += len(item) + 1
+        if max_chars is not None and size > max_chars:
+            break
+        kept.append(item)
+    return "[" + ",".join(kept) + "]"
+
+
+def seniority_from_json(text: str, *, limit: int = SAVED_MAX) -> SavedSeniority:
+    """Parse saved seniority; SeniorityStateError on anything but a list of at most `limit`
+    [peer, rounds >= 0, wall > 0] (finite numbers, peer a short string)."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise SeniorityStateError(f"seniority state is not JSON ({e})") from None
+    if not isinstance(data, list) or len(data) > limit:
+        raise SeniorityStateError(f"seniority state is not a list of at most {limit} entries")
+    out = []
+    for item in data:
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)):
+            raise SeniorityStateError("seniority entry is not [peer, rounds, wall]")
+        peer, rounds, wall = item
+        numbers = all(type(v) in (int, float) and math.isfinite(v) for v in (rounds, wall))
+        if not (0 < len(peer) <= MAX_PEER_CHARS and numbers and rounds >= 0 and wall > 0):
+            raise SeniorityStateError("seniority entry out of range")
+        out.append((peer, float(rounds), float(wall)))
+    return tuple(out)
+
+
+WIRE_CHUNK_CHARS = 4000  # protocol.envelope.MAX_META_STR_CHARS is 4096
+WIRE_MAX_CHARS = 16000  # what a standby's state pull carries (~170 identities): the frame header is 256 KiB
+
+
+def seniority_chunks(saved: SavedSeniority, *, max_chars: int = WIRE_MAX_CHARS) -> list[str]:
+    """The leading entries of `saved` that fit `max_chars` of JSON, cut into envelope-meta strings."""
+    text = seniority_to_json(saved, max_chars=max_chars)
+    return [text[i : i + WIRE_CHUNK_CHARS] for i in range(0, len(text), WIRE_CHUNK_CHARS)]
+
+
+def seniority_from_chunks(value: object) -> SavedSeniority:
+    """What `seniority_chunks` sent (an envelope meta value); SeniorityStateError if it is anything else."""
+    if not (isinstance(value, list) and all(isinstance(chunk, str) for chunk in value)):
+        raise SeniorityStateError("seniority state is not a list of strings")
+    if sum(len(chunk) for chunk in value) > WIRE_MAX_CHARS:
+        raise SeniorityStateError("seniority state is too long")
+    return seniority_from_json("".join(value))

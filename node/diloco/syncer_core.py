@@ -43,7 +43,10 @@ MAX_STEP_TIME_S = 600.0  # a self-reported step time above this is nonsense; it 
 
 
 class Refusal(ProtocolError):
-    """A contribution the syncer will not take; `reason` is the tag the learner sees."""
+    """A contribution the syncer will not take; `reason` is the tag the learner sees, `cause` a finer one for
+    metrics (an admission refusal's AdmissionRefused.cause), not sent."""
+
+    cause = ""
 
 
 def refuse(reason: str, message: str, *, blame: bool = False) -> Refusal:
@@ -404,11 +407,12 @@ class ScheduleClock:
 
 class AdmissionGate:
     """The run's admission cost at the syncer (protocol.admission): checked before anything else looks at a push
-    (one hash at most); the pushes it refused, per peer (bounded, oldest first out)."""
+    (one hash at most); the pushes it refused, per peer (bounded, oldest first out) and per cause."""
 
     def __init__(self, spec: AdmissionSpec, run_id: str, max_peers: int) -> None:
         self.spec, self.run_id, self.max_peers = spec, run_id, max_peers
         self.refused: dict[str, int] = {}
+        self.refused_by_cause: dict[str, int] = {}  # ADMISSION_CAUSES: four keys at most
 
     def admit(self, peer: str, proof: object, now: float, seniority: Seniority) -> None:
         """Raise Refusal (reason "admission") unless `peer` is on the allow-list or `proof` (the push meta's
@@ -421,9 +425,12 @@ class AdmissionGate:
             self.refused[peer] = count  # re-inserted last: oldest first out
             while len(self.refused) > self.max_peers:
                 del self.refused[next(iter(self.refused))]
+            self.refused_by_cause[e.cause] = self.refused_by_cause.get(e.cause, 0) + 1
             if count == 1 or count % 100 == 0:  # logged, not a log line per push of a flood
                 logger.warning("refused a push of %s: admission: %s (%d so far)", peer[-8:], e, count)
-            raise refuse("admission", str(e), blame=True) from None
+            refusal = refuse("admission", str(e), blame=True)
+            refusal.cause = e.cause
+            raise refusal from None
 
 
 @contextlib.contextmanager
@@ -833,6 +840,7 @@ class SyncerCore:
             published_wall=tuple(self.published_wall(f, wall_offset) for f in range(self.plan.num_fragments))
             if wall_offset is not None
             else (),
+            seniority=self.seniority.export(wall_offset) if wall_offset is not None else (),
         )
 
     def published_wall(self, fragment: int, wall_offset: float | None) -> float:
@@ -855,6 +863,8 @@ class SyncerCore:
             self.history.date(
                 self.versions, [w - wall_offset if w > 0 else None for w in snapshot.published_wall]
             )
+        if wall_offset is not None and snapshot.seniority:  # none saved (an older checkpoint): keep the table
+            self.seniority.load(snapshot.seniority, now, wall_offset)
 
 
 def wire_params(

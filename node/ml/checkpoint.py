@@ -3,7 +3,9 @@
 Layout: tensors `param/<name>` (the global parameters, float32) and `outer_momentum/<name>` (the Nesterov
 buffers, as `OuterNesterov.state_dict` names them), plus string metadata: `format`, `run_id`, `term`,
 `versions` (JSON list, one per fragment of the run plan), `merges`, `tokens_merged`, `merged` (the ledger) and
-`published_wall` (JSON list: when each fragment's version was published, wall clock). Nothing is unpickled.
+`published_wall` (JSON list: when each fragment's version was published, wall clock) and `seniority` (JSON, see
+node.diloco.seniority: how many merges each identity was in; malformed, it is logged and read as none, so the
+parameters still resume). Nothing is unpickled.
 
 `CheckpointStore` keeps a run's checkpoints in one directory, content-addressed
 (`syncer-<run16>-<blake3 of the file, 16 hex>.safetensors`): each is written to a temporary name, fsynced,
@@ -31,6 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from node.diloco.outer import STATE_PREFIX
+from node.diloco.seniority import SavedSeniority, SeniorityStateError, seniority_from_json, seniority_to_json
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,8 @@ class SyncerSnapshot:
     # per fragment, when its current version was published (wall clock, 0 if unknown): a successor caps the
     # counters of work built on it by the time since then, not since it restored
     published_wall: tuple[float, ...] = ()
+    # (peer, rounds, last merged on the wall clock), the most recently merged first: Seniority.export
+    seniority: SavedSeniority = ()
 
 
 class CheckpointError(ValueError):
@@ -171,6 +176,7 @@ def save_checkpoint(path: Path, snapshot: SyncerSnapshot, *, final: bool = True)
         "tokens_merged": str(snapshot.tokens_merged),
         "merged": json.dumps([list(entry) for entry in snapshot.merged]),
         "published_wall": json.dumps([float(t) for t in snapshot.published_wall]),
+        "seniority": seniority_to_json(snapshot.seniority),
     }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp") if final else path
     save_file(tensors, str(tmp), metadata=metadata)
@@ -234,7 +240,18 @@ def load_checkpoint(
         tokens_merged=tokens,
         merged=merged,
         published_wall=published,
+        seniority=saved_seniority(metadata.get("seniority"), str(path)),
     )
+
+
+def saved_seniority(text: str | None, source: str) -> SavedSeniority:
+    """Optional metadata (older checkpoints lack it); malformed, it is logged and read as none: the learners are
+    young again, as in a fresh run, but the parameters still resume."""
+    try:
+        return seniority_from_json(text) if text else ()
+    except SeniorityStateError as e:
+        logger.warning("%s: ignoring its seniority state: %s", source, e)
+        return ()
 
 
 def _published_wall(text: str | None, num_fragments: int) -> tuple[float, ...]:

@@ -383,7 +383,13 @@ class SyncerRole:
             self.fresh = set()
             self.takeover_source = source
         await self._publish_lease()
-        self.ctx.events.emit("syncer_takeover", term=term, source=source, versions=list(self.core.versions))
+        self.ctx.events.emit(
+            "syncer_takeover",
+            term=term,
+            source=source,
+            versions=list(self.core.versions),
+            seniority=self.core.seniority.status(time.monotonic()),  # restored with the state (issue 18)
+        )
         logger.info("took over as the active syncer, term %d, state from %s", term, source)
         await self._checkpoint()
         self.notify()

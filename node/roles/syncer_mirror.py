@@ -1,5 +1,6 @@
 """A standby syncer's mirror of the active one: every `mirror_every_s` it pulls the fragments whose version moved
-(parameters, momentum, merged ledger, publication time) so a takeover can resume from them (see
+(parameters, momentum, merged ledger, publication time, and with each the seniority table's most recently merged
+identities, node.diloco.seniority) so a takeover can resume from them (see
 node.roles.syncer: the freshest of this mirror and the checkpoint file wins)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from typing import Any
 
 from node.diloco.outer import STATE_PREFIX
+from node.diloco.seniority import SeniorityStateError, seniority_from_chunks
 from node.diloco.sync_client import STATE_ROUTE, FramedSyncTransport, fragment_bytes, fragment_limits
 from node.diloco.sync_types import SyncUnavailable
 from node.ml.checkpoint import SyncerSnapshot, ledger_from_json
@@ -59,7 +61,7 @@ class StateMirror:
         if not changed:
             return
         params, momentum, versions = dict(base.params), dict(base.momentum), list(base.versions)
-        ledger = list(base.merged)
+        ledger, seniority = list(base.merged), base.seniority
         published = list(base.published_wall) or [0.0] * role.plan.num_fragments
         for fragment in changed:
             opened = await self._fetch_state(view.syncer, fragment)
@@ -75,6 +77,11 @@ class StateMirror:
             with contextlib.suppress(ValueError, TypeError):
                 entries = ledger_from_json(str(opened.meta.get("merged", "[]")))
                 ledger = [e for e in ledger if e[1] != fragment] + [e for e in entries if e[1] == fragment]
+            try:  # the table is global: the latest answer's is the freshest (absent: an older syncer)
+                if "seniority" in opened.meta:
+                    seniority = seniority_from_chunks(opened.meta["seniority"])
+            except SeniorityStateError as e:
+                logger.warning("mirror: ignoring the seniority state of fragment %d: %s", fragment, e)
         self.snapshot = SyncerSnapshot(
             run_id=role.ctx.run_id,
             term=view.term,
@@ -85,6 +92,7 @@ class StateMirror:
             tokens_merged=base.tokens_merged,
             merged=tuple(ledger),
             published_wall=tuple(published),
+            seniority=seniority,
         )
 
     async def _fetch_state(self, syncer: str, fragment: int) -> Any:

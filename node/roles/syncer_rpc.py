@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from node.diloco.compression import push_limits
 from node.diloco.learner_ledger import LearnerBan, LearnerLedger, ban_evidence_scores, contribution_digest
+from node.diloco.seniority import seniority_chunks
 from node.diloco.sync_client import (
     FETCH_ROUTE,
     OFFER_PREFIX,
@@ -30,7 +31,7 @@ from node.diloco.sync_client import (
     open_version_envelope,
 )
 from node.diloco.syncer_core import Refusal, SyncerCore, probe_base, refuse, takes_base, wire_params
-from protocol.admission import ADMISSION_META
+from protocol.admission import ADMISSION_CAUSES, ADMISSION_META
 from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
 from protocol.errors import MalformedFrame, ProtocolError
 from protocol.limits import LimitsConfig
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from protocol.rpc import PeerStrikes
 
 logger = logging.getLogger(__name__)
+STATUS_REFUSED_PEERS = 256  # identities refused at admission listed in /api/status (the most recent)
 OFFER_MAX_AGE_S = 7 * 86400.0  # a signed version stays offerable this long after it was published
 
 
@@ -129,6 +131,9 @@ class SyncerService:
             ban_s=screening.ban_s,
         )
         self._server: Any = None
+        self.started_at = time.time()  # the admission counts below start here (one core per process)
+        for cause in ADMISSION_CAUSES:  # exported at 0 from the start: a scrape sees no refusal, not no data
+            role.ctx.metrics.admission_refused.labels(reason=cause)
 
     @property
     def replay(self) -> ReplayGuard:
@@ -182,12 +187,21 @@ class SyncerService:
         if core is None:
             return {"admission": {}, "seniority": {}}
         return {
-            "admission": {"mode": core.gate.spec.mode, "refused_by_peer": dict(core.gate.refused)},
+            "admission": {
+                "mode": core.gate.spec.mode,
+                # the most recent only: a Sybil flood's 65536 identities would outgrow the 1 MiB the bootstrap reads
+                "refused_by_peer": dict(list(core.gate.refused.items())[-STATUS_REFUSED_PEERS:]),
+                "refused_identities": len(core.gate.refused),
+                "refused_by_reason": dict(core.gate.refused_by_cause),
+                "counted_since": round(self.started_at, 3),
+            },
             "seniority": core.seniority.status(time.monotonic()),
         }
 
     def _on_reject(self, remote: str, route: str, error: ProtocolError) -> None:
         self.refusals[error.reason] = self.refusals.get(error.reason, 0) + 1
+        if isinstance(error, Refusal) and error.reason == "admission":  # /metrics, by cause (issue 18)
+            self.role.ctx.metrics.admission_refused.labels(reason=error.cause or "other").inc()
         holder = self.role.live.get(remote)
         learner = holder is not None and holder.role == "learner"
         if route == PUSH_ROUTE and learner and error.blame_sender and not isinstance(error, Refusal):
@@ -423,13 +437,19 @@ class SyncerService:
             version = core.versions[fragment]
             ledger = _ledger_json([e for e in core.merged_ledger() if e[1] == fragment])
             published = core.published_wall(fragment, wall_offset())
+            seniority = seniority_chunks(core.seniority.export(wall_offset()))  # the most recently merged
         return self._answer(
             Kind.VERSION,
             remote,
             microbatch=fragment,
             step=version,
             tensors=tensors,
-            meta={"term": self.role.term, "merged": ledger, "published_wall": published},
+            meta={
+                "term": self.role.term,
+                "merged": ledger,
+                "published_wall": published,
+                "seniority": seniority,
+            },
         )
 
     async def _handle_offer(self, frame: bytearray, remote: str) -> bytes:

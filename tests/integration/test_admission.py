@@ -36,6 +36,8 @@ def test_a_learner_without_a_valid_proof_is_refused_and_an_open_run_merges_it(tm
     print(f"\npow: {defended}")
     assert defended["merges"] >= 1  # the honest learner's work goes on
     assert defended["refusals"].get("admission", 0) >= 2, defended["refusals"]
+    # and on the syncer's /metrics, by cause: the unpaid learner sends no proof at all
+    assert defended["admission_refused_metric"].get("no_proof", 0) >= 2, defended["admission_refused_metric"]
     assert defended["attacker_weight_share_all"] == 0.0  # not one merge took the unpaid identity
     assert defended["honest_banned"] == 0 and defended["honest_refused"] == 0
 
@@ -43,4 +45,5 @@ def test_a_learner_without_a_valid_proof_is_refused_and_an_open_run_merges_it(tm
     undefended = run_arm(tmp_path / "open", open_run, duration_s=DEADLINE_S, until=_merged)
     print(f"\nopen: {undefended}")
     assert undefended["refusals"].get("admission", 0) == 0
+    assert undefended["admission_refused_metric"].get("no_proof") == 0.0  # exported, and nothing counted
     assert undefended["attacker_weight_share_all"] > 0.0  # without the cost, the same pushes are merged

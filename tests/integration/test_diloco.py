@@ -318,6 +318,9 @@ def test_syncer_failover(tmp_path: Path) -> None:
             f"term {took_over['term']}, versions {took_over['versions']}"
         )
         assert took_over["term"] == 2 and took_over["takeover_source"] in ("mirror", "checkpoint")
+        # the seniority table came with the state: the learners merged on the primary are not young strangers
+        print(f"seniority at the takeover: {takeover[-1]['seniority']}")
+        assert takeover[-1]["seniority"]["identities"] >= 1
         # versions only move forward: the new syncer serves at least what any learner had applied
         for held in held_before:
             assert held is not None

@@ -1,6 +1,6 @@
 """The leaderboard page in a real browser (headless Chromium via playwright, as tests/integration/test_dashboard.py):
-a bootstrap whose ledger holds three peers shows them ranked by verified tokens, re-sorts on a header click, and
-links the CSV export. The ledger is filled through `ContributionLedger` between two starts of the same bootstrap
+a bootstrap whose ledger holds three peers shows them ranked by verified tokens, re-sorts on a header click,
+links the CSV export, and shows the pushes the syncer refused at admission by reason. The ledger is filled through `ContributionLedger` between two starts of the same bootstrap
 (same keys, same run id), the way a restarted bootstrap finds its own file."""
 
 from __future__ import annotations
@@ -31,6 +31,17 @@ def fill(ledger: ContributionLedger) -> None:
         else:
             merge |= {"rejected": {peer: "stale by 4 versions"}}
         ledger.record_merges([merge], start + 10)
+    # two syncer processes refused pushes at admission; the first one's status is read twice (counted once)
+    for since, counts in (
+        (start, {"no_proof": 3}),
+        (start, {"no_proof": 5}),
+        (start + 30, {"weak_proof": 2}),
+    ):
+        status = {
+            "peer_id": "12D3KooWSyncer",
+            "admission": {"counted_since": since, "refused_by_reason": counts},
+        }
+        ledger.record_admission(status, start + 40)
 
 
 def test_the_leaderboard_page_ranks_sorts_and_exports(tmp_path: Path) -> None:
@@ -69,6 +80,9 @@ def test_the_leaderboard_page_ranks_sorts_and_exports(tmp_path: Path) -> None:
                 page.click('#leaderboard th[data-key="verified_tokens"]')  # again: ascending
                 assert page.locator("#leaderboard tbody tr").evaluate_all(order) == list(PEERS)[::-1]
                 assert page.get_attribute("#csv", "href") == "/api/leaderboard.csv"
+                page.wait_for_function("document.getElementById('admission').dataset.total === '7'")
+                admission = page.locator("#admission").inner_text()
+                assert "no proof-of-work 5" in admission and "proof too weak 2" in admission, admission
                 ARTIFACTS.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(ARTIFACTS / "leaderboard.png"), full_page=True)
                 assert not errors, errors

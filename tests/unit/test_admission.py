@@ -46,7 +46,7 @@ def test_a_proof_is_bound_to_its_run_and_to_its_peer() -> None:
     nonce = solve(RUN, PEER, 16)  # 16 bits: a random nonce passes with probability 2^-16
     with pytest.raises(AdmissionRefused, match="leading zero bits") as wrong_run:
         verify_admission(_pow(16), OTHER_RUN, PEER, nonce)
-    assert wrong_run.value.reason == "admission"
+    assert wrong_run.value.reason == "admission" and wrong_run.value.cause == "weak_proof"
     with pytest.raises(AdmissionRefused, match="leading zero bits"):
         verify_admission(_pow(16), RUN, OTHER_PEER, nonce)  # a Sybil cannot reuse it
 
@@ -61,15 +61,17 @@ def test_a_proof_of_too_few_bits_is_refused() -> None:
 
 @pytest.mark.parametrize("proof", [None, {}, {"nonce": 7}, "12", -1, 2**64, [1], 1.0, True])
 def test_a_missing_or_malformed_proof_is_refused(proof: object) -> None:
-    with pytest.raises(AdmissionRefused):
+    with pytest.raises(AdmissionRefused) as refused:
         verify_admission(_pow(), RUN, PEER, proof)
+    assert refused.value.cause == ("no_proof" if proof is None else "malformed_proof")  # /metrics' label
 
 
 def test_allowlist_admits_only_listed_peers_and_open_admits_anyone() -> None:
     allow = AdmissionSpec(mode="allowlist", allowlist=(PEER,))
     verify_admission(allow, RUN, PEER, None)
-    with pytest.raises(AdmissionRefused, match="allow-list"):
+    with pytest.raises(AdmissionRefused, match="allow-list") as refused:
         verify_admission(allow, RUN, OTHER_PEER, solve(RUN, OTHER_PEER, 0))
+    assert refused.value.cause == "not_allowlisted"
     verify_admission(AdmissionSpec(mode="open"), RUN, OTHER_PEER, None)  # the defence off: no cost at all
 
 

@@ -130,3 +130,37 @@ def test_a_zero_credit_is_explained() -> None:
     # negative control: a healthy peer gets no reason, and a ban not (yet) in effect is no reason
     assert explain_credit(A, row, recent[3:], ACTIVE) == []
     assert explain_credit(A, row, recent[3:], {**ACTIVE, "bans": [{**ban, "in_effect": False}]}) == []
+
+
+def _syncer_status(since: float, counts: object, peer_id: str = "12D3KooWS") -> dict[str, Any]:
+    return {"peer_id": peer_id, "admission": {"counted_since": since, "refused_by_reason": counts}}
+
+
+def test_admission_refusals_are_counted_once_per_syncer_process_and_reason(tmp_path: Path) -> None:
+    book = ledger(tmp_path)
+    assert book.admission_refusals() == {}
+    assert book.record_admission(_syncer_status(100.0, {"no_proof": 3}), now=101.0) == 1
+    assert (
+        book.record_admission(_syncer_status(100.0, {"no_proof": 3}), now=102.0) == 0
+    )  # read again: no change
+    assert book.record_admission(_syncer_status(100.0, {"no_proof": 5, "weak_proof": 1}), now=103.0) == 2
+    # a restarted syncer (a new process) counts from 0 again: its counts add to the earlier process's
+    book.record_admission(_syncer_status(200.0, {"no_proof": 2}), now=201.0)
+    assert book.admission_refusals() == {"no_proof": 7, "weak_proof": 1}
+    book.close()
+    assert ledger(tmp_path).admission_refusals() == {"no_proof": 7, "weak_proof": 1}  # durable
+    assert ledger(tmp_path, "run2").admission_refusals() == {}  # per run
+
+
+def test_malformed_admission_counts_are_skipped_not_fatal(tmp_path: Path) -> None:
+    book = ledger(tmp_path)
+    for bad in (
+        _syncer_status(100.0, ["no_proof"]),
+        _syncer_status(100.0, {"no_proof": "many"}),
+        _syncer_status(100.0, {f"r{i}": 1 for i in range(100)}),
+        {"peer_id": "12D3KooWS", "admission": {"refused_by_reason": {"no_proof": 1}}},  # no counted_since
+        {"admission": {"counted_since": 1.0, "refused_by_reason": {"no_proof": 1}}},
+        {"peer_id": "12D3KooWS"},  # an older syncer: no admission section
+    ):
+        assert book.record_admission(bad, now=101.0) == 0
+    assert book.admission_refusals() == {}

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from node.context import NodeMetrics
 from node.diloco.learner_ledger import LearnerLedger
 from node.diloco.quorum import QuorumConfig
 from node.diloco.screening import ScreeningConfig
@@ -52,6 +53,7 @@ class Host:
             identity=self.identity,
             peer_id=self.identity.peer_id,
             events=SimpleNamespace(emit=lambda *a, **k: None),
+            metrics=NodeMetrics(),
         )
         self.config = SyncerConfig(screening=ScreeningConfig(loss_probe=False))
         self.mode = "decoupled"
