@@ -8,15 +8,20 @@ Three arms per preset, interleaved round by round (so machine load hits them ali
   model, with the DiLoCo sync bookkeeping stubbed out: what a learner process spends per step on compute.
 
 Byte vocabulary (256), context 256 for the larger presets. Headline: tokens/s ratios against plain (goal
->= 0.95). What this does NOT measure: a whole learner process (DHT, sync pushes, the asyncio loop), nor the
-swarm-vs-one-process quality comparison with a BPE; see docs/models.md.
+>= 0.95). What this does NOT measure: a whole learner process (DHT, sync pushes, the asyncio loop).
 
-Run: `python -m benchmarks.real_model [--presets llama-tiny,llama-20m,llama-124m] [--rounds 3] [--steps 3]`.
+`--quality`: also the swarm against one process at equal tokens with a trained BPE (benchmarks/
+real_model_quality.py; headline `loss_gap_swarm`, goal <= 3 %, and the plot real_model.png); `--presets ""
+--quality` runs only that and keeps the overhead figures already in real_model.json.
+
+Run: `python -m benchmarks.real_model [--presets llama-tiny,llama-20m,llama-124m] [--rounds 3] [--steps 3]
+[--quality [--quality-tokens N]]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -25,7 +30,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import write_result
+from benchmarks.common import RESULTS_DIR, plot_path, write_result
+from benchmarks.real_model_quality import QualityConfig
+from benchmarks.real_model_quality import measure as measure_quality
+from benchmarks.real_model_quality import plot as plot_quality
 from node.ml.model import ModelConfig, build_model, count_parameters, hf_config
 from node.roles.learner import LearnerRole
 from protocol.manifest import InnerOptimizerSpec
@@ -119,16 +127,28 @@ def main() -> None:
     parser.add_argument("--presets", default="llama-tiny,llama-20m,llama-124m")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--quality", action="store_true", help="also the swarm against one process")
+    parser.add_argument("--quality-tokens", type=int, default=QualityConfig().tokens)
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)  # one core per arm: a shared 2-core box oversubscribed by 2 threads is all noise
-    results = [measure(p, args.rounds, args.steps) for p in args.presets.split(",")]
+    results = [measure(p, args.rounds, args.steps) for p in filter(None, args.presets.split(","))]
     headline: dict[str, Any] = {"device": "cpu", "goal": 0.95}
+    detail: dict[str, Any] = {"results": results}
+    if not results:  # keep the overhead figures measured earlier
+        earlier = json.loads((RESULTS_DIR / f"{NAME}.json").read_text())
+        headline, detail = earlier["headline"], {"results": earlier["results"]}
     for r in results:
         key = r["preset"].removeprefix("llama-")
         headline[f"overhead_ratio_{key}"] = round(r["ratio_learner"], 3)
         headline[f"model_ratio_{key}"] = round(r["ratio_ours"], 3)
-    path = write_result(NAME, headline, {"results": results})
+    if args.quality:
+        quality = measure_quality(QualityConfig(tokens=args.quality_tokens))
+        headline["loss_gap_swarm"] = quality["loss_gap_swarm"]
+        headline["quality_goal"] = 0.03
+        detail["quality"] = quality
+        plot_quality(quality, plot_path(NAME))
+    path = write_result(NAME, headline, detail)
     print(f"headline {headline}\nwrote {path}")
 
 

@@ -50,6 +50,7 @@ NON_FINITE = "screen: non-finite"
 NORM = "screen: norm"
 DIRECTION = "screen: direction"
 ROLLBACK = "outer step non-finite"
+LOSS_WAIVED = "loss over the bound, waived: outage work"
 ACCEPTED, CLIPPED = "accepted", "clipped"
 
 
@@ -179,11 +180,20 @@ class ContributionScreen:
             min_history=c.min_history,
         )
 
-    def check_loss(self, fragment: int, score: LossScore | None, peer: str = "") -> Verdict | None:
+    def check_loss(
+        self, fragment: int, score: LossScore | None, peer: str = "", *, outage: bool = False
+    ) -> Verdict | None:
         """The rejection of `peer`'s contribution whose held-out loss-delta score is over the bound; None if it
         passes (or was not scored: the probe off, its data not loaded yet). Blamed only when corroborated
-        (`LossBound.judge`)."""
+        (`LossBound.judge`). `outage`: work on a version this syncer took over and has not merged since (many
+        steps on an old base, judged by a bound with nothing learned): over the bound, it is let through and
+        counted as `LOSS_WAIVED`, not refused; the other screens still apply."""
         if score is None or not (self.config.enabled and self.config.loss_probe):
+            return None
+        if outage:
+            if (reason := self.loss.check(fragment, score)) is not None:
+                self.counts[LOSS_WAIVED] += 1
+                logger.info("outage work of %s let through the loss screen: %s", peer[-8:], reason)
             return None
         reason, excuse = self.loss.judge(fragment, score, peer)
         if reason is None:
@@ -200,10 +210,12 @@ class ContributionScreen:
         current: Mapping[str, torch.Tensor],
         loss: LossScore | None = None,
         peer: str = "",
+        *,
+        outage: bool = False,
     ) -> Verdict:
         """Screen `peer`'s contribution to `fragment` built on `base` (its base version's tensors; None: unknown,
         taken as `current`, the fragment's global tensors now, as the merge does); `loss`: its held-out score, if
-        measured."""
+        measured; `outage`: see `check_loss`."""
         if not self.config.enabled:
             return Verdict(tag=ACCEPTED, reason="not screened", params=_float32(params))
         base = base if base is not None else current
@@ -217,7 +229,7 @@ class ContributionScreen:
         cosine = self._cosine(fragment, deltas, norm)
         if cosine is not None and cosine < self.config.min_cosine:
             return self._reject(DIRECTION, f"direction cos {cosine:.2f} < {self.config.min_cosine:g}")
-        if (rejected := self.check_loss(fragment, loss, peer)) is not None:
+        if (rejected := self.check_loss(fragment, loss, peer, outage=outage)) is not None:
             return rejected
         if norm <= clip_at:
             self.counts[ACCEPTED] += 1

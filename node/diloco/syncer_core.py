@@ -555,11 +555,7 @@ class SyncerCore:
             key = (peer, fragment, base_version, nonce)
             check_base(self, fragment, base_version, key)
             base = self.history.at(fragment, base_version)  # None: unknown, taken as current
-            verdict = self.screen.check(fragment, params, base, self.fragment_tensors(fragment), loss, peer)
-            if verdict.params is None:  # blamed as a rule: the sender built it, the strikes count it per peer
-                raise refuse(verdict.tag, verdict.reason, blame=verdict.blame)
-            if steps > 0 and (copied := self._copied(peer, fragment, verdict.params, base)) is not None:
-                raise refuse(*copied, blame=True)  # no work of its own: it earns nothing
+            params = screened(self, peer, fragment, params, base, loss, steps)
             steps, tokens, capped, elapsed = new_counters(
                 self, peer, fragment, base_version, steps, tokens, now
             )
@@ -571,7 +567,7 @@ class SyncerCore:
                     tokens, receipt_capped = verified, True
             self.claims.observe(peer, steps, elapsed, now)
             tokens = math.floor(tokens * min(1.0, max(0.0, trust)))
-            contribution = Contribution(peer, verdict.params, base_version, steps, tokens)
+            contribution = Contribution(peer, params, base_version, steps, tokens)
             self._enter(fragment, _Entry(contribution, key, now, counts, loss.delta if loss else None), now)
             if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
                 self.policy.observe_step(step_time_s)
@@ -893,6 +889,36 @@ def probe_base(core: SyncerCore, fragment: int, base_version: int) -> Mapping[st
     current version standing in, the score would measure the gap between versions, not the learner's work, and
     it refused honest learners' outage work until all were banned. The other screens still apply."""
     return core.history.at(fragment, base_version)
+
+
+def screened(
+    core: SyncerCore,
+    peer: str,
+    fragment: int,
+    params: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor] | None,
+    loss: LossScore | None,
+    steps: int,
+) -> Mapping[str, torch.Tensor]:
+    """What `accept` takes of `peer`'s push once screened (clipped, maybe), or raise the Refusal: the screen's
+    verdict (blamed as a rule: the sender built it, the strikes count it per peer), or no work of its own."""
+    current = core.fragment_tensors(fragment)
+    verdict = core.screen.check(fragment, params, base, current, loss, peer, outage=is_outage(core, fragment))
+    if verdict.params is None:
+        raise refuse(verdict.tag, verdict.reason, blame=verdict.blame)
+    if steps > 0 and (copied := core._copied(peer, fragment, verdict.params, base)) is not None:
+        raise refuse(*copied, blame=True)  # it earns nothing
+    return verdict.params
+
+
+def is_outage(core: SyncerCore, fragment: int) -> bool:
+    """Whether work on `fragment` now is outage work: its current version is one this syncer took over (restored
+    from a checkpoint or an earlier syncer's mirror, not the seed) and has not merged since. Such work is many steps
+    on an old base; applied alone it may raise the held-out loss though honest, and the loss bound has learned
+    nothing yet: refused, the learners' outage progress was lost (test_syncer_failover, 1 run in 3). Bounded to the
+    first round of each fragment after a takeover; the norm and finiteness screens, the seniority cap and the
+    claims still apply."""
+    return core.versions[fragment] > 0 and not core.history.merged_here[fragment]
 
 
 def check_base(core: SyncerCore, fragment: int, base_version: int, key: tuple[str, int, int, bytes]) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from node.diloco.loss_probe import LOSS, LossBound, LossProbe, LossScore
 from node.diloco.quorum import QuorumConfig
-from node.diloco.screening import ScreeningConfig
+from node.diloco.screening import LOSS_WAIVED, ScreeningConfig
 from node.diloco.sync_client import run_fragment_plan
 from node.ml.data import evaluate
 from node.ml.model import ModelConfig, build_model, embedding_param_names
@@ -199,6 +199,28 @@ def test_a_syncer_without_merged_scores_refuses_but_does_not_blame() -> None:
     with pytest.raises(Refusal) as learned:
         h.push("evil", flipped(h.c, trained(h.c, seed=7)))
     assert learned.value.blame_sender
+
+
+def test_after_a_restore_the_first_round_takes_outage_work_over_the_loss_bound() -> None:
+    """A syncer that took over (here: restored from a snapshot of merged versions) gets the learners' outage work
+    first: many steps on the version it took over, judged by a bound that learned nothing. Over the bound it is
+    let through and counted, not refused (test_syncer_failover lost a learner's outage work 1 run in 3). Bounded:
+    once the syncer merged the fragment, the same push is refused (the control), and so it is in a fresh run,
+    whose version 0 is the seed, not a takeover."""
+    fresh = Harness(ScreeningConfig())
+    with pytest.raises(Refusal):  # the control in a fresh run (version 0): refused as before
+        fresh.push("evil", flipped(fresh.c, trained(fresh.c, seed=7)))
+    h = Harness(ScreeningConfig())
+    for seed in range(1, 3):
+        h.push("honest", trained(h.c, seed=seed))
+        h.c.merge_now(0, 1, h.now)
+    h.c.restore(h.c.snapshot("0" * 40, 1), h.now)
+    h.push("outage", flipped(h.c, trained(h.c, seed=7)))  # over the bound: let through
+    assert h.c.screen.status()[LOSS_WAIVED] == 1 and h.c.screen.status().get(LOSS, 0) == 0
+    assert h.c.merge_now(0, 1, h.now) is not None
+    with pytest.raises(Refusal) as after:  # merged here since: the screen judges as always
+        h.push("evil", flipped(h.c, trained(h.c, seed=8)))
+    assert after.value.reason == LOSS
 
 
 def test_judge_counts_only_other_peers_passes() -> None:

@@ -1,0 +1,281 @@
+"""The quality half of benchmarks/real_model.py: a live swarm against one process at equal tokens.
+
+Swarm: real processes on loopback (a bootstrap with the trained BPE, one syncer, 4 learners, decoupled DiLoCo with
+one fragment and K = 2, the syncer's defaults otherwise: screening on), llama-20m at a CPU-sized context, on the
+built-in standard-library corpus. The syncer evaluates the global model on its held-out batches every
+`eval_every_merges` merges (`eval` events: loss, tokens merged so far). One process: the same model, seed, inner
+optimizer and batch size, trained on the whole training split for the same tokens, evaluated on the same
+held-out batches (the syncer's: `validation_batches` of the corpus's held-out split, same sizes) at the same
+token counts. With one fragment a merged contribution's tokens are counted once, so the syncer's `tokens_total`
+is the number of tokens in the global model.
+
+loss_gap_swarm = (swarm's held-out loss - one process's) / one process's, at the swarm's last evaluation (the
+one-process curve interpolated at its token count). Goal: <= 3 %.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.goodput import interpolate, try_json, wait_for
+from protocol.identity import NodeIdentity
+from tools.chaos import ProcessGroup
+
+logger = logging.getLogger("benchmarks.real_model_quality")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RUN_TOML = """
+name = "real-model-quality"
+seed = 7
+num_stages = 1
+heartbeat_period_s = 1.0
+authorized_syncers = ["{syncer}"]
+[model]
+preset = "{preset}"
+context_len = {context_len}
+[inner]
+lr = {lr}
+batch_size = {batch_size}
+weight_decay = 0.01
+[diloco]
+num_fragments = 1
+sync_every_steps = {sync_every_steps}
+min_quorum = {min_quorum}
+overlap_steps = 1
+mode = "decoupled"
+[admission]
+mode = "open"
+"""
+NODE_TOML = """
+[learner]
+eval_every_steps = 0
+torch_threads = 1
+join_timeout_s = 60.0
+[syncer]
+eval_every_merges = {eval_every_merges}
+eval_batches = {eval_batches}
+eval_batch_size = {eval_batch_size}
+checkpoint_every_merges = 1000
+"""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QualityConfig:
+    preset: str = "llama-20m"
+    context_len: int = 128  # the preset's 512 at CPU speed would take hours for a loss worth comparing
+    vocab_size: int = 8192
+    lr: float = 1e-3
+    batch_size: int = 4
+    sync_every_steps: int = 10
+    learners: int = 4
+    min_quorum: int = (
+        2  # K: half the learners (with K = 1 the first push closes a round and the rest miss it)
+    )
+    tokens: int = 400_000  # the swarm runs until the global model holds this many merged tokens
+    deadline_s: float = 1800.0
+    eval_every_merges: int = 4
+    eval_batches: int = 8
+    eval_batch_size: int = 8
+    seed: int = 7  # RUN_TOML's
+
+
+def train_tokenizer(root: Path, vocab_size: int) -> Path:
+    out = root / "tokenizer.json"
+    argv = [sys.executable, "-m", "bootstrap", "tokenizer", "train", "--out", str(out), "--quiet"]
+    subprocess_run([*argv, "--vocab-size", str(vocab_size)])
+    return out
+
+
+def subprocess_run(argv: list[str]) -> None:
+    import subprocess
+
+    done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:5])} failed: {done.stderr[-2000:]}")
+    print(done.stdout.strip(), flush=True)
+
+
+class Swarm:
+    """Bootstrap, syncer and learners as processes; status URLs from each node's log ("status: http://...")."""
+
+    def __init__(self, root: Path, cfg: QualityConfig, tokenizer: Path) -> None:
+        self.root, self.cfg, self.tokenizer = root, cfg, tokenizer
+        env = dict(os.environ)
+        env.update(
+            PYTHONUNBUFFERED="1",
+            HIVENODE_STATE_DIR=str(root / "state-default"),
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
+        )
+        self.group = ProcessGroup(root / "logs", env=env, cwd=REPO_ROOT)
+        self.syncer_key = root / "syncer.key"
+        syncer_id = NodeIdentity.load_or_create(self.syncer_key).peer_id
+        self.run_path = root / "run.toml"
+        self.run_path.write_text(RUN_TOML.format(syncer=syncer_id, **asdict(cfg)))
+        self.node_toml = root / "node.toml"
+        self.node_toml.write_text(NODE_TOML.format(**asdict(cfg)))
+        self._urls: dict[str, str] = {}
+
+    def start(self) -> None:
+        python, maddrs = sys.executable, self.root / "bootstrap.maddrs"
+        bootstrap = ["-m", "bootstrap", "--run", str(self.run_path), "--tokenizer", str(self.tokenizer)]
+        bootstrap += ["--state-dir", str(self.root / "bootstrap"), "--no-syncer", "--no-verifier"]
+        self.group.start("bootstrap", [python, *bootstrap, "--maddrs-file", str(maddrs)])
+        maddr = wait_for(lambda: maddrs.exists() and maddrs.read_text().split(), 60, "bootstrap")[0]
+        common = ["--join", maddr, "--config", str(self.node_toml), "--max-steps", "1000000"]
+        node = [python, "-m", "node"]
+        syncer = [*node, "--state-dir", str(self.root / "syncer"), "--role", "syncer"]
+        self.group.start("syncer", [*syncer, "--identity", str(self.syncer_key), *common])
+        wait_for(lambda: (self.status("syncer") or {}).get("state") == "syncing", 120, "the syncer")
+        names = [f"learner{i}" for i in range(self.cfg.learners)]
+        for name in names:
+            self.group.start(
+                name, [*node, "--state-dir", str(self.root / name), "--role", "learner", *common]
+            )
+        wait_for(
+            lambda: all((self.status(n) or {}).get("state") == "training" for n in names), 300, "learners"
+        )
+
+    def status(self, name: str) -> dict[str, Any] | None:
+        found = re.findall(r"^status: (http://\S+)$", self.group.log(name), re.MULTILINE)
+        if found:
+            self._urls[name] = found[-1]
+        return try_json(self._urls.get(name))
+
+    def evals(self) -> list[tuple[int, float]]:
+        """(tokens merged, held-out loss) of each of the syncer's evaluations so far."""
+        path = self.root / "syncer" / "events.jsonl"
+        if not path.exists():
+            return []
+        events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [(int(e["tokens_total"]), float(e["loss"])) for e in events if e.get("event") == "eval"]
+
+    def stop(self) -> None:
+        self.group.terminate_all()
+
+
+def run_swarm(root: Path, cfg: QualityConfig, tokenizer: Path) -> dict[str, Any]:
+    swarm = Swarm(root, cfg, tokenizer)
+    started = time.monotonic()
+    try:
+        swarm.start()
+        deadline = started + cfg.deadline_s
+        while time.monotonic() < deadline:
+            curve = swarm.evals()
+            if curve and curve[-1][0] >= cfg.tokens:
+                break
+            done = curve[-1][0] if curve else 0
+            print(f"  swarm: {done:,} of {cfg.tokens:,} tokens merged", flush=True)
+            time.sleep(5.0)
+        curve = swarm.evals()
+        syncer = swarm.status("syncer") or {}
+    finally:
+        swarm.stop()
+    return {
+        "curve": curve,
+        "wall_s": round(time.monotonic() - started, 1),
+        "merges": syncer.get("merges"),
+        "refusals": syncer.get("refusals"),
+        "reached": bool(curve) and curve[-1][0] >= cfg.tokens,
+    }
+
+
+def run_one_process(cfg: QualityConfig, tokenizer: Path, at_tokens: list[int]) -> dict[str, Any]:
+    """One process, the learner's model, optimizer and batch, evaluated at each of `at_tokens` (sorted)."""
+    from node.ml.data import BatchSampler, evaluate, load_corpus, validation_batches
+    from node.ml.model import ModelConfig, build_model
+    from node.ml.tokenizer import Tokenizer, tokenizer_spec
+
+    started = time.monotonic()
+    blob = tokenizer.read_bytes()
+    corpus = load_corpus(None).with_encoder(Tokenizer(blob).encode)
+    vocab_size = int(tokenizer_spec(blob)["vocab_size"])  # what the bootstrap put in the manifest
+    model_cfg = ModelConfig.from_dict(
+        {"preset": cfg.preset, "context_len": cfg.context_len, "vocab_size": vocab_size}
+    )
+    held = validation_batches(
+        corpus, batch_size=cfg.eval_batch_size, context_len=cfg.context_len, num_batches=cfg.eval_batches
+    )
+    model = build_model(model_cfg, cfg.seed)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    sampler = BatchSampler(
+        corpus.train_stream(),
+        batch_size=cfg.batch_size,
+        context_len=cfg.context_len,
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+    curve, tokens, pending = [(0, evaluate(model, held))], 0, sorted(at_tokens)
+    while pending:
+        inputs, targets = sampler.next_batch()
+        optimizer.zero_grad(set_to_none=True)
+        model(inputs, targets)[1].backward()
+        optimizer.step()
+        tokens += int(inputs.numel())
+        while pending and tokens >= pending[0]:
+            pending.pop(0)
+            curve.append((tokens, evaluate(model, held)))
+            model.train()
+            print(f"  one process: {tokens:,} tokens, held-out {curve[-1][1]:.4f}", flush=True)
+    return {"curve": curve, "wall_s": round(time.monotonic() - started, 1)}
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, label in (
+        ("swarm", f"swarm ({result['config']['learners']} learners + syncer)"),
+        ("one_process", "one process"),
+    ):
+        curve = result[name]["curve"]
+        ax.plot([t for t, _ in curve], [loss for _, loss in curve], marker="o", label=label)
+    ax.set_xlabel("tokens in the model")
+    ax.set_ylabel("held-out loss (nats/token)")
+    gap = result["loss_gap_swarm"]
+    ax.set_title(
+        f"{result['config']['preset']}, trained BPE: loss gap {gap:+.2%}" if gap is not None else "no gap"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def measure(cfg: QualityConfig) -> dict[str, Any]:
+    """Both arms and the gap; see the module docstring."""
+    root = Path(tempfile.mkdtemp(prefix="hivenode-quality-"))
+    try:
+        tokenizer = train_tokenizer(root, cfg.vocab_size)
+        swarm = run_swarm(root / "swarm", cfg, tokenizer)
+        points = [t for t, _ in swarm["curve"] if t > 0] or [cfg.tokens]
+        torch.set_num_threads(max(1, (os.cpu_count() or 1)))
+        single = run_one_process(cfg, tokenizer, points)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    last_tokens, last_loss = swarm["curve"][-1] if swarm["curve"] else (0, None)
+    reference = interpolate(single["curve"], last_tokens) if last_loss is not None else None
+    gap = (last_loss - reference) / reference if last_loss is not None and reference else None
+    return {
+        "config": asdict(cfg),
+        "swarm": swarm,
+        "one_process": single,
+        "tokens_compared": last_tokens,
+        "swarm_loss": last_loss,
+        "one_process_loss": reference,
+        "loss_gap_swarm": None if gap is None else round(gap, 4),
+    }
