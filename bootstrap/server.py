@@ -53,6 +53,7 @@ from node.swarm import (
     reach_limits,
     start_dht,
 )
+from node.swarm.http_client import read_bounded
 from protocol.dht_io import SwarmRecords, publish_discovery
 from protocol.errors import ConfigError, HivenodeError, TokenizerMismatch
 from protocol.identity import IdentityLock, NodeIdentity
@@ -480,7 +481,7 @@ async def _fetch_syncer_status(
         async with session.get(url) as response:
             if response.status != 200:
                 return None
-            body = await response.content.read(MAX_SYNCER_STATUS_BYTES + 1)
+            body = await read_bounded(response.content, MAX_SYNCER_STATUS_BYTES + 1)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         logger.debug("syncer status %s: %s", url, e)
         return None

@@ -28,6 +28,7 @@ from node.ml.shards import (
     verify_shard,
     write_atomic,
 )
+from node.swarm.http_client import read_bounded
 from protocol.errors import DataError, ShardMismatch
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ async def _get_bounded(url: str, timeout_s: float, max_bytes: int) -> bytes:
     async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as response:
         if response.status != 200:
             raise DataError(f"{url} answered HTTP {response.status}")
-        blob = await response.content.read(max_bytes + 1)
+        blob = await read_bounded(response.content, max_bytes + 1)
     if len(blob) > max_bytes:
         raise DataError(f"{url} sent more than {max_bytes} bytes")
     return blob

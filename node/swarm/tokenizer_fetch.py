@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 
 from node.ml.tokenizer import MAX_TOKENIZER_BYTES, Tokenizer, verify_tokenizer
+from node.swarm.http_client import read_bounded
 from protocol.errors import TokenizerMismatch
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ async def fetch_tokenizer(url: str, spec: dict[str, Any], *, timeout_s: float) -
     async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as response:
         if response.status != 200:
             raise TokenizerMismatch(f"{url} answered HTTP {response.status}")
-        blob = await response.content.read(MAX_TOKENIZER_BYTES + 1)
+        blob = await read_bounded(response.content, MAX_TOKENIZER_BYTES + 1)
     if len(blob) > MAX_TOKENIZER_BYTES:
         raise TokenizerMismatch(f"{url} sent more than {MAX_TOKENIZER_BYTES} bytes")
     return verify_tokenizer(blob, spec)
