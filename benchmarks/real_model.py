@@ -145,6 +145,8 @@ def main() -> None:
     if args.quality:
         quality = measure_quality(QualityConfig(tokens=args.quality_tokens))
         headline["loss_gap_swarm"] = quality["loss_gap_swarm"]
+        headline["loss_gap_swarm_small_batch"] = quality["loss_gap_swarm_small_batch"]
+        headline["quality_mode"] = quality["config"]["mode"]
         headline["quality_goal"] = 0.03
         detail["quality"] = quality
         plot_quality(quality, plot_path(NAME))
