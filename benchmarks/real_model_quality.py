@@ -17,10 +17,10 @@ batch: the same recipe on one machine); loss_gap_swarm_small_batch against one p
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,8 +33,6 @@ import torch
 from benchmarks.goodput import interpolate, try_json, wait_for
 from protocol.identity import NodeIdentity
 from tools.chaos import ProcessGroup
-
-logger = logging.getLogger("benchmarks.real_model_quality")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RUN_TOML = """
@@ -102,8 +100,6 @@ def train_tokenizer(root: Path, vocab_size: int) -> Path:
 
 
 def subprocess_run(argv: list[str]) -> None:
-    import subprocess
-
     done = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:5])} failed: {done.stderr[-2000:]}")
