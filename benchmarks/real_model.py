@@ -12,7 +12,8 @@ Byte vocabulary (256), context 256 for the larger presets. Headline: tokens/s ra
 
 `--quality`: also the swarm against one process at equal tokens with a trained BPE (benchmarks/
 real_model_quality.py; headline `loss_gap_swarm`, goal <= 3 %, and the plot real_model.png); `--presets ""
---quality` runs only that and keeps the overhead figures already in real_model.json.
+--quality` runs only that and keeps the overhead figures already in real_model.json; without `--quality` the
+comparison already there is kept (its headline recomputed from its detail).
 
 Run: `python -m benchmarks.real_model [--presets llama-tiny,llama-20m,llama-124m] [--rounds 3] [--steps 3]
 [--quality [--quality-tokens N]]`.
@@ -122,6 +123,38 @@ def measure(preset: str, rounds: int, steps: int) -> dict[str, Any]:
     return result
 
 
+OVERHEAD_KEYS = ("device", "goal", "overhead_ratio_", "model_ratio_")
+
+
+def keep_earlier(results: list[dict[str, Any]], quality: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(headline, detail) to start from: what real_model.json holds of the halves not run now (the overhead
+    presets when none ran, the quality comparison without --quality), so that each half can be rerun alone."""
+    path = RESULTS_DIR / f"{NAME}.json"
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    headline: dict[str, Any] = {"device": "cpu", "goal": 0.95}
+    detail: dict[str, Any] = {"results": results}
+    if not results and earlier:
+        headline = {k: v for k, v in earlier["headline"].items() if k.startswith(OVERHEAD_KEYS)}
+        detail["results"] = earlier["results"]
+    if not quality and "quality" in earlier:
+        headline.update(quality_headline(earlier["quality"]))
+        detail["quality"] = earlier["quality"]
+    return headline, detail
+
+
+def quality_headline(quality: dict[str, Any]) -> dict[str, Any]:
+    swarm = quality["swarm"]
+    trained = swarm.get("trained_tokens") or 0
+    return {
+        "loss_gap_swarm": quality["loss_gap_swarm"],
+        "loss_gap_swarm_small_batch": quality["loss_gap_swarm_small_batch"],
+        "quality_mode": quality["config"]["mode"],
+        "quality_goal": 0.03,
+        # tokens in the model over tokens the learners trained: the rest was refused (missed rounds) or overwritten
+        "quality_compute_share": round(quality["tokens_compared"] / trained, 3) if trained else None,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="llama-tiny,llama-20m,llama-124m")
@@ -133,21 +166,14 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # one core per arm: a shared 2-core box oversubscribed by 2 threads is all noise
     results = [measure(p, args.rounds, args.steps) for p in filter(None, args.presets.split(","))]
-    headline: dict[str, Any] = {"device": "cpu", "goal": 0.95}
-    detail: dict[str, Any] = {"results": results}
-    if not results:  # keep the overhead figures measured earlier
-        earlier = json.loads((RESULTS_DIR / f"{NAME}.json").read_text())
-        headline, detail = earlier["headline"], {"results": earlier["results"]}
+    headline, detail = keep_earlier(results, args.quality)
     for r in results:
         key = r["preset"].removeprefix("llama-")
         headline[f"overhead_ratio_{key}"] = round(r["ratio_learner"], 3)
         headline[f"model_ratio_{key}"] = round(r["ratio_ours"], 3)
     if args.quality:
         quality = measure_quality(QualityConfig(tokens=args.quality_tokens))
-        headline["loss_gap_swarm"] = quality["loss_gap_swarm"]
-        headline["loss_gap_swarm_small_batch"] = quality["loss_gap_swarm_small_batch"]
-        headline["quality_mode"] = quality["config"]["mode"]
-        headline["quality_goal"] = 0.03
+        headline.update(quality_headline(quality))
         detail["quality"] = quality
         plot_quality(quality, plot_path(NAME))
     path = write_result(NAME, headline, detail)

@@ -130,19 +130,21 @@ class LossBound:
         """(`check`'s reason, why a failure is not blamed on `peer` or None when it is). Blamed only once the
         bound has learned from `min_history` merged scores of this fragment that lowered the loss (a syncer that
         just took over has none, and the outage work it receives first is many steps on an old base), and when
-        another peer's contribution to the fragment passed among the recent scores: when nobody's work lowers the
-        held-out loss enough (a learning rate too high for the batch, a model set back), the bound is wrong for
-        this run, not the peer. Either way the contribution is still refused; only bans wait. An attacker's
-        ascent steps are blamed as soon as the bound has its history and one honest learner passes."""
+        the latest scores of at least half of the other peers seen lately on the fragment passed: when most
+        honest work fails too (a learning rate too high for the batch, a model set back, or a real model's
+        fragments that no longer fit the global rest once learning speeds up: all four honest llama-20m learners
+        were banned at ~290k tokens while one peer's occasional pass still counted as corroboration), the bound
+        is wrong for this run, not the peer. Either way the contribution is still refused; only bans wait. An
+        ascent attacker is blamed as soon as the bound has its history and the honest learners pass."""
         reason = self.check(fragment, score)
         window = self._outcomes.setdefault(fragment, deque(maxlen=self.history))
-        corroborated = any(other != peer and passed for other, passed in window)
+        corroborated = _most_others_passed(window, peer)
         window.append((peer, reason is None))
         if reason is None:
             return None, None
         if len(self._scores.get(fragment, ())) < self.min_history:
             return reason, f"the bound has fewer than {self.min_history} merged scores to learn from"
-        return reason, None if corroborated else "no other peer's work passed lately"
+        return reason, None if corroborated else "most other peers' work failed too lately"
 
     def commit(self, fragment: int, deltas: list[float]) -> None:
         """The scores of a published merge's participants."""
@@ -150,3 +152,10 @@ class LossBound:
         # only contributions that lowered the loss teach the bound: ones that raised it (within the floor)
         # would let a majority of ascent steps widen the bound they are judged by (seen with 5 Sybils of 9)
         window.extend(d for d in deltas if math.isfinite(d) and d <= 0)
+
+
+def _most_others_passed(window: deque[tuple[str, bool]], peer: str) -> bool:
+    """Whether at least half of the peers other than `peer` in `window` (peer, passed) passed with their latest
+    score (none: False)."""
+    latest = {other: passed for other, passed in window if other != peer}
+    return bool(latest) and 2 * sum(latest.values()) >= len(latest)
