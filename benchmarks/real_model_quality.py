@@ -82,7 +82,7 @@ class QualityConfig:
     vocab_size: int = 8192
     lr: float = 1e-3
     batch_size: int = 4
-    sync_every_steps: int = 5  # H: 10 lagged 5 % behind 5 at 300k tokens in the in-process DiLoCo
+    sync_every_steps: int = 5  # H (with the outer step below: benchmarks/outer_sweep.py)
     learners: int = 4
     # K: every learner. At K = 2 of 4 (learners drifting apart on a loaded CPU) 164 pushes missed their round
     # against 48 merges: their work was lost; K = 1: the first push closes a round and the rest miss it
@@ -91,8 +91,8 @@ class QualityConfig:
     # for good here once the loss screen refused one honest push
     mode: str = "decoupled"
     # the outer step: plain averaging of the round's deltas. The run's default (Nesterov, lr 0.7, momentum 0.9) is
-    # tuned for hundreds of rounds; over the ~40 rounds of this run it lagged averaging by 3-8 % at equal tokens in
-    # an in-process DiLoCo of this model and data (docs/models.md, "Swarm against one process")
+    # DiLoCo's for hundreds of rounds; over this run's few dozen, in one process at 200k tokens (benchmarks/
+    # outer_sweep.py), H = 10 with it lagged one process at batch 16 by 9.1 %, H = 5 with averaging by 4.6 %
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     # the syncer's held-out loss screen (issue 18) refused every learner's honest work from ~150k tokens on in this
