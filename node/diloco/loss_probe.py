@@ -131,9 +131,9 @@ class LossBound:
         bound has learned from `min_history` merged scores of this fragment that lowered the loss (a syncer that
         just took over has none, and the outage work it receives first is many steps on an old base), and when
         the latest scores of at least half of the other peers seen lately on the fragment passed: when most
-        honest work fails too (a learning rate too high for the batch, a model set back, or a real model's
+        honest work fails too (a learning rate too high for the batch, a model set back, or, our guess, a real model's
         fragments that no longer fit the global rest once learning speeds up: all four honest llama-20m learners
-        were banned at ~290k tokens while one peer's occasional pass still counted as corroboration), the bound
+        were banned at ~288k tokens while other peers' occasional passes still counted as corroboration), the bound
         is wrong for this run, not the peer. Either way the contribution is still refused; only bans wait. An
         ascent attacker is blamed as soon as the bound has its history and the honest learners pass."""
         reason = self.check(fragment, score)
