@@ -31,11 +31,10 @@ import torch
 
 from benchmarks.common import plot_path, write_result
 from benchmarks.goodput import interpolate
-from benchmarks.real_model_quality import QualityConfig, train_tokenizer
+from benchmarks.real_model_quality import QualityConfig, Setup, train_tokenizer
 from node.diloco.outer import OuterNesterov
-from node.ml.data import Batch, BatchSampler, Corpus, evaluate, load_corpus, validation_batches
-from node.ml.model import ModelConfig, build_model
-from node.ml.tokenizer import Tokenizer, tokenizer_spec
+from node.ml.data import evaluate
+from node.ml.model import build_model
 
 NAME = "outer_sweep"
 DEFAULT_VARIANTS = (
@@ -68,37 +67,6 @@ def parse_variant(text: str, replicas: int) -> Variant:
         momentum=float(values.get("momentum", 0.9)),
         replicas=replicas,
     )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Setup:
-    """The quality benchmark's data, held-out batches and model config (`build`: built once per sweep)."""
-
-    cfg: QualityConfig
-    corpus: Corpus
-    model_cfg: ModelConfig
-    held: list[Batch]
-
-    @classmethod
-    def build(cls, cfg: QualityConfig, tokenizer: Path) -> Setup:
-        blob = tokenizer.read_bytes()
-        corpus = load_corpus(None).with_encoder(Tokenizer(blob).encode)
-        vocab_size = int(tokenizer_spec(blob)["vocab_size"])
-        model_cfg = ModelConfig.from_dict(
-            {"preset": cfg.preset, "context_len": cfg.context_len, "vocab_size": vocab_size}
-        )
-        held = validation_batches(
-            corpus, batch_size=cfg.eval_batch_size, context_len=cfg.context_len, num_batches=cfg.eval_batches
-        )
-        return cls(cfg=cfg, corpus=corpus, model_cfg=model_cfg, held=held)
-
-    def sampler(self, seed: int, batch_size: int) -> BatchSampler:
-        return BatchSampler(
-            self.corpus.train_stream(),
-            batch_size=batch_size,
-            context_len=self.cfg.context_len,
-            generator=torch.Generator().manual_seed(seed),
-        )
 
 
 def run_diloco(

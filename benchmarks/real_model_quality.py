@@ -1,7 +1,8 @@
 """The quality half of benchmarks/real_model.py: a live swarm against one process at equal tokens.
 
 Swarm: real processes on loopback (a bootstrap with the trained BPE, one syncer, 4 learners, decoupled DiLoCo with
-num_fragments = 1 (the embedding is a second fragment) and K = 2, the syncer's defaults otherwise: screening on),
+num_fragments = 1 (the embedding is a second fragment), H, K and the outer step as QualityConfig says, the
+syncer's held-out loss screen off and its other screens on),
 llama-20m at a CPU-sized context, on the built-in standard-library corpus. The syncer evaluates the global model on its held-out batches every
 `eval_every_merges` merges (`eval` events: loss, tokens merged so far). One process: the same model, seed, inner
 optimizer and batch size, trained on the whole training split for the same tokens, evaluated on the same
@@ -24,13 +25,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.goodput import interpolate, try_json, wait_for
+from node.ml.data import Batch, BatchSampler, Corpus, evaluate, load_corpus, validation_batches
+from node.ml.model import ModelConfig, build_model
+from node.ml.tokenizer import Tokenizer, tokenizer_spec
 from protocol.identity import NodeIdentity
 from tools.chaos import ProcessGroup
 
@@ -218,31 +222,46 @@ def run_swarm(root: Path, cfg: QualityConfig, tokenizer: Path) -> dict[str, Any]
     }
 
 
-def run_one_process(cfg: QualityConfig, tokenizer: Path, at_tokens: list[int]) -> dict[str, Any]:
-    """One process, the learner's model, optimizer and batch, evaluated at each of `at_tokens` (sorted)."""
-    from node.ml.data import BatchSampler, evaluate, load_corpus, validation_batches
-    from node.ml.model import ModelConfig, build_model
-    from node.ml.tokenizer import Tokenizer, tokenizer_spec
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Setup:
+    """The corpus (tokenized with the run's BPE), held-out batches and model config of the one-process arms
+    (here and in benchmarks/outer_sweep.py); `build` once per measurement: tokenizing the corpus is the slow part."""
 
+    cfg: QualityConfig
+    corpus: Corpus
+    model_cfg: ModelConfig
+    held: list[Batch]
+
+    @classmethod
+    def build(cls, cfg: QualityConfig, tokenizer: Path) -> Setup:
+        blob = tokenizer.read_bytes()
+        corpus = load_corpus(None).with_encoder(Tokenizer(blob).encode)
+        vocab_size = int(tokenizer_spec(blob)["vocab_size"])  # what the bootstrap put in the manifest
+        model_cfg = ModelConfig.from_dict(
+            {"preset": cfg.preset, "context_len": cfg.context_len, "vocab_size": vocab_size}
+        )
+        held = validation_batches(
+            corpus, batch_size=cfg.eval_batch_size, context_len=cfg.context_len, num_batches=cfg.eval_batches
+        )
+        return cls(cfg=cfg, corpus=corpus, model_cfg=model_cfg, held=held)
+
+    def sampler(self, seed: int, batch_size: int) -> BatchSampler:
+        return BatchSampler(
+            self.corpus.train_stream(),
+            batch_size=batch_size,
+            context_len=self.cfg.context_len,
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+
+def run_one_process(setup: Setup, batch_size: int, at_tokens: list[int]) -> dict[str, Any]:
+    """One process, the learner's model and optimizer at `batch_size`, evaluated at each of `at_tokens` (sorted)."""
+    cfg, held = setup.cfg, setup.held
     started = time.monotonic()
-    blob = tokenizer.read_bytes()
-    corpus = load_corpus(None).with_encoder(Tokenizer(blob).encode)
-    vocab_size = int(tokenizer_spec(blob)["vocab_size"])  # what the bootstrap put in the manifest
-    model_cfg = ModelConfig.from_dict(
-        {"preset": cfg.preset, "context_len": cfg.context_len, "vocab_size": vocab_size}
-    )
-    held = validation_batches(
-        corpus, batch_size=cfg.eval_batch_size, context_len=cfg.context_len, num_batches=cfg.eval_batches
-    )
-    model = build_model(model_cfg, cfg.seed)
+    model = build_model(setup.model_cfg, cfg.seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
-    sampler = BatchSampler(
-        corpus.train_stream(),
-        batch_size=cfg.batch_size,
-        context_len=cfg.context_len,
-        generator=torch.Generator().manual_seed(cfg.seed),
-    )
+    sampler = setup.sampler(cfg.seed, batch_size)
     curve, tokens, pending = [(0, evaluate(model, held))], 0, sorted(at_tokens)
     while pending:
         inputs, targets = sampler.next_batch()
@@ -297,9 +316,9 @@ def measure(cfg: QualityConfig) -> dict[str, Any]:
         swarm = run_swarm(root / "swarm", cfg, tokenizer)
         points = [t for t, _ in swarm["curve"] if t > 0] or [cfg.tokens]
         torch.set_num_threads(max(1, (os.cpu_count() or 1)))
-        global_batch = replace(cfg, batch_size=cfg.batch_size * cfg.learners)
-        single = run_one_process(global_batch, tokenizer, points)
-        small = run_one_process(cfg, tokenizer, points)
+        setup = Setup.build(cfg, tokenizer)
+        single = run_one_process(setup, cfg.batch_size * cfg.learners, points)
+        small = run_one_process(setup, cfg.batch_size, points)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     last_tokens, last_loss = swarm["curve"][-1] if swarm["curve"] else (0, None)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.outer_sweep import Setup, Variant, gaps, parse_variant, run_diloco
-from benchmarks.real_model_quality import QualityConfig
+from benchmarks.outer_sweep import Variant, gaps, parse_variant, run_diloco
+from benchmarks.real_model_quality import QualityConfig, Setup
 from node.ml import model as model_module
 from node.ml.data import BatchSampler, evaluate, load_corpus, validation_batches
 from node.ml.model import ModelConfig, build_model
