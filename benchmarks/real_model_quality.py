@@ -7,7 +7,7 @@ llama-20m at a CPU-sized context, on the built-in standard-library corpus. The s
 `eval_every_merges` merges (`eval` events: loss, tokens merged so far). One process: the same model, seed, inner
 optimizer and batch size, trained on the whole training split for the same tokens, evaluated on the same
 held-out batches (the syncer's: `validation_batches` of the corpus's held-out split, same sizes) at the same
-token counts (the swarm's: the syncer's `tokens_total` over the fragments, see `Swarm.evals`).
+token counts (the swarm's: the syncer's `tokens_in_model`, see `Swarm.evals`).
 
 loss_gap_swarm = (swarm's held-out loss - one process's) / one process's, at the swarm's last evaluation (the
 one-process curve interpolated at its token count), against one process at the swarm's global batch (learners x
@@ -173,21 +173,13 @@ class Swarm:
         return try_json(self._urls.get(name))
 
     def evals(self) -> list[tuple[int, float]]:
-        """(tokens in the global model, held-out loss) of each of the syncer's evaluations so far. The syncer's
-        `tokens_total` adds every merged contribution's tokens, and each fragment's contribution carries all the
-        tokens its learner trained since that fragment's last sync (the embedding is a fragment of its own:
-        llama-20m with num_fragments = 1 has 2), so the model holds tokens_total / fragments."""
+        """(tokens in the global model, held-out loss) of each of the syncer's evaluations so far (the syncer's
+        `tokens_in_model`: its `tokens_total` counts each trained token once per fragment)."""
         path = self.root / "syncer" / "events.jsonl"
         if not path.exists():
             return []
         events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        merges = [e for e in events if e.get("event") == "merge"]
-        fragments = max(1, len({e["fragment"] for e in merges}))
-        return [
-            (int(e["tokens_total"]) // fragments, float(e["loss"]))
-            for e in events
-            if e.get("event") == "eval"
-        ]
+        return [(int(e["tokens_in_model"]), float(e["loss"])) for e in events if e.get("event") == "eval"]
 
     def stop(self) -> None:
         self.group.terminate_all()

@@ -519,6 +519,13 @@ class SyncerCore:
         self.gate = AdmissionGate(admission or AdmissionSpec(mode="open"), run_id, max_merged_keys)
         self.seniority = Seniority(seniority_config(self.screen.config, max_merged_keys))
 
+    @property
+    def tokens_in_model(self) -> int:
+        """Tokens the global model was trained on: `tokens_merged` over the fragments, since every fragment's
+        contribution carries all the tokens its learner trained since that fragment's last sync, so
+        `tokens_merged` counts each trained token once per fragment."""
+        return self.tokens_merged // max(1, len(self.versions))
+
     # ---- admission ----
 
     def admit_push(self, peer: str, proof: object, now: float) -> None:

@@ -509,6 +509,7 @@ class SyncerRole:
             "term": self.term,
             "mode": self.mode,
             "tokens_total": core.tokens_merged,
+            "tokens_in_model": core.tokens_in_model,
             "merges": core.merges,
             "grace_s": round(core.policy.grace_s(), 4),
             "xi_step_s": round(core.policy.xi_step or 0.0, 4),
@@ -568,7 +569,8 @@ def role_status(role: SyncerRole) -> dict[str, Any]:
         "merges": core.merges,
         "tokens_merged": core.tokens_merged,
         "inner_step": core.merges,
-        "tokens": core.tokens_merged,
+        "tokens": core.tokens_in_model,
+        "tokens_in_model": core.tokens_in_model,
         "loss": role.held_out_loss,
         "held_out_loss": role.held_out_loss,
         "open_rounds": {str(f): len(r.entries) for f, r in core.rounds.items()},
@@ -623,13 +625,15 @@ async def evaluate_global(role: SyncerRole) -> None:
     model, batches = role._eval
     async with role.merge_lock:
         state = dict(core.params)  # shared: the core never writes a published tensor in place
-        tokens, merges = core.tokens_merged, core.merges
+        tokens, in_model, merges = core.tokens_merged, core.tokens_in_model, core.merges
 
     def run() -> float:
         return skeleton_loss(model, state, batches, device=role.ctx.device)
 
     role.held_out_loss = await asyncio.to_thread(run)
-    role.ctx.events.emit("eval", loss=round(role.held_out_loss, 5), tokens_total=tokens, merges=merges)
+    role.ctx.events.emit(
+        "eval", loss=round(role.held_out_loss, 5), tokens_total=tokens, tokens_in_model=in_model, merges=merges
+    )
 
 
 async def restore_best(

@@ -51,13 +51,19 @@ def metrics_response(registry: CollectorRegistry) -> web.Response:
 # role's progress without every role registering its own metrics.
 STATUS_GAUGES: dict[str, tuple[str, str]] = {
     "inner_step": ("hivenode_inner_step", "Inner steps done (merges, for a syncer)"),
-    "tokens": ("hivenode_tokens", "Tokens processed since the process started (merged, for a syncer)"),
+    "tokens": (
+        "hivenode_tokens",
+        "Tokens processed since the process started (for a syncer: tokens the global model was trained on)",
+    ),
     "throughput": ("hivenode_throughput_tokens_per_second", "Tokens per second over the last seconds"),
     "loss": ("hivenode_loss", "Latest training loss (held-out loss of the global model, for a syncer)"),
     "held_out_loss": ("hivenode_held_out_loss", "Latest held-out loss this process measured"),
     "load": ("hivenode_load", "Busy fraction or queue length the role announces"),
     "merges": ("hivenode_merges", "Merges this syncer committed"),
-    "tokens_merged": ("hivenode_tokens_merged", "Tokens (capped) in the merges this syncer committed"),
+    "tokens_merged": (
+        "hivenode_tokens_merged",
+        "Tokens (capped) in the merges this syncer committed, counted once per fragment",
+    ),
     "live_holders": (
         "hivenode_syncer_live_holders",
         "Live learners and stages the syncer expects contributions from",

@@ -95,6 +95,16 @@ def test_a_contribution_opens_a_round_and_k1_merges_it_into_version_1() -> None:
     assert c.clock == 7
 
 
+def test_tokens_in_model_counts_a_learners_tokens_once_over_its_fragments() -> None:
+    c = core()
+    for fragment in range(PLAN.num_fragments):  # one learner's sync: the same 4 steps' tokens on every fragment
+        push(c, "a", fragment, nonce=bytes([fragment]) * 16)
+        assert c.merge_now(fragment, 1, 10.0) is not None
+    assert PLAN.num_fragments > 1
+    assert c.tokens_merged == PLAN.num_fragments * 4 * 64
+    assert c.tokens_in_model == 4 * 64
+
+
 def test_grace_window_waits_for_latecomers_then_merges_all_of_them() -> None:
     c = core(QuorumConfig.decoupled(1, grace_gamma=0.8, max_grace_steps=1.0))
     push(c, "a", now=10.0)
