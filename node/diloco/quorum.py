@@ -24,6 +24,12 @@ The same policy expresses the baselines the benchmarks compare against:
   `required = num_expected`. The caller keeps a crashed learner in `num_expected` until its failure
   detector times out, which is what a crash costs this baseline.
 
+Who counts as expected (`counted_holders`): a live heartbeat alone costs an identity nothing, so a round
+waits only for holders that proved themselves (a contribution of theirs merged within `proven_s`), and in a
+run where nobody has yet, for everyone during the round's first `unproven_wait_s`. Before, one fake
+heartbeat stalled every elastic round for as long as it was kept up (`required = num_expected`, and it
+never sends).
+
 Q6 of the digest (whose xi_step?) is left to the caller: feed the step times of the learners that make
 the quorum, or of all learners; the policy keeps one EMA.
 
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypedDict
 
@@ -219,3 +226,32 @@ class QuorumPolicy:
             return float(value)
         alpha = self._config.ema_alpha
         return (1.0 - alpha) * current + alpha * value
+
+
+def counted_holders(
+    live: Collection[str],
+    last_merged: Callable[[str], float | None],
+    *,
+    round_opened_at: float | None,
+    now: float,
+    proven_s: float,
+    unproven_wait_s: float,
+) -> set[str]:
+    """The live holders a round counts as expected: those with a contribution merged within `proven_s`; when
+    none has one (a fresh run), all of them during the round's first `unproven_wait_s`, then none.
+
+    A newcomer is not waited for once others are proven: its contribution, late for the round, goes into the
+    next one (the synchronous modes take it; decoupled refuses it as a missed round, as any late one), and
+    one fake heartbeat costs a fresh run `unproven_wait_s` once. `last_merged(peer)`: when a contribution of
+    `peer` was last merged (None: never, or forgotten after a refusal). A peer already in the round counts
+    anyway (`_num_expected` adds the round's entries)."""
+    proven = set()
+    for peer in live:
+        merged_at = last_merged(peer)
+        if merged_at is not None and now - merged_at <= proven_s:
+            proven.add(peer)
+    if proven:
+        return proven
+    if round_opened_at is None or now - round_opened_at < unproven_wait_s:
+        return set(live)
+    return set()

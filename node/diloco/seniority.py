@@ -90,6 +90,11 @@ class Seniority:
             return 0
         return record.rounds
 
+    def last_merged(self, peer: str) -> float | None:
+        """When a merge last took `peer` (None: never, or since demoted)."""
+        record = self._peers.get(peer)
+        return None if record is None else record.last_merged
+
     def is_young(self, peer: str, now: float) -> bool:
         return self.rounds(peer, now) < self.config.young_rounds
 

@@ -49,7 +49,7 @@ from node.diloco.fragments import FragmentPlan
 from node.diloco.lease import LeaseView, TakeoverWatch, lease_action
 from node.diloco.loss_probe import LossProbe
 from node.diloco.merge import NothingToMerge
-from node.diloco.quorum import QuorumConfig
+from node.diloco.quorum import QuorumConfig, counted_holders
 from node.diloco.screening import ScreeningConfig
 from node.diloco.sync_client import (
     choose_syncer,
@@ -102,6 +102,10 @@ class SyncerConfig:
     max_grace_s: float = 5.0  # absolute cap on the grace window
     max_poll_s: float = 10.0  # longest versions long-poll served
     membership_refresh_s: float = 1.0  # how often the live learner/stage list is re-read
+    # a round waits only for live holders with a contribution merged within proven_s (a heartbeat alone is free
+    # to fake); while none has one (a fresh run), for all of them during its first unproven_wait_s (inf: for good)
+    proven_s: float = 600.0
+    unproven_wait_s: float = 30.0
     # A standby takes over only while it sees most of the learners/stages it knew when it last saw the lease
     # (a partition can hide a live lease holder); false: on a lapsed lease alone (liveness over safety).
     takeover_quorum: bool = True
@@ -113,7 +117,14 @@ class SyncerConfig:
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
 
     def __post_init__(self) -> None:
-        for name in ("lease_s", "renew_every_s", "mirror_every_s", "max_steps_per_s", "max_poll_s"):
+        for name in (
+            "lease_s",
+            "renew_every_s",
+            "mirror_every_s",
+            "max_steps_per_s",
+            "max_poll_s",
+            "proven_s",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"syncer.{name} must be a positive number, got {value!r}")
@@ -121,6 +132,10 @@ class SyncerConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"syncer.{name} must be a number >= 0, got {value!r}")
+        if not (isinstance(self.unproven_wait_s, int | float) and self.unproven_wait_s >= 0):
+            raise ValueError(
+                f"syncer.unproven_wait_s must be a number >= 0 (inf: off), got {self.unproven_wait_s!r}"
+            )
         if self.renew_every_s * 2 > self.lease_s:
             raise ValueError("syncer.renew_every_s must be at most half of lease_s (a renewal may fail)")
         if 0 < self.clip_factor < 1:
@@ -434,9 +449,22 @@ class SyncerRole:
         self.watch.holders_read(self.live, time.monotonic())
 
     def holders(self, fragment: int) -> set[str]:
-        """Live peers that hold the fragment: every learner, and the replicas of its pipeline stage."""
+        """Live peers that hold the fragment (every learner, and the replicas of its pipeline stage) that its
+        open round counts as expected (`counted_holders`: the proven ones; in a fresh run, anyone early on)."""
         stage = self.fragment_stage[fragment]
-        return {peer for peer, hb in self.live.items() if hb.role == "learner" or hb.stage == stage}
+        live = {peer for peer, hb in self.live.items() if hb.role == "learner" or hb.stage == stage}
+        core = self.core
+        if core is None:
+            return live
+        round_ = core.rounds.get(fragment)
+        return counted_holders(
+            live,
+            core.seniority.last_merged,
+            round_opened_at=None if round_ is None else round_.opened_at,
+            now=time.monotonic(),
+            proven_s=self.config.proven_s,
+            unproven_wait_s=self.config.unproven_wait_s,
+        )
 
     async def check_known(self, peer: str) -> None:
         # the ledger's reason first: `is_banned(peer) or (why := ...)` left `why` unbound on a swarm-wide ban
@@ -632,7 +660,11 @@ async def evaluate_global(role: SyncerRole) -> None:
 
     role.held_out_loss = await asyncio.to_thread(run)
     role.ctx.events.emit(
-        "eval", loss=round(role.held_out_loss, 5), tokens_total=tokens, tokens_in_model=in_model, merges=merges
+        "eval",
+        loss=round(role.held_out_loss, 5),
+        tokens_total=tokens,
+        tokens_in_model=in_model,
+        merges=merges,
     )
 
 

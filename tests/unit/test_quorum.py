@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node.diloco.quorum import QuorumConfig, QuorumPolicy
+from node.diloco.quorum import QuorumConfig, QuorumPolicy, counted_holders
+from node.diloco.seniority import Seniority
 
 
 def warmed(
@@ -135,3 +138,68 @@ def test_grace_is_bounded_by_its_caps(
     grace = policy.grace_s()
     assert 0.0 <= grace <= cap_steps * step + 1e-12
     assert grace <= gamma * max(0.0, 2.0 * step - quorum - sync) + 1e-12
+
+
+# ---- who counts as expected: proven holders, or anyone early in the round -------------------------------------
+
+
+def _elastic_decision(counted: set[str], in_round: set[str], now: float, opened_at: float) -> str:
+    """What an elastic synchronous round decides with `counted` live holders expected (as `_num_expected`)."""
+    policy = QuorumPolicy(QuorumConfig.elastic_synchronous())
+    num_expected = len(in_round) + len(counted - in_round)
+    required = policy.required(num_expected)
+    reached = opened_at if len(in_round) >= required else None
+    return policy.decide(now, opened_at, len(in_round), num_expected, reached).action
+
+
+def test_a_heartbeat_only_holder_is_not_waited_for_once_others_are_proven() -> None:
+    merged_at = {"a": 0.0, "b": 1.0}  # the ghost heartbeats but never had a contribution merged
+    live = {"a", "b", "ghost"}
+    counted = counted_holders(
+        live, merged_at.get, round_opened_at=10.0, now=10.5, proven_s=600.0, unproven_wait_s=30.0
+    )
+    assert counted == {"a", "b"}
+    assert _elastic_decision(counted, {"a", "b"}, 10.5, 10.0) == "merge"
+    # control: every live heartbeat counted (the behaviour before), the ghost stalls the round for good
+    assert _elastic_decision(live, {"a", "b"}, 10_000.0, 10.0) == "wait"
+
+
+def test_in_a_fresh_run_everyone_counts_for_unproven_wait_s_then_nobody() -> None:
+    live = {"a", "b", "ghost"}
+
+    def counted(now: float, wait_s: float) -> set[str]:
+        return counted_holders(
+            live, lambda _p: None, round_opened_at=10.0, now=now, proven_s=600.0, unproven_wait_s=wait_s
+        )
+
+    assert counted(12.0, 5.0) == live  # the first round waits for the learners starting with it
+    assert _elastic_decision(counted(12.0, 5.0), {"a", "b"}, 12.0, 10.0) == "wait"
+    assert counted(15.0, 5.0) == set()  # then merges what it holds
+    assert _elastic_decision(counted(15.0, 5.0), {"a", "b"}, 15.0, 10.0) == "merge"
+    assert counted(10_000.0, math.inf) == live  # inf: the ghost stalls a fresh run for good
+
+
+def test_proof_expires_after_proven_s_and_no_round_means_everyone() -> None:
+    merged_at = {"old": 0.0, "recent": 900.0}
+    live = {"old", "recent"}
+    late = counted_holders(
+        live, merged_at.get, round_opened_at=950.0, now=1000.0, proven_s=600.0, unproven_wait_s=30.0
+    )
+    assert late == {"recent"}
+    assert (
+        counted_holders(
+            live, lambda _p: None, round_opened_at=None, now=1000.0, proven_s=1.0, unproven_wait_s=0.0
+        )
+        == live
+    )
+
+
+def test_a_demoted_identity_has_no_merge_to_prove_itself_with() -> None:
+    seniority = Seniority()
+    seniority.observe_merge(["a", "b"], 5.0)
+    seniority.demote("b", 6.0)
+    assert seniority.last_merged("a") == 5.0 and seniority.last_merged("b") is None
+    counted = counted_holders(
+        {"a", "b"}, seniority.last_merged, round_opened_at=7.0, now=8.0, proven_s=600.0, unproven_wait_s=30.0
+    )
+    assert counted == {"a"}

@@ -97,7 +97,8 @@ def test_a_contribution_opens_a_round_and_k1_merges_it_into_version_1() -> None:
 
 def test_tokens_in_model_counts_a_learners_tokens_once_over_its_fragments() -> None:
     c = core()
-    for fragment in range(PLAN.num_fragments):  # one learner's sync: the same 4 steps' tokens on every fragment
+    # one learner's sync: the same 4 steps' tokens on every fragment
+    for fragment in range(PLAN.num_fragments):
         push(c, "a", fragment, nonce=bytes([fragment]) * 16)
         assert c.merge_now(fragment, 1, 10.0) is not None
     assert PLAN.num_fragments > 1
