@@ -16,8 +16,12 @@ same seeds, bytes per microbatch of every frame and held-out loss at equal token
 headline keys). `--activations-only` measures just these and rewrites them (and `activations`) into the existing
 results file, keeping every other key as it was measured (`activations_measured_at` dates them).
 
+Over a WAN (`benchmarks.bandwidth_live.WAN_LINK`): the same two live arms with every syncer and learner behind a
+50 Mbit/s, 100 ms round-trip link of the WAN proxy: tokens/s and merge efficiency with and without compression
+(`wan_*` headline keys, `wan` detail). `--wan-only` measures just these into the existing results file.
+
 Run: `python -m benchmarks.bandwidth [--numel 4194304] [--ef-numel 1048576] [--steps 20] [--live-s 90 | --live-s 0]
-[--activation-microbatches 600 | --activations-only]`.
+[--wan-s 90 | --wan-s 0 | --wan-only] [--activation-microbatches 600 | --activations-only]`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 
 from benchmarks import bandwidth_activations
-from benchmarks.bandwidth_live import run_live
+from benchmarks.bandwidth_live import WAN_LINK, run_live
 from benchmarks.common import RESULTS_DIR, plot_path, write_result
 from node.diloco.compression import ErrorFeedback, relative_error
 from protocol.codec import TensorLimits
@@ -180,6 +184,35 @@ def _update_activations(microbatches: int) -> None:
     print(f"headline {previous['headline']}\nwrote {path}")
 
 
+def _wan(seconds: float, min_step_s: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The live arms over the WAN proxy's links: (headline keys, detail)."""
+    arms = run_live({"fp32": CODECS["fp32"], RECOMMENDED: CODECS[RECOMMENDED]}, seconds, min_step_s, WAN_LINK)
+    plain, packed = arms["fp32"], arms[RECOMMENDED]
+    headline = {
+        "wan_link": "50 Mbit/s, 100 ms RTT",
+        "wan_tokens_per_s_fp32": plain["tokens_per_s"],
+        "wan_tokens_per_s_compressed": packed["tokens_per_s"],
+        "wan_merge_efficiency_fp32": plain["merge_efficiency"],
+        "wan_merge_efficiency_compressed": packed["merge_efficiency"],
+        "wan_push_bytes_ratio": round(plain["push_bytes"] / packed["push_bytes"], 1)
+        if packed["push_bytes"]
+        else None,
+    }
+    return headline, arms
+
+
+def _update_wan(seconds: float, min_step_s: float) -> None:
+    """Measure the WAN arms and rewrite their keys into the existing results file (others kept)."""
+    path = RESULTS_DIR / f"{NAME}.json"
+    previous = json.loads(path.read_text())
+    headline, arms = _wan(seconds, min_step_s)
+    previous["headline"] |= headline
+    previous["wan"] = arms
+    previous["wan_measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    path.write_text(json.dumps(previous, indent=2, default=float) + "\n")
+    print(f"headline {previous['headline']}\nwrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=1 << 22)
@@ -190,6 +223,8 @@ def main() -> None:
         "--live-s", type=float, default=90.0, help="seconds per live swarm arm (0: skip them)"
     )
     parser.add_argument("--min-step-s", type=float, default=0.25, help="live learners' step floor")
+    parser.add_argument("--wan-s", type=float, default=90.0, help="seconds per WAN arm (0: skip them)")
+    parser.add_argument("--wan-only", action="store_true", help="measure the WAN arms only, into the results")
     parser.add_argument(
         "--activation-microbatches", type=int, default=600, help="microbatches per activation arm (0: skip)"
     )
@@ -199,6 +234,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.activations_only:
         _update_activations(args.activation_microbatches)
+        return
+    if args.wan_only:
+        _update_wan(args.wan_s, args.min_step_s)
         return
     torch.set_num_threads(1)  # a shared 2-core box: one thread keeps the timings comparable run to run
     limits = TensorLimits(max_bytes=4 * max(args.numel, args.ef_numel))
@@ -239,6 +277,9 @@ def main() -> None:
         "feedback": feedback,
         "live": live,
     }
+    if args.wan_s > 0:
+        wan_headline, detail["wan"] = _wan(args.wan_s, args.min_step_s)
+        headline |= wan_headline
     if args.activation_microbatches > 0:
         activations = bandwidth_activations.measure(args.activation_microbatches)
         headline |= bandwidth_activations.headline(activations)

@@ -9,21 +9,32 @@ from the learners' status, the bytes their pushes carried and what fp32 would ha
     loss gap of a codec = (its final held-out loss - the fp32 arm's loss interpolated at the same merged tokens)
                           / the latter
 
-Called by `benchmarks.bandwidth` (which writes the results); alone: `python -m benchmarks.bandwidth_live`.
+Over a WAN (`run_live` with `WAN_LINK`, issue 20's "swarm over the WAN proxy"): the same arms with every syncer and learner
+behind a `tools.wan_proxy` link of 50 Mbit/s each way and 50 ms one-way delay (100 ms round trip); each node
+announces its proxy's address, so every connection to it crosses one shaped link (the shaping is per connection:
+each learner-syncer pair gets its own 50 Mbit/s). Tokens/s trained and the merge efficiency (tokens merged / tokens
+trained x fragments) of each codec.
+
+Called by `benchmarks.bandwidth` (which writes the results); alone: `python -m benchmarks.bandwidth_live [--wan]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import logging
 import shutil
+import socket
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.goodput import Arm, Swarm, interpolate, measure
+from benchmarks.goodput import NUM_LEARNERS, Arm, Swarm, interpolate, measure
 from protocol.compress import CodecSpec
+from tools.wan_proxy import LinkProfile, ProxyThread
 
 logger = logging.getLogger("benchmarks.bandwidth_live")
 
@@ -34,18 +45,72 @@ def run_toml_table(spec: CodecSpec) -> str:
     return "\n[outer_codec]\n" + "\n".join(lines) + "\n"
 
 
-def run_arm(root: Path, name: str, spec: CodecSpec, duration_s: float, min_step_s: float) -> dict[str, Any]:
-    """One failure-free swarm with `spec` as the run's outer codec; `measure`'s result plus push bytes."""
-    swarm = Swarm(
-        root, Arm(name=name, mode="decoupled", chaos=False), min_step_s, run_extra=run_toml_table(spec)
-    )
+WAN_LINK = LinkProfile(delay_s=0.05, bandwidth_bytes_per_s=50e6 / 8)  # 50 Mbit/s each way, 100 ms round trip
+NODE_NAMES = ("syncer-a", "syncer-b", *(f"learner{i}" for i in range(NUM_LEARNERS)))  # goodput.Swarm's names
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def wan_links(names: Sequence[str], profile: LinkProfile | None) -> Iterator[dict[str, list[str]]]:
+    """A started proxy shaped by `profile` in front of each named node, and the node's `--listen` (its own port)
+    and `--announce` (the proxy's) flags; no proxies and no flags when `profile` is None."""
+    if profile is None:
+        yield {}
+        return
+    ports = {name: _free_port() for name in names}
+    proxies = {
+        name: ProxyThread(
+            target_host="127.0.0.1", target_port=port, profile=dataclasses.replace(profile, seed=i)
+        )
+        for i, (name, port) in enumerate(ports.items())
+    }
     try:
-        swarm.start()
-        warmup_s = swarm.warm_up()
-        logger.info("arm %s: formed after %.1f s; measuring %.0f s", name, warmup_s, duration_s)
-        result = measure(swarm, [], duration_s)
+        for proxy in proxies.values():
+            proxy.start()
+        yield {
+            name: [
+                "--listen",
+                f"/ip4/127.0.0.1/tcp/{ports[name]}",
+                "--announce",
+                f"/ip4/127.0.0.1/tcp/{proxy.port}",
+            ]
+            for name, proxy in proxies.items()
+        }
     finally:
-        swarm.stop()
+        for proxy in proxies.values():
+            proxy.stop()
+
+
+def run_arm(
+    root: Path,
+    name: str,
+    spec: CodecSpec,
+    duration_s: float,
+    min_step_s: float,
+    link: LinkProfile | None = None,
+) -> dict[str, Any]:
+    """One failure-free swarm with `spec` as the run's outer codec (every node behind a `link` when given);
+    `measure`'s result plus push bytes and tokens/s."""
+    with wan_links(NODE_NAMES, link) as node_args:
+        swarm = Swarm(
+            root,
+            Arm(name=name, mode="decoupled", chaos=False),
+            min_step_s,
+            run_extra=run_toml_table(spec),
+            node_args=node_args,
+        )
+        try:
+            swarm.start()
+            warmup_s = swarm.warm_up()
+            logger.info("arm %s: formed after %.1f s; measuring %.0f s", name, warmup_s, duration_s)
+            result = measure(swarm, [], duration_s)
+        finally:
+            swarm.stop()
     sent = [s.get("push_bytes", 0) for s in result["learner_sync"].values()]
     plain = [s.get("push_bytes_fp32", 0) for s in result["learner_sync"].values()]
     pushes = [s.get("acked", 0) for s in result["learner_sync"].values()]
@@ -57,6 +122,9 @@ def run_arm(root: Path, name: str, spec: CodecSpec, duration_s: float, min_step_
         push_bytes_fp32=sum(plain),
         pushes_acked=sum(pushes),
         live_compression=round(sum(plain) / sum(sent), 2) if sum(sent) else None,
+        tokens_per_s=round(result["tokens_processed"] / result["window_s"], 1)
+        if result["window_s"]
+        else None,
     )
     logger.info(
         "arm %s: %d tokens merged, %d merges, push bytes %d (fp32 %d)",
@@ -77,15 +145,18 @@ def loss_gap(arm: dict[str, Any], reference: dict[str, Any]) -> float | None:
     return round((loss - ref) / ref, 4) if ref else None
 
 
-def run_live(codecs: dict[str, CodecSpec], duration_s: float, min_step_s: float) -> dict[str, dict[str, Any]]:
-    """Every arm of `codecs` (the first is the reference, fp32), each with its `loss_gap` against it."""
+def run_live(
+    codecs: dict[str, CodecSpec], duration_s: float, min_step_s: float, link: LinkProfile | None = None
+) -> dict[str, dict[str, Any]]:
+    """Every arm of `codecs` (the first is the reference, fp32), each with its `loss_gap` against it; over
+    `link` (every node behind one) when given."""
     results: dict[str, dict[str, Any]] = {}
     base = Path(tempfile.mkdtemp(prefix="bandwidth-live-"))
     try:
         for index, (name, spec) in enumerate(codecs.items()):
             root = base / f"arm{index}"
             root.mkdir()
-            results[name] = run_arm(root, f"codec{index}", spec, duration_s, min_step_s)
+            results[name] = run_arm(root, f"codec{index}", spec, duration_s, min_step_s, link)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     reference = next(iter(results.values()))
@@ -98,17 +169,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=120.0, help="seconds measured per arm")
     parser.add_argument("--min-step-s", type=float, default=0.25)
+    parser.add_argument("--wan", action="store_true", help="every node behind a 50 Mbit/s, 100 ms RTT link")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     codecs = {
         "fp32": CodecSpec(),
         "topk 1/128 2-bit": CodecSpec(codec="topk", chunk=4096, k=32, bits=2, scale_bits=16),
     }
-    results = run_live(codecs, args.duration, args.min_step_s)
+    results = run_live(codecs, args.duration, args.min_step_s, WAN_LINK if args.wan else None)
     print(
         json.dumps(
             {
-                n: {k: r[k] for k in ("loss_gap", "live_compression", "tokens_merged")}
+                n: {k: r[k] for k in ("loss_gap", "live_compression", "tokens_merged", "tokens_per_s")}
                 for n, r in results.items()
             }
         )

@@ -54,6 +54,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,8 +154,19 @@ def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.
 class Swarm:
     """One arm's processes; status URLs are read from each node's log ("status: http://...")."""
 
-    def __init__(self, root: Path, arm: Arm, min_step_s: float, *, run_extra: str = "") -> None:
+    def __init__(
+        self,
+        root: Path,
+        arm: Arm,
+        min_step_s: float,
+        *,
+        run_extra: str = "",
+        node_args: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
         self.root, self.arm = root, arm
+        self.node_args = dict(
+            node_args or {}
+        )  # more CLI flags per node name (a WAN proxy's --listen/--announce)
         env = dict(os.environ)
         env.update(
             PYTHONUNBUFFERED="1",
@@ -217,7 +229,7 @@ class Swarm:
                 "--identity",
                 str(key),
             ]
-            self.group.start(name, argv + common)
+            self.group.start(name, argv + common + list(self.node_args.get(name, ())))
             if name == "syncer-a":  # the primary first, so it holds the first lease
                 wait_for(
                     lambda: (self.status("syncer-a") or {}).get("state") == "syncing", 60, "primary syncer"
@@ -225,7 +237,17 @@ class Swarm:
         for name in self.learners:
             self.group.start(
                 name,
-                [python, "-m", "node", "--state-dir", str(self.root / name), "--role", "learner", *common],
+                [
+                    python,
+                    "-m",
+                    "node",
+                    "--state-dir",
+                    str(self.root / name),
+                    "--role",
+                    "learner",
+                    *common,
+                    *self.node_args.get(name, ()),
+                ],
             )
         wait_for(
             lambda: all((self.status(n) or {}).get("state") == "training" for n in self.learners),
