@@ -225,7 +225,8 @@ def seal(
     ).to_bytes()
 
 
-def _seal_frame(identity: NodeIdentity, header: Header, views: list[memoryview]) -> bytearray:
+def _seal_frame(identity: NodeIdentity, header: Header, views: list[memoryview]) -> tuple[bytearray, bytes]:
+    """The frame and its payload digest."""
     header_len = len(_encode_header(header))
     if header_len > MAX_HEADER_BYTES:
         raise ValueError(f"header of {header_len} bytes > {MAX_HEADER_BYTES}")
@@ -241,13 +242,14 @@ def _seal_frame(identity: NodeIdentity, header: Header, views: list[memoryview])
                 out[offset:end] = piece
                 hasher.update(out[offset:end])
                 offset = end
-        header_bytes = _encode_header(dataclasses.replace(header, digest=hasher.digest(DIGEST_SIZE)))
+        digest = bytes(hasher.digest(DIGEST_SIZE))
+        header_bytes = _encode_header(dataclasses.replace(header, digest=digest))
         if len(header_bytes) != header_len:  # msgpack sizes a 32-byte bin the same whatever its value
             raise AssertionError("header length changed with its digest")
         _LENGTH.pack_into(out, 0, header_len)
         out[_LENGTH.size : _LENGTH.size + header_len] = header_bytes
         out[_LENGTH.size + header_len : payload_start] = identity.sign(SIGNATURE_DOMAIN + header_bytes)
-    return frame
+    return frame, digest
 
 
 def seal_streaming(
@@ -371,7 +373,7 @@ class StreamingFrame:
     `to_bytes` gives the same frame laid out in one buffer (for transports that need bytes).
     """
 
-    __slots__ = ("identity", "header", "head_bytes", "payload_bytes", "_views", "_header_len")
+    __slots__ = ("identity", "header", "head_bytes", "payload_bytes", "sent_digest", "_views", "_header_len")
 
     def __init__(self, identity: NodeIdentity, header: Header, views: list[memoryview]) -> None:
         self._header_len = len(_encode_header(header))  # the digest placeholder has the digest's size
@@ -381,6 +383,8 @@ class StreamingFrame:
         self.header = header
         self.head_bytes = _OVERHEAD_BYTES + self._header_len
         self.payload_bytes = sum(len(v) for v in views)
+        # the payload digest its last head or `to_bytes` signed: what a stage's answer names as its input digest
+        self.sent_digest: bytes | None = None
         self._views = views
 
     def __len__(self) -> int:
@@ -398,7 +402,8 @@ class StreamingFrame:
         """The frame's head, signed over the header that carries `hasher`'s digest of the whole payload."""
         if hasher.hashed_bytes != self.payload_bytes:
             raise ValueError(f"{hasher.hashed_bytes} of {self.payload_bytes} payload bytes were hashed")
-        header_bytes = _encode_header(dataclasses.replace(self.header, digest=hasher.digest()))
+        self.sent_digest = hasher.digest()
+        header_bytes = _encode_header(dataclasses.replace(self.header, digest=self.sent_digest))
         if len(header_bytes) != self._header_len:
             raise AssertionError("header length changed with its digest")
         signature = self.identity.sign(SIGNATURE_DOMAIN + header_bytes)
@@ -406,7 +411,8 @@ class StreamingFrame:
 
     def to_bytes(self) -> bytearray:
         """The whole frame in one buffer, as `seal` lays it out (copy and hash fused)."""
-        return _seal_frame(self.identity, self.header, self._views)
+        frame, self.sent_digest = _seal_frame(self.identity, self.header, self._views)
+        return frame
 
 
 def payload_digest(parts: list[memoryview] | list[bytes]) -> bytes:

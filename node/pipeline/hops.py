@@ -28,7 +28,14 @@ from protocol.envelope import (
 )
 from protocol.errors import ProtocolError, RemoteRefused, StreamClosed
 from protocol.identity import NodeIdentity
-from protocol.pipeline import BACKWARD_RPC, EVAL_META, NO_CONTEXT, NOT_SERVING, PIPELINE_REPLAY
+from protocol.pipeline import (
+    BACKWARD_RPC,
+    EVAL_META,
+    INPUT_DIGEST_META,
+    NO_CONTEXT,
+    NOT_SERVING,
+    PIPELINE_REPLAY,
+)
 from protocol.replay import ReplayGuard
 from protocol.rpc import PeerStrikes
 from verification.bans import SignedBoundaryHeader, signed_header_of
@@ -67,6 +74,9 @@ class HopClient:
         self.step = 0
         self.replay = ReplayGuard(PIPELINE_REPLAY)
         self.strikes = PeerStrikes()
+        # an answer must name the digest of the request it answers (the tap's slots and equivocation proofs key on
+        # it); off only for the negative control of the test that shows why
+        self.check_input_digest = True
         # (microbatch, stage, direction) -> the signed header of the answer just opened, for the tap (evidence,
         # equivocation); popped by the tap call that follows the hop without an await in between.
         self._signed: dict[tuple[int, int, str], SignedBoundaryHeader] = {}
@@ -125,6 +135,7 @@ class HopClient:
         )
         try:
             opened = self._open_answer(raw, replica, answer, microbatch, eval_request)
+            self._check_input_digest(opened, replica, frame.sent_digest)
         finally:
             timings["open_s"] += time.perf_counter() - answered
         self.router.record_success(replica, tokens=int(x.shape[0] * x.shape[1]), seconds=answered - started)
@@ -176,6 +187,16 @@ class HopClient:
             raise HopError(HopFailure.UNREACHABLE, f"{type(e).__name__}: {e}") from None
         finally:
             self.router.finished(replica)
+
+    def _check_input_digest(self, opened: Opened, replica: str, sent: bytes | None) -> None:
+        """Which request an answer answers is ours to say, not the replica's: a liar naming another input digest in
+        each answer would never have two answers for one (microbatch, input) slot, so no equivocation proof."""
+        if not self.check_input_digest or sent is None:
+            return
+        if opened.meta.get(INPUT_DIGEST_META) != sent.hex():
+            self.strikes.record(replica, "input digest mismatch")
+            self.stats.bad_replies += 1
+            raise HopError(HopFailure.BAD_REPLY, "answer names another request's digest")
 
     def _open_answer(
         self, raw: bytes | bytearray, replica: str, expect: Context, microbatch: int, eval_request: bool

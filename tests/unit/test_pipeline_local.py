@@ -31,6 +31,7 @@ from protocol.pipeline import (
     BACKWARD_RPC,
     EVAL_META,
     FORWARD_RPC,
+    INPUT_DIGEST_META,
     NO_CONTEXT,
     UNAUTHORIZED,
     BoundaryShape,
@@ -468,6 +469,62 @@ def test_a_training_answer_flagged_eval_by_the_replica_is_refused() -> None:
     assert all(o.completed for o in outcomes)
     assert all(o.replicas[0] != liar_peer for o in outcomes)  # every microbatch went through the honest one
     assert pipe.driver.strikes.count(liar_peer, "eval flag mismatch") >= 1
+
+
+def _digest_liar(honest: StageService) -> StageService:
+    """A stage-0 replica whose answers are honest but name a made-up input digest (each one another), so that no
+    two of its answers ever share an equivocation slot (#18)."""
+    counter = iter(range(1 << 30))
+
+    class DigestLiar(StageService):
+        async def rpc_forward(self, frame: bytearray, remote_peer: str) -> StreamingFrame:  # type: ignore[override]
+            genuine = await honest.rpc_forward(frame, remote_peer)
+            ctx = Context(
+                run_id=RUN_ID,
+                kind=Kind.ACTIVATION,
+                receiver=remote_peer,
+                stage=0,
+                direction=Direction.FORWARD,
+            )
+            opened = open_envelope(
+                genuine.to_bytes(),
+                remote_peer=self.identity.peer_id,
+                expect=ctx,
+                limits=self.limits,
+                replay=ReplayGuard(),
+                now=self.wall_clock(),
+            )
+            forged = {**opened.meta, INPUT_DIGEST_META: f"{next(counter):064x}"}
+            return seal(
+                self.identity,
+                ctx,
+                microbatch=opened.header.microbatch,
+                step=opened.header.step,
+                now=self.wall_clock(),
+                tensor=opened.tensors[""],
+                meta=forged,
+            )
+
+    return DigestLiar(honest.identity, RUN_ID, honest.core, authorized=honest.authorized())
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_an_answer_naming_another_input_digest_is_refused(checked: bool) -> None:
+    """Which request an answer answers is the verifier's to say (#18). Control: with the check off, the liar's
+    answers are used."""
+    pipe = build_pipeline(manifest(batch_size=64), replicas_per_stage=2)
+    liar_peer = next(p for p, s in pipe.stages.items() if s == 0)
+    pipe.services[liar_peer] = _digest_liar(pipe.services[liar_peer])
+    pipe.driver.hops.check_input_digest = checked
+    pipe.driver.rng = random.Random(3)
+    outcomes = drive_all(pipe, range(1, 7))
+    assert all(o.completed for o in outcomes)
+    through_liar = sum(o.replicas[0] == liar_peer for o in outcomes)
+    if checked:
+        assert through_liar == 0
+        assert pipe.driver.strikes.count(liar_peer, "input digest mismatch") >= 1
+    else:
+        assert through_liar >= 1 and pipe.driver.strikes.count(liar_peer, "input digest mismatch") == 0
 
 
 def test_an_activation_dropped_by_every_replica_drops_the_microbatch() -> None:
