@@ -5,7 +5,9 @@ index's training shards), so no coordination is needed: within one epoch the lea
 and together cover every training shard. Each shard goes to the learner ranking highest for it (rendezvous
 hashing on epoch, shard and peer id), skipping learners that already hold their fair share (ceil(shards /
 learners)); that keeps the split balanced, and when a learner joins or leaves most shards stay where they were,
-so a rebalance moves few downloads. A new epoch reshuffles everything. With fewer shards than learners, the
+so a rebalance moves few downloads. A new epoch reshuffles everything: the epoch counts merged rounds
+(`epoch_of`), one epoch being the rounds the live learners take to train the training tokens once, so every
+learner agrees on it from the versions it holds. With fewer shards than learners, the
 shard-less learners are given one shard each, chosen the same way (they overlap: the owner should cut more
 shards). Held-out shards are never passed in.
 """
@@ -57,6 +59,17 @@ class ShardAssignment:
         if peer_id in self.table:
             return self.table[peer_id]
         raise KeyError(f"{peer_id} is not among this assignment's learners")
+
+
+def epoch_of(rounds: int, *, train_tokens: int, learners: int, tokens_per_round: int) -> int:
+    """The data epoch after `rounds` merged rounds: an epoch lasts the rounds that `learners` learners, each
+    training `tokens_per_round` tokens a round (H inner steps of the run's batch), take to train `train_tokens`
+    once. Learners agree on it from the versions they hold (a learner a version behind lags by one round at most);
+    churn changes its length, and with it, at worst, the epoch, which is only a reshuffle."""
+    if min(train_tokens, learners, tokens_per_round) < 1:
+        raise ValueError("epoch_of needs train_tokens, learners and tokens_per_round >= 1")
+    per_epoch = math.ceil(train_tokens / (learners * tokens_per_round))
+    return max(0, rounds) // per_epoch
 
 
 def assign(peer_id: str, shards: Sequence[str], live_learners: Iterable[str], epoch: int) -> tuple[str, ...]:

@@ -244,14 +244,33 @@ class LearnerRole:
 
         assert self._shards is not None
         while not await wait_or_stop(stop, self.config.data_rebalance_s):
-            live = await live_learners(self.ctx)
-            mine = self._shards.assignment(self.ctx.peer_id, live).shards_for(self.ctx.peer_id)
+            live = sorted({*await live_learners(self.ctx), self.ctx.peer_id})
+            epoch = self._data_epoch(len(live))
+            mine = self._shards.assignment(self.ctx.peer_id, live, epoch).shards_for(self.ctx.peer_id)
             if mine == self.assigned:
                 continue
             stream = await self._shards.stream(mine)
             self._sampler.stream, self.assigned = stream, mine
-            logger.info("learner set changed (%d live): now training on %d shards", len(live), len(mine))
-            self.ctx.events.emit("learner_shards", shards=len(mine), tokens=len(stream), learners=len(live))
+            logger.info(
+                "learner set or epoch changed (%d live, epoch %d): now training on %d shards",
+                len(live),
+                epoch,
+                len(mine),
+            )
+            self.ctx.events.emit(
+                "learner_shards", shards=len(mine), tokens=len(stream), learners=len(live), epoch=epoch
+            )
+
+    def _data_epoch(self, learners: int) -> int:
+        """The data epoch by the rounds merged so far (the lowest version we hold of any fragment)."""
+        assert self._shards is not None
+        versions = self.sync.versions() if self.sync is not None else {}
+        from node.ml.model import ModelConfig
+
+        manifest = self.ctx.manifest
+        context_len = ModelConfig.from_dict(manifest.model).context_len
+        tokens_per_round = manifest.diloco.sync_every_steps * manifest.inner.batch_size * context_len
+        return self._shards.epoch(min(versions.values(), default=0), learners, max(1, tokens_per_round))
 
     async def _train(self, stop: asyncio.Event, held_out: list[Any]) -> None:
         from node.context import wait_or_stop

@@ -1,7 +1,7 @@
 """The roles' side of prepared token shards (`data.source = "shards"` in the manifest; docs/data.md).
 
-A learner takes the training shards `node.ml.assignment` gives it among the live learners (epoch 0; the table is
-recomputed when the live set changes, see `LearnerRole`), downloads them (node.swarm.shard_fetch) and reads them
+A learner takes the training shards `node.ml.assignment` gives it among the live learners (the table is
+recomputed when the live set or the epoch changes, see `LearnerRole`; the epoch counts merged rounds), downloads them (node.swarm.shard_fetch) and reads them
 through memmaps (node.ml.shards.ShardStream). Its held-out evaluation, and the syncer's held-out loss and loss
 probe, read the index's held-out shards, which no learner is ever assigned. `--data DIR` on such a run names a
 local mirror of the prepared folder (read in place once its shards verify).
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from node.ml.assignment import ShardAssignment
+from node.ml.assignment import ShardAssignment, epoch_of
 from node.ml.shards import ShardIndex, ShardStream
 from node.swarm.shard_fetch import ShardSource, ensure_shards, obtain_index
 from node.swarm.tokenizer_fetch import bootstrap_bases
@@ -50,6 +50,13 @@ class ShardData:
     def assignment(self, peer_id: str, live_learners: list[str], epoch: int = 0) -> ShardAssignment:
         names = [s.name for s in self.index.train]
         return ShardAssignment.compute(names, {*live_learners, peer_id}, epoch)
+
+    def epoch(self, rounds: int, learners: int, tokens_per_round: int) -> int:
+        """`epoch_of` over this index's training tokens."""
+        train_tokens = max(1, sum(s.tokens for s in self.index.train))
+        return epoch_of(
+            rounds, train_tokens=train_tokens, learners=max(1, learners), tokens_per_round=tokens_per_round
+        )
 
 
 async def open_shard_data(ctx: NodeContext) -> ShardData:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from node.ml.assignment import ShardAssignment, assign, moved
+from node.ml.assignment import ShardAssignment, assign, epoch_of, moved
 from node.ml.data import BatchSampler, validation_batches
 from node.ml.prepare import PrepareConfig, TokenizerInfo, input_files, prepare
 from node.ml.shards import (
@@ -185,6 +185,19 @@ def test_assignment_with_fewer_shards_than_learners_gives_everyone_one() -> None
         ShardAssignment.compute([], LEARNERS, epoch=0)
     with pytest.raises(KeyError):
         table.shards_for("someone-else")
+
+
+def test_the_epoch_advances_once_the_learners_trained_the_training_tokens() -> None:
+    # 4 learners x 1,000 tokens a round: 10,000 training tokens take 3 rounds (2.5, rounded up)
+    epoch = [epoch_of(r, train_tokens=10_000, learners=4, tokens_per_round=1_000) for r in range(8)]
+    assert epoch == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert epoch_of(3, train_tokens=10_000, learners=2, tokens_per_round=1_000) == 0  # fewer learners: longer
+    assert epoch_of(-1, train_tokens=10, learners=1, tokens_per_round=1) == 0
+    with pytest.raises(ValueError):
+        epoch_of(1, train_tokens=10, learners=0, tokens_per_round=1)
+    # every learner holding the same versions computes the same table: disjoint within the epoch, new at the next
+    tables = [ShardAssignment.compute(SHARDS, LEARNERS[:4], epoch=e) for e in sorted(set(epoch))]
+    assert len({t.table[LEARNERS[0]] for t in tables}) == len(tables)
 
 
 def test_a_local_mirror_is_read_in_place_and_a_corrupt_mirror_shard_is_not_used(tmp_path: Path) -> None:
