@@ -13,10 +13,17 @@ loss_gap_swarm = (swarm's held-out loss - one process's) / one process's, at the
 one-process curve interpolated at its token count), against one process at the swarm's global batch (learners x
 batch: the same recipe on one machine); loss_gap_swarm_small_batch against one process at a learner's batch
 (4x the sequential steps at equal tokens). Goal: <= 3 %.
+
+Screen check (`python -m benchmarks.real_model_quality --screen-check [--tokens N]`, issue 18): the swarm arm alone
+with the syncer's held-out loss screen on, every learner honest; writes benchmarks/results/real_model_screen.json
+(`headline`: honest learners banned, the screen's refusals, the held-out loss against the screen-off swarm of
+real_model.json at the same tokens) and real_model_screen.png.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import re
@@ -31,6 +38,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import RESULTS_DIR, plot_path, write_result
 from benchmarks.goodput import interpolate, try_json, wait_for
 from node.ml.data import Batch, BatchSampler, Corpus, evaluate, load_corpus, validation_batches
 from node.ml.model import ModelConfig, build_model
@@ -211,6 +219,7 @@ def run_swarm(root: Path, cfg: QualityConfig, tokenizer: Path) -> dict[str, Any]
         # every token the learners trained, merged or not (a refused push's work is lost): the compute spent
         "trained_tokens": sum(trained),
         "reached": bool(curve) and curve[-1][0] >= cfg.tokens,
+        "banned": sorted(p for p, row in (syncer.get("learners") or {}).items() if row.get("banned")),
     }
 
 
@@ -331,3 +340,70 @@ def measure(cfg: QualityConfig) -> dict[str, Any]:
 def _gap(loss: float | None, curve: list[tuple[int, float]], tokens: int) -> float | None:
     reference = interpolate(curve, tokens) if loss is not None else None
     return None if loss is None or not reference else round((loss - reference) / reference, 4)
+
+
+def screen_check(cfg: QualityConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The swarm arm with the loss screen on: (headline, detail); see the module docstring."""
+    root = Path(tempfile.mkdtemp(prefix="hivenode-screen-"))
+    try:
+        swarm = run_swarm(
+            root / "swarm", dataclasses.replace(cfg, loss_probe=True), train_tokenizer(root, cfg.vocab_size)
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    earlier = json.loads((RESULTS_DIR / "real_model.json").read_text()).get("quality", {}).get("swarm", {})
+    off_curve = [tuple(point) for point in earlier.get("curve") or []]
+    tokens, loss = swarm["curve"][-1] if swarm["curve"] else (0, None)
+    refusals = swarm["refusals"] or {}
+    headline = {
+        "tokens": tokens,
+        "honest_banned": len(swarm["banned"]),
+        "screen_loss_refusals": int(refusals.get("screen: loss", 0)),
+        "refusals": refusals,
+        "swarm_loss": loss,
+        "screen_off_swarm_loss": interpolate(off_curve, tokens) if off_curve and loss is not None else None,
+        "loss_gap_vs_screen_off": _gap(loss, off_curve, tokens) if off_curve else None,
+    }
+    return headline, {"config": asdict(cfg), "swarm": swarm, "screen_off_curve": off_curve}
+
+
+def _plot_screen(detail: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, curve in (
+        ("screen on", detail["swarm"]["curve"]),
+        ("screen off (real_model.json)", detail["screen_off_curve"]),
+    ):
+        if curve:
+            ax.plot([t for t, _ in curve], [v for _, v in curve], label=label)
+    ax.set_xlabel("tokens in the global model")
+    ax.set_ylabel("held-out loss")
+    ax.set_title("llama-20m swarm, 4 honest learners: the syncer's loss screen on and off")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--screen-check", action="store_true", help="the swarm with the loss screen on, all honest"
+    )
+    parser.add_argument("--tokens", type=int, default=QualityConfig().tokens)
+    args = parser.parse_args(argv)
+    if not args.screen_check:
+        parser.error("the quality comparison runs from benchmarks.real_model --quality; here: --screen-check")
+    headline, detail = screen_check(dataclasses.replace(QualityConfig(), tokens=args.tokens))
+    path = write_result("real_model_screen", headline, detail)
+    _plot_screen(detail, plot_path("real_model_screen"))
+    print(f"headline {headline}\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -678,7 +678,12 @@ class SyncerCore:
             required=required,
             expected=expected,
             started_at=started_at,
-            screened=self.screen.prepare_commit(fragment, result, _loss_scores(sources)),
+            screened=self.screen.prepare_commit(
+                fragment,
+                result,
+                _loss_scores(sources),
+                senior={p for p in result.participants if not self.seniority.is_young(p, started_at)},
+            ),
             seniority_credit=credit,
         )
 
