@@ -167,6 +167,8 @@ async def _choose_role(ctx: NodeContext, joined: Any, membership: swarm.Membersh
     """Pick the role (and stage) from the config and the peers seen so far; record it on the context and logs."""
     config = ctx.config
     peers = await membership.peers_or_empty()
+    placing = ctx.manifest.num_stages > 1 and config.role in ("auto", "stage") and config.stage is None
+    measured = roles.measurements_of(await membership.measured_or_empty()) if placing else []
     choice = roles.choose_role(
         config.role,
         config.stage,
@@ -176,9 +178,18 @@ async def _choose_role(ctx: NodeContext, joined: Any, membership: swarm.Membersh
         joined.now,
         client_mode=joined.client_mode or config.network.client_mode,
         relayed=joined.relayed,
+        measured=measured,
+        placement=_placement_config(config) if placing else None,
     )
     ctx.role_name, ctx.stage, ctx.log_context.role = choice.role, choice.stage, choice.role
     return choice
+
+
+def _placement_config(config: NodeConfig) -> Any:
+    """This node's `[stage_options] rebalance` settings: the slack its placement gives announced throughputs."""
+    from node.roles.stage import stage_config  # imports torch: only when a stage may be placed
+
+    return stage_config(config.stage_options).rebalance
 
 
 def _spawn_tasks(
