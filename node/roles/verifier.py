@@ -423,7 +423,7 @@ class VerifierRole:
 
     async def _publish_measured(self, period_s: float) -> None:
         """Sign and store the throughput measured of each replica (end to end, this verifier's own hops), so
-        placement need not believe what replicas announce. Expires two periods on (one missed refresh is fine)."""
+        placement need not believe what replicas announce."""
         from hivemind.utils import get_dht_time
 
         if self.driver is None:
@@ -440,7 +440,9 @@ class VerifierRole:
             return
         now = get_dht_time()
         kept = dict(sorted(rates.items(), key=lambda item: -item[1])[:MAX_MEASURED_REPLICAS])
-        ttl_s = min(2 * period_s, self.ctx.records.limits.max_ttl_peer_s)
+        # freshness is the readers' measured_max_age_s; the TTL only clears the record of a verifier gone for
+        # good, and outlives a few late refreshes on a busy machine (a missing record: announcements count)
+        ttl_s = min(max(2 * period_s, 60.0), self.ctx.records.limits.max_ttl_peer_s)
         expiration = max(now + ttl_s, self._measured_expiration + 1e-3)  # the DHT refuses going backwards
         self._measured_expiration = expiration
         try:

@@ -119,3 +119,15 @@ def test_the_slack_is_at_least_one() -> None:
         RebalanceConfig(measured_slack=math.nan)
     with pytest.raises(ValueError, match="measured_max_age_s"):
         RebalanceConfig(measured_max_age_s=0.0)
+
+
+def test_the_announce_attack_is_only_ever_set_by_its_loud_variable(caplog: pytest.LogCaptureFixture) -> None:
+    from verification.attacks import UNSAFE_ANNOUNCE_ENV, announce_factor_from_env
+
+    assert announce_factor_from_env({}) == 1.0
+    with caplog.at_level("WARNING", logger="verification.attacks"):
+        assert announce_factor_from_env({UNSAFE_ANNOUNCE_ENV: "100"}) == 100.0
+    assert "UNSAFE" in caplog.text
+    for bad in ("0", "-2", "nan", "inf", "x"):
+        with pytest.raises(ValueError):
+            announce_factor_from_env({UNSAFE_ANNOUNCE_ENV: bad})
