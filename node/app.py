@@ -168,7 +168,7 @@ async def _choose_role(ctx: NodeContext, joined: Any, membership: swarm.Membersh
     config = ctx.config
     peers = await membership.peers_or_empty()
     placing = ctx.manifest.num_stages > 1 and config.role in ("auto", "stage") and config.stage is None
-    measured = roles.measurements_of(await membership.measured_or_empty()) if placing else []
+    measured = roles.measurements_of(await _measured(membership, peers)) if placing else []
     choice = roles.choose_role(
         config.role,
         config.stage,
@@ -183,6 +183,19 @@ async def _choose_role(ctx: NodeContext, joined: Any, membership: swarm.Membersh
     )
     ctx.role_name, ctx.stage, ctx.log_context.role = choice.role, choice.stage, choice.role
     return choice
+
+
+async def _measured(membership: swarm.Membership, peers: list[Any], tries: int = 3) -> list[Any]:
+    """The verifiers' `measured` records for placement. Where stage replicas serve but none is found, ask again
+    (twice, a second apart): one DHT read can miss a record on a busy swarm, and placement would then believe
+    the replicas' own figures, which is what a liar wants."""
+    found: list[Any] = []
+    for attempt in range(tries):
+        found = await membership.measured_or_empty()
+        if found or not any(p.heartbeat.role == "stage" for p in peers) or attempt == tries - 1:
+            break
+        await asyncio.sleep(1.0)
+    return found
 
 
 def _placement_config(config: NodeConfig) -> Any:

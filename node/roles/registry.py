@@ -211,4 +211,9 @@ class _Placer:
             announced, self.measured, now=self.now, slack=cfg.measured_slack, max_age_s=cfg.measured_max_age_s
         )
         spans = stage_spans(self.manifest.model["num_layers"], self.manifest.num_stages)
-        return choose_stage(stage_loads(replicas, spans))
+        stage, reason = choose_stage(stage_loads(replicas, spans))
+        clamped = sum(a.throughput != r.throughput for a, r in zip(announced, replicas, strict=True))
+        return stage, (
+            f"{reason}; {len(self.measured)} verifier measurement record(s), {clamped} announced throughput(s) "
+            f"clamped to them (slack {cfg.measured_slack:g})"
+        )
