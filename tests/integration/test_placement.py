@@ -26,7 +26,15 @@ from typing import Any
 import pytest
 
 from node.pipeline.routing import effective_throughput
-from tests.integration.procs import PIPELINE_RUN, Node, Procs, environment, procs, wait_until
+from tests.integration.procs import (
+    PIPELINE_RUN,
+    Node,
+    Procs,
+    environment,
+    procs,
+    read_events,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -58,13 +66,15 @@ def stage_sum(replicas: list[dict[str, Any]], slack: float) -> float:
     )
 
 
-def newcomer(group: Procs, bootstrap: Any, name: str) -> int:
-    """Join `--role stage` without `--stage`; the stage it was placed on (it then leaves)."""
+def newcomer(group: Procs, bootstrap: Any, name: str) -> tuple[int, str]:
+    """Join `--role stage` without `--stage`; the stage it was placed on and why (it then leaves)."""
     node = group.wait_node(group.join_node(bootstrap, "stage", state=name, wait=False), timeout_s=120)
     stage = int(node.status()["stage"])
     node.signal(signal.SIGTERM)
     assert node.wait_exit(60) == 0
-    return stage
+    (joined,) = read_events(group.root / name, "joined")
+    assert joined["stage"] == stage
+    return stage, joined["why"]
 
 
 def test_a_replica_lying_about_its_throughput_does_not_steer_newcomers(tmp_path: Path) -> None:
@@ -96,8 +106,11 @@ def test_a_replica_lying_about_its_throughput_does_not_steer_newcomers(tmp_path:
         assert liar_claim / LIE < stage_sum(seen["0"], math.inf) < liar_claim, figures
         assert stage_sum(seen["1"], 2.0) < stage_sum(seen["0"], 2.0), figures
 
-        defended = newcomer(group, bootstrap, "fair")
+        defended, why = newcomer(group, bootstrap, "fair")
         with environment(HIVENODE_STAGE=f"{STAGE_ENV},rebalance.measured_slack={math.inf}"):
-            fooled = newcomer(group, bootstrap, "fooled")
-        assert defended == 1, f"with the defence the newcomer went to stage {defended}: {figures}"
-        assert fooled == 0, f"negative control: without the clamp the lie should win ({figures})"
+            fooled, why_fooled = newcomer(group, bootstrap, "fooled")
+        print(f"defence on: {why}\ndefence off: {why_fooled}")
+        assert defended == 1, f"with the defence the newcomer went to stage {defended} ({why}): {figures}"
+        assert fooled == 0, (
+            f"negative control: without the clamp the lie should win ({why_fooled}): {figures}"
+        )
