@@ -529,7 +529,9 @@ class RebalanceConfig:
     # measured (end-to-end) one; 1 places on measurements alone. Honest replicas above the band are cut to it too,
     # which keeps measured replicas comparable (all counted near what the verifiers see).
     measured_slack: float = 2.0
-    measured_max_age_s: float = 120.0
+    measured_max_age_s: float = (
+        120.0  # older verifier measurements do not count (the replica counts as announced)
+    )
 
     def __post_init__(self) -> None:
         if not (self.measured_slack >= 1):  # inf allowed: the clamp off
