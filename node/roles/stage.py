@@ -1099,9 +1099,7 @@ class StageRole:
             "inner_step": core.inner_step,
             "tokens": counters.tokens,
             "loss": core.train_loss,
-            "throughput": round(
-                core.throughput * self.announce_factor, 1
-            ),  # x1 unless UNSAFE (a liar, tests)
+            "throughput": round(core.throughput * self.announce_factor, 1),  # factor 1 unless UNSAFE (tests)
             "load": float(self.service.queued),
             "queue": self.service.queued,
             "contexts": core.num_contexts,

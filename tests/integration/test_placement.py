@@ -114,3 +114,43 @@ def test_a_replica_lying_about_its_throughput_does_not_steer_newcomers(tmp_path:
         assert fooled == 0, (
             f"negative control: without the clamp the lie should win ({why_fooled}): {figures}"
         )
+
+
+# quick checks, no hole-filling (a heartbeat missed on a loaded box must not look like an empty stage)
+REBALANCE_ENV = (
+    "context_timeout_s=30,compute_threads=1,join_timeout_s=20,rebalance.check_period_s=1,rebalance.dwell_s=4,"
+    "rebalance.stagger_s=3,rebalance.cooldown_s=5,rebalance.empty_dwell_s=600"
+)
+
+
+def test_a_replica_lying_about_its_throughput_does_not_hide_a_starved_stage(tmp_path: Path) -> None:
+    """The same swarm, with rebalancing on. Stage 1's lone replica lies 100x; by the measurements it is starved
+    (under half of stage 0's throughput per layer), so one of stage 0's two replicas should move there. "clamped"
+    counts the liar at most twice its measured throughput and moves; negative control, in the same swarm:
+    "believer" (its clamp off) sees no starved stage and stays, whatever the measurements say."""
+    run_path = RUN.write_authorizing(tmp_path, verifiers=["verifier"])
+    with procs(tmp_path) as group, environment(HIVENODE_STAGE=REBALANCE_ENV, HIVENODE_VERIFIER=VERIFIER_ENV):
+        bootstrap = group.start_bootstrap("--run", str(run_path))
+        with environment(HIVENODE_STAGE=f"{REBALANCE_ENV},rebalance.measured_slack={math.inf}"):
+            believer = group.join_node(bootstrap, "stage", stage=0, state="believer", wait=False)
+        clamped = group.join_node(bootstrap, "stage", stage=0, state="clamped", wait=False)
+        with environment(HIVENODE_UNSAFE_ANNOUNCE_FACTOR=str(LIE)):
+            liar = group.join_node(bootstrap, "stage", stage=1, state="liar", wait=False)
+        verifier = group.join_node(bootstrap, "verifier", state="verifier", wait=False)
+        for node in (believer, clamped, liar, verifier):
+            group.wait_node(node, timeout_s=120)
+
+        believed: list[str] = []  # the believer's reasons while the clamped replica had not moved yet
+
+        def clamped_moved() -> bool:
+            if clamped.try_status().get("moves", 0) >= 1:
+                return True
+            believed.append(str(believer.try_status().get("rebalance", "")))
+            return False
+
+        wait_until(clamped_moved, 150, what="the clamped replica moving to the starved stage 1", interval_s=1)
+        (move,) = read_events(tmp_path / "clamped", "stage_moved")
+        assert (move["from_stage"], move["to_stage"]) == (0, 1), move
+        assert believer.status()["moves"] == 0
+        assert "no stage is starved" in believed, believed  # the lie hid the starvation from it
+        print(f"\nclamped moved: {move['why']}; the believer's reasons meanwhile: {sorted(set(believed))}")
