@@ -167,6 +167,8 @@ async def _choose_role(ctx: NodeContext, joined: Any, membership: swarm.Membersh
     """Pick the role (and stage) from the config and the peers seen so far; record it on the context and logs."""
     config = ctx.config
     peers = await membership.peers_or_empty()
+    placing = ctx.manifest.num_stages > 1 and config.role in ("auto", "stage") and config.stage is None
+    measured = roles.measurements_of(await _measured(membership, peers)) if placing else []
     choice = roles.choose_role(
         config.role,
         config.stage,
@@ -176,9 +178,31 @@ async def _choose_role(ctx: NodeContext, joined: Any, membership: swarm.Membersh
         joined.now,
         client_mode=joined.client_mode or config.network.client_mode,
         relayed=joined.relayed,
+        measured=measured,
+        placement=_placement_config(config) if placing else None,
     )
     ctx.role_name, ctx.stage, ctx.log_context.role = choice.role, choice.stage, choice.role
     return choice
+
+
+async def _measured(membership: swarm.Membership, peers: list[Any], tries: int = 3) -> list[Any]:
+    """The verifiers' `measured` records for placement. Where stage replicas serve but none is found, ask again
+    (twice, a second apart): one DHT read can miss a record on a busy swarm, and placement would then believe
+    the replicas' own figures, which is what a liar wants."""
+    found: list[Any] = []
+    for attempt in range(tries):
+        found = await membership.measured_or_empty()
+        if found or not any(p.heartbeat.role == "stage" for p in peers) or attempt == tries - 1:
+            break
+        await asyncio.sleep(1.0)
+    return found
+
+
+def _placement_config(config: NodeConfig) -> Any:
+    """This node's `[stage_options] rebalance` settings: the slack its placement gives announced throughputs."""
+    from node.roles.stage import stage_config  # imports torch: only when a stage may be placed
+
+    return stage_config(config.stage_options).rebalance
 
 
 def _spawn_tasks(

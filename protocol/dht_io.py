@@ -23,6 +23,8 @@ from protocol.records import (
     BanRecord,
     Heartbeat,
     HivenodeRecordValidator,
+    MeasuredRecord,
+    MeasuredThroughputs,
     PeerRecord,
     RecordLimits,
     RunRules,
@@ -186,6 +188,23 @@ class SwarmRecords:
         return [
             SyncerRecord(peer_id=r.signer, state=_syncer_state(r.body), expires_at=r.expiration)
             for r in await self._get(keys.syncer_key(self.run_id))
+        ]
+
+    async def publish_measured(self, measured: MeasuredThroughputs, *, expiration: float) -> bool:
+        """Store what this verifier measured of each stage replica (refused unless it is an authorized verifier)."""
+        return await self._store(
+            keys.measured_key(self.run_id), self.identity.peer_id, measured.to_body(), expiration
+        )
+
+    async def list_measured(self) -> list[MeasuredRecord]:
+        """The authorized verifiers' measurements, one record per verifier."""
+        return [
+            MeasuredRecord(
+                verifier=r.signer,
+                measured=MeasuredThroughputs(rates=dict(r.body["rates"]), sent_at=r.body["sent_at"]),
+                expires_at=r.expiration,
+            )
+            for r in await self._get(keys.measured_key(self.run_id))
         ]
 
     async def publish_ban(self, notice: BanNotice, *, expiration: float) -> bool:

@@ -11,6 +11,7 @@ and the validator checks that the two agree (see `protocol.records`).
 | peers     | `<run_id>/peers`             | peer id             | that peer (heartbeat)          |
 | syncer    | `<run_id>/syncer`            | syncer peer id      | an authorized syncer           |
 | bans      | `<run_id>/bans/<offender>`   | verifier peer id    | an authorized verifier         |
+| measured  | `<run_id>/measured`          | verifier peer id    | an authorized verifier         |
 | discovery | `hivenode/runs`              | owner peer id       | the run owner (via bootstraps) |
 """
 
@@ -37,6 +38,7 @@ class KeyKind(str, Enum):
     PEERS = "peers"
     SYNCER = "syncer"
     BANS = "bans"
+    MEASURED = "measured"  # the stage replicas' throughputs one verifier measured end to end
     DISCOVERY = "discovery"
 
 
@@ -80,6 +82,10 @@ def syncer_key(run_id: str) -> str:
     return _run_key(run_id, KeyKind.SYNCER.value)
 
 
+def measured_key(run_id: str) -> str:
+    return _run_key(run_id, KeyKind.MEASURED.value)
+
+
 def bans_key(run_id: str, offender: str) -> str:
     if not is_peer_id(offender):
         raise ValueError(f"not an Ed25519 peer id: {offender[:24]!r}")
@@ -102,6 +108,7 @@ def parse_key(raw: str) -> ParsedKey:
     run_id, rest = parts[0], parts[1:]
     simple = {KeyKind.MANIFEST.value: KeyKind.MANIFEST, KeyKind.PEERS.value: KeyKind.PEERS}
     simple[KeyKind.SYNCER.value] = KeyKind.SYNCER
+    simple[KeyKind.MEASURED.value] = KeyKind.MEASURED
     if len(rest) == 1 and rest[0] in simple:
         return ParsedKey(simple[rest[0]], run_id)
     if len(rest) == 2 and rest[0] == KeyKind.BANS.value and is_peer_id(rest[1]):

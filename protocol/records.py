@@ -53,6 +53,9 @@ UNKNOWN_MODE = "unknown"
 MAX_MADDRS = 8
 MAX_FRAGMENTS = 1024
 MAX_MANIFEST_REJECTIONS = 8
+MAX_MEASURED_REPLICAS = (
+    128  # replicas one `measured` record may carry (~70 bytes each: well under the value cap)
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,7 +79,7 @@ class RecordLimits:
     def max_ttl_s(self, kind: KeyKind) -> float:
         if kind in (KeyKind.MANIFEST, KeyKind.DISCOVERY):
             return self.max_ttl_manifest_s
-        if kind is KeyKind.PEERS:
+        if kind in (KeyKind.PEERS, KeyKind.MEASURED):  # both re-published every few seconds
             return self.max_ttl_peer_s
         if kind is KeyKind.SYNCER:
             return self.max_ttl_syncer_s
@@ -131,6 +134,20 @@ def _bytes(max_len: int) -> Check:
     return lambda v: isinstance(v, bytes) and len(v) <= max_len
 
 
+def _rates(max_items: int) -> Check:
+    """A map of peer-id-sized strings to finite, non-negative floats (tokens/s), at most `max_items` of them."""
+
+    def run(v: object) -> bool:
+        return (
+            isinstance(v, dict)
+            and len(v) <= max_items
+            and all(isinstance(k, str) and 0 < len(k) <= 64 for k in v)
+            and all(_float()(x) for x in v.values())
+        )
+
+    return run
+
+
 def _optional(check: Check) -> Check:
     return lambda v: v is None or check(v)
 
@@ -177,6 +194,12 @@ SYNCER_SCHEMA: dict[str, Check] = {
     "sent_at": _float(),
 }
 MANIFEST_SCHEMA: dict[str, Check] = {"signed": _signed_manifest}
+MEASURED_SCHEMA: dict[str, Check] = {
+    "rates": _rates(
+        MAX_MEASURED_REPLICAS
+    ),  # stage replica peer id -> tokens/s the verifier measured end to end
+    "sent_at": _float(),
+}
 
 
 def _ban_schema(limits: RecordLimits) -> dict[str, Check]:
@@ -279,6 +302,9 @@ def _expected_signer(
         _check_heartbeat_bounds(body, rules)
     elif kind is KeyKind.SYNCER and subkey not in rules.authorized_syncers:
         raise RecordRejected(f"{subkey[-8:]} is not an authorized syncer", reason="unauthorized")
+    elif kind is KeyKind.MEASURED and subkey not in rules.authorized_verifiers:
+        # placement trusts these figures over the replicas' own: only the run's verifiers may write them
+        raise RecordRejected(f"{subkey[-8:]} is not an authorized verifier", reason="unauthorized")
     elif kind is KeyKind.BANS:
         # syncers sign learner bans (their evidence kind is checked where notices are counted: verification.bans)
         if subkey not in rules.authorized_verifiers and subkey not in rules.authorized_syncers:
@@ -316,6 +342,8 @@ def _schema_for(kind: KeyKind, limits: RecordLimits) -> Mapping[str, Check]:
         return SYNCER_SCHEMA
     if kind is KeyKind.BANS:
         return _ban_schema(limits)
+    if kind is KeyKind.MEASURED:
+        return MEASURED_SCHEMA
     return MANIFEST_SCHEMA
 
 
@@ -580,3 +608,25 @@ class BanRecord:
         body = self.notice.to_body()
         body["evidence"] = body["evidence"].hex()
         return {"verifier": self.verifier, **body, "expires_at": self.expires_at}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasuredThroughputs:
+    """Body of a `measured` record: the tokens/s one authorized verifier measured for each stage replica it drove
+    (end to end: compute, network and queueing), which placement trusts over the replicas' own announcements."""
+
+    rates: Mapping[str, float]
+    sent_at: float = 0.0
+
+    def to_body(self) -> dict[str, Any]:
+        return {"rates": {p: float(r) for p, r in self.rates.items()}, "sent_at": float(self.sent_at)}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasuredRecord:
+    verifier: str
+    measured: MeasuredThroughputs
+    expires_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"verifier": self.verifier, **self.measured.to_body(), "expires_at": self.expires_at}

@@ -12,6 +12,7 @@ setting means the same thing for activations and for gradients, whose scales dif
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -282,3 +283,29 @@ def attack_from_env(environ: Mapping[str, str] | None = None) -> Attack | None:
         banner,
     )
     return Attack(config)
+
+
+UNSAFE_ANNOUNCE_ENV = "HIVENODE_UNSAFE_ANNOUNCE_FACTOR"
+
+
+def announce_factor_from_env(environ: Mapping[str, str] | None = None) -> float:
+    """How much a stage replica inflates (> 1) or deflates (< 1) the throughput its heartbeat announces: 1 unless
+    `HIVENODE_UNSAFE_ANNOUNCE_FACTOR` says otherwise (the placement attack of tests/integration/test_placement.py).
+    """
+    spec = (os.environ if environ is None else environ).get(UNSAFE_ANNOUNCE_ENV, "").strip()
+    if not spec:
+        return 1.0
+    factor = float(spec)
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"{UNSAFE_ANNOUNCE_ENV} must be a positive number, got {spec!r}")
+    banner = "!" * 78
+    logger.warning(
+        "%s\nUNSAFE: this replica LIES in its heartbeat (%s=%s): it announces %gx its throughput. Tests and "
+        "benchmarks only.\n%s",
+        banner,
+        UNSAFE_ANNOUNCE_ENV,
+        spec,
+        factor,
+        banner,
+    )
+    return factor

@@ -15,7 +15,10 @@ Nothing here touches sockets, asyncio or the global clock: `now` (seconds on any
   request is answered from cache or refused, never applied twice. Bounded: when a key is evicted its
   microbatch id becomes its sender's floor, and anything at or below a floor is refused as stale, so eviction
   can never re-open a double application (microbatch ids grow per sender).
-* `choose_stage` places a new node on the stage with the least announced throughput per layer.
+* `choose_stage` places a new node on the stage with the least throughput per layer, each replica counted at
+  its effective throughput (`effective_throughputs`): what it announces, clamped into [m / slack, m x slack] around
+  the median m of what the run's verifiers measured of it (announced as is while no verifier measured it), so a
+  replica that lies about its speed cannot steer where others go.
 * `Rebalancer` moves a replica from a well-served stage to a starved one, with hysteresis: the imbalance must
   hold for `dwell_s` (restarted when the starved stage gains a replica), the move must leave the two stages
   `min_gain` times better balanced and the donor not starved in turn (so a move is never undone), moves of one
@@ -31,7 +34,7 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -410,6 +413,49 @@ class IdempotencyLedger:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """What one authorized verifier measured of the stage replicas (a checked `measured` record)."""
+
+    verifier: str
+    sent_at: float  # DHT time it was written
+    rates: Mapping[str, float]  # replica peer id -> tokens/s end to end
+
+
+def effective_throughput(announced: float, measured: Sequence[float], slack: float) -> float:
+    """A replica's throughput for placement: `announced` clamped into [median / slack, median x slack] of the
+    verifiers' `measured` figures; as announced when none. End to end includes the network and queueing, so an
+    honest replica's announced (compute only) figure sits above what is measured: `slack` leaves it room; a
+    100x lie, or a deflating one, is cut to the band. `slack` = inf turns the clamp off."""
+    own = max(0.0, announced) if math.isfinite(announced) else 0.0
+    figures = sorted(m for m in measured if math.isfinite(m) and m >= 0)
+    if not figures or math.isinf(slack):
+        return own
+    mid = len(figures) // 2
+    median = figures[mid] if len(figures) % 2 else (figures[mid - 1] + figures[mid]) / 2
+    return min(max(own, median / slack), median * slack)
+
+
+def effective_throughputs(
+    replicas: Sequence[ReplicaInfo],
+    measurements: Iterable[Measurement],
+    *,
+    now: float,
+    slack: float,
+    max_age_s: float,
+) -> list[ReplicaInfo]:
+    """`replicas` with each throughput replaced by its effective one (`effective_throughput`) over the fresh
+    measurements (written at most `max_age_s` before `now`; records from the future count as fresh: their
+    authors' clocks are within the validator's skew). Callers pass only records the validator checked, so
+    every measurement comes from one of the manifest's authorized verifiers."""
+    fresh = [m for m in measurements if now - m.sent_at <= max_age_s]
+    out = []
+    for r in replicas:
+        seen = [m.rates[r.peer_id] for m in fresh if r.peer_id in m.rates]
+        out.append(replace(r, throughput=effective_throughput(r.throughput, seen, slack)))
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StageLoad:
     """How well one stage is served: its layer count and what its live replicas announce."""
 
@@ -476,8 +522,22 @@ class RebalanceConfig:
     # stage): a replica of a stage that others also serve moves there after `empty_dwell_s`, cooldown or not,
     # the k-th candidate (by peer id) only after `empty_dwell_s + k * stagger_s`.
     empty_dwell_s: float = 5.0
+    # Placement (a new node's stage) and moves count each replica at its announced throughput clamped into
+    # [m / slack, m x slack] around what the run's verifiers measured of it (`effective_throughputs`), with
+    # measurements at most `measured_max_age_s` old; inf turns the clamp off (announcements count as they are).
+    # A liar gains at most slack / r over an honest replica whose announced (compute-only) figure is r times its
+    # measured (end-to-end) one; 1 places on measurements alone. Honest replicas above the band are cut to it too,
+    # which keeps measured replicas comparable (all counted near what the verifiers see).
+    measured_slack: float = 2.0
+    measured_max_age_s: float = (
+        120.0  # older verifier measurements do not count (the replica counts as announced)
+    )
 
     def __post_init__(self) -> None:
+        if not (self.measured_slack >= 1):  # inf allowed: the clamp off
+            raise ValueError(f"measured_slack must be >= 1, got {self.measured_slack}")
+        if not (math.isfinite(self.measured_max_age_s) and self.measured_max_age_s > 0):
+            raise ValueError(f"measured_max_age_s must be positive, got {self.measured_max_age_s}")
         if not 0 < self.starve_ratio < 1:
             raise ValueError(f"starve_ratio must be in (0, 1), got {self.starve_ratio}")
         for name in ("check_period_s", "dwell_s", "cooldown_s", "stagger_s", "empty_dwell_s"):

@@ -6,7 +6,9 @@ when the role is built (so a learner never imports the syncer's code).
 `--role auto` picks, in order:
 1. `syncer` if this node's key is an authorized syncer of the run and no live peer announces the syncer role;
 2. `stage` if the run is a pipeline run (more than one stage and at least one authorized verifier to drive it),
-   on the stage with the least announced throughput per layer (`node.pipeline.routing.choose_stage`);
+   on the stage with the least throughput per layer (`node.pipeline.routing.choose_stage`), each replica counted
+   at its announced throughput clamped around what the run's verifiers measured of it
+   (`node.pipeline.routing.effective_throughputs`: a replica lying about its speed does not steer newcomers);
 3. `learner` otherwise.
 (Verifiers are chosen explicitly: `--role verifier`; `--role stage` without `--stage` places as in 2.)
 
@@ -26,10 +28,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from node.pipeline.routing import ReplicaInfo, choose_stage, stage_loads
+from node.pipeline.routing import (
+    Measurement,
+    RebalanceConfig,
+    ReplicaInfo,
+    choose_stage,
+    effective_throughputs,
+    stage_loads,
+)
 from protocol.errors import ConfigError
 from protocol.manifest import RunManifest
-from protocol.records import PeerRecord
+from protocol.records import MeasuredRecord, PeerRecord
 
 if TYPE_CHECKING:
     from node.context import NodeContext
@@ -96,13 +105,17 @@ def choose_role(
     *,
     client_mode: bool = False,
     relayed: bool = False,
+    measured: Sequence[Measurement] = (),
+    placement: RebalanceConfig | None = None,
 ) -> RoleChoice:
     """What this node will be (see the module docstring); raise ConfigError for a request the run does not allow.
 
     `client_mode`: others cannot dial this node, so `auto` never makes it a role that serves RPCs; `relayed`:
     others reach it only through a relay, whose circuits carry 128 KiB each (a relayed stage replica measured
     0.2-0.3 microbatches/s), so `auto` does not either; `--role stage` still may, `--role syncer` may not (the
-    lease holder every learner must reach: ConfigError)."""
+    lease holder every learner must reach: ConfigError). `measured`: the authorized verifiers' measurements of
+    the stage replicas, clamped into placement with `placement`'s slack (`RebalanceConfig.measured_slack`)."""
+    place = _Placer(manifest, peers, now, tuple(measured), placement or RebalanceConfig())
     if requested_stage is not None and requested != "stage":
         raise ConfigError("--stage only applies to --role stage")
     authorized = {"syncer": manifest.authorized_syncers, "verifier": manifest.authorized_verifiers}
@@ -112,7 +125,7 @@ def choose_role(
             f"add it with `python -m bootstrap --authorize-{requested} {peer_id}`"
         )
     if requested == "auto":
-        return _auto(peer_id, manifest, peers, now, client_mode=client_mode, relayed=relayed)
+        return _auto(peer_id, manifest, peers, now, place, client_mode=client_mode, relayed=relayed)
     if requested == "syncer" and (client_mode or relayed):
         raise ConfigError(
             f"--role syncer: peers cannot dial this node directly ({'relay' if relayed else 'client'} mode), and "
@@ -128,7 +141,7 @@ def choose_role(
     if requested != "stage":
         return RoleChoice(requested, None, "asked for")
     if requested_stage is None:
-        return RoleChoice("stage", *_place_stage(manifest, peers, now))
+        return RoleChoice("stage", *place())
     if requested_stage >= manifest.num_stages:
         raise ConfigError(
             f"--stage {requested_stage}: run {manifest.name!r} has {manifest.num_stages} stages"
@@ -144,6 +157,7 @@ def _auto(
     manifest: RunManifest,
     peers: Sequence[PeerRecord],
     now: float,
+    place: Callable[[], tuple[int, str]],
     *,
     client_mode: bool,
     relayed: bool = False,
@@ -151,7 +165,7 @@ def _auto(
     if peer_id in manifest.authorized_syncers and not _live(peers, "syncer", now):
         choice = RoleChoice("syncer", None, "authorized syncer and no syncer is alive")
     elif manifest.num_stages > 1 and manifest.authorized_verifiers:
-        choice = RoleChoice("stage", *_place_stage(manifest, peers, now))
+        choice = RoleChoice("stage", *place())
     else:
         return RoleChoice("learner", None, "default for volunteers")
     if not (client_mode or relayed):
@@ -166,14 +180,40 @@ def _auto(
     return RoleChoice("learner", None, reason)
 
 
-def _place_stage(manifest: RunManifest, peers: Sequence[PeerRecord], now: float) -> tuple[int, str]:
-    """The stage with the least announced throughput per layer among live, non-leaving stage replicas."""
-    from node.ml.model import stage_spans  # imports torch: only when a stage is being placed
-
-    replicas = [
-        ReplicaInfo(peer_id=p.peer_id, stage=p.heartbeat.stage, throughput=p.heartbeat.throughput)
-        for p in _live(peers, "stage", now)
-        if p.heartbeat.stage is not None
+def measurements_of(records: Sequence[MeasuredRecord]) -> list[Measurement]:
+    """The pure core's view of checked `measured` records (the validator let only authorized verifiers write)."""
+    return [
+        Measurement(verifier=r.verifier, sent_at=r.measured.sent_at, rates=r.measured.rates) for r in records
     ]
-    spans = stage_spans(manifest.model["num_layers"], manifest.num_stages)
-    return choose_stage(stage_loads(replicas, spans))
+
+
+@dataclass(frozen=True, slots=True)
+class _Placer:
+    """Where a new stage replica goes: the stage with the least effective throughput per layer among live,
+    non-leaving stage replicas (announced figures clamped around the verifiers' measurements)."""
+
+    manifest: RunManifest
+    peers: Sequence[PeerRecord]
+    now: float
+    measured: tuple[Measurement, ...]
+    config: RebalanceConfig
+
+    def __call__(self) -> tuple[int, str]:
+        from node.ml.model import stage_spans  # imports torch: only when a stage is being placed
+
+        announced = [
+            ReplicaInfo(peer_id=p.peer_id, stage=p.heartbeat.stage, throughput=p.heartbeat.throughput)
+            for p in _live(self.peers, "stage", self.now)
+            if p.heartbeat.stage is not None
+        ]
+        cfg = self.config
+        replicas = effective_throughputs(
+            announced, self.measured, now=self.now, slack=cfg.measured_slack, max_age_s=cfg.measured_max_age_s
+        )
+        spans = stage_spans(self.manifest.model["num_layers"], self.manifest.num_stages)
+        stage, reason = choose_stage(stage_loads(replicas, spans))
+        clamped = sum(a.throughput != r.throughput for a, r in zip(announced, replicas, strict=True))
+        return stage, (
+            f"{reason}; {len(self.measured)} verifier measurement record(s), {clamped} announced throughput(s) "
+            f"clamped to them (slack {cfg.measured_slack:g})"
+        )

@@ -57,7 +57,9 @@ from node.pipeline.routing import (
     Rebalancer,
     ReplicaInfo,
     Verdict,
+    effective_throughputs,
 )
+from node.roles.registry import measurements_of
 from node.swarm.bans import ban_watcher_for
 from protocol import boundary_codec
 from protocol.codec import TensorLimits
@@ -100,7 +102,7 @@ from protocol.pipeline import (
 from protocol.receipts import TokenReceipt, open_receipt
 from protocol.replay import ReplayGuard
 from protocol.rpc import FramedServer, PeerStrikes, Route
-from verification.attacks import Attack, attack_from_env
+from verification.attacks import Attack, announce_factor_from_env, attack_from_env
 
 if TYPE_CHECKING:
     from node.context import NodeContext
@@ -911,6 +913,7 @@ class StageRole:
         self.throttled: dict[str, int] = {}  # "route: limit" -> requests refused for load
         self.state = "joining"
         self.rebalancer = Rebalancer(self.config.rebalance, started_at=time.monotonic())
+        self.announce_factor = announce_factor_from_env()
         self.moves = 0
         self._sync_stop: asyncio.Event | None = None
         self._p2p: Any = None
@@ -1018,20 +1021,29 @@ class StageRole:
                 return
             try:
                 peers = await self.ctx.records.list_peers()
+                measured = measurements_of(await self.ctx.records.list_measured())
             except asyncio.TimeoutError:
                 continue
             from hivemind.utils import get_dht_time
 
+            now = get_dht_time()
             replicas = [  # a banned replica gets no work from verifiers: it is no capacity
                 r
-                for r in replicas_from_peers(peers, get_dht_time(), states=("serving", "joining"))
+                for r in replicas_from_peers(peers, now, states=("serving", "joining"))
                 if not self.bans.is_banned(r.peer_id)
             ]
+            me = ReplicaInfo(peer_id=self.ctx.peer_id, stage=self.core.stage, throughput=self.core.throughput)
+            cfg = self.config.rebalance
+            # every replica (this one too) at its announced figure clamped around the verifiers' measurements:
+            # a replica lying about its speed neither starves a stage on paper nor sends others away from it
+            *replicas, me = effective_throughputs(
+                [*replicas, me], measured, now=now, slack=cfg.measured_slack, max_age_s=cfg.measured_max_age_s
+            )
             move = self.rebalancer.decide(
                 now=time.monotonic(),
                 me=self.ctx.peer_id,
                 my_stage=self.core.stage,
-                my_throughput=self.core.throughput,
+                my_throughput=me.throughput,
                 replicas=replicas,
                 spans=self.spans,
             )
@@ -1087,7 +1099,7 @@ class StageRole:
             "inner_step": core.inner_step,
             "tokens": counters.tokens,
             "loss": core.train_loss,
-            "throughput": round(core.throughput, 1),
+            "throughput": round(core.throughput * self.announce_factor, 1),  # factor 1 unless UNSAFE (tests)
             "load": float(self.service.queued),
             "queue": self.service.queued,
             "contexts": core.num_contexts,

@@ -64,6 +64,7 @@ from protocol.pipeline import (
     BoundaryShape,
 )
 from protocol.receipts import TokenReceipt
+from protocol.records import MAX_MEASURED_REPLICAS, MeasuredThroughputs
 
 if TYPE_CHECKING:
     from node.context import NodeContext
@@ -100,6 +101,9 @@ class VerifierConfig:
     # is small and latency-bound: with two OpenMP threads on a busy machine, the finite-value check of a 512 KiB
     # activation took 10 ms instead of 6 us (measured here).
     torch_threads: int = 1
+    # publish what this verifier measured of each stage replica (a signed `measured` DHT record, every replica
+    # refresh): placement and rebalancing trust it over the replicas' own announced throughputs
+    publish_measured: bool = True
 
     def __post_init__(self) -> None:
         if self.microbatch_size < 1 or self.max_in_flight < 1 or self.eval_batches < 1 or self.history < 1:
@@ -153,6 +157,7 @@ class _Progress:
     window: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens) of recent completions
     receipts_sent: int = 0
     receipts_failed: int = 0
+    measured_published: int = 0  # `measured` records stored
     in_flight: dict[int, float] = field(default_factory=dict)
 
 
@@ -175,6 +180,7 @@ class VerifierRole:
         self.state = "joining"
         self.progress = _Progress()
         self._replicas: list[ReplicaInfo] = []
+        self._measured_expiration = 0.0
         self.driver: PipelineDriver | None = None
         self.tap: SentinelTap | None = None  # once running
         self.bans: BanWatcher | None = None  # once running
@@ -412,6 +418,42 @@ class VerifierRole:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), period)
             await self._refresh_replicas()
+            if self.config.publish_measured:
+                await self._publish_measured(period)
+
+    async def _publish_measured(self, period_s: float) -> None:
+        """Sign and store the throughput measured of each replica (end to end, this verifier's own hops), so
+        placement need not believe what replicas announce."""
+        from hivemind.utils import get_dht_time
+
+        if self.driver is None:
+            return
+        router = self.driver.router
+        rates = {
+            r.peer_id: measured
+            for r in self._replicas
+            if (measured := router.measured_throughput(r.peer_id)) is not None
+            and math.isfinite(measured)
+            and measured >= 0
+        }
+        if not rates:
+            return
+        now = get_dht_time()
+        kept = dict(sorted(rates.items(), key=lambda item: -item[1])[:MAX_MEASURED_REPLICAS])
+        # freshness is the readers' measured_max_age_s; the TTL only clears the record of a verifier gone for
+        # good, and outlives a few late refreshes on a busy machine (a missing record: announcements count)
+        ttl_s = min(max(2 * period_s, 60.0), self.ctx.records.limits.max_ttl_peer_s)
+        expiration = max(now + ttl_s, self._measured_expiration + 1e-3)  # the DHT refuses going backwards
+        self._measured_expiration = expiration
+        try:
+            ok = await self.ctx.records.publish_measured(
+                MeasuredThroughputs(rates=kept, sent_at=now), expiration=expiration
+            )
+        except asyncio.TimeoutError:
+            ok = False
+        self.progress.measured_published += int(ok)
+        if not ok:
+            logger.warning("publishing measured throughputs of %d replica(s) failed", len(kept))
 
     async def _receipt_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -475,27 +517,11 @@ class VerifierRole:
             "val_history": list(progress.val_history),
             "receipts_sent": progress.receipts_sent,
             "receipts_failed": progress.receipts_failed,
+            "measured_published": progress.measured_published,
         }
         if driver is not None:
-            router = driver.router
-            now = time.monotonic()
             status["route"] = driver.last_route
-            status["replicas"] = {
-                str(s): [
-                    {
-                        "peer_id": r.peer_id,
-                        "announced_throughput": r.throughput,
-                        "queue": r.queue,
-                        "measured_throughput": router.measured_throughput(r.peer_id),
-                        "in_flight": router.in_flight(r.peer_id),  # hops of any kind, spot checks too
-                        "holding": driver.holding(r.peer_id),
-                        "blocked": router.is_blocked(r.peer_id, now),
-                    }
-                    for r in self._replicas
-                    if r.stage == s
-                ]
-                for s in range(self.manifest.num_stages)
-            }
+            status["replicas"] = self._replicas_status(driver)
             status["verified_tokens"] = driver.receipts.tokens_by_replica()
             status["strikes"] = driver.strikes.snapshot()
             status["timings"] = {k: round(v, 3) for k, v in driver.stats.timings.items()}
@@ -503,6 +529,26 @@ class VerifierRole:
             banned = self.bans.active() if self.bans is not None else set()
             status["sentinel"] = {**self.tap.status(), "swarm_banned": sorted(banned)}
         return status
+
+    def _replicas_status(self, driver: PipelineDriver) -> dict[str, list[dict[str, Any]]]:
+        """Each stage's replicas: announced and measured throughput (what `measured` records publish), load."""
+        router, now = driver.router, time.monotonic()
+        return {
+            str(s): [
+                {
+                    "peer_id": r.peer_id,
+                    "announced_throughput": r.throughput,
+                    "queue": r.queue,
+                    "measured_throughput": router.measured_throughput(r.peer_id),
+                    "in_flight": router.in_flight(r.peer_id),  # hops of any kind, spot checks too
+                    "holding": driver.holding(r.peer_id),
+                    "blocked": router.is_blocked(r.peer_id, now),
+                }
+                for r in self._replicas
+                if r.stage == s
+            ]
+            for s in range(self.manifest.num_stages)
+        }
 
 
 async def _wait_all(

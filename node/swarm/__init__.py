@@ -29,7 +29,6 @@ from node.swarm.membership import (
     HEARTBEAT_TTL_PERIODS,
     Membership,
     build_heartbeat,
-    least_served_stage,
 )
 from node.swarm.reachability import (
     MAX_REACH_MADDRS,
@@ -82,7 +81,6 @@ __all__ = [
     "fetch_json",
     "is_url",
     "join",
-    "least_served_stage",
     "needs_reach_check",
     "parse_reach_reply",
     "pick_run",

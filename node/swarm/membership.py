@@ -2,7 +2,8 @@
 
 `Membership` keeps the heartbeat alive (refreshed every `heartbeat_period_s`, expiring `HEARTBEAT_TTL_PERIODS`
 periods after it was written, so a node that dies silently leaves the peer list within two periods) and announces
-leaving on shutdown. `least_served_stage` picks where a new stage replica helps most.
+leaving on shutdown. Where a new stage replica goes is `node.roles.registry.choose_role`'s (on the verifiers'
+measurements, not the heartbeats' announced throughputs alone).
 """
 
 from __future__ import annotations
@@ -20,27 +21,19 @@ from hivemind.utils import get_dht_time
 from node.context import VERSION, NodeContext, NodeMetrics, wait_or_stop
 from protocol.dht_io import SwarmRecords
 from protocol.errors import HivenodeError
-from protocol.records import CONNECTIVITY_MODES, PEER_STATES, UNKNOWN_MODE, Heartbeat, PeerRecord
+from protocol.records import (
+    CONNECTIVITY_MODES,
+    PEER_STATES,
+    UNKNOWN_MODE,
+    Heartbeat,
+    MeasuredRecord,
+    PeerRecord,
+)
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_PERIODS = 2.0  # a heartbeat outlives one missed refresh, not two
 HEARTBEAT_JITTER = 0.1  # refresh up to 10 % early, so peers started together do not beat in lockstep
-
-
-# ---- stage balance ----
-
-
-def least_served_stage(peers: Sequence[PeerRecord], num_stages: int) -> int:
-    """The stage with the least announced throughput (then fewest replicas, then lowest index)."""
-    throughput = [0.0] * num_stages
-    replicas = [0] * num_stages
-    for peer in peers:
-        hb = peer.heartbeat
-        if hb.role == "stage" and hb.stage is not None and 0 <= hb.stage < num_stages and not hb.leaving:
-            throughput[hb.stage] += hb.throughput
-            replicas[hb.stage] += 1
-    return min(range(num_stages), key=lambda s: (throughput[s], replicas[s], s))
 
 
 # ---- heartbeats ----
@@ -160,6 +153,15 @@ class Membership:
         if self.metrics is not None:
             self.metrics.peers_visible.set(len(peers))
         return peers
+
+    async def measured_or_empty(self) -> list[MeasuredRecord]:
+        """The authorized verifiers' `measured` records, or none if the DHT does not answer in time (placement then
+        counts the replicas at their announced throughputs, as before any verifier measured them)."""
+        try:
+            return await self.records.list_measured()
+        except asyncio.TimeoutError:
+            logger.warning("listing the verifiers' measured throughputs timed out")
+            return []
 
 
 def _leaving(heartbeat: Heartbeat) -> Heartbeat:

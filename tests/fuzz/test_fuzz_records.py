@@ -51,6 +51,7 @@ from protocol.records import (
     BanNotice,
     Heartbeat,
     HivenodeRecordValidator,
+    MeasuredThroughputs,
     RecordLimits,
     RunRules,
     SyncerState,
@@ -108,11 +109,13 @@ def seed_corpus() -> dict[str, dict[str, bytes]]:
     ban = BanNotice(
         offender=PEER.peer_id, reason="flagged 3 times", evidence=b"\x01" * 32, issued_at=SEED_TIME
     )
+    measured = MeasuredThroughputs(rates={PEER.peer_id: 812.5, SYNCER.peer_id: 0.0}, sent_at=SEED_TIME)
     records = {
         "heartbeat": _record(PEER, keys.peers_key(run), PEER.peer_id, heartbeat.to_body(), 4.0),
         "heartbeat-no-mode": _record(PEER, keys.peers_key(run), PEER.peer_id, older.to_body(), 4.0),
         "syncer": _record(SYNCER, keys.syncer_key(run), SYNCER.peer_id, syncer.to_body(), 30.0),
         "ban": _record(VERIFIER, keys.bans_key(run, PEER.peer_id), VERIFIER.peer_id, ban.to_body(), 600.0),
+        "measured": _record(VERIFIER, keys.measured_key(run), VERIFIER.peer_id, measured.to_body(), 30.0),
         "manifest": _record(OWNER, keys.manifest_key(run), None, {"signed": SIGNED.to_wire()}, 600.0),
         "discovery": _record(OWNER, keys.discovery_key(), OWNER.peer_id, {"signed": SIGNED.to_wire()}, 600.0),
     }

@@ -24,6 +24,7 @@ from protocol.records import (
     BanNotice,
     Heartbeat,
     HivenodeRecordValidator,
+    MeasuredThroughputs,
     RunRules,
     SyncerState,
     make_envelope,
@@ -205,5 +206,23 @@ def test_leaving_replaces_the_heartbeat_and_older_expirations_lose(dhts: Dhts) -
         assert leaver.peer_id not in {p.peer_id for p in await records(dhts.b, OWNER).list_peers()}
         everyone = await records(dhts.b, OWNER).list_peers(include_leaving=True)
         assert [p.heartbeat.state for p in everyone if p.peer_id == leaver.peer_id] == ["leaving"]
+
+    run(scenario())
+
+
+def test_only_authorized_verifiers_publish_measured_throughputs(dhts: Dhts) -> None:
+    """Placement trusts `measured` records over announced throughputs (issue 18): a replica vouching for itself
+    is refused by every validating peer; the verifier's record is seen by all (control)."""
+
+    async def scenario() -> None:
+        now = get_dht_time()
+        lie = MeasuredThroughputs(rates={ATTACKER.peer_id: 1e9}, sent_at=now)
+        assert not await records(dhts.evil, ATTACKER).publish_measured(lie, expiration=now + 30)
+        assert not await records(dhts.b, dhts.b_identity).publish_measured(lie, expiration=now + 30)
+        truth = MeasuredThroughputs(rates={ATTACKER.peer_id: 120.0, VICTIM.peer_id: 800.0}, sent_at=now)
+        assert await records(dhts.b, VERIFIER).publish_measured(truth, expiration=now + 30)
+        for reader in (dhts.a, dhts.b):
+            found = await records(reader, OWNER).list_measured()
+            assert [(r.verifier, dict(r.measured.rates)) for r in found] == [(VERIFIER.peer_id, truth.rates)]
 
     run(scenario())

@@ -23,7 +23,7 @@ from node.config import (
 )
 from node.context import RestartPolicy, TaskSupervisor, short_id
 from node.roles.registry import ROLE_FACTORIES, choose_role
-from node.swarm import check_multiaddr, least_served_stage, pick_run, swarm_url
+from node.swarm import check_multiaddr, pick_run, swarm_url
 from protocol.errors import ConfigError, JoinError
 from protocol.identity import NodeIdentity
 from protocol.manifest import OwnerPins, RunManifest, SignedManifest, authorize
@@ -346,10 +346,8 @@ def test_stage_without_index_goes_where_throughput_is_lowest() -> None:
         peer("stage", stage=1, throughput=80.0),
         peer("learner"),
     ]
-    assert least_served_stage(peers, 3) == 2  # nobody serves stage 2
-    assert least_served_stage(peers, 2) == 0
+    assert choose_role("stage", None, PEER, RunManifest(), peers, NOW).stage == 0
     peers.append(peer("stage", stage=0, throughput=100.0, leaving=True))  # leaving replicas do not count
-    assert least_served_stage(peers, 2) == 0
     assert choose_role("stage", None, PEER, RunManifest(), peers, NOW).stage == 0
 
 

@@ -17,10 +17,12 @@ from protocol.identity import NodeIdentity
 from protocol.manifest import RunManifest, SignedManifest, authorize
 from protocol.records import (
     CONNECTIVITY_MODES,
+    MAX_MEASURED_REPLICAS,
     UNKNOWN_MODE,
     BanNotice,
     Heartbeat,
     HivenodeRecordValidator,
+    MeasuredThroughputs,
     PeerRecord,
     RecordLimits,
     RunRules,
@@ -358,3 +360,58 @@ def test_validators_merge_runs_and_foreign_records_are_opt_in(monkeypatch: pytes
     assert validator.validate(record)
     foreign = dht_record({"plain": 1}, "some-other-app-key", None, NOW + 5)
     assert HivenodeRecordValidator(allow_foreign=True).validate(foreign)
+
+
+# ---- measured throughputs (issue 18: placement on what verifiers measured) ----
+
+
+def signed_measured(identity: NodeIdentity = VERIFIER, body: dict[str, Any] | None = None, **kw: Any) -> Any:
+    raw_key = keys.measured_key(RUN_ID)
+    if body is None:
+        body = MeasuredThroughputs(rates={PEER.peer_id: 812.5, OTHER.peer_id: 0.0}, sent_at=NOW).to_body()
+    expiration = kw.pop("expiration", NOW + 5)
+    envelope = make_envelope(identity, raw_key, identity.peer_id, body, expiration)
+    return lambda: check(envelope, raw_key, identity.peer_id, expiration, **kw)
+
+
+def test_a_verifier_measured_record_is_accepted_and_parses_back() -> None:
+    assert keys.parse_key(keys.measured_key(RUN_ID)).kind is keys.KeyKind.MEASURED
+    record = signed_measured()()
+    assert record.signer == VERIFIER.peer_id
+    assert record.body["rates"] == {PEER.peer_id: 812.5, OTHER.peer_id: 0.0}
+
+
+def test_only_authorized_verifiers_write_measured_throughputs() -> None:
+    for impostor in (PEER, SYNCER, OWNER):  # a replica vouching for itself, the syncer, even the owner
+        assert reason_of(signed_measured(impostor)) == "unauthorized"
+    assert signed_measured(VERIFIER)().signer == VERIFIER.peer_id  # control
+
+
+@pytest.mark.parametrize(
+    "rates",
+    [
+        {PEER.peer_id: -1.0},
+        {PEER.peer_id: float("nan")},
+        {PEER.peer_id: float("inf")},
+        {PEER.peer_id: 5},  # an int is not a float
+        {PEER.peer_id: True},
+        {"": 1.0},
+        {"x" * 65: 1.0},
+        [1.0],
+        {f"peer-{i}": 1.0 for i in range(129)},  # over MAX_MEASURED_REPLICAS
+    ],
+)
+def test_measured_records_have_a_strict_schema(rates: Any) -> None:
+    assert reason_of(signed_measured(body={"rates": rates, "sent_at": NOW})) == "schema"
+
+
+def test_measured_records_refuse_extra_keys_and_long_expirations() -> None:
+    good = MeasuredThroughputs(rates={PEER.peer_id: 1.0}, sent_at=NOW).to_body()
+    assert reason_of(signed_measured(body={**good, "note": "hi"})) == "schema"
+    assert reason_of(signed_measured(body={"rates": good["rates"]})) == "schema"
+    full = {
+        f"12D3KooW{i:056d}"[:52]: 1e6 + i for i in range(MAX_MEASURED_REPLICAS)
+    }  # the cap fits the value cap
+    assert signed_measured(body={"rates": full, "sent_at": NOW})().signer == VERIFIER.peer_id
+    far = NOW + LIMITS.max_ttl_peer_s + LIMITS.clock_skew_s + 10
+    assert reason_of(signed_measured(expiration=far)) == "expiration"
