@@ -192,6 +192,10 @@ def _loss_scores(sources: Mapping[str, list[_Entry]]) -> dict[str, float]:
     return scores
 
 
+def _seniors(seniority: Seniority, result: MergeResult, now: float) -> set[str]:
+    return {p for p in result.participants if not seniority.is_young(p, now)}
+
+
 def _void_result(rejected: Mapping[str, str]) -> MergeResult:
     return MergeResult(
         outer_grad={},
@@ -521,9 +525,8 @@ class SyncerCore:
 
     @property
     def tokens_in_model(self) -> int:
-        """Tokens the global model was trained on: `tokens_merged` over the fragments, since every fragment's
-        contribution carries all the tokens its learner trained since that fragment's last sync, so
-        `tokens_merged` counts each trained token once per fragment."""
+        """`tokens_merged` (each trained token counted once per fragment: a contribution carries all of them)
+        over the fragments: the tokens the global model was trained on."""
         return self.tokens_merged // max(1, len(self.versions))
 
     # ---- admission ----
@@ -679,10 +682,7 @@ class SyncerCore:
             expected=expected,
             started_at=started_at,
             screened=self.screen.prepare_commit(
-                fragment,
-                result,
-                _loss_scores(sources),
-                senior={p for p in result.participants if not self.seniority.is_young(p, started_at)},
+                fragment, result, _loss_scores(sources), _seniors(self.seniority, result, started_at)
             ),
             seniority_credit=credit,
         )
