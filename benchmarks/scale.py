@@ -114,7 +114,7 @@ def learnable_batch(vocab: int, rows: int, seed: int) -> tuple[Any, Any]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def new_core(run: Any, params: Any, screening: Any) -> Any:
+def new_core(run: Any, params: Any, screening: Any, spill_dir: Path | None) -> Any:
     import time as _time
 
     from node.diloco.quorum import QuorumConfig
@@ -136,6 +136,7 @@ def new_core(run: Any, params: Any, screening: Any) -> Any:
         tokens_per_step=SEQ,
         now=_time.monotonic(),
         screening=screening,
+        spill_dir=spill_dir,  # as the node's syncer: older versions and momentum on disk
     )
 
 
@@ -228,7 +229,7 @@ async def syncer_main(preset: str, queue: Any, stop: Any) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         identity = NodeIdentity.load_or_create(Path(tmp) / "syncer.key")
         model = build_model(ModelConfig.from_dict(run.model), run.seed)
-        core = new_core(run, dict(model.named_parameters()), ScreeningConfig())
+        core = new_core(run, dict(model.named_parameters()), ScreeningConfig(), Path(tmp) / "spill")
         del model
         host = Host(run, identity, core, build_probe_for(run))
         p2p = await P2P.create(identity_path=str(identity.path), check_if_identity_free=False)
@@ -462,7 +463,8 @@ def core_round(preset: str, contributors: int, probe: bool, num_fragments: int =
 
     run = manifest(preset, num_fragments=num_fragments)
     model = build_model(ModelConfig.from_dict(run.model), run.seed)
-    core = new_core(run, dict(model.named_parameters()), ScreeningConfig(loss_probe=probe))
+    spill = tempfile.TemporaryDirectory(dir=os.environ.get("SCALE_CKPT_DIR"))
+    core = new_core(run, dict(model.named_parameters()), ScreeningConfig(loss_probe=probe), Path(spill.name))
     del model
     try:
         scorer = build_probe_for(run) if probe else None
@@ -493,6 +495,7 @@ def core_round(preset: str, contributors: int, probe: bool, num_fragments: int =
         saved = time.perf_counter()
         CheckpointStore(Path(tmp), RUN_ID, keep=1).save(core.snapshot(RUN_ID, 1))
         checkpoint_s = time.perf_counter() - saved
+    spill.cleanup()
     return {
         "setup_peak_rss": setup_peak,
         "round_peak_rss": round_peak,

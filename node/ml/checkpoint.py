@@ -22,15 +22,17 @@ import logging
 import math
 import os
 import re
+import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import blake3
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from node.diloco.outer import STATE_PREFIX
 from node.diloco.seniority import SavedSeniority, SeniorityStateError, seniority_from_json, seniority_to_json
@@ -49,7 +51,8 @@ class SyncerSnapshot:
     term: int
     versions: tuple[int, ...]
     params: dict[str, torch.Tensor]
-    momentum: dict[str, torch.Tensor]  # keys as OuterNesterov.state_dict gives them (STATE_PREFIX + name)
+    # keys as OuterNesterov.state_dict gives them (STATE_PREFIX + name); read lazily when on disk (node.diloco.spill)
+    momentum: Mapping[str, torch.Tensor]
     merges: int = 0
     tokens_merged: int = 0
     # (peer, fragment, base version, steps, tokens) already merged: see SyncerCore.merged_ledger
@@ -159,14 +162,9 @@ def _fsync_dir(directory: Path) -> None:
 def save_checkpoint(path: Path, snapshot: SyncerSnapshot, *, final: bool = True) -> None:
     """Write `snapshot` to `path`, fsynced; with `final`, atomically (a temp file renamed onto `path`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        PARAM_PREFIX + name: t.detach().to("cpu", torch.float32).contiguous()
-        for name, t in snapshot.params.items()
-    }
-    for key, t in snapshot.momentum.items():
+    for key in snapshot.momentum:
         if not key.startswith(STATE_PREFIX):
             raise ValueError(f"momentum key {key!r} lacks the {STATE_PREFIX!r} prefix")
-        tensors[key] = t.detach().to("cpu", torch.float32).contiguous()
     metadata = {
         "format": FORMAT,
         "run_id": snapshot.run_id,
@@ -179,11 +177,59 @@ def save_checkpoint(path: Path, snapshot: SyncerSnapshot, *, final: bool = True)
         "seniority": seniority_to_json(snapshot.seniority),
     }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp") if final else path
-    save_file(tensors, str(tmp), metadata=metadata)
-    with open(tmp, "rb") as handle:
+    with open(tmp, "wb") as handle:
+        write_safetensors(handle, _layout(snapshot), _tensors(snapshot), metadata)
+        handle.flush()
         os.fsync(handle.fileno())
     if final:
         os.replace(tmp, path)
+
+
+def _layout(snapshot: SyncerSnapshot) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, shape) of every tensor the checkpoint holds, in the order they are written: the momentum's shapes
+    are its parameters' (checked on load), so a momentum read from disk (node.diloco.spill) is read only once,
+    while it is written."""
+    layout = [(PARAM_PREFIX + name, tuple(t.shape)) for name, t in snapshot.params.items()]
+    for key in snapshot.momentum:
+        param = snapshot.params.get(key[len(STATE_PREFIX) :])
+        shape = tuple(param.shape) if param is not None else tuple(snapshot.momentum[key].shape)
+        layout.append((key, shape))
+    return layout
+
+
+def _tensors(snapshot: SyncerSnapshot) -> Iterator[torch.Tensor]:
+    """The tensors of `_layout`, in its order, one at a time."""
+    yield from snapshot.params.values()
+    for key in snapshot.momentum:
+        yield snapshot.momentum[key]
+
+
+def write_safetensors(
+    handle: BinaryIO,
+    layout: Sequence[tuple[str, tuple[int, ...]]],
+    tensors: Iterable[torch.Tensor],
+    metadata: Mapping[str, str],
+) -> None:
+    """A safetensors file of float32 tensors written one at a time (`safetensors.torch.save_file` wants them all at
+    once, and a syncer whose momentum is on disk would read the whole of it into memory): the header from
+    `layout`, then each tensor's bytes as `tensors` yields it (ValueError if one does not fit its entry)."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for key, shape in layout:
+        size = 4 * math.prod(shape)
+        header[key] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    handle.write(struct.pack("<Q", len(encoded)) + encoded)
+    written = 0
+    for (key, shape), tensor in zip(layout, tensors, strict=True):
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{key}: shape {tuple(tensor.shape)} != {tuple(shape)} of the layout")
+        data = tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+        written += handle.write(data.numpy().data.cast("B"))
+    if written != offset:
+        raise ValueError(f"wrote {written} tensor bytes, the header says {offset}")
 
 
 def load_checkpoint(

@@ -612,6 +612,9 @@ def build_core(role: SyncerRole) -> SyncerCore:
         screening=role.config.screening,
         admission=manifest.admission,
         run_id=role.ctx.run_id,
+        # older versions and the outer momentum on disk: resident memory ~ the model (docs/scale.md); a working
+        # store, emptied here: a restart resumes from the checkpoint
+        spill_dir=role.ctx.config.state_dir / "syncer-spill",
     )
 
 
