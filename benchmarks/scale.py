@@ -137,6 +137,7 @@ def new_core(run: Any, params: Any, screening: Any, spill_dir: Path | None) -> A
         now=_time.monotonic(),
         screening=screening,
         spill_dir=spill_dir,  # as the node's syncer: older versions and momentum on disk
+        take_params=True,  # as the node's syncer: the seed model is handed over, not copied
     )
 
 

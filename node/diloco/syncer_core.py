@@ -572,12 +572,14 @@ class SyncerCore:
         admission: AdmissionSpec | None = None,  # the manifest's [admission]; None: open (no cost)
         run_id: str = "",  # what admission proofs are bound to
         spill_dir: Path | None = None,  # None: all state in memory; else older versions and momentum on disk
+        take_params: bool = False,  # the caller hands `params` over (never uses them again): no copy
     ) -> None:
         missing = set(plan.names()) - set(params)
         if missing:
             raise ValueError(f"params lack {len(missing)} planned tensors, e.g. {sorted(missing)[:2]}")
         self.plan = plan
-        self.params = {n: params[n].detach().to("cpu", torch.float32).clone() for n in plan.names()}
+        # a copy unless handed over: the seed model built and then copied was 2 models at the syncer's start
+        self.params = {n: _owned(params[n], copy=not take_params) for n in plan.names()}
         self.shapes = {n: tuple(t.shape) for n, t in self.params.items()}
         self.policy = QuorumPolicy(quorum)
         self.embedding_names = frozenset(embedding_names)
@@ -586,7 +588,7 @@ class SyncerCore:
         fragments = [f.names for f in plan.fragments]
         # with a spill directory the momentum is in files (`self.outer` only steps), else in `self.outer`
         self.spilled = SpilledMomentum(spill, fragments) if spill is not None else None
-        self.screen = ContributionScreen(screening)  # checks each contribution alone (issue 18)
+        self.screen = ContributionScreen(screening, spill=spill)  # checks each contribution alone (issue 18)
         config = self.screen.config
         self.claims = ClaimBound(factor=config.claim_rate_factor, min_peers=config.claim_min_peers)
         self.clip_factor = clip_factor
@@ -808,6 +810,7 @@ class SyncerCore:
         fragment = prepared.fragment
         if self.versions[fragment] != prepared.base_version:
             self.history.discard(prepared.spilled)
+            self.screen.discard(prepared.screened)
             raise RuntimeError(f"fragment {fragment} changed during its merge")
         version = self._publish(fragment, prepared.new_params, now, spilled=prepared.spilled)
         self.screen.commit(fragment, prepared.screened)
@@ -968,6 +971,12 @@ class SyncerCore:
             )
         if wall_offset is not None and snapshot.seniority:  # none saved (an older checkpoint): keep the table
             self.seniority.load(snapshot.seniority, now, wall_offset)
+
+
+def _owned(tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
+    """`tensor` as the core's own float32 CPU tensor: copied, or (handed over) converted only if it must be."""
+    out = tensor.detach().to("cpu", torch.float32)
+    return out.clone() if copy else out
 
 
 def wire_params(

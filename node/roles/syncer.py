@@ -615,6 +615,7 @@ def build_core(role: SyncerRole) -> SyncerCore:
         # older versions and the outer momentum on disk: resident memory ~ the model (docs/scale.md); a working
         # store, emptied here: a restart resumes from the checkpoint
         spill_dir=role.ctx.config.state_dir / "syncer-spill",
+        take_params=True,  # the seed model is ours alone (dropped on return)
     )
 
 

@@ -15,12 +15,24 @@ from node.diloco.outer import STATE_PREFIX
 from node.diloco.spill import SpillDir
 from node.diloco.syncer_core import SyncerCore
 from node.ml.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, write_safetensors
+from node.ml.model import build_model, embedding_param_names
 from node.roles.syncer import Refusal, quorum_config
 from protocol.manifest import DilocoSpec
-from tests.unit.test_syncer_core import PLAN, core, params_with_delta
+from tests.unit.test_syncer_core import CFG, PLAN, core, params_with_delta
 
 pytestmark = pytest.mark.timeout(60)
 RUN_ID = "ab" * 20
+OPTIONS = {
+    "quorum": quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0),
+    "embedding_names": embedding_param_names(CFG),
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
+    "clip_factor": 3.0,
+    "max_staleness": 2,
+    "max_steps_per_s": 10.0,
+    "tokens_per_step": 64,
+    "now": 0.0,
+}
 
 
 def synchronous(spill: Path | None) -> SyncerCore:
@@ -75,8 +87,15 @@ def test_a_spilled_core_merges_exactly_as_the_in_memory_one_and_holds_only_the_c
     assert not spilled.outer.state_dict()
     # negative control: the in-memory core holds the older versions as tensors
     assert all(isinstance(memory.history.tensors[0][v], dict) for v in (2, 3))
-    # on disk: the two older versions and one momentum generation per fragment
-    assert len(list((tmp_path / "spill").iterdir())) == PLAN.num_fragments * 3
+    # on disk: the two older versions, one momentum generation and the screen's recent direction per fragment
+    files = [p.name.split("-")[0] for p in (tmp_path / "spill").iterdir()]
+    assert sorted(set(files)) == ["direction", "momentum", "version"]
+    assert [files.count(kind) for kind in ("direction", "momentum", "version")] == [
+        PLAN.num_fragments,
+        PLAN.num_fragments,
+        2 * PLAN.num_fragments,
+    ]
+    assert not spilled.screen._direction or all(isinstance(d, str) for d in spilled.screen._direction.values())
 
 
 def test_a_copy_of_a_spilled_version_is_refused_as_a_free_rider(tmp_path: Path) -> None:
@@ -177,3 +196,16 @@ def test_a_spill_file_round_trips_and_a_reader_never_sees_a_half_written_one(tmp
     assert not (tmp_path / "s" / "bf16").exists()
     assert SpillDir(tmp_path / "s") and not list((tmp_path / "s").iterdir())  # reopened: emptied
     assert STATE_PREFIX  # (the momentum views key by it)
+
+
+def test_handed_over_params_are_not_copied() -> None:
+    """The node's syncer hands its seed model over (`take_params`): one model at its start, not two."""
+    taken, copied = core(take_params=True), core()
+    model = build_model(CFG, seed=0)
+    handed = dict(model.named_parameters())
+    c = SyncerCore(PLAN, handed, **{**OPTIONS, "take_params": True})  # type: ignore[arg-type]
+    assert all(c.params[n].data_ptr() == handed[n].data_ptr() for n in c.params)
+    # control: without it the core copies
+    d = SyncerCore(PLAN, handed, **OPTIONS)  # type: ignore[arg-type]
+    assert all(d.params[n].data_ptr() != handed[n].data_ptr() for n in d.params)
+    assert all(torch.equal(taken.params[n], copied.params[n]) for n in copied.params)
