@@ -31,7 +31,7 @@ from node.diloco.quorum import QuorumConfig, QuorumPolicy
 from node.diloco.receipts import ReceiptLedger
 from node.diloco.screening import ContributionScreen, ScreeningConfig, ScreenUpdate
 from node.diloco.seniority import CappedWeights, Seniority, SeniorityConfig
-from node.diloco.spill import SpillDir, SpilledMomentum
+from node.diloco.spill import SpillDir, SpilledMomentum, release_freed_memory
 from node.ml.checkpoint import SyncerSnapshot
 from protocol.admission import AdmissionRefused, AdmissionSpec, verify_admission
 from protocol.compress import CodecSpec
@@ -860,7 +860,14 @@ class SyncerCore:
             )
         except NothingToMerge:
             return None
-        return self.commit_merge(prepared, now)
+        record = self.commit_merge(prepared, now)
+        del (
+            prepared,
+            round_,
+            taken,
+        )  # the round's contributions and the merge's temporaries, then back to the kernel
+        release_freed_memory()
+        return record
 
     def version_ages(self, now: float) -> list[float]:
         """Per fragment, seconds since its current version was published by one of our merges; -1.0 when it

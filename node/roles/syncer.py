@@ -51,6 +51,7 @@ from node.diloco.loss_probe import LossProbe
 from node.diloco.merge import NothingToMerge
 from node.diloco.quorum import QuorumConfig
 from node.diloco.screening import ScreeningConfig
+from node.diloco.spill import release_freed_memory
 from node.diloco.sync_client import (
     choose_syncer,
     fragment_limits,
@@ -503,6 +504,12 @@ class SyncerRole:
                     rejected=e.rejected,
                 )
             record = core.commit_merge(prepared, time.monotonic())
+            del (
+                prepared,
+                round_,
+                taken,
+            )  # the round's contributions and the merge's temporaries, then freed for good
+            release_freed_memory()
         self._merges_since_checkpoint += 1
         event = {
             **record.to_event(),

@@ -95,7 +95,9 @@ def test_a_spilled_core_merges_exactly_as_the_in_memory_one_and_holds_only_the_c
         PLAN.num_fragments,
         2 * PLAN.num_fragments,
     ]
-    assert not spilled.screen._direction or all(isinstance(d, str) for d in spilled.screen._direction.values())
+    assert not spilled.screen._direction or all(
+        isinstance(d, str) for d in spilled.screen._direction.values()
+    )
 
 
 def test_a_copy_of_a_spilled_version_is_refused_as_a_free_rider(tmp_path: Path) -> None:
