@@ -575,10 +575,11 @@ def ratio(peak: int | None, size: dict[str, int]) -> float | None:
 
 
 def part_1b(args: argparse.Namespace) -> dict[str, Any]:
-    """The llama-1b syncer core, guarded: skipped (with the reason) unless the memory it needs is free: the
-    global parameters, the versions still held and the momentum (3 models) plus a merge's temporaries."""
+    """The llama-1b syncer core, guarded: skipped (with the reason) unless the memory it needs is free: the global
+    parameters (the older versions, the momentum and the screen's direction are on disk) plus a merge's and the
+    build's temporaries and the process."""
     size = sizes(manifest("llama-1b", num_fragments=FRAGMENTS_1B))
-    need = int(3 * size["model_bytes"] + 8 * size["fragment_bytes"] + 0.75 * GiB)
+    need = int(size["model_bytes"] + 12 * size["fragment_bytes"] + 1.0 * GiB)
     free = available_bytes()
     out: dict[str, Any] = {
         **size,
