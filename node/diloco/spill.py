@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from node.diloco.outer import STATE_PREFIX
+from node.diloco.outer import STATE_PREFIX, checked_buffers
 
 _HEADER = struct.Struct("<Q")
 
@@ -107,14 +107,22 @@ class SpilledMomentum:
             self._stale.add(old)
         self._prune()
 
-    def replace_all(self, buffers: Mapping[str, torch.Tensor]) -> None:
-        """A restore: `buffers` (name -> tensor, already checked) become the whole momentum."""
-        groups: list[dict[str, torch.Tensor]] = [{} for _ in self.files]
-        for name, tensor in buffers.items():
-            groups[self.fragment_of[name]][name] = tensor
-        for fragment, group in enumerate(groups):
-            if group:
-                self.store(fragment, group)
+    def restore(self, state: Mapping[str, torch.Tensor]) -> None:
+        """A restore: `state` (keyed as `OuterNesterov.state_dict` keys it, maybe read lazily: a checkpoint's)
+        becomes the whole momentum, read, checked and written one fragment at a time. ValueError (as
+        `OuterNesterov.load_state_dict`) on a foreign key, a dtype or a non-finite value; keys are checked before
+        anything changes, values as each fragment is read."""
+        groups: list[list[str]] = [[] for _ in self.files]
+        for key in state:
+            fragment = (
+                self.fragment_of.get(key[len(STATE_PREFIX) :]) if key.startswith(STATE_PREFIX) else None
+            )
+            if fragment is None:
+                raise ValueError(f"unexpected key in outer optimiser state: {key!r}")
+            groups[fragment].append(key)
+        for fragment, keys in enumerate(groups):
+            if keys:
+                self.store(fragment, checked_buffers({k: state[k] for k in keys}, copy=False))
             elif (old := self.files[fragment]) is not None:
                 self.files[fragment], self.shapes[fragment] = None, {}
                 self._stale.add(old)

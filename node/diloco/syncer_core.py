@@ -26,7 +26,7 @@ from node.diloco.counters import cap_counters
 from node.diloco.fragments import FragmentPlan
 from node.diloco.loss_probe import LossScore
 from node.diloco.merge import Contribution, MergeResult, NothingToMerge, merge_fragment
-from node.diloco.outer import NonFiniteStep, OuterNesterov, checked_buffers
+from node.diloco.outer import NonFiniteStep, OuterNesterov
 from node.diloco.quorum import QuorumConfig, QuorumPolicy
 from node.diloco.receipts import ReceiptLedger
 from node.diloco.screening import ContributionScreen, ScreeningConfig, ScreenUpdate
@@ -958,20 +958,19 @@ class SyncerCore:
     def restore(self, snapshot: SyncerSnapshot, now: float, *, wall_offset: float | None = None) -> None:
         if len(snapshot.versions) != self.plan.num_fragments or set(snapshot.params) != set(self.params):
             raise ValueError("snapshot does not fit this run's plan")
-        self.params = {n: t.detach().to(torch.float32).clone() for n, t in snapshot.params.items()}
+        # shared with the snapshot, not copied: neither side writes a tensor in place (see `snapshot`); a copy
+        # was one model more at every restore
+        self.params = {n: _owned(t, copy=False) for n, t in snapshot.params.items()}
+        self.versions = list(snapshot.versions)
+        self.history.reset(self._current(), now)  # (first: it drops the tensors the restore replaced)
         if self.spilled is None:
             self.outer.load_state_dict(snapshot.momentum)
-        else:  # checked as load_state_dict checks, then written per fragment
-            buffers = checked_buffers(snapshot.momentum, copy=False)
-            if not buffers.keys() <= self.params.keys():
-                raise ValueError("snapshot momentum names tensors this run's plan lacks")
-            self.spilled.replace_all(buffers)
-        self.versions = list(snapshot.versions)
+        else:  # checked as load_state_dict checks, read and written one fragment at a time
+            self.spilled.restore(snapshot.momentum)
         self.merges, self.tokens_merged = snapshot.merges, snapshot.tokens_merged
         self.rounds.clear()
         self._ledger.counters.clear()
         self.load_ledger(snapshot.merged, now)
-        self.history.reset(self._current(), now)
         if wall_offset is not None and len(snapshot.published_wall) == self.plan.num_fragments:
             self.history.date(
                 self.versions, [w - wall_offset if w > 0 else None for w in snapshot.published_wall]

@@ -17,6 +17,7 @@ copy, a bad disk) is skipped for the one before it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -31,8 +32,6 @@ from typing import BinaryIO
 
 import blake3
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from node.diloco.outer import STATE_PREFIX
 from node.diloco.seniority import SavedSeniority, SeniorityStateError, seniority_from_json, seniority_to_json
@@ -240,12 +239,9 @@ def load_checkpoint(
     if not path.exists():
         raise FileNotFoundError(path)
     try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
+        tensors = TensorFile(path)
+        metadata = tensors.metadata
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable checkpoint ({e})") from None
     if metadata.get("format") != FORMAT or metadata.get("run_id") != run_id:
         raise CheckpointError(f"{path}: not a checkpoint of run {run_id[:12]}")
@@ -262,20 +258,22 @@ def load_checkpoint(
     ):
         raise CheckpointError(f"{path}: versions do not fit {num_fragments} fragments")
     published = _published_wall(metadata.get("published_wall"), num_fragments)
-    params = {k[len(PARAM_PREFIX) :]: v for k, v in tensors.items() if k.startswith(PARAM_PREFIX)}
-    momentum = {k: v for k, v in tensors.items() if k.startswith(STATE_PREFIX)}
-    if set(params) != set(expected):
+    names = {k[len(PARAM_PREFIX) :]: k for k in tensors if k.startswith(PARAM_PREFIX)}
+    if set(names) != set(expected):
         raise CheckpointError(f"{path}: parameter names differ from the run's model")
-    for name, shape in expected.items():
-        if tuple(params[name].shape) != tuple(shape):
-            raise CheckpointError(f"{path}: {name} has shape {tuple(params[name].shape)}, expected {shape}")
-    for key, t in {**params, **momentum}.items():
-        if not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"{path}: {key} holds non-finite values")
-    for key, t in momentum.items():
-        name = key[len(STATE_PREFIX) :]
-        if name not in expected or tuple(t.shape) != tuple(expected[name]):
-            raise CheckpointError(f"{path}: momentum {key} does not fit the model")
+    for key in tensors:
+        name = key[len(STATE_PREFIX) :] if key.startswith(STATE_PREFIX) else key[len(PARAM_PREFIX) :]
+        if name not in expected or tensors.shape(key) != tuple(expected[name]):
+            raise CheckpointError(
+                f"{path}: {key} has shape {tensors.shape(key)}, the model {expected.get(name)}"
+            )
+    try:  # the parameters read now; the momentum read again, one tensor at a time, by whoever restores it
+        params = {name: tensors.checked(key) for name, key in names.items()}
+        momentum = tensors.subset([k for k in tensors if k.startswith(STATE_PREFIX)])
+        for key in momentum:
+            momentum.checked(key)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
     return SyncerSnapshot(
         run_id=run_id,
         term=term,
@@ -288,6 +286,64 @@ def load_checkpoint(
         published_wall=published,
         seniority=saved_seniority(metadata.get("seniority"), str(path)),
     )
+
+
+class TensorFile(Mapping[str, torch.Tensor]):
+    """The float32 tensors of a safetensors file, each read when asked for with plain reads into a new tensor (not
+    `safetensors.torch.load_file`, which reads the whole file at once through an mmap: a restore held the
+    checkpoint's parameters and momentum together). The file stays open while this lives (a pruned checkpoint is
+    still read whole). ValueError on a malformed header or a dtype other than F32 (all checkpoints are)."""
+
+    metadata: dict[str, str]
+    _entries: dict[str, tuple[tuple[int, ...], int]]  # key -> (shape, offset in the file)
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._handle = path, open(path, "rb")  # noqa: SIM115 - closed with this object
+        (size,) = struct.unpack("<Q", self._handle.read(8))
+        header = json.loads(self._handle.read(size)) if 0 < size <= 100 << 20 else None
+        if not isinstance(header, dict):
+            raise ValueError("no safetensors header")
+        self.metadata = header.pop("__metadata__", None) or {}
+        start, end = 8 + size, os.fstat(self._handle.fileno()).st_size
+        self._entries = {}
+        for key, entry in header.items():
+            shape, (begin, stop) = tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            if entry["dtype"] != "F32" or stop - begin != 4 * math.prod(shape) or start + stop > end:
+                raise ValueError(f"{key}: not a whole float32 tensor of the file")
+            self._entries[key] = (shape, start + begin)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        shape, offset = self._entries[key]
+        tensor = torch.empty(shape, dtype=torch.float32)
+        view, done = tensor.reshape(-1).numpy().data.cast("B"), 0
+        while done < view.nbytes:  # preadv: a subset shares the file, not a position; one call reads < 2 GiB
+            got = os.preadv(self._handle.fileno(), [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"{key}: truncated")
+            done += got
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._entries[key][0]
+
+    def checked(self, key: str) -> torch.Tensor:
+        """The tensor, ValueError if it holds a non-finite value."""
+        tensor = self[key]
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{key} holds non-finite values")
+        return tensor
+
+    def subset(self, keys: Sequence[str]) -> TensorFile:
+        """These keys alone, read from the same open file."""
+        part = copy.copy(self)
+        part._entries = {k: self._entries[k] for k in keys}
+        return part
 
 
 def saved_seniority(text: str | None, source: str) -> SavedSeniority:

@@ -5,16 +5,24 @@ fragment in memory."""
 from __future__ import annotations
 
 import gc
+import json
+import struct
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from node.diloco.outer import STATE_PREFIX
 from node.diloco.spill import SpillDir
 from node.diloco.syncer_core import SyncerCore
-from node.ml.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint, write_safetensors
+from node.ml.checkpoint import (
+    TensorFile,
+    checkpoint_path,
+    load_checkpoint,
+    save_checkpoint,
+    write_safetensors,
+)
 from node.ml.model import build_model, embedding_param_names
 from node.roles.syncer import Refusal, quorum_config
 from protocol.manifest import DilocoSpec
@@ -211,3 +219,23 @@ def test_handed_over_params_are_not_copied() -> None:
     d = SyncerCore(PLAN, handed, **OPTIONS)  # type: ignore[arg-type]
     assert all(d.params[n].data_ptr() != handed[n].data_ptr() for n in d.params)
     assert all(torch.equal(taken.params[n], copied.params[n]) for n in copied.params)
+
+
+def test_a_checkpoint_written_by_safetensors_itself_still_loads_its_momentum_lazily(tmp_path: Path) -> None:
+    """Checkpoints written before the streamed writer (safetensors' save_file) load through the plain-read loader;
+    the momentum is read when used, not at load."""
+    c = synchronous(None)
+    script(c)
+    snapshot = c.snapshot(RUN_ID, term=1)
+    tensors = {"param/" + n: t for n, t in snapshot.params.items()} | dict(snapshot.momentum)
+    path = checkpoint_path(tmp_path, RUN_ID)
+    save_checkpoint(tmp_path / "streamed", snapshot)
+    data = (tmp_path / "streamed").read_bytes()
+    metadata = json.loads(data[8 : 8 + struct.unpack("<Q", data[:8])[0]])
+    save_file(tensors, str(path), metadata=metadata["__metadata__"])
+    loaded = load_checkpoint(path, run_id=RUN_ID, expected=c.shapes, num_fragments=PLAN.num_fragments)
+    assert isinstance(loaded.momentum, TensorFile) and loaded.momentum.keys() == snapshot.momentum.keys()
+    assert all(torch.equal(loaded.momentum[k], t) for k, t in snapshot.momentum.items())
+    restored = synchronous(tmp_path / "spill")
+    restored.restore(loaded, 5.0)
+    assert all(torch.equal(momentum_of(restored)[k], t) for k, t in snapshot.momentum.items())
