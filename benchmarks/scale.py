@@ -17,12 +17,13 @@ Each measured party is a child process of its own (spawned), and reports its pea
 * `stage_1b`: the parameter bytes of the largest pipeline stage of llama-1b (counted on the meta device).
 
 The syncer's goal is peak RSS <= model bytes + 2 fragments; `syncer_rss_ratio_*` is peak / (model bytes + 2 x the
-largest fragment's bytes). By design the core holds more than one model: the global parameters, the outer Nesterov
-momentum (one more model once every fragment merged), and the versions a contribution may still be built on
-(`max_staleness`); docs/scale.md has what each costs.
+largest fragment's bytes). The core, as the node's syncer builds it, keeps only the global parameters in memory (the
+seed model handed over, not copied); the outer Nesterov momentum, the versions a contribution may still be built on
+(`max_staleness`) and the screen's recent direction are per-fragment files in a spill directory (node.diloco.spill),
+read one fragment at a time; the checkpoint is streamed. What is left over the goal is the process itself (torch:
+~0.3 GiB) and a merge's fragment-sized temporaries; docs/scale.md has the breakdown.
 
-Run: `python -m benchmarks.scale` (everything; the 1B part needs ~16 GiB free, run it with nothing else big
-running), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs).
+Run: `python -m benchmarks.scale` (everything; the 1B part needs ~8 GiB free), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs).
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ TOKENIZER: dict[str, str | int | float | bool] = {
     "vocab_size": 32000,
 }  # a 32k BPE vocabulary, as the presets' sizes assume
 RUN_ID = "5c" * 20
-# The 1B syncer core runs with 16 fragments a stage (a run's `num_fragments`, P), not the default 4: its peak is 3 models
-# + a merge's fragment-sized temporaries, so smaller fragments lower it. On the shared 23 GiB machine it was killed
-# anyway (P = 8: at 19.2 GB; P = 16: at 15.9 GB, other work holding ~7 GB): it needs ~20 GB free (docs/scale.md).
+# The 1B syncer core runs with 16 fragments a stage (a run's `num_fragments`, P), not the default 4: its peak is the
+# model + a merge's fragment-sized temporaries, so smaller fragments lower it. Before the spill (older versions and
+# momentum on disk) it held 3 models and was killed on the shared 23 GiB machine (P = 16: at 15.9 GB).
 FRAGMENTS_1B = 16
 MIN_FREE = 1 << 30  # a child is killed when the machine's available memory falls under this (the 1B part)
 
