@@ -17,12 +17,13 @@ Each measured party is a child process of its own (spawned), and reports its pea
 * `stage_1b`: the parameter bytes of the largest pipeline stage of llama-1b (counted on the meta device).
 
 The syncer's goal is peak RSS <= model bytes + 2 fragments; `syncer_rss_ratio_*` is peak / (model bytes + 2 x the
-largest fragment's bytes). By design the core holds more than one model: the global parameters, the outer Nesterov
-momentum (one more model once every fragment merged), and the versions a contribution may still be built on
-(`max_staleness`); docs/scale.md has what each costs.
+largest fragment's bytes). The core, as the node's syncer builds it, keeps only the global parameters in memory (the
+seed model handed over, not copied); the outer Nesterov momentum, the versions a contribution may still be built on
+(`max_staleness`) and the screen's recent direction are per-fragment files in a spill directory (node.diloco.spill),
+read one fragment at a time; the checkpoint is streamed. What is left over the goal is the process itself (torch:
+~0.3 GiB) and a merge's fragment-sized temporaries; docs/scale.md has the breakdown.
 
-Run: `python -m benchmarks.scale` (everything; the 1B part needs ~16 GiB free, run it with nothing else big
-running), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs).
+Run: `python -m benchmarks.scale` (everything; the 1B part needs ~8 GiB free), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs).
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ TOKENIZER: dict[str, str | int | float | bool] = {
     "vocab_size": 32000,
 }  # a 32k BPE vocabulary, as the presets' sizes assume
 RUN_ID = "5c" * 20
-# The 1B syncer core runs with 16 fragments a stage (a run's `num_fragments`, P), not the default 4: its peak is 3 models
-# + a merge's fragment-sized temporaries, so smaller fragments lower it. On the shared 23 GiB machine it was killed
-# anyway (P = 8: at 19.2 GB; P = 16: at 15.9 GB, other work holding ~7 GB): it needs ~20 GB free (docs/scale.md).
+# The 1B syncer core runs with 16 fragments a stage (a run's `num_fragments`, P), not the default 4: its peak is the
+# model + a merge's fragment-sized temporaries, so smaller fragments lower it. Before the spill (older versions and
+# momentum on disk) it held 3 models and was killed on the shared 23 GiB machine (P = 16: at 15.9 GB).
 FRAGMENTS_1B = 16
 MIN_FREE = 1 << 30  # a child is killed when the machine's available memory falls under this (the 1B part)
 
@@ -114,7 +115,7 @@ def learnable_batch(vocab: int, rows: int, seed: int) -> tuple[Any, Any]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def new_core(run: Any, params: Any, screening: Any) -> Any:
+def new_core(run: Any, params: Any, screening: Any, spill_dir: Path | None) -> Any:
     import time as _time
 
     from node.diloco.quorum import QuorumConfig
@@ -136,6 +137,8 @@ def new_core(run: Any, params: Any, screening: Any) -> Any:
         tokens_per_step=SEQ,
         now=_time.monotonic(),
         screening=screening,
+        spill_dir=spill_dir,  # as the node's syncer: older versions and momentum on disk
+        take_params=True,  # as the node's syncer: the seed model is handed over, not copied
     )
 
 
@@ -228,7 +231,7 @@ async def syncer_main(preset: str, queue: Any, stop: Any) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         identity = NodeIdentity.load_or_create(Path(tmp) / "syncer.key")
         model = build_model(ModelConfig.from_dict(run.model), run.seed)
-        core = new_core(run, dict(model.named_parameters()), ScreeningConfig())
+        core = new_core(run, dict(model.named_parameters()), ScreeningConfig(), Path(tmp) / "spill")
         del model
         host = Host(run, identity, core, build_probe_for(run))
         p2p = await P2P.create(identity_path=str(identity.path), check_if_identity_free=False)
@@ -462,7 +465,8 @@ def core_round(preset: str, contributors: int, probe: bool, num_fragments: int =
 
     run = manifest(preset, num_fragments=num_fragments)
     model = build_model(ModelConfig.from_dict(run.model), run.seed)
-    core = new_core(run, dict(model.named_parameters()), ScreeningConfig(loss_probe=probe))
+    spill = tempfile.TemporaryDirectory(dir=os.environ.get("SCALE_CKPT_DIR"))
+    core = new_core(run, dict(model.named_parameters()), ScreeningConfig(loss_probe=probe), Path(spill.name))
     del model
     try:
         scorer = build_probe_for(run) if probe else None
@@ -493,6 +497,7 @@ def core_round(preset: str, contributors: int, probe: bool, num_fragments: int =
         saved = time.perf_counter()
         CheckpointStore(Path(tmp), RUN_ID, keep=1).save(core.snapshot(RUN_ID, 1))
         checkpoint_s = time.perf_counter() - saved
+    spill.cleanup()
     return {
         "setup_peak_rss": setup_peak,
         "round_peak_rss": round_peak,
@@ -571,10 +576,11 @@ def ratio(peak: int | None, size: dict[str, int]) -> float | None:
 
 
 def part_1b(args: argparse.Namespace) -> dict[str, Any]:
-    """The llama-1b syncer core, guarded: skipped (with the reason) unless the memory it needs is free: the
-    global parameters, the versions still held and the momentum (3 models) plus a merge's temporaries."""
+    """The llama-1b syncer core, guarded: skipped (with the reason) unless the memory it needs is free: the global
+    parameters (the older versions, the momentum and the screen's direction are on disk) plus a merge's and the
+    build's temporaries and the process."""
     size = sizes(manifest("llama-1b", num_fragments=FRAGMENTS_1B))
-    need = int(3 * size["model_bytes"] + 8 * size["fragment_bytes"] + 0.75 * GiB)
+    need = int(size["model_bytes"] + 12 * size["fragment_bytes"] + 1.0 * GiB)
     free = available_bytes()
     out: dict[str, Any] = {
         **size,

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from node.diloco import norms
+
 COPYCAT, FREE_RIDER = "copycat", "free-rider"
 
 
@@ -65,10 +67,8 @@ class ClaimBound:
 
 def _distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
     return math.sqrt(
-        math.fsum(
-            float(torch.linalg.vector_norm(a[n].float() - b[n].float(), dtype=torch.float64)) ** 2 for n in a
-        )
-    )
+        math.fsum(norms.distance(a[n], b[n]) for n in a)
+    )  # float32 differences, a chunk at a time
 
 
 def copy_of(
@@ -82,9 +82,7 @@ def copy_of(
     norm of a `published` (version, tensors)) or a copycat (its delta within that of another peer's delta in
     `others`: (peer, delta)); None if it is its own work."""
     delta = {n: base[n].float() - params[n].float() for n in params}
-    norm = math.sqrt(
-        math.fsum(float(torch.linalg.vector_norm(d, dtype=torch.float64)) ** 2 for d in delta.values())
-    )
+    norm = norms.norm(delta.values())
     bound = tolerance * norm
     for version, tensors in published:
         if (gap := _distance(params, tensors)) <= bound:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from node.diloco import norms
 from node.diloco.counters import token_weight
 
 logger = logging.getLogger(__name__)
@@ -248,7 +249,7 @@ def _deltas(
 
 
 def _norm(tensors: Collection[torch.Tensor]) -> float:
-    return math.sqrt(math.fsum(float(t.double().pow(2).sum()) for t in tensors))
+    return norms.norm(tensors)  # float64, a chunk at a time (a float64 copy of the tensor was 2 of its size)
 
 
 def _clip(weighted: list[_Accepted], clip_factor: float | None) -> dict[str, float]:

@@ -54,6 +54,23 @@ class OuterNesterov:
         momentum raises NonFiniteStep and the momentum stays as it was (the round is rolled back): finite
         but huge pseudo-gradients (1e38) overflow here, and a published inf poisons the model for good.
         """
+        updated, buffers = self.step_from(
+            self._buffers, global_params, outer_grad, require_finite=require_finite
+        )
+        self._buffers.update(buffers)
+        return updated
+
+    def step_from(
+        self,
+        momentum: Mapping[str, torch.Tensor],
+        global_params: Mapping[str, torch.Tensor],
+        outer_grad: Mapping[str, torch.Tensor],
+        *,
+        require_finite: bool = False,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """`step` on the buffers `momentum` (name -> buffer; absent: none yet) instead of this optimiser's own:
+        (new values, new buffers of the names in `outer_grad`); nothing is modified (a syncer that keeps its
+        momentum on disk, node.diloco.spill, steps a fragment with its buffers just read)."""
         for name, grad in outer_grad.items():
             if name not in global_params:
                 raise ValueError(f"outer_grad names unknown parameter {name!r}")
@@ -61,14 +78,14 @@ class OuterNesterov:
                 raise ValueError(
                     f"{name}: outer_grad shape {tuple(grad.shape)} != {tuple(global_params[name].shape)}"
                 )
-            buf = self._buffers.get(name)
+            buf = momentum.get(name)
             if buf is not None and tuple(buf.shape) != tuple(grad.shape):
                 raise ValueError(f"{name}: momentum buffer shape {tuple(buf.shape)} != {tuple(grad.shape)}")
         updated: dict[str, torch.Tensor] = {}
         buffers: dict[str, torch.Tensor] = {}
         for name, grad in outer_grad.items():
             g = grad.detach().to(torch.float32)
-            buf = self._buffers.get(name)
+            buf = momentum.get(name)
             # out of place: the old buffers stay intact until the whole step is known to be good
             buf = buffers[name] = g.clone() if buf is None else buf.mul(self.momentum).add_(g)
             direction = g.add(buf, alpha=self.momentum)
@@ -79,8 +96,7 @@ class OuterNesterov:
             bad = [n for n in updated if not (_finite(updated[n]) and _finite(buffers[n]))]
             if bad:
                 raise NonFiniteStep(f"outer step non-finite in {len(bad)} tensors, e.g. {bad[0]}")
-        self._buffers.update(buffers)
-        return updated
+        return updated, buffers
 
     def state_dict(self, *, share: bool = False) -> dict[str, torch.Tensor]:
         """Flat copy of the momentum buffers, keys prefixed with STATE_PREFIX. With `share`, the buffers themselves
@@ -91,20 +107,27 @@ class OuterNesterov:
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Replace all buffers from a dict produced by `state_dict` (ValueError on foreign keys or dtypes)."""
-        buffers: dict[str, torch.Tensor] = {}
-        for key, tensor in state.items():
-            if not key.startswith(STATE_PREFIX) or len(key) == len(STATE_PREFIX):
-                raise ValueError(f"unexpected key in outer optimiser state: {key!r}")
-            if not tensor.is_floating_point():
-                raise ValueError(f"{key}: dtype {tensor.dtype} is not floating point")
-            if not bool(torch.isfinite(tensor).all()):
-                raise ValueError(f"{key}: non-finite values")
-            buffers[key[len(STATE_PREFIX) :]] = tensor.detach().to(torch.float32).clone()
-        self._buffers = buffers
+        self._buffers = checked_buffers(state, copy=True)
 
     def buffer(self, name: str) -> torch.Tensor | None:
         """The momentum buffer of one tensor (None before its first step); a view, do not modify."""
         return self._buffers.get(name)
+
+
+def checked_buffers(state: Mapping[str, torch.Tensor], *, copy: bool) -> dict[str, torch.Tensor]:
+    """name -> float32 buffer of a `state_dict`-shaped dict, checked (ValueError on foreign keys, a dtype that is not
+    floating point, non-finite values); with `copy`, never the caller's tensors."""
+    buffers: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if not key.startswith(STATE_PREFIX) or len(key) == len(STATE_PREFIX):
+            raise ValueError(f"unexpected key in outer optimiser state: {key!r}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{key}: dtype {tensor.dtype} is not floating point")
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{key}: non-finite values")
+        buffer = tensor.detach().to(torch.float32)
+        buffers[key[len(STATE_PREFIX) :]] = buffer.clone() if copy else buffer
+    return buffers
 
 
 def _finite(tensor: torch.Tensor) -> bool:

@@ -41,8 +41,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from node.diloco import norms
 from node.diloco.loss_probe import LOSS, LossBound, LossScore
 from node.diloco.merge import MergeResult, NothingToMerge
+from node.diloco.spill import SpillDir
 
 logger = logging.getLogger(__name__)
 
@@ -149,14 +151,15 @@ class ScreenUpdate:
     """What one merge adds to the screen's state, computed off the event loop and committed with the merge."""
 
     norms: tuple[float, ...]  # the merged participants' delta norms
-    direction: dict[str, torch.Tensor] | None  # the fragment's next recent merged direction (None: unchanged)
+    # the fragment's next recent merged direction (None: unchanged), or the key of its file when spilled
+    direction: dict[str, torch.Tensor] | str | None
     # the merged participants' held-out loss-delta scores (those measured), each with whether its peer is senior
     losses: tuple[tuple[float, bool], ...] = ()
 
 
 def _norm(tensors: Iterable[torch.Tensor]) -> float:
-    # float64: a float32 sum of squares overflows long before the values do (1e20 squared)
-    return math.sqrt(math.fsum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors))
+    # float64: a float32 sum of squares overflows long before the values do (1e20 squared); a chunk at a time
+    return norms.norm(tensors)
 
 
 def _deltas(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -165,12 +168,14 @@ def _deltas(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
 
 class ContributionScreen:
     """Per fragment, the merged norms and the recent merged direction, and the verdicts by tag (see the module
-    docstring). Memory: `history` floats and one float32 copy of each fragment's tensors."""
+    docstring). Memory: `history` floats and one float32 copy of each fragment's tensors (one model), unless
+    `spill` is given: then each fragment's direction is a file there (node.diloco.spill), read when used."""
 
-    def __init__(self, config: ScreeningConfig | None = None) -> None:
+    def __init__(self, config: ScreeningConfig | None = None, *, spill: SpillDir | None = None) -> None:
         self.config = config or ScreeningConfig()
+        self.spill = spill
         self._norms: dict[int, deque[float]] = {}
-        self._direction: dict[int, dict[str, torch.Tensor]] = {}
+        self._direction: dict[int, dict[str, torch.Tensor] | str] = {}
         self._merges: dict[int, int] = {}  # merges folded into the direction, per fragment
         self.counts: Counter[str] = Counter()  # verdicts by tag, rollbacks included
         c = self.config
@@ -253,9 +258,14 @@ class ContributionScreen:
         return clip_at, reject_at, f"median merged norm {median:.3g}"
 
     def _cosine(self, fragment: int, deltas: Mapping[str, torch.Tensor], norm: float) -> float | None:
-        direction = self._direction.get(fragment)
-        if direction is None or self._merges.get(fragment, 0) < self.config.min_history or norm <= 0:
+        if (
+            fragment not in self._direction
+            or self._merges.get(fragment, 0) < self.config.min_history
+            or norm <= 0
+        ):
             return None
+        direction = self.direction(fragment)
+        assert direction is not None
         length = _norm(direction.values())
         if length <= 0:
             return None
@@ -285,13 +295,31 @@ class ContributionScreen:
         length = _norm(result.outer_grad.values())
         if length <= 0 or not math.isfinite(length):
             return ScreenUpdate(norms, None, scores)
-        previous, keep = self._direction.get(fragment), self.config.direction_decay
+        previous, keep = self.direction(fragment), self.config.direction_decay
         direction = {
             n: g.detach().to(torch.float32) * ((1.0 - keep) / length)
             + (previous[n] * keep if previous is not None and n in previous else 0.0)
             for n, g in result.outer_grad.items()
         }
-        return ScreenUpdate(norms, direction, scores)
+        if self.spill is None:
+            return ScreenUpdate(norms, direction, scores)
+        del previous
+        key = self.spill.new_key(f"direction-{fragment}")
+        self.spill.write(key, direction)  # off the event loop, as the rest of this
+        return ScreenUpdate(norms, key, scores)
+
+    def direction(self, fragment: int) -> Mapping[str, torch.Tensor] | None:
+        """The fragment's recent merged direction (read from its file when spilled), None before its first merge."""
+        direction = self._direction.get(fragment)
+        if isinstance(direction, str):
+            assert self.spill is not None
+            return self.spill.read(direction)
+        return direction
+
+    def discard(self, update: ScreenUpdate | None) -> None:
+        """An update that will not be committed (its merge was not published): its file goes."""
+        if update is not None and isinstance(update.direction, str) and self.spill is not None:
+            self.spill.delete(update.direction)
 
     def commit(self, fragment: int, update: ScreenUpdate | None) -> None:
         """The merge that `update` came from was published."""
@@ -302,7 +330,10 @@ class ContributionScreen:
         window.extend(n for n in update.norms if n > 0 and math.isfinite(n))
         self.loss.commit(fragment, list(update.losses))
         if update.direction is not None:
+            old = self._direction.get(fragment)
             self._direction[fragment] = update.direction
+            if isinstance(old, str) and old != update.direction and self.spill is not None:
+                self.spill.delete(old)
             self._merges[fragment] = self._merges.get(fragment, 0) + 1
 
     def rolled_back(self, fragment: int, result: MergeResult, error: Exception) -> NothingToMerge:

@@ -13,8 +13,9 @@ import dataclasses
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +31,7 @@ from node.diloco.quorum import QuorumConfig, QuorumPolicy
 from node.diloco.receipts import ReceiptLedger
 from node.diloco.screening import ContributionScreen, ScreeningConfig, ScreenUpdate
 from node.diloco.seniority import CappedWeights, Seniority, SeniorityConfig
+from node.diloco.spill import SpillDir, SpilledMomentum, release_freed_memory
 from node.ml.checkpoint import SyncerSnapshot
 from protocol.admission import AdmissionRefused, AdmissionSpec, verify_admission
 from protocol.compress import CodecSpec
@@ -95,6 +97,7 @@ class PreparedMerge:
     screened: ScreenUpdate | None = None  # what the merge adds to the contribution screen's history
     # per young peer the seniority cap scaled down, the fraction of a round the merge ages it by
     seniority_credit: dict[str, float] = field(default_factory=dict)
+    spilled: str | None = None  # the replaced version's file (VersionHistory.spill_now), if spilled
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -272,6 +275,27 @@ def merge_record(prepared: PreparedMerge, version: int, now: float) -> MergeReco
     )
 
 
+class SpilledVersions(Mapping[int, Mapping[str, torch.Tensor]]):
+    """A fragment's versions still held (`VersionHistory.of`): each either in memory or the key of its file in the
+    spill directory, read when asked for (a fresh copy per read: hold it no longer than needed)."""
+
+    def __init__(self, entries: Mapping[int, dict[str, torch.Tensor] | str], spill: SpillDir | None) -> None:
+        self._entries, self._spill = entries, spill
+
+    def __getitem__(self, version: int) -> Mapping[str, torch.Tensor]:
+        entry = self._entries[version]
+        if isinstance(entry, str):
+            assert self._spill is not None
+            return self._spill.read(entry)
+        return entry
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class VersionHistory:
     """Per fragment, what is known of its versions: when each was published (on the core's clock) and the
     tensors of those a contribution may still be built on (its delta is taken against its own base, what the
@@ -279,13 +303,20 @@ class VersionHistory:
     is lost); whether the current version is one of our own merges (not restored, not adopted); and whether it
     is a regular round (our merge after one of our own merges), which learners may time their sends from: a
     first merge after a takeover gathers the learners' retried outage work of every fragment at once and
-    would bunch their staggered sends."""
+    would bunch their staggered sends.
 
-    def __init__(self, num_fragments: int, max_staleness: int, now: float) -> None:
+    With a `spill` directory, only the current version of each fragment (the global parameters) is in memory; the
+    older ones are in files (node.diloco.spill), read when a contribution on them is screened or merged."""
+
+    def __init__(
+        self, num_fragments: int, max_staleness: int, now: float, spill: SpillDir | None = None
+    ) -> None:
         self.max_staleness = max_staleness
+        self.spill = spill
         self.published_at: dict[tuple[int, int], float] = {}
         self.restored_at = now  # work on a version of unknown date is capped from here
-        self.tensors: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        # fragment -> version -> its tensors, or the key of its file in `spill`
+        self.tensors: dict[int, dict[int, dict[str, torch.Tensor] | str]] = {}
         self.merged_here = [False] * num_fragments
         self.dated = [False] * num_fragments
 
@@ -293,12 +324,33 @@ class VersionHistory:
         """When that version was published, or the last restore if unknown (the counters cap runs from it)."""
         return self.published_at.get((fragment, version), self.restored_at)
 
-    def at(self, fragment: int, version: int) -> dict[str, torch.Tensor] | None:
+    def at(self, fragment: int, version: int) -> Mapping[str, torch.Tensor] | None:
         """The fragment as it was at `version`, if still held."""
-        return self.tensors.get(fragment, {}).get(version)
+        return self.of(fragment).get(version)
 
-    def publish(self, fragment: int, version: int, tensors: Mapping[str, torch.Tensor], now: float) -> None:
-        """One of our merges published `version`."""
+    def of(self, fragment: int) -> Mapping[int, Mapping[str, torch.Tensor]]:
+        """The fragment's versions still held, version -> tensors (spilled ones read when asked for)."""
+        return SpilledVersions(self.tensors.get(fragment, {}), self.spill)
+
+    def spill_now(self, fragment: int, tensors: Mapping[str, torch.Tensor]) -> str | None:
+        """Write a version about to be replaced to the spill directory (in the merge's worker thread, so that its
+        commit need not): the key `publish` takes as `spilled`; None without a spill directory."""
+        if self.spill is None:
+            return None
+        key = self.spill.new_key(f"version-{fragment}")
+        self.spill.write(key, tensors)
+        return key
+
+    def publish(
+        self,
+        fragment: int,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        now: float,
+        *,
+        spilled: str | None = None,
+    ) -> None:
+        """One of our merges published `version`; `spilled`: the file of `version - 1` (`spill_now`), if written."""
         self.published_at[(fragment, version)] = now
         self.published_at.pop((fragment, version - self.max_staleness - 2), None)
         self.dated[fragment] = self.merged_here[fragment]
@@ -306,13 +358,42 @@ class VersionHistory:
         history = self.tensors.setdefault(fragment, {})
         history[version] = dict(tensors)
         for old in [v for v in history if v < version - self.max_staleness]:
-            del history[old]
+            self.discard(history.pop(old))
+        if spilled is not None and isinstance(history.get(version - 1), dict):
+            history[version - 1] = spilled
+        elif spilled is not None:
+            self.discard(spilled)
+        if self.spill is not None:
+            self._spill_older(history, version)
+
+    def _spill_older(self, history: dict[int, dict[str, torch.Tensor] | str], version: int) -> None:
+        """Older versions still in memory go to files, unless they are the current tensors (a void round)."""
+        current = history[version]
+        assert self.spill is not None and isinstance(current, dict)
+        for old, entry in list(history.items()):
+            if old == version or isinstance(entry, str):
+                continue
+            if all(entry[n] is current.get(n) for n in entry):
+                continue
+            key = self.spill.new_key("version")
+            self.spill.write(key, entry)
+            history[old] = key
+
+    def discard(self, entry: dict[str, torch.Tensor] | str | None) -> None:
+        if isinstance(entry, str) and self.spill is not None:
+            self.spill.delete(entry)
+
+    def _drop_all(self, fragments: Iterable[int]) -> None:
+        for fragment in fragments:
+            for entry in self.tensors.get(fragment, {}).values():
+                self.discard(entry)
 
     def replace(
         self, fragment: int, version: int, tensors: Mapping[str, torch.Tensor], published_at: float
     ) -> None:
         """An earlier syncer's `version` was adopted: the only one of the fragment known now, undated."""
         self.published_at[(fragment, version)] = published_at
+        self._drop_all([fragment])
         self.tensors[fragment] = {version: dict(tensors)}
         self.merged_here[fragment] = False
         self.dated[fragment] = False
@@ -321,6 +402,7 @@ class VersionHistory:
         """After a restore: only the current (version, tensors) of each fragment are known, none of ours."""
         self.published_at.clear()
         self.restored_at = now
+        self._drop_all(list(self.tensors))
         self.tensors = {f: {v: tensors} for f, (v, tensors) in enumerate(current)}
         self.merged_here = [False] * len(current)
         self.dated = [False] * len(current)
@@ -493,17 +575,24 @@ class SyncerCore:
         screening: ScreeningConfig | None = None,  # None: the defaults (on)
         admission: AdmissionSpec | None = None,  # the manifest's [admission]; None: open (no cost)
         run_id: str = "",  # what admission proofs are bound to
+        spill_dir: Path | None = None,  # None: all state in memory; else older versions and momentum on disk
+        take_params: bool = False,  # the caller hands `params` over (never uses them again): no copy
     ) -> None:
         missing = set(plan.names()) - set(params)
         if missing:
             raise ValueError(f"params lack {len(missing)} planned tensors, e.g. {sorted(missing)[:2]}")
         self.plan = plan
-        self.params = {n: params[n].detach().to("cpu", torch.float32).clone() for n in plan.names()}
+        # a copy unless handed over: the seed model built and then copied was 2 models at the syncer's start
+        self.params = {n: _owned(params[n], copy=not take_params) for n in plan.names()}
         self.shapes = {n: tuple(t.shape) for n, t in self.params.items()}
         self.policy = QuorumPolicy(quorum)
         self.embedding_names = frozenset(embedding_names)
         self.outer = OuterNesterov(outer_lr, outer_momentum)
-        self.screen = ContributionScreen(screening)  # checks each contribution alone (issue 18)
+        spill = SpillDir(spill_dir) if spill_dir is not None else None
+        fragments = [f.names for f in plan.fragments]
+        # with a spill directory the momentum is in files (`self.outer` only steps), else in `self.outer`
+        self.spilled = SpilledMomentum(spill, fragments) if spill is not None else None
+        self.screen = ContributionScreen(screening, spill=spill)  # checks each contribution alone (issue 18)
         config = self.screen.config
         self.claims = ClaimBound(factor=config.claim_rate_factor, min_peers=config.claim_min_peers)
         self.clip_factor = clip_factor
@@ -517,7 +606,7 @@ class SyncerCore:
         # peer -> (schedule step it reported, when): the run's clock is the median of their extrapolations
         self._schedule = ScheduleClock(max_merged_keys)
         self._ledger = MergedLedger(max_merged_keys)
-        self.history = VersionHistory(plan.num_fragments, max_staleness, now)
+        self.history = VersionHistory(plan.num_fragments, max_staleness, now, spill)
         self.history.reset(self._current(), now)
         self.receipt_ledger = ReceiptLedger(max_merged_keys)
         self.gate = AdmissionGate(admission or AdmissionSpec(mode="open"), run_id, max_merged_keys)
@@ -597,18 +686,12 @@ class SyncerCore:
             return None
         current = self.fragment_tensors(fragment)
         round_ = self.rounds.get(fragment)
-        others = [
-            (
-                other,
-                {
-                    n: (self.history.at(fragment, c.base_version) or current)[n] - c.params[n]
-                    for n in c.params
-                },
-            )
-            for other, e in (round_.entries.items() if round_ is not None else ())
-            if other != peer and (c := e.contribution).steps > 0
-        ]
-        published = self.history.tensors.get(fragment, {}).items()
+        others = []
+        for other, e in round_.entries.items() if round_ is not None else ():
+            if other != peer and (c := e.contribution).steps > 0:
+                their_base = self.history.at(fragment, c.base_version) or current  # read once (maybe a file)
+                others.append((other, {n: their_base[n] - c.params[n] for n in c.params}))
+        published = self.history.of(fragment).items()  # read one at a time
         return copy_of(params, base if base is not None else current, published, others, tolerance)
 
     def _enter(self, fragment: int, entry: _Entry, now: float) -> None:
@@ -659,15 +742,13 @@ class SyncerCore:
         merged, sources = combine_round(
             round_,
             global_params,
-            self.history.tensors.get(fragment, {}),
+            self.history.of(fragment),
             self.versions[fragment],
             self.max_staleness,
         )
         result, credit = merge_capped(self, fragment, global_params, merged, started_at)
         try:
-            new_params = self.outer.step(
-                global_params, result.outer_grad, require_finite=self.screen.config.rollback
-            )
+            new_params = self._outer_step(fragment, global_params, result.outer_grad)
         except NonFiniteStep as e:  # nothing published, momentum untouched: the round is rolled back
             raise self.screen.rolled_back(fragment, result, e) from None
         return PreparedMerge(
@@ -685,7 +766,24 @@ class SyncerCore:
                 fragment, result, _loss_scores(sources), _seniors(self.seniority, result, started_at)
             ),
             seniority_credit=credit,
+            spilled=self.history.spill_now(fragment, global_params),
         )
+
+    def _outer_step(
+        self, fragment: int, global_params: Mapping[str, torch.Tensor], outer_grad: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The outer step of one fragment (NonFiniteStep: nothing changed); with the momentum on disk, the
+        fragment's buffers are read, stepped and written as a new generation."""
+        require_finite = self.screen.config.rollback
+        if self.spilled is None:
+            return self.outer.step(global_params, outer_grad, require_finite=require_finite)
+        momentum = self.spilled.load(fragment)
+        new_params, buffers = self.outer.step_from(
+            momentum, global_params, outer_grad, require_finite=require_finite
+        )
+        momentum.update(buffers)  # every buffer of the fragment (a merge steps all of its tensors)
+        self.spilled.store(fragment, momentum)
+        return new_params
 
     def void_merge(
         self,
@@ -723,8 +821,10 @@ class SyncerCore:
     def commit_merge(self, prepared: PreparedMerge, now: float) -> MergeRecord:
         fragment = prepared.fragment
         if self.versions[fragment] != prepared.base_version:
+            self.history.discard(prepared.spilled)
+            self.screen.discard(prepared.screened)
             raise RuntimeError(f"fragment {fragment} changed during its merge")
-        version = self._publish(fragment, prepared.new_params, now)
+        version = self._publish(fragment, prepared.new_params, now, spilled=prepared.spilled)
         self.screen.commit(fragment, prepared.screened)
         self.seniority.observe_merge(prepared.result.participants, now, prepared.seniority_credit)
         self._drop_missed(fragment)
@@ -738,11 +838,13 @@ class SyncerCore:
         self.policy.observe_sync(max(0.0, now - prepared.started_at))
         return record
 
-    def _publish(self, fragment: int, new_params: Mapping[str, torch.Tensor], now: float) -> int:
+    def _publish(
+        self, fragment: int, new_params: Mapping[str, torch.Tensor], now: float, *, spilled: str | None = None
+    ) -> int:
         """Our merge's parameters become the fragment's next version (kept while contributions may build on it)."""
         self.params.update(new_params)
         version = self.versions[fragment] = self.versions[fragment] + 1
-        self.history.publish(fragment, version, new_params, now)
+        self.history.publish(fragment, version, new_params, now, spilled=spilled)
         return version
 
     def _drop_missed(self, fragment: int) -> None:
@@ -770,7 +872,14 @@ class SyncerCore:
             )
         except NothingToMerge:
             return None
-        return self.commit_merge(prepared, now)
+        record = self.commit_merge(prepared, now)
+        del (
+            prepared,
+            round_,
+            taken,
+        )  # the round's contributions and the merge's temporaries, then back to the kernel
+        release_freed_memory()
+        return record
 
     def version_ages(self, now: float) -> list[float]:
         """Per fragment, seconds since its current version was published by one of our merges; -1.0 when it
@@ -801,6 +910,8 @@ class SyncerCore:
         return {n: self.params[n] for n in self.plan.fragments[fragment].names}
 
     def fragment_momentum(self, fragment: int) -> dict[str, torch.Tensor]:
+        if self.spilled is not None:
+            return self.spilled.load(fragment)
         buffers = {name: self.outer.buffer(name) for name in self.plan.fragments[fragment].names}
         return {name: buf.clone() for name, buf in buffers.items() if buf is not None}
 
@@ -841,7 +952,7 @@ class SyncerCore:
             term=term,
             versions=tuple(self.versions),
             params=dict(self.params),
-            momentum=self.outer.state_dict(share=True),
+            momentum=self.spilled.view() if self.spilled is not None else self.outer.state_dict(share=True),
             merges=self.merges,
             tokens_merged=self.tokens_merged,
             merged=self.merged_ledger(),
@@ -859,20 +970,31 @@ class SyncerCore:
     def restore(self, snapshot: SyncerSnapshot, now: float, *, wall_offset: float | None = None) -> None:
         if len(snapshot.versions) != self.plan.num_fragments or set(snapshot.params) != set(self.params):
             raise ValueError("snapshot does not fit this run's plan")
-        self.params = {n: t.detach().to(torch.float32).clone() for n, t in snapshot.params.items()}
-        self.outer.load_state_dict(snapshot.momentum)
+        # shared with the snapshot, not copied: neither side writes a tensor in place (see `snapshot`); a copy
+        # was one model more at every restore
+        self.params = {n: _owned(t, copy=False) for n, t in snapshot.params.items()}
         self.versions = list(snapshot.versions)
+        self.history.reset(self._current(), now)  # (first: it drops the tensors the restore replaced)
+        if self.spilled is None:
+            self.outer.load_state_dict(snapshot.momentum)
+        else:  # checked as load_state_dict checks, read and written one fragment at a time
+            self.spilled.restore(snapshot.momentum)
         self.merges, self.tokens_merged = snapshot.merges, snapshot.tokens_merged
         self.rounds.clear()
         self._ledger.counters.clear()
         self.load_ledger(snapshot.merged, now)
-        self.history.reset(self._current(), now)
         if wall_offset is not None and len(snapshot.published_wall) == self.plan.num_fragments:
             self.history.date(
                 self.versions, [w - wall_offset if w > 0 else None for w in snapshot.published_wall]
             )
         if wall_offset is not None and snapshot.seniority:  # none saved (an older checkpoint): keep the table
             self.seniority.load(snapshot.seniority, now, wall_offset)
+
+
+def _owned(tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
+    """`tensor` as the core's own float32 CPU tensor: copied, or (handed over) converted only if it must be."""
+    out = tensor.detach().to("cpu", torch.float32)
+    return out.clone() if copy else out
 
 
 def wire_params(

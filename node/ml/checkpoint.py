@@ -17,20 +17,21 @@ copy, a bad disk) is skipped for the one before it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
 import os
 import re
+import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import blake3
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from node.diloco.outer import STATE_PREFIX
 from node.diloco.seniority import SavedSeniority, SeniorityStateError, seniority_from_json, seniority_to_json
@@ -49,7 +50,8 @@ class SyncerSnapshot:
     term: int
     versions: tuple[int, ...]
     params: dict[str, torch.Tensor]
-    momentum: dict[str, torch.Tensor]  # keys as OuterNesterov.state_dict gives them (STATE_PREFIX + name)
+    # keys as OuterNesterov.state_dict gives them (STATE_PREFIX + name); read lazily when on disk (node.diloco.spill)
+    momentum: Mapping[str, torch.Tensor]
     merges: int = 0
     tokens_merged: int = 0
     # (peer, fragment, base version, steps, tokens) already merged: see SyncerCore.merged_ledger
@@ -159,14 +161,9 @@ def _fsync_dir(directory: Path) -> None:
 def save_checkpoint(path: Path, snapshot: SyncerSnapshot, *, final: bool = True) -> None:
     """Write `snapshot` to `path`, fsynced; with `final`, atomically (a temp file renamed onto `path`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        PARAM_PREFIX + name: t.detach().to("cpu", torch.float32).contiguous()
-        for name, t in snapshot.params.items()
-    }
-    for key, t in snapshot.momentum.items():
+    for key in snapshot.momentum:
         if not key.startswith(STATE_PREFIX):
             raise ValueError(f"momentum key {key!r} lacks the {STATE_PREFIX!r} prefix")
-        tensors[key] = t.detach().to("cpu", torch.float32).contiguous()
     metadata = {
         "format": FORMAT,
         "run_id": snapshot.run_id,
@@ -179,11 +176,59 @@ def save_checkpoint(path: Path, snapshot: SyncerSnapshot, *, final: bool = True)
         "seniority": seniority_to_json(snapshot.seniority),
     }
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp") if final else path
-    save_file(tensors, str(tmp), metadata=metadata)
-    with open(tmp, "rb") as handle:
+    with open(tmp, "wb") as handle:
+        write_safetensors(handle, _layout(snapshot), _tensors(snapshot), metadata)
+        handle.flush()
         os.fsync(handle.fileno())
     if final:
         os.replace(tmp, path)
+
+
+def _layout(snapshot: SyncerSnapshot) -> list[tuple[str, tuple[int, ...]]]:
+    """(key, shape) of every tensor the checkpoint holds, in the order they are written: the momentum's shapes
+    are its parameters' (checked on load), so a momentum read from disk (node.diloco.spill) is read only once,
+    while it is written."""
+    layout = [(PARAM_PREFIX + name, tuple(t.shape)) for name, t in snapshot.params.items()]
+    for key in snapshot.momentum:
+        param = snapshot.params.get(key[len(STATE_PREFIX) :])
+        shape = tuple(param.shape) if param is not None else tuple(snapshot.momentum[key].shape)
+        layout.append((key, shape))
+    return layout
+
+
+def _tensors(snapshot: SyncerSnapshot) -> Iterator[torch.Tensor]:
+    """The tensors of `_layout`, in its order, one at a time."""
+    yield from snapshot.params.values()
+    for key in snapshot.momentum:
+        yield snapshot.momentum[key]
+
+
+def write_safetensors(
+    handle: BinaryIO,
+    layout: Sequence[tuple[str, tuple[int, ...]]],
+    tensors: Iterable[torch.Tensor],
+    metadata: Mapping[str, str],
+) -> None:
+    """A safetensors file of float32 tensors written one at a time (`safetensors.torch.save_file` wants them all at
+    once, and a syncer whose momentum is on disk would read the whole of it into memory): the header from
+    `layout`, then each tensor's bytes as `tensors` yields it (ValueError if one does not fit its entry)."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for key, shape in layout:
+        size = 4 * math.prod(shape)
+        header[key] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    handle.write(struct.pack("<Q", len(encoded)) + encoded)
+    written = 0
+    for (key, shape), tensor in zip(layout, tensors, strict=True):
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{key}: shape {tuple(tensor.shape)} != {tuple(shape)} of the layout")
+        data = tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+        written += handle.write(data.numpy().data.cast("B"))
+    if written != offset:
+        raise ValueError(f"wrote {written} tensor bytes, the header says {offset}")
 
 
 def load_checkpoint(
@@ -194,12 +239,9 @@ def load_checkpoint(
     if not path.exists():
         raise FileNotFoundError(path)
     try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
+        tensors = TensorFile(path)
+        metadata = tensors.metadata
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: unreadable checkpoint ({e})") from None
     if metadata.get("format") != FORMAT or metadata.get("run_id") != run_id:
         raise CheckpointError(f"{path}: not a checkpoint of run {run_id[:12]}")
@@ -216,20 +258,22 @@ def load_checkpoint(
     ):
         raise CheckpointError(f"{path}: versions do not fit {num_fragments} fragments")
     published = _published_wall(metadata.get("published_wall"), num_fragments)
-    params = {k[len(PARAM_PREFIX) :]: v for k, v in tensors.items() if k.startswith(PARAM_PREFIX)}
-    momentum = {k: v for k, v in tensors.items() if k.startswith(STATE_PREFIX)}
-    if set(params) != set(expected):
+    names = {k[len(PARAM_PREFIX) :]: k for k in tensors if k.startswith(PARAM_PREFIX)}
+    if set(names) != set(expected):
         raise CheckpointError(f"{path}: parameter names differ from the run's model")
-    for name, shape in expected.items():
-        if tuple(params[name].shape) != tuple(shape):
-            raise CheckpointError(f"{path}: {name} has shape {tuple(params[name].shape)}, expected {shape}")
-    for key, t in {**params, **momentum}.items():
-        if not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"{path}: {key} holds non-finite values")
-    for key, t in momentum.items():
-        name = key[len(STATE_PREFIX) :]
-        if name not in expected or tuple(t.shape) != tuple(expected[name]):
-            raise CheckpointError(f"{path}: momentum {key} does not fit the model")
+    for key in tensors:
+        name = key[len(STATE_PREFIX) :] if key.startswith(STATE_PREFIX) else key[len(PARAM_PREFIX) :]
+        if name not in expected or tensors.shape(key) != tuple(expected[name]):
+            raise CheckpointError(
+                f"{path}: {key} has shape {tensors.shape(key)}, the model {expected.get(name)}"
+            )
+    try:  # the parameters read now; the momentum read again, one tensor at a time, by whoever restores it
+        params = {name: tensors.checked(key) for name, key in names.items()}
+        momentum = tensors.subset([k for k in tensors if k.startswith(STATE_PREFIX)])
+        for key in momentum:
+            momentum.checked(key)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
     return SyncerSnapshot(
         run_id=run_id,
         term=term,
@@ -242,6 +286,64 @@ def load_checkpoint(
         published_wall=published,
         seniority=saved_seniority(metadata.get("seniority"), str(path)),
     )
+
+
+class TensorFile(Mapping[str, torch.Tensor]):
+    """The float32 tensors of a safetensors file, each read when asked for with plain reads into a new tensor (not
+    `safetensors.torch.load_file`, which reads the whole file at once through an mmap: a restore held the
+    checkpoint's parameters and momentum together). The file stays open while this lives (a pruned checkpoint is
+    still read whole). ValueError on a malformed header or a dtype other than F32 (all checkpoints are)."""
+
+    metadata: dict[str, str]
+    _entries: dict[str, tuple[tuple[int, ...], int]]  # key -> (shape, offset in the file)
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._handle = path, open(path, "rb")  # noqa: SIM115 - closed with this object
+        (size,) = struct.unpack("<Q", self._handle.read(8))
+        header = json.loads(self._handle.read(size)) if 0 < size <= 100 << 20 else None
+        if not isinstance(header, dict):
+            raise ValueError("no safetensors header")
+        self.metadata = header.pop("__metadata__", None) or {}
+        start, end = 8 + size, os.fstat(self._handle.fileno()).st_size
+        self._entries = {}
+        for key, entry in header.items():
+            shape, (begin, stop) = tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            if entry["dtype"] != "F32" or stop - begin != 4 * math.prod(shape) or start + stop > end:
+                raise ValueError(f"{key}: not a whole float32 tensor of the file")
+            self._entries[key] = (shape, start + begin)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        shape, offset = self._entries[key]
+        tensor = torch.empty(shape, dtype=torch.float32)
+        view, done = tensor.reshape(-1).numpy().data.cast("B"), 0
+        while done < view.nbytes:  # preadv: a subset shares the file, not a position; one call reads < 2 GiB
+            got = os.preadv(self._handle.fileno(), [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"{key}: truncated")
+            done += got
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._entries[key][0]
+
+    def checked(self, key: str) -> torch.Tensor:
+        """The tensor, ValueError if it holds a non-finite value."""
+        tensor = self[key]
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{key} holds non-finite values")
+        return tensor
+
+    def subset(self, keys: Sequence[str]) -> TensorFile:
+        """These keys alone, read from the same open file."""
+        part = copy.copy(self)
+        part._entries = {k: self._entries[k] for k in keys}
+        return part
 
 
 def saved_seniority(text: str | None, source: str) -> SavedSeniority:

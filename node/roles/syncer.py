@@ -51,6 +51,7 @@ from node.diloco.loss_probe import LossProbe
 from node.diloco.merge import NothingToMerge
 from node.diloco.quorum import QuorumConfig, counted_holders
 from node.diloco.screening import ScreeningConfig
+from node.diloco.spill import release_freed_memory
 from node.diloco.sync_client import (
     choose_syncer,
     fragment_limits,
@@ -531,6 +532,12 @@ class SyncerRole:
                     rejected=e.rejected,
                 )
             record = core.commit_merge(prepared, time.monotonic())
+            del (
+                prepared,
+                round_,
+                taken,
+            )  # the round's contributions and the merge's temporaries, then freed for good
+            release_freed_memory()
         self._merges_since_checkpoint += 1
         event = {
             **record.to_event(),
@@ -642,6 +649,10 @@ def build_core(role: SyncerRole) -> SyncerCore:
         screening=role.config.screening,
         admission=manifest.admission,
         run_id=role.ctx.run_id,
+        # older versions and the outer momentum on disk: resident memory ~ the model (docs/scale.md); a working
+        # store, emptied here: a restart resumes from the checkpoint
+        spill_dir=role.ctx.config.state_dir / "syncer-spill",
+        take_params=True,  # the seed model is ours alone (dropped on return)
     )
 
 

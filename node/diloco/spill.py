@@ -1,0 +1,191 @@
+"""Fragment-sized state the syncer keeps on disk instead of in memory (issue 17: resident memory ~ the model).
+
+`SpillDir` holds sets of float32 tensors, one file each: written whole under a temporary name and renamed (a reader
+never sees half of one), read back with explicit reads into fresh tensors. No mmap: mapped pages a process touched
+count in its RSS; what sits in the page cache after a read or a write does not, and the kernel drops it under
+pressure. The files are a working store, not durable state: the checkpoint (node.ml.checkpoint) holds what a restart
+resumes from, so the directory is emptied when a store opens it and nothing is fsynced.
+
+`SpilledMomentum` keeps the outer Nesterov momentum of each fragment in a file of its own, a new file (generation) per
+outer step: a checkpoint snapshot names the generations it was taken at (`MomentumView`) and the files stay until no
+live view names them, so a checkpoint written in a thread while merges go on still writes the momentum of its
+moment, one fragment in memory at a time."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import itertools
+import json
+import os
+import shutil
+import struct
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from node.diloco.outer import STATE_PREFIX, checked_buffers
+
+_HEADER = struct.Struct("<Q")
+
+
+class SpillDir:
+    """Named files of float32 tensors in one directory, emptied when opened (see the module docstring)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        if directory.exists():
+            shutil.rmtree(directory)  # a previous process's files: nothing resumes from them
+        directory.mkdir(parents=True)
+        self._serial = itertools.count()
+
+    def new_key(self, prefix: str) -> str:
+        """A file name never used before in this directory (a key is written once and never rewritten)."""
+        return f"{prefix}-{next(self._serial)}"
+
+    def write(self, key: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write `tensors` (float32, any device) under `key`: a temporary file renamed onto its name."""
+        layout = [[name, list(t.shape)] for name, t in tensors.items()]
+        header = json.dumps(layout).encode()
+        tmp = self.directory / f".{key}.tmp"
+        with open(tmp, "wb") as handle:
+            handle.write(_HEADER.pack(len(header)) + header)
+            for name, tensor in tensors.items():
+                if tensor.dtype != torch.float32:
+                    raise ValueError(f"{name}: spilled tensors are float32, not {tensor.dtype}")
+                data = tensor.detach().to("cpu").contiguous().reshape(-1)
+                handle.write(data.numpy().data.cast("B"))
+        os.replace(tmp, self.directory / key)
+
+    def read(self, key: str) -> dict[str, torch.Tensor]:
+        """The tensors written under `key`, read into new tensors (FileNotFoundError if there is none)."""
+        with open(self.directory / key, "rb") as handle:
+            (size,) = _HEADER.unpack(handle.read(_HEADER.size))
+            layout = json.loads(handle.read(size))
+            out: dict[str, torch.Tensor] = {}
+            for name, shape in layout:
+                tensor = torch.empty(shape, dtype=torch.float32)
+                view = tensor.reshape(-1).numpy().data.cast("B")
+                if handle.readinto(view) != view.nbytes:
+                    raise OSError(f"{self.directory / key}: truncated at {name}")
+                out[name] = tensor
+        return out
+
+    def delete(self, key: str) -> None:
+        (self.directory / key).unlink(missing_ok=True)
+
+
+class SpilledMomentum:
+    """The outer momentum buffers of each fragment in a file per generation (see the module docstring); generation
+    None: the fragment has no buffers yet (never stepped)."""
+
+    def __init__(self, spill: SpillDir, fragments: Sequence[Sequence[str]]) -> None:
+        self.spill = spill
+        self.fragment_of = {name: f for f, names in enumerate(fragments) for name in names}
+        self.files: list[str | None] = [None] * len(fragments)
+        self.shapes: list[dict[str, tuple[int, ...]]] = [{} for _ in fragments]
+        # the live views by serial (a Mapping is unhashable, and its == would read every file)
+        self._views: weakref.WeakValueDictionary[int, MomentumView] = weakref.WeakValueDictionary()
+        self._serial = itertools.count()
+        self._stale: set[str] = set()  # replaced files a live view may still read
+
+    def load(self, fragment: int) -> dict[str, torch.Tensor]:
+        """The fragment's buffers (name -> tensor, fresh copies), {} before its first step."""
+        key = self.files[fragment]
+        return {} if key is None else self.spill.read(key)
+
+    def store(self, fragment: int, buffers: Mapping[str, torch.Tensor]) -> None:
+        """The fragment's new buffers (all of them: they replace the previous generation's)."""
+        key = self.spill.new_key(f"momentum-{fragment}")
+        self.spill.write(key, buffers)
+        old, self.files[fragment] = self.files[fragment], key
+        self.shapes[fragment] = {name: tuple(t.shape) for name, t in buffers.items()}
+        if old is not None:
+            self._stale.add(old)
+        self._prune()
+
+    def restore(self, state: Mapping[str, torch.Tensor]) -> None:
+        """A restore: `state` (keyed as `OuterNesterov.state_dict` keys it, maybe read lazily: a checkpoint's)
+        becomes the whole momentum, read, checked and written one fragment at a time. ValueError (as
+        `OuterNesterov.load_state_dict`) on a foreign key, a dtype or a non-finite value; keys are checked before
+        anything changes, values as each fragment is read."""
+        groups: list[list[str]] = [[] for _ in self.files]
+        for key in state:
+            fragment = (
+                self.fragment_of.get(key[len(STATE_PREFIX) :]) if key.startswith(STATE_PREFIX) else None
+            )
+            if fragment is None:
+                raise ValueError(f"unexpected key in outer optimiser state: {key!r}")
+            groups[fragment].append(key)
+        for fragment, keys in enumerate(groups):
+            if keys:
+                self.store(fragment, checked_buffers({k: state[k] for k in keys}, copy=False))
+            elif (old := self.files[fragment]) is not None:
+                self.files[fragment], self.shapes[fragment] = None, {}
+                self._stale.add(old)
+        self._prune()
+
+    def view(self) -> MomentumView:
+        """The momentum as it is now, read lazily (a checkpoint snapshot's `momentum`)."""
+        view = MomentumView(self.spill, tuple(self.files), [dict(s) for s in self.shapes])
+        self._views[next(self._serial)] = view
+        return view
+
+    def _prune(self) -> None:
+        held = {key for view in list(self._views.values()) for key in view.files if key is not None}
+        for key in self._stale - held:
+            self.spill.delete(key)
+        self._stale &= held
+
+
+class MomentumView(Mapping[str, torch.Tensor]):
+    """The momentum at one moment, keyed as `OuterNesterov.state_dict` keys it (STATE_PREFIX + name), in fragment
+    order; a read loads the tensor's whole fragment and keeps that one fragment (iterating it in order reads each
+    file once). Its files are kept while the view lives."""
+
+    def __init__(
+        self, spill: SpillDir, files: tuple[str | None, ...], shapes: list[dict[str, tuple[int, ...]]]
+    ) -> None:
+        self.spill, self.files, self.shapes = spill, files, shapes
+        self._where = {STATE_PREFIX + n: f for f, group in enumerate(shapes) for n in group}
+        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        fragment = self._where[key]
+        if self._cached is None or self._cached[0] != fragment:
+            self._cached = None  # the previous fragment goes before the next one is read
+            file = self.files[fragment]
+            assert file is not None
+            self._cached = (fragment, self.spill.read(file))
+        return self._cached[1][key[len(STATE_PREFIX) :]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.shapes[self._where[key]][key[len(STATE_PREFIX) :]]
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+def release_freed_memory() -> None:
+    """Give the pages the allocator holds free back to the kernel (glibc's `malloc_trim`; elsewhere nothing). A
+    merge's fragment-sized temporaries come from glibc's heap once its dynamic mmap threshold has risen (to the
+    largest block freed, up to 32 MiB), and freed there they stayed in the syncer's RSS: 0.45 GiB of a llama-124m
+    syncer core's 1.44 GiB after its round (docs/scale.md). Called after a merge, once its round is dropped."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
