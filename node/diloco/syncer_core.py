@@ -554,7 +554,134 @@ def check_shape(
             raise MalformedFrame(f"{name}: wrong shape or dtype", reason="malformed contribution")
 
 
-class SyncerCore:
+class CoreState:
+    """The syncer core's versions and their persistence (snapshots, restores, adoption), split from `SyncerCore`
+    (its base) to keep each class readable; `SyncerCore.__init__` sets every attribute declared here."""
+
+    plan: FragmentPlan
+    params: dict[str, torch.Tensor]
+    shapes: dict[str, tuple[int, ...]]
+    outer: OuterNesterov
+    spilled: SpilledMomentum | None
+    versions: list[int]
+    rounds: dict[int, _Round]
+    merges: int
+    tokens_merged: int
+    max_staleness: int
+    history: VersionHistory
+    seniority: Seniority
+    _ledger: MergedLedger
+
+    def check_contribution(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
+        """Raise MalformedFrame unless `params` are exactly the fragment's tensors, shapes and float dtypes."""
+        check_shape(self.plan, self.shapes, fragment, params)
+
+    def _current(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        return [(v, self.fragment_tensors(f)) for f, v in enumerate(self.versions)]
+
+    def version_ages(self, now: float) -> list[float]:
+        """Per fragment, seconds since its current version was published by one of our merges; -1.0 when it
+        is not a regular round (the seed, a version restored or adopted, or our first merge of the fragment
+        after those: the learners' work retried through an outage, every fragment at once). Decoupled
+        learners time their next send of a fragment from its round's publication
+        (`SendTimer.anchor`): all of them see the same rounds, so they stay in phase without
+        counting steps; through an undated version they keep their anchors, which kept the fragments'
+        stagger."""
+        return self.history.ages(self.versions, now)
+
+    def merged_ledger(self) -> tuple[tuple[str, int, int, int, int], ...]:
+        """(peer, fragment, base, steps, tokens) already merged, for bases that can still be contributed on."""
+        return self._ledger.entries(self.versions, self.max_staleness)
+
+    def load_ledger(self, ledger: tuple[tuple[str, int, int, int, int], ...], now: float) -> None:
+        self._ledger.load(ledger, self.plan.num_fragments, now)
+
+    def fragment_tensors(self, fragment: int) -> dict[str, torch.Tensor]:
+        return {n: self.params[n] for n in self.plan.fragments[fragment].names}
+
+    def fragment_momentum(self, fragment: int) -> dict[str, torch.Tensor]:
+        if self.spilled is not None:
+            return self.spilled.load(fragment)
+        buffers = {name: self.outer.buffer(name) for name in self.plan.fragments[fragment].names}
+        return {name: buf.clone() for name, buf in buffers.items() if buf is not None}
+
+    def adopt(
+        self,
+        fragment: int,
+        version: int,
+        params: Mapping[str, torch.Tensor],
+        now: float,
+        *,
+        published_at: float | None = None,
+    ) -> bool:
+        """Take a newer version of `fragment` published by an earlier syncer; momentum is kept as it is.
+        `published_at` (this core's clock; at most `now`): when it was published, if known."""
+        if version <= self.versions[fragment]:
+            return False
+        self.check_contribution(fragment, params)
+        if not all(bool(torch.isfinite(t).all()) for t in params.values()):
+            return False
+        for name, tensor in params.items():
+            self.params[name] = tensor.detach().to(torch.float32).clone()
+        self.versions[fragment] = version
+        self.rounds.pop(fragment, None)  # its contributions were built on older versions
+        at = now if published_at is None else min(now, published_at)
+        self.history.replace(fragment, version, self.fragment_tensors(fragment), at)
+        return True
+
+    def snapshot(self, run_id: str, term: int, *, wall_offset: float | None = None) -> SyncerSnapshot:
+        """`wall_offset`: wall clock minus the clock this core is driven by, to date the versions (absent:
+        undated, and a successor caps work on them from its own start).
+
+        The tensors are shared, not copied: the core never writes a published tensor or a momentum buffer in
+        place (a merge, an adoption, a restore put new ones in), so the snapshot keeps the state it was taken at
+        while a checkpoint is written from it in a thread. Copies were two more models in memory at every
+        checkpoint (docs/scale.md). Whoever holds a snapshot must not write into its tensors."""
+        return SyncerSnapshot(
+            run_id=run_id,
+            term=term,
+            versions=tuple(self.versions),
+            params=dict(self.params),
+            momentum=self.spilled.view() if self.spilled is not None else self.outer.state_dict(share=True),
+            merges=self.merges,
+            tokens_merged=self.tokens_merged,
+            merged=self.merged_ledger(),
+            published_wall=tuple(self.published_wall(f, wall_offset) for f in range(self.plan.num_fragments))
+            if wall_offset is not None
+            else (),
+            seniority=self.seniority.export(wall_offset) if wall_offset is not None else (),
+        )
+
+    def published_wall(self, fragment: int, wall_offset: float | None) -> float:
+        """When the fragment's current version was published, on the wall clock; 0.0 if unknown."""
+        at = self.history.published_at.get((fragment, self.versions[fragment]))
+        return at + wall_offset if at is not None and wall_offset is not None else 0.0
+
+    def restore(self, snapshot: SyncerSnapshot, now: float, *, wall_offset: float | None = None) -> None:
+        if len(snapshot.versions) != self.plan.num_fragments or set(snapshot.params) != set(self.params):
+            raise ValueError("snapshot does not fit this run's plan")
+        # shared with the snapshot, not copied: neither side writes a tensor in place (see `snapshot`); a copy
+        # was one model more at every restore
+        self.params = {n: _owned(t, copy=False) for n, t in snapshot.params.items()}
+        self.versions = list(snapshot.versions)
+        self.history.reset(self._current(), now)  # (first: it drops the tensors the restore replaced)
+        if self.spilled is None:
+            self.outer.load_state_dict(snapshot.momentum)
+        else:  # checked as load_state_dict checks, read and written one fragment at a time
+            self.spilled.restore(snapshot.momentum)
+        self.merges, self.tokens_merged = snapshot.merges, snapshot.tokens_merged
+        self.rounds.clear()
+        self._ledger.counters.clear()
+        self.load_ledger(snapshot.merged, now)
+        if wall_offset is not None and len(snapshot.published_wall) == self.plan.num_fragments:
+            self.history.date(
+                self.versions, [w - wall_offset if w > 0 else None for w in snapshot.published_wall]
+            )
+        if wall_offset is not None and snapshot.seniority:  # none saved (an older checkpoint): keep the table
+            self.seniority.load(snapshot.seniority, now, wall_offset)
+
+
+class SyncerCore(CoreState):
     """Global state and merge decisions; the caller passes `now` (monotonic seconds) and serialises calls."""
 
     def __init__(
@@ -713,10 +840,6 @@ class SyncerCore:
         """The highest schedule step a contributor reported."""
         return self._schedule.highest
 
-    def check_contribution(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
-        """Raise MalformedFrame unless `params` are exactly the fragment's tensors, shapes and float dtypes."""
-        check_shape(self.plan, self.shapes, fragment, params)
-
     # ---- decisions ----
 
     def due(self, now: float, expected: Callable[[int], Expected]) -> tuple[list[int], float | None]:
@@ -815,9 +938,6 @@ class SyncerCore:
             started_at=started_at,
         )
 
-    def _current(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
-        return [(v, self.fragment_tensors(f)) for f, v in enumerate(self.versions)]
-
     def commit_merge(self, prepared: PreparedMerge, now: float) -> MergeRecord:
         fragment = prepared.fragment
         if self.versions[fragment] != prepared.base_version:
@@ -881,114 +1001,13 @@ class SyncerCore:
         release_freed_memory()
         return record
 
-    def version_ages(self, now: float) -> list[float]:
-        """Per fragment, seconds since its current version was published by one of our merges; -1.0 when it
-        is not a regular round (the seed, a version restored or adopted, or our first merge of the fragment
-        after those: the learners' work retried through an outage, every fragment at once). Decoupled
-        learners time their next send of a fragment from its round's publication
-        (`SendTimer.anchor`): all of them see the same rounds, so they stay in phase without
-        counting steps; through an undated version they keep their anchors, which kept the fragments'
-        stagger."""
-        return self.history.ages(self.versions, now)
-
     def clock_estimate(self, now: float, *, max_age_s: float = 60.0) -> int:
         """The schedule step the run's learners are at now: per peer, its latest report plus the steps since
         (at the EMA step time), then the median over peers that reported within `max_age_s`. The median keeps
         one stale or lying report from moving everyone's schedule. 0 when nobody reported yet."""
         return self._schedule.estimate(now, self.policy.xi_step or 0.0, max_age_s)
 
-    def merged_ledger(self) -> tuple[tuple[str, int, int, int, int], ...]:
-        """(peer, fragment, base, steps, tokens) already merged, for bases that can still be contributed on."""
-        return self._ledger.entries(self.versions, self.max_staleness)
-
-    def load_ledger(self, ledger: tuple[tuple[str, int, int, int, int], ...], now: float) -> None:
-        self._ledger.load(ledger, self.plan.num_fragments, now)
-
     # ---- versions, adoption, snapshots ----
-
-    def fragment_tensors(self, fragment: int) -> dict[str, torch.Tensor]:
-        return {n: self.params[n] for n in self.plan.fragments[fragment].names}
-
-    def fragment_momentum(self, fragment: int) -> dict[str, torch.Tensor]:
-        if self.spilled is not None:
-            return self.spilled.load(fragment)
-        buffers = {name: self.outer.buffer(name) for name in self.plan.fragments[fragment].names}
-        return {name: buf.clone() for name, buf in buffers.items() if buf is not None}
-
-    def adopt(
-        self,
-        fragment: int,
-        version: int,
-        params: Mapping[str, torch.Tensor],
-        now: float,
-        *,
-        published_at: float | None = None,
-    ) -> bool:
-        """Take a newer version of `fragment` published by an earlier syncer; momentum is kept as it is.
-        `published_at` (this core's clock; at most `now`): when it was published, if known."""
-        if version <= self.versions[fragment]:
-            return False
-        self.check_contribution(fragment, params)
-        if not all(bool(torch.isfinite(t).all()) for t in params.values()):
-            return False
-        for name, tensor in params.items():
-            self.params[name] = tensor.detach().to(torch.float32).clone()
-        self.versions[fragment] = version
-        self.rounds.pop(fragment, None)  # its contributions were built on older versions
-        at = now if published_at is None else min(now, published_at)
-        self.history.replace(fragment, version, self.fragment_tensors(fragment), at)
-        return True
-
-    def snapshot(self, run_id: str, term: int, *, wall_offset: float | None = None) -> SyncerSnapshot:
-        """`wall_offset`: wall clock minus the clock this core is driven by, to date the versions (absent:
-        undated, and a successor caps work on them from its own start).
-
-        The tensors are shared, not copied: the core never writes a published tensor or a momentum buffer in
-        place (a merge, an adoption, a restore put new ones in), so the snapshot keeps the state it was taken at
-        while a checkpoint is written from it in a thread. Copies were two more models in memory at every
-        checkpoint (docs/scale.md). Whoever holds a snapshot must not write into its tensors."""
-        return SyncerSnapshot(
-            run_id=run_id,
-            term=term,
-            versions=tuple(self.versions),
-            params=dict(self.params),
-            momentum=self.spilled.view() if self.spilled is not None else self.outer.state_dict(share=True),
-            merges=self.merges,
-            tokens_merged=self.tokens_merged,
-            merged=self.merged_ledger(),
-            published_wall=tuple(self.published_wall(f, wall_offset) for f in range(self.plan.num_fragments))
-            if wall_offset is not None
-            else (),
-            seniority=self.seniority.export(wall_offset) if wall_offset is not None else (),
-        )
-
-    def published_wall(self, fragment: int, wall_offset: float | None) -> float:
-        """When the fragment's current version was published, on the wall clock; 0.0 if unknown."""
-        at = self.history.published_at.get((fragment, self.versions[fragment]))
-        return at + wall_offset if at is not None and wall_offset is not None else 0.0
-
-    def restore(self, snapshot: SyncerSnapshot, now: float, *, wall_offset: float | None = None) -> None:
-        if len(snapshot.versions) != self.plan.num_fragments or set(snapshot.params) != set(self.params):
-            raise ValueError("snapshot does not fit this run's plan")
-        # shared with the snapshot, not copied: neither side writes a tensor in place (see `snapshot`); a copy
-        # was one model more at every restore
-        self.params = {n: _owned(t, copy=False) for n, t in snapshot.params.items()}
-        self.versions = list(snapshot.versions)
-        self.history.reset(self._current(), now)  # (first: it drops the tensors the restore replaced)
-        if self.spilled is None:
-            self.outer.load_state_dict(snapshot.momentum)
-        else:  # checked as load_state_dict checks, read and written one fragment at a time
-            self.spilled.restore(snapshot.momentum)
-        self.merges, self.tokens_merged = snapshot.merges, snapshot.tokens_merged
-        self.rounds.clear()
-        self._ledger.counters.clear()
-        self.load_ledger(snapshot.merged, now)
-        if wall_offset is not None and len(snapshot.published_wall) == self.plan.num_fragments:
-            self.history.date(
-                self.versions, [w - wall_offset if w > 0 else None for w in snapshot.published_wall]
-            )
-        if wall_offset is not None and snapshot.seniority:  # none saved (an older checkpoint): keep the table
-            self.seniority.load(snapshot.seniority, now, wall_offset)
 
 
 def _owned(tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
