@@ -434,9 +434,18 @@ class SyncerRole:
         self.watch.holders_read(self.live, time.monotonic())
 
     def holders(self, fragment: int) -> set[str]:
-        """Live peers that hold the fragment: every learner, and the replicas of its pipeline stage."""
+        """Live peers that hold the fragment: every learner, and the replicas of its pipeline stage; not banned ones
+        (a banned peer keeps its heartbeat, but its pushes never enter a round: counted as expected, it made every
+        round wait out its grace window for it)."""
         stage = self.fragment_stage[fragment]
-        return {peer for peer, hb in self.live.items() if hb.role == "learner" or hb.stage == stage}
+        now, ledger = time.time(), self.service.ledger
+        return {
+            peer
+            for peer, hb in self.live.items()
+            if (hb.role == "learner" or hb.stage == stage)
+            and ledger.banned(peer, now) is None
+            and not self.is_banned(peer)
+        }
 
     async def check_known(self, peer: str) -> None:
         # the ledger's reason first: `is_banned(peer) or (why := ...)` left `why` unbound on a swarm-wide ban

@@ -17,7 +17,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from node.diloco.compression import push_limits
-from node.diloco.learner_ledger import LearnerBan, LearnerLedger, ban_evidence_scores, contribution_digest
+from node.diloco.learner_ledger import (
+    LearnerBan,
+    LearnerLedger,
+    ban_evidence_scores,
+    contribution_digest,
+    frame_digest,
+)
 from node.diloco.seniority import seniority_chunks
 from node.diloco.sync_client import (
     FETCH_ROUTE,
@@ -33,7 +39,7 @@ from node.diloco.sync_client import (
 from node.diloco.syncer_core import Refusal, SyncerCore, probe_base, refuse, takes_base, wire_params
 from protocol.admission import ADMISSION_CAUSES, ADMISSION_META
 from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
-from protocol.errors import MalformedFrame, ProtocolError
+from protocol.errors import MalformedFrame, ProtocolError, TensorPolicyError
 from protocol.limits import LimitsConfig
 from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
 from protocol.records import BanNotice
@@ -108,6 +114,15 @@ def fragment_server_limits(routes: Mapping[str, Route], fragment_frame_bytes: in
     per_peer = max(base.max_bytes_in_flight_per_peer, largest_request)
     total = max(base.max_bytes_in_flight_total, 2 * fragment_frame_bytes, per_peer)
     return dataclasses.replace(base, max_bytes_in_flight_per_peer=per_peer, max_bytes_in_flight_total=total)
+
+
+class RefusedFrame(TensorPolicyError):
+    """A push whose signed frame held tensors the wire policy refuses (NaN/Inf, a bad dtype or shape), with the
+    digest of that frame: the learner ledger's evidence, as a contribution's digest is for the screen's refusals."""
+
+    def __init__(self, error: TensorPolicyError, digest: str) -> None:
+        super().__init__(str(error), reason=error.reason, blame_sender=error.blame_sender)
+        self.digest = digest
 
 
 class SyncerService:
@@ -205,8 +220,10 @@ class SyncerService:
         holder = self.role.live.get(remote)
         learner = holder is not None and holder.role == "learner"
         if route == PUSH_ROUTE and learner and error.blame_sender and not isinstance(error, Refusal):
-            # refused before admission (a non-finite or malformed push): a violation of the learner's too
-            self._ban(self.ledger.record(remote, error.reason, str(error), "-", time.time()))
+            # refused before admission (a non-finite or malformed push): a violation of the learner's too; a
+            # non-finite one bans at once (learner_ledger.SEVERITY)
+            digest = error.digest if isinstance(error, RefusedFrame) else "-"
+            self._ban(self.ledger.record(remote, error.reason, str(error), digest, time.time()))
 
     def _answer(
         self, kind: Any, receiver: str, *, microbatch: int = 0, step: int = 0, **kwargs: Any
@@ -227,7 +244,10 @@ class SyncerService:
             raise refuse("standby", "this syncer is on standby")
 
     async def _handle_push(self, frame: bytearray, remote: str) -> bytes:
-        opened = self._open(frame, remote, Kind.FRAGMENT, self.push_limits, self._push_replay)
+        try:
+            opened = self._open(frame, remote, Kind.FRAGMENT, self.push_limits, self._push_replay)
+        except TensorPolicyError as e:  # the signature verified: the signed frame is the evidence
+            raise RefusedFrame(e, frame_digest(frame)) from e
         meta, header = opened.meta, opened.header
         fields = _contribution_fields(meta)
         if fields["fragment"] != header.microbatch or fields["base_version"] != header.step:
