@@ -1,8 +1,8 @@
 """The syncer's learner ledger (issue 18, part 3): per learner identity, the contributions it refused with their
 evidence (the contribution's hash, the scores, the reason), forgiveness, and when the violations add up to a ban.
 
-Each blamed refusal (the screen's rejections, copycat, free-rider, a replayed merged contribution) adds a
-violation of weight 1 (`SEVERITY` may weigh a tag more: a non-finite contribution bans at once, no training
+Each blamed refusal (the screen's rejections, copycat, free-rider, a replayed merged contribution), and each claim
+far above the measured step rate (node.diloco.claims, merged but capped), adds a violation of weight 1 (`SEVERITY` may weigh a tag more: a non-finite contribution bans at once, no training
 step produces one, whether the screen finds it or the wire codec refuses the frame before decoding it: there the
 evidence is the digest of the signed frame, `frame_digest`). Violations are forgiven with a half-life (`forgive_half_life_s`): an honest learner that trips
 the loss bound once in a while never reaches `ban_after`; an attacker that keeps sending does, within

@@ -76,6 +76,8 @@ class Admission:
     capped: bool  # the counters were reduced (count it against the sender)
     late: bool = False  # lock-step modes: its round merged without it (its learner realigns, see accept)
     receipt_capped: bool = False  # tokens were cut to what verifier receipts show (receipts lag: no strike)
+    # (reason, numbers): the claim was implausible (ClaimBound.judge); the shell records it in the learner ledger
+    claim_violation: tuple[str, dict[str, float]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -501,7 +503,11 @@ class SyncerCore:
         self.outer = OuterNesterov(outer_lr, outer_momentum)
         self.screen = ContributionScreen(screening)  # checks each contribution alone (issue 18)
         config = self.screen.config
-        self.claims = ClaimBound(factor=config.claim_rate_factor, min_peers=config.claim_min_peers)
+        self.claims = ClaimBound(
+            factor=config.claim_rate_factor,
+            min_peers=config.claim_min_peers,
+            violation_factor=config.claim_violation_factor,
+        )
         self.clip_factor = clip_factor
         self.max_staleness = max_staleness
         self.max_steps_per_s = max_steps_per_s
@@ -556,7 +562,7 @@ class SyncerCore:
             check_base(self, fragment, base_version, key)
             base = self.history.at(fragment, base_version)  # None: unknown, taken as current
             params = screened(self, peer, fragment, params, base, loss, steps)
-            steps, tokens, capped, elapsed = new_counters(
+            steps, tokens, capped, elapsed, implausible = new_counters(
                 self, peer, fragment, base_version, steps, tokens, now
             )
             counts: dict[tuple[str, str], int] = {}
@@ -565,14 +571,16 @@ class SyncerCore:
                 verified, counts = self.receipt_ledger.growth(peer, fragment, receipts)
                 if tokens > verified:
                     tokens, receipt_capped = verified, True
-            self.claims.observe(peer, steps, elapsed, now)
+            if implausible is None:  # an implausible claim's sample would only pull the median its way
+                self.claims.observe(peer, steps, elapsed, now)
             tokens = math.floor(tokens * min(1.0, max(0.0, trust)))
             contribution = Contribution(peer, params, base_version, steps, tokens)
             self._enter(fragment, _Entry(contribution, key, now, counts, loss.delta if loss else None), now)
             if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
                 self.policy.observe_step(step_time_s)
             self._schedule.report(peer, sched_step, now)
-        return admission_of(self, fragment, base_version, capped, receipt_capped)
+        admission = admission_of(self, fragment, base_version, capped, receipt_capped)
+        return dataclasses.replace(admission, claim_violation=implausible)
 
     def _copied(
         self,
@@ -953,22 +961,28 @@ def takes_base(core: SyncerCore, key: tuple[str, int, int, bytes]) -> bool:
 
 def new_counters(
     core: SyncerCore, peer: str, fragment: int, base_version: int, steps: int, tokens: int, now: float
-) -> tuple[int, int, bool, float]:
-    """(steps, tokens, capped, elapsed): what the claim adds to what was merged from the peer on that base, capped
-    at what the `elapsed` seconds since the base's publication (or that merge) allow: at `max_steps_per_s`, and at
-    the swarm's measured rate (node.diloco.claims.ClaimBound)."""
+) -> tuple[int, int, bool, float, tuple[str, dict[str, float]] | None]:
+    """(steps, tokens, capped, elapsed, implausible): what the claim adds to what was merged from the peer on that
+    base, capped at what the `elapsed` seconds since the base's publication (or that merge) allow: at
+    `max_steps_per_s`, and at the swarm's measured rate (node.diloco.claims.ClaimBound); `implausible`: the claim as
+    sent was far above that rate (`ClaimBound.judge`; never for outage work, whose time since its base the syncer
+    did not measure)."""
     since = core.history.since(fragment, base_version)
     prior = core._ledger.counters.get((peer, fragment, base_version))
     if prior is not None:  # part of this progress is in the model already (e.g. merged before a failover)
         steps, tokens, since = max(0, steps - prior[0]), max(0, tokens - prior[1]), max(since, prior[2])
     elapsed = now - since
+    screen = core.screen.config.enabled  # screening off (comparisons only): the time/batch caps alone
+    implausible = core.claims.judge(steps, elapsed, now) if screen and not is_outage(core, fragment) else None
     steps, tokens, capped = cap_counters(
         steps, tokens, elapsed, max_steps_per_s=core.max_steps_per_s, tokens_per_step=core.tokens_per_step
     )
     measured = False
-    if core.screen.config.enabled:  # screening off (comparisons only): the time/batch caps alone
-        steps, tokens, measured = core.claims.cap(steps, tokens, elapsed, now)
-    return steps, tokens, capped or measured, elapsed
+    if screen:
+        steps, tokens, measured = core.claims.cap(
+            steps, tokens, elapsed, now, implausible=implausible is not None
+        )
+    return steps, tokens, capped or measured, elapsed, implausible
 
 
 def admission_of(

@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from node.diloco.claims import CLAIM
 from node.diloco.compression import push_limits
 from node.diloco.learner_ledger import (
     LearnerBan,
@@ -36,7 +37,15 @@ from node.diloco.sync_client import (
     offer_limits,
     open_version_envelope,
 )
-from node.diloco.syncer_core import Refusal, SyncerCore, probe_base, refuse, takes_base, wire_params
+from node.diloco.syncer_core import (
+    Admission,
+    Refusal,
+    SyncerCore,
+    probe_base,
+    refuse,
+    takes_base,
+    wire_params,
+)
 from protocol.admission import ADMISSION_CAUSES, ADMISSION_META
 from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
 from protocol.errors import MalformedFrame, ProtocolError, TensorPolicyError
@@ -244,10 +253,7 @@ class SyncerService:
             raise refuse("standby", "this syncer is on standby")
 
     async def _handle_push(self, frame: bytearray, remote: str) -> bytes:
-        try:
-            opened = self._open(frame, remote, Kind.FRAGMENT, self.push_limits, self._push_replay)
-        except TensorPolicyError as e:  # the signature verified: the signed frame is the evidence
-            raise RefusedFrame(e, frame_digest(frame)) from e
+        opened = self._open_push(frame, remote)
         meta, header = opened.meta, opened.header
         fields = _contribution_fields(meta)
         if fields["fragment"] != header.microbatch or fields["base_version"] != header.step:
@@ -295,10 +301,7 @@ class SyncerService:
             if learner:
                 self._refused(remote, e, params, loss)
             raise
-        self.ledger.accepted(remote)
-        if admission.capped:
-            self.role.strikes.record(remote, "counters capped")
-        self.receipt_capped += admission.receipt_capped
+        self._admitted(remote, admission, params, learner=learner)
         if recovering and fields["seen_term"] == self.role.term:
             self._fresh(remote, fields["fragment"])
         self.role.wake.set()
@@ -315,6 +318,27 @@ class SyncerService:
         scores = {"loss_before": loss.before, "loss_after": loss.after} if loss is not None else {}
         digest = contribution_digest(params)
         self._ban(self.ledger.record(remote, error.reason, str(error), digest, time.time(), scores))
+
+    def _open_push(self, frame: bytearray, remote: str) -> Any:
+        try:
+            return self._open(frame, remote, Kind.FRAGMENT, self.push_limits, self._push_replay)
+        except TensorPolicyError as e:  # the signature verified: the signed frame is the evidence
+            raise RefusedFrame(e, frame_digest(frame)) from e
+
+    def _admitted(
+        self, remote: str, admission: Admission, params: Mapping[str, Any], *, learner: bool
+    ) -> None:
+        """Bookkeeping of an accepted push. A learner's claim far above the measured rate
+        (node.diloco.claims.ClaimBound.judge) was merged, capped, but is a violation in the learner ledger: its
+        trust, so its next weights, fall, and repeated, it bans."""
+        self.ledger.accepted(remote)
+        if learner and admission.claim_violation is not None:
+            reason, numbers = admission.claim_violation
+            digest = contribution_digest(params)
+            self._ban(self.ledger.record(remote, CLAIM, reason, digest, time.time(), numbers))
+        if admission.capped:
+            self.role.strikes.record(remote, "counters capped")
+        self.receipt_capped += admission.receipt_capped
 
     def _ban(self, ban: LearnerBan | None) -> None:
         if ban is not None:
