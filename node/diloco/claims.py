@@ -2,15 +2,17 @@
 
 * `ClaimBound`: a learner's step claim is already capped at (time since the base it built on was published) x
   `max_steps_per_s` (node.diloco.counters.cap_counters), but that rate is a loose ceiling (50 steps/s) and the
-  merge weight tokens^2 / steps grows with every step claimed. The bound here is measured: each admitted claim
-  gives its peer a rate sample (its steps over the syncer-measured time they took), and a claim is capped at
+  merge weight tokens^2 / steps grows with every step claimed. The bound here is measured: each admitted claim on
+  a version the syncer published gives its peer a rate sample (the steps claimed over the syncer-measured time
+  since that publication; not the capped steps, which let a median that started low rise only by `factor` a
+  round), and a claim is capped at
   `claim_rate_factor` x the median of the peers' latest samples times that time. The median is over peers, so a
   minority that inflates its own samples does not move it; until `min_peers` peers gave a sample, the ceiling is
   the only cap. Limits: a lone learner (K = 1) or a Sybil majority sets the median (admission costs answer that).
   The cap alone leaves an inflating peer `factor` x an honest weight (the poisoning benchmark's `inflate:20` held
   0.31 of every merge), so `judge` also names a claim above `violation_factor` x the median rate times the measured
   time: the syncer counts it as a violation in the learner ledger (node.diloco.learner_ledger) with the numbers as
-  evidence, its sample does not enter the median, and it is credited at the median rate (not `factor` x it). It is
+  evidence, and it is credited at the median rate (not `factor` x it). It is
   still merged: an honestly faster peer loses little on one observation, and only repeated claims that far out,
   within the ledger's forgiveness, ban (set the factor above the spread of the run's hardware, or 0 for off).
 * `copy_of`: a contribution whose delta is within `tolerance` x its norm of another peer's delta in the same round

@@ -286,6 +286,12 @@ class VersionHistory:
         self.tensors: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         self.merged_here = [False] * num_fragments
         self.dated = [False] * num_fragments
+        self.ours: set[tuple[int, int]] = set()  # (fragment, version) published by one of our merges
+
+    def measured(self, fragment: int, version: int) -> bool:
+        """Whether work on `version` has a measured start: we published it (learners overwrite with it at once). Not
+        the seed (each learner started from it whenever it joined) nor a version restored or adopted."""
+        return (fragment, version) in self.ours
 
     def since(self, fragment: int, version: int) -> float:
         """When that version was published, or the last restore if unknown (the counters cap runs from it)."""
@@ -299,6 +305,8 @@ class VersionHistory:
         """One of our merges published `version`."""
         self.published_at[(fragment, version)] = now
         self.published_at.pop((fragment, version - self.max_staleness - 2), None)
+        self.ours.add((fragment, version))
+        self.ours.discard((fragment, version - self.max_staleness - 2))
         self.dated[fragment] = self.merged_here[fragment]
         self.merged_here[fragment] = True
         history = self.tensors.setdefault(fragment, {})
@@ -311,6 +319,7 @@ class VersionHistory:
     ) -> None:
         """An earlier syncer's `version` was adopted: the only one of the fragment known now, undated."""
         self.published_at[(fragment, version)] = published_at
+        self.ours = {key for key in self.ours if key[0] != fragment}
         self.tensors[fragment] = {version: dict(tensors)}
         self.merged_here[fragment] = False
         self.dated[fragment] = False
@@ -318,6 +327,7 @@ class VersionHistory:
     def reset(self, current: Sequence[tuple[int, dict[str, torch.Tensor]]], now: float) -> None:
         """After a restore: only the current (version, tensors) of each fragment are known, none of ours."""
         self.published_at.clear()
+        self.ours.clear()
         self.restored_at = now
         self.tensors = {f: {v: tensors} for f, (v, tensors) in enumerate(current)}
         self.merged_here = [False] * len(current)
@@ -571,8 +581,6 @@ class SyncerCore:
                 verified, counts = self.receipt_ledger.growth(peer, fragment, receipts)
                 if tokens > verified:
                     tokens, receipt_capped = verified, True
-            if implausible is None:  # an implausible claim's sample would only pull the median its way
-                self.claims.observe(peer, steps, elapsed, now)
             tokens = math.floor(tokens * min(1.0, max(0.0, trust)))
             contribution = Contribution(peer, params, base_version, steps, tokens)
             self._enter(fragment, _Entry(contribution, key, now, counts, loss.delta if loss else None), now)
@@ -964,16 +972,22 @@ def new_counters(
 ) -> tuple[int, int, bool, float, tuple[str, dict[str, float]] | None]:
     """(steps, tokens, capped, elapsed, implausible): what the claim adds to what was merged from the peer on that
     base, capped at what the `elapsed` seconds since the base's publication (or that merge) allow: at
-    `max_steps_per_s`, and at the swarm's measured rate (node.diloco.claims.ClaimBound); `implausible`: the claim as
-    sent was far above that rate (`ClaimBound.judge`; never for outage work, whose time since its base the syncer
-    did not measure)."""
+    `max_steps_per_s`, and at the swarm's measured rate (node.diloco.claims.ClaimBound), which work on a base we
+    published also feeds; `implausible`: the claim as sent was far above that rate (`ClaimBound.judge`; only on such
+    a base: the time since the seed, or since a version restored or adopted, says nothing of the work's)."""
     since = core.history.since(fragment, base_version)
     prior = core._ledger.counters.get((peer, fragment, base_version))
     if prior is not None:  # part of this progress is in the model already (e.g. merged before a failover)
         steps, tokens, since = max(0, steps - prior[0]), max(0, tokens - prior[1]), max(since, prior[2])
     elapsed = now - since
     screen = core.screen.config.enabled  # screening off (comparisons only): the time/batch caps alone
-    implausible = core.claims.judge(steps, elapsed, now) if screen and not is_outage(core, fragment) else None
+    implausible = None
+    if screen and core.history.measured(fragment, base_version):
+        # judged against the median of the peers' claims as sent: capped samples let a median that started low
+        # (first pushes after a slow start) rise only by the cap's factor a round, and judged by it, every honest
+        # learner was banned in the benchmark; a minority's inflated claims do not move a median either
+        implausible = core.claims.judge(steps, elapsed, now)
+        core.claims.observe(peer, steps, elapsed, now)
     steps, tokens, capped = cap_counters(
         steps, tokens, elapsed, max_steps_per_s=core.max_steps_per_s, tokens_per_step=core.tokens_per_step
     )

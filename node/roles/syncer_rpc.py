@@ -253,6 +253,8 @@ class SyncerService:
             raise refuse("standby", "this syncer is on standby")
 
     async def _handle_push(self, frame: bytearray, remote: str) -> bytes:
+        if (why := self.ledger.banned(remote, time.time())) is not None:  # before decoding anything of it
+            raise refuse("banned", f"{remote[-8:]} is banned: {why}")
         opened = self._open_push(frame, remote)
         meta, header = opened.meta, opened.header
         fields = _contribution_fields(meta)

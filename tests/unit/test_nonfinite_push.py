@@ -15,6 +15,7 @@ import torch
 from node.diloco.learner_ledger import WIRE_NON_FINITE, LearnerLedger
 from node.diloco.sync_client import PUSH_ROUTE, contribution_meta
 from node.diloco.sync_types import OutgoingContribution
+from node.diloco.syncer_core import Refusal
 from node.roles.syncer import SyncerRole
 from node.roles.syncer_rpc import RefusedFrame
 from protocol.envelope import Context, Kind, seal
@@ -78,6 +79,13 @@ def test_a_non_finite_push_bans_its_learner_at_once_with_the_frame_digest_as_evi
     assert evidence[0]["digest"] == error.digest and len(error.digest) == 32
     assert len(host.ban_outbox) == 1  # published through the signed ban gossip
     assert host.holders(0) == set()  # rounds no longer wait for it
+    with pytest.raises(Refusal) as again:  # its next push is refused before anything of it is decoded
+        asyncio.run(host.service._handle_push(nan_frame(host, learner), learner.peer_id))
+    assert again.value.reason == "banned" and not again.value.blame_sender
+    host.service._on_reject(learner.peer_id, PUSH_ROUTE, again.value)
+    assert (
+        len(ledger.status(time.time())[learner.peer_id]["evidence"]) == 1
+    )  # the evidence stays the first push's
     assert not host.core.rounds
 
 
