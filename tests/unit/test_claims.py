@@ -195,6 +195,22 @@ def test_an_inflator_is_judged_every_push_loses_its_weight_and_is_banned_while_h
     assert all(ledger.weight(p, swarm.now) == 0.0 for p in swarm.peers)
 
 
+def test_work_on_the_seed_is_neither_judged_nor_sampled_so_a_slow_start_sets_no_median() -> None:
+    """Learners start from the seed whenever they join: the time since the syncer published it says nothing of their
+    work. Sampled, a slow start (here 4 steps in 100 s) set a median that judged every later honest claim
+    implausible (all 4 honest learners were banned in a check run of the benchmark)."""
+    swarm = Swarm(core())
+    swarm.now = 100.0
+    for peer in swarm.peers:
+        assert _push(swarm, peer, 4) is None
+    assert swarm.c.claims.median(swarm.now) is None
+    assert swarm.c.merge_now(0, 3, swarm.now) is not None
+    swarm.now += 10.0  # on the version we published: 4 steps in 10 s, sampled; judged against nothing yet
+    for peer in swarm.peers:
+        assert _push(swarm, peer, 4) is None
+    assert swarm.c.claims.median(swarm.now) == pytest.approx(0.4)
+
+
 def test_negative_control_with_the_check_off_the_inflator_keeps_twice_an_honest_weight_and_is_never_judged() -> (
     None
 ):
