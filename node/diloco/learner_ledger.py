@@ -1,9 +1,10 @@
 """The syncer's learner ledger (issue 18, part 3): per learner identity, the contributions it refused with their
 evidence (the contribution's hash, the scores, the reason), forgiveness, and when the violations add up to a ban.
 
-Each blamed refusal (the screen's rejections, copycat, free-rider, a replayed merged contribution) adds a
-violation of weight 1 (`SEVERITY` may weigh a tag more: a non-finite contribution bans at once, no training
-step produces one). Violations are forgiven with a half-life (`forgive_half_life_s`): an honest learner that trips
+Each blamed refusal (the screen's rejections, copycat, free-rider, a replayed merged contribution), and each claim
+far above the measured step rate (node.diloco.claims, merged but capped), adds a violation of weight 1 (`SEVERITY` may weigh a tag more: a non-finite contribution bans at once, no training
+step produces one, whether the screen finds it or the wire codec refuses the frame before decoding it: there the
+evidence is the digest of the signed frame, `frame_digest`). Violations are forgiven with a half-life (`forgive_half_life_s`): an honest learner that trips
 the loss bound once in a while never reaches `ban_after`; an attacker that keeps sending does, within
 `ban_after` pushes. A ban lasts `ban_s`; the shell publishes it through the signed ban gossip
 (verification.bans, evidence kind "contribution") so a standby syncer refuses the learner too, and lists it with
@@ -27,7 +28,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SEVERITY: Mapping[str, float] = {"screen: non-finite": math.inf}  # by refusal tag; others weigh 1
+# the reason protocol.codec gives a frame holding NaN/Inf (refused before it is decoded into a contribution)
+WIRE_NON_FINITE = "non-finite values"
+# by refusal tag; others weigh 1. A non-finite push bans at once wherever it is caught: no training step produces one
+SEVERITY: Mapping[str, float] = {"screen: non-finite": math.inf, WIRE_NON_FINITE: math.inf}
 
 
 def ban_evidence_scores(ban: LearnerBan) -> dict[str, float]:
@@ -42,6 +46,11 @@ def contribution_digest(params: Mapping[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(params[name].detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:32]
+
+
+def frame_digest(frame: bytes | bytearray | memoryview) -> str:
+    """sha256 (hex, first 16 bytes) of a signed frame: the evidence of a push refused before it was decoded."""
+    return hashlib.sha256(frame).hexdigest()[:32]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -88,6 +88,10 @@ class ScreeningConfig:
     # claims and copies (node.diloco.claims)
     claim_rate_factor: float = 2.0  # steps claimed are capped at this x the peers' median measured step rate
     claim_min_peers: int = 2  # peers with a measured rate before that cap applies
+    # a claim above this x the peers' median measured step rate is a violation in the learner ledger (still merged,
+    # capped; 0: off). Above the hardware spread of honest learners: a peer that much faster is banned after
+    # ban_after such claims within the forgiveness
+    claim_violation_factor: float = 5.0
     copy_tolerance: float = 0.05  # a delta within this x its norm of a peer's (copycat) or a published version (free-rider) is refused (0: off)
     # robust aggregation: with >= 3 contributions, each coordinate is clamped to the range left after dropping
     # this fraction (at least one) of the highest and of the lowest values (winsorized), then merged as before
@@ -116,6 +120,8 @@ class ScreeningConfig:
             raise ValueError("screening.min_cosine must be in [-1, 1] and direction_decay in [0, 1)")
         if not (self.claim_rate_factor >= 1.0 and math.isfinite(self.claim_rate_factor)):
             raise ValueError("screening.claim_rate_factor must be a finite number >= 1")
+        if not (self.claim_violation_factor == 0.0 or 1.0 <= self.claim_violation_factor < math.inf):
+            raise ValueError("screening.claim_violation_factor must be 0 (off) or a finite number >= 1")
         if self.claim_min_peers < 1 or not (0.0 <= self.copy_tolerance < 1.0):
             raise ValueError("screening.claim_min_peers must be >= 1 and copy_tolerance in [0, 1)")
         if not 0.0 <= self.trim_fraction < 0.5:

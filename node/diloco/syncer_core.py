@@ -78,6 +78,8 @@ class Admission:
     capped: bool  # the counters were reduced (count it against the sender)
     late: bool = False  # lock-step modes: its round merged without it (its learner realigns, see accept)
     receipt_capped: bool = False  # tokens were cut to what verifier receipts show (receipts lag: no strike)
+    # (reason, numbers): the claim was implausible (ClaimBound.judge); the shell records it in the learner ledger
+    claim_violation: tuple[str, dict[str, float]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -319,6 +321,12 @@ class VersionHistory:
         self.tensors: dict[int, dict[int, dict[str, torch.Tensor] | str]] = {}
         self.merged_here = [False] * num_fragments
         self.dated = [False] * num_fragments
+        self.ours: set[tuple[int, int]] = set()  # (fragment, version) published by one of our merges
+
+    def measured(self, fragment: int, version: int) -> bool:
+        """Whether work on `version` has a measured start: we published it (learners overwrite with it at once). Not
+        the seed (each learner started from it whenever it joined) nor a version restored or adopted."""
+        return (fragment, version) in self.ours
 
     def since(self, fragment: int, version: int) -> float:
         """When that version was published, or the last restore if unknown (the counters cap runs from it)."""
@@ -353,6 +361,8 @@ class VersionHistory:
         """One of our merges published `version`; `spilled`: the file of `version - 1` (`spill_now`), if written."""
         self.published_at[(fragment, version)] = now
         self.published_at.pop((fragment, version - self.max_staleness - 2), None)
+        self.ours.add((fragment, version))
+        self.ours.discard((fragment, version - self.max_staleness - 2))
         self.dated[fragment] = self.merged_here[fragment]
         self.merged_here[fragment] = True
         history = self.tensors.setdefault(fragment, {})
@@ -394,6 +404,7 @@ class VersionHistory:
         """An earlier syncer's `version` was adopted: the only one of the fragment known now, undated."""
         self.published_at[(fragment, version)] = published_at
         self._drop_all([fragment])
+        self.ours = {key for key in self.ours if key[0] != fragment}
         self.tensors[fragment] = {version: dict(tensors)}
         self.merged_here[fragment] = False
         self.dated[fragment] = False
@@ -401,6 +412,7 @@ class VersionHistory:
     def reset(self, current: Sequence[tuple[int, dict[str, torch.Tensor]]], now: float) -> None:
         """After a restore: only the current (version, tensors) of each fragment are known, none of ours."""
         self.published_at.clear()
+        self.ours.clear()
         self.restored_at = now
         self._drop_all(list(self.tensors))
         self.tensors = {f: {v: tensors} for f, (v, tensors) in enumerate(current)}
@@ -721,7 +733,11 @@ class SyncerCore(CoreState):
         self.spilled = SpilledMomentum(spill, fragments) if spill is not None else None
         self.screen = ContributionScreen(screening, spill=spill)  # checks each contribution alone (issue 18)
         config = self.screen.config
-        self.claims = ClaimBound(factor=config.claim_rate_factor, min_peers=config.claim_min_peers)
+        self.claims = ClaimBound(
+            factor=config.claim_rate_factor,
+            min_peers=config.claim_min_peers,
+            violation_factor=config.claim_violation_factor,
+        )
         self.clip_factor = clip_factor
         self.max_staleness = max_staleness
         self.max_steps_per_s = max_steps_per_s
@@ -782,7 +798,7 @@ class SyncerCore(CoreState):
             check_base(self, fragment, base_version, key)
             base = self.history.at(fragment, base_version)  # None: unknown, taken as current
             params = screened(self, peer, fragment, params, base, loss, steps)
-            steps, tokens, capped, elapsed = new_counters(
+            steps, tokens, capped, elapsed, implausible = new_counters(
                 self, peer, fragment, base_version, steps, tokens, now
             )
             counts: dict[tuple[str, str], int] = {}
@@ -791,14 +807,14 @@ class SyncerCore(CoreState):
                 verified, counts = self.receipt_ledger.growth(peer, fragment, receipts)
                 if tokens > verified:
                     tokens, receipt_capped = verified, True
-            self.claims.observe(peer, steps, elapsed, now)
             tokens = math.floor(tokens * min(1.0, max(0.0, trust)))
             contribution = Contribution(peer, params, base_version, steps, tokens)
             self._enter(fragment, _Entry(contribution, key, now, counts, loss.delta if loss else None), now)
             if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
                 self.policy.observe_step(step_time_s)
             self._schedule.report(peer, sched_step, now)
-        return admission_of(self, fragment, base_version, capped, receipt_capped)
+        admission = admission_of(self, fragment, base_version, capped, receipt_capped)
+        return dataclasses.replace(admission, claim_violation=implausible)
 
     def _copied(
         self,
@@ -1106,22 +1122,34 @@ def takes_base(core: SyncerCore, key: tuple[str, int, int, bytes]) -> bool:
 
 def new_counters(
     core: SyncerCore, peer: str, fragment: int, base_version: int, steps: int, tokens: int, now: float
-) -> tuple[int, int, bool, float]:
-    """(steps, tokens, capped, elapsed): what the claim adds to what was merged from the peer on that base, capped
-    at what the `elapsed` seconds since the base's publication (or that merge) allow: at `max_steps_per_s`, and at
-    the swarm's measured rate (node.diloco.claims.ClaimBound)."""
+) -> tuple[int, int, bool, float, tuple[str, dict[str, float]] | None]:
+    """(steps, tokens, capped, elapsed, implausible): what the claim adds to what was merged from the peer on that
+    base, capped at what the `elapsed` seconds since the base's publication (or that merge) allow: at
+    `max_steps_per_s`, and at the swarm's measured rate (node.diloco.claims.ClaimBound), which work on a base we
+    published also feeds; `implausible`: the claim as sent was far above that rate (`ClaimBound.judge`; only on such
+    a base: the time since the seed, or since a version restored or adopted, says nothing of the work's)."""
     since = core.history.since(fragment, base_version)
     prior = core._ledger.counters.get((peer, fragment, base_version))
     if prior is not None:  # part of this progress is in the model already (e.g. merged before a failover)
         steps, tokens, since = max(0, steps - prior[0]), max(0, tokens - prior[1]), max(since, prior[2])
     elapsed = now - since
+    screen = core.screen.config.enabled  # screening off (comparisons only): the time/batch caps alone
+    implausible = None
+    if screen and core.history.measured(fragment, base_version):
+        # judged against the median of the peers' claims as sent: capped samples let a median that started low
+        # (first pushes after a slow start) rise only by the cap's factor a round, and judged by it, every honest
+        # learner was banned in the benchmark; a minority's inflated claims do not move a median either
+        implausible = core.claims.judge(steps, elapsed, now)
+        core.claims.observe(peer, steps, elapsed, now)
     steps, tokens, capped = cap_counters(
         steps, tokens, elapsed, max_steps_per_s=core.max_steps_per_s, tokens_per_step=core.tokens_per_step
     )
     measured = False
-    if core.screen.config.enabled:  # screening off (comparisons only): the time/batch caps alone
-        steps, tokens, measured = core.claims.cap(steps, tokens, elapsed, now)
-    return steps, tokens, capped or measured, elapsed
+    if screen:
+        steps, tokens, measured = core.claims.cap(
+            steps, tokens, elapsed, now, implausible=implausible is not None
+        )
+    return steps, tokens, capped or measured, elapsed, implausible
 
 
 def admission_of(

@@ -450,22 +450,9 @@ class SyncerRole:
         self.watch.holders_read(self.live, time.monotonic())
 
     def holders(self, fragment: int) -> set[str]:
-        """Live peers that hold the fragment (every learner, and the replicas of its pipeline stage) that its
-        open round counts as expected (`counted_holders`: the proven ones; in a fresh run, anyone early on)."""
-        stage = self.fragment_stage[fragment]
-        live = {peer for peer, hb in self.live.items() if hb.role == "learner" or hb.stage == stage}
-        core = self.core
-        if core is None:
-            return live
-        round_ = core.rounds.get(fragment)
-        return counted_holders(
-            live,
-            core.seniority.last_merged,
-            round_opened_at=None if round_ is None else round_.opened_at,
-            now=time.monotonic(),
-            proven_s=self.config.proven_s,
-            unproven_wait_s=self.config.unproven_wait_s,
-        )
+        """Live peers that hold the fragment (every learner, and the replicas of its pipeline stage), not banned,
+        that its open round counts as expected (`expected_holders`)."""
+        return expected_holders(self, fragment)
 
     async def check_known(self, peer: str) -> None:
         # the ledger's reason first: `is_banned(peer) or (why := ...)` left `why` unbound on a swarm-wide ban
@@ -676,6 +663,33 @@ async def evaluate_global(role: SyncerRole) -> None:
         tokens_total=tokens,
         tokens_in_model=in_model,
         merges=merges,
+    )
+
+
+def expected_holders(role: SyncerRole, fragment: int) -> set[str]:
+    """`SyncerRole.holders`: not banned ones (a banned peer keeps its heartbeat, but its pushes never enter a
+    round: counted as expected, it made every round wait out its grace window for it), and of the rest those
+    `counted_holders` counts (the proven ones; in a fresh run, anyone early on: a heartbeat is free to fake)."""
+    stage = role.fragment_stage[fragment]
+    wall, ledger = time.time(), role.service.ledger
+    live = {
+        peer
+        for peer, hb in role.live.items()
+        if (hb.role == "learner" or hb.stage == stage)
+        and ledger.banned(peer, wall) is None
+        and not role.is_banned(peer)
+    }
+    core = role.core
+    if core is None:
+        return live
+    round_ = core.rounds.get(fragment)
+    return counted_holders(
+        live,
+        core.seniority.last_merged,
+        round_opened_at=None if round_ is None else round_.opened_at,
+        now=time.monotonic(),
+        proven_s=role.config.proven_s,
+        unproven_wait_s=role.config.unproven_wait_s,
     )
 
 

@@ -16,8 +16,15 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from node.diloco.claims import CLAIM
 from node.diloco.compression import push_limits
-from node.diloco.learner_ledger import LearnerBan, LearnerLedger, ban_evidence_scores, contribution_digest
+from node.diloco.learner_ledger import (
+    LearnerBan,
+    LearnerLedger,
+    ban_evidence_scores,
+    contribution_digest,
+    frame_digest,
+)
 from node.diloco.seniority import seniority_chunks
 from node.diloco.sync_client import (
     FETCH_ROUTE,
@@ -30,10 +37,18 @@ from node.diloco.sync_client import (
     offer_limits,
     open_version_envelope,
 )
-from node.diloco.syncer_core import Refusal, SyncerCore, probe_base, refuse, takes_base, wire_params
+from node.diloco.syncer_core import (
+    Admission,
+    Refusal,
+    SyncerCore,
+    probe_base,
+    refuse,
+    takes_base,
+    wire_params,
+)
 from protocol.admission import ADMISSION_CAUSES, ADMISSION_META
 from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
-from protocol.errors import MalformedFrame, ProtocolError
+from protocol.errors import MalformedFrame, ProtocolError, TensorPolicyError
 from protocol.limits import LimitsConfig
 from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
 from protocol.records import BanNotice
@@ -108,6 +123,15 @@ def fragment_server_limits(routes: Mapping[str, Route], fragment_frame_bytes: in
     per_peer = max(base.max_bytes_in_flight_per_peer, largest_request)
     total = max(base.max_bytes_in_flight_total, 2 * fragment_frame_bytes, per_peer)
     return dataclasses.replace(base, max_bytes_in_flight_per_peer=per_peer, max_bytes_in_flight_total=total)
+
+
+class RefusedFrame(TensorPolicyError):
+    """A push whose signed frame held tensors the wire policy refuses (NaN/Inf, a bad dtype or shape), with the
+    digest of that frame: the learner ledger's evidence, as a contribution's digest is for the screen's refusals."""
+
+    def __init__(self, error: TensorPolicyError, digest: str) -> None:
+        super().__init__(str(error), reason=error.reason, blame_sender=error.blame_sender)
+        self.digest = digest
 
 
 class SyncerService:
@@ -205,8 +229,10 @@ class SyncerService:
         holder = self.role.live.get(remote)
         learner = holder is not None and holder.role == "learner"
         if route == PUSH_ROUTE and learner and error.blame_sender and not isinstance(error, Refusal):
-            # refused before admission (a non-finite or malformed push): a violation of the learner's too
-            self._ban(self.ledger.record(remote, error.reason, str(error), "-", time.time()))
+            # refused before admission (a non-finite or malformed push): a violation of the learner's too; a
+            # non-finite one bans at once (learner_ledger.SEVERITY)
+            digest = error.digest if isinstance(error, RefusedFrame) else "-"
+            self._ban(self.ledger.record(remote, error.reason, str(error), digest, time.time()))
 
     def _answer(
         self, kind: Any, receiver: str, *, microbatch: int = 0, step: int = 0, **kwargs: Any
@@ -227,7 +253,9 @@ class SyncerService:
             raise refuse("standby", "this syncer is on standby")
 
     async def _handle_push(self, frame: bytearray, remote: str) -> bytes:
-        opened = self._open(frame, remote, Kind.FRAGMENT, self.push_limits, self._push_replay)
+        if (why := self.ledger.banned(remote, time.time())) is not None:  # before decoding anything of it
+            raise refuse("banned", f"{remote[-8:]} is banned: {why}")
+        opened = self._open_push(frame, remote)
         meta, header = opened.meta, opened.header
         fields = _contribution_fields(meta)
         if fields["fragment"] != header.microbatch or fields["base_version"] != header.step:
@@ -275,10 +303,7 @@ class SyncerService:
             if learner:
                 self._refused(remote, e, params, loss)
             raise
-        self.ledger.accepted(remote)
-        if admission.capped:
-            self.role.strikes.record(remote, "counters capped")
-        self.receipt_capped += admission.receipt_capped
+        self._admitted(remote, admission, params, learner=learner)
         if recovering and fields["seen_term"] == self.role.term:
             self._fresh(remote, fields["fragment"])
         self.role.wake.set()
@@ -296,27 +321,34 @@ class SyncerService:
         digest = contribution_digest(params)
         self._ban(self.ledger.record(remote, error.reason, str(error), digest, time.time(), scores))
 
+    def _open_push(self, frame: bytearray, remote: str) -> Any:
+        try:
+            return self._open(frame, remote, Kind.FRAGMENT, self.push_limits, self._push_replay)
+        except TensorPolicyError as e:  # the signature verified: the signed frame is the evidence
+            raise RefusedFrame(e, frame_digest(frame)) from e
+
+    def _admitted(
+        self, remote: str, admission: Admission, params: Mapping[str, Any], *, learner: bool
+    ) -> None:
+        """Bookkeeping of an accepted push. A learner's claim far above the measured rate
+        (node.diloco.claims.ClaimBound.judge) was merged, capped, but is a violation in the learner ledger: its
+        trust, so its next weights, fall, and repeated, it bans."""
+        self.ledger.accepted(remote)
+        if learner and admission.claim_violation is not None:
+            reason, numbers = admission.claim_violation
+            digest = contribution_digest(params)
+            self._ban(self.ledger.record(remote, CLAIM, reason, digest, time.time(), numbers))
+        if admission.capped:
+            self.role.strikes.record(remote, "counters capped")
+        self.receipt_capped += admission.receipt_capped
+
     def _ban(self, ban: LearnerBan | None) -> None:
         if ban is not None:
-            self.role.ban_outbox.append(self._ban_notice(ban))
+            self.role.ban_outbox.append(ban_notice(ban, self.role.ctx.peer_id))
             self.role.ctx.events.emit(
                 "learner_banned", offender=ban.offender, reason=ban.reason, until=ban.until
             )
             logger.warning("learner %s banned: %s", ban.offender[-8:], ban.reason)
-
-    def _ban_notice(self, ban: LearnerBan) -> BanNotice:
-        last = ban.evidence[-1] if ban.evidence else None
-        reason = f"{ban.reason} [{last.digest}]" if last is not None else ban.reason
-        evidence = BanEvidence(
-            offender=ban.offender,
-            verifier=self.role.ctx.peer_id,
-            kind="contribution",
-            reason=reason[:250],
-            scores=ban_evidence_scores(ban),
-        )
-        return BanNotice(
-            offender=ban.offender, reason=reason[:250], evidence=evidence.to_bytes(), issued_at=time.time()
-        )
 
     async def _score(
         self, core: SyncerCore, fragment: int, base_version: int, params: Mapping[str, Any]
@@ -536,3 +568,19 @@ def _contribution_fields(meta: Mapping[str, Any]) -> dict[str, Any]:
 def wall_offset() -> float:
     """Wall clock minus the monotonic clock the syncer core runs on: dates versions across syncers."""
     return time.time() - time.monotonic()
+
+
+def ban_notice(ban: LearnerBan, syncer_id: str) -> BanNotice:
+    """The signed-ban gossip notice of a learner ban this syncer decided (evidence kind `contribution`)."""
+    last = ban.evidence[-1] if ban.evidence else None
+    reason = f"{ban.reason} [{last.digest}]" if last is not None else ban.reason
+    evidence = BanEvidence(
+        offender=ban.offender,
+        verifier=syncer_id,
+        kind="contribution",
+        reason=reason[:250],
+        scores=ban_evidence_scores(ban),
+    )
+    return BanNotice(
+        offender=ban.offender, reason=reason[:250], evidence=evidence.to_bytes(), issued_at=time.time()
+    )

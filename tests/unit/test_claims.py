@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from node.diloco.claims import COPYCAT, FREE_RIDER, ClaimBound, copy_of
+from node.diloco.claims import CLAIM, COPYCAT, FREE_RIDER, ClaimBound, copy_of
+from node.diloco.learner_ledger import LearnerLedger
 from node.diloco.merge import Contribution, merge_fragment
 from node.diloco.quorum import QuorumConfig
 from node.diloco.screening import ScreeningConfig
@@ -23,7 +24,9 @@ RUN = RunManifest(model=dict(MODEL), num_stages=1, diloco=DilocoSpec(num_fragmen
 PLAN = run_fragment_plan(RUN)
 CFG = ModelConfig.from_dict(MODEL)
 Tensors = dict[str, torch.Tensor]
-OFF = ScreeningConfig(claim_rate_factor=1e9, copy_tolerance=0.0, trim_fraction=0.0)
+OFF = ScreeningConfig(
+    claim_rate_factor=1e9, claim_violation_factor=0.0, copy_tolerance=0.0, trim_fraction=0.0
+)
 
 
 def core(screening: ScreeningConfig | None = None) -> SyncerCore:
@@ -120,6 +123,107 @@ def test_the_claim_bound_uses_the_median_over_peers_and_waits_for_min_peers() ->
     assert bound.rate(0.0) == pytest.approx(0.8)
     assert bound.cap(100, 6400, 10.0, now=0.0) == (8, 512, True)
     assert bound.cap(5, 320, 10.0, now=0.0) == (5, 320, False)  # an honest claim is untouched
+
+
+def test_judge_names_a_claim_far_above_the_median_rate_and_lets_honest_spread_pass() -> None:
+    bound = ClaimBound(factor=2.0, min_peers=2, violation_factor=5.0)
+    assert bound.judge(400, 10.0, now=0.0) is None  # no median yet: nothing to judge against
+    for peer in ("a", "b", "c"):
+        bound.observe(peer, 4, 10.0, now=0.0)  # 0.4 steps/s: 4 steps in 10 s is plausible
+    found = bound.judge(80, 10.0, now=0.0)  # inflate:20
+    assert found is not None
+    reason, numbers = found
+    assert "20 x the peers' median rate" in reason
+    assert numbers == {"claimed_steps": 80.0, "plausible_steps": 4.0}
+    assert bound.judge(4, 10.0, now=0.0) is None  # an honest peer
+    assert bound.judge(16, 10.0, now=0.0) is None  # an honest peer 4x faster: capped, never judged
+    assert bound.judge(3, 0.5, now=0.0) is None  # a few steps in a short time: at least one step is plausible
+
+
+def test_negative_control_with_the_check_off_judge_names_nothing() -> None:
+    bound = ClaimBound(factor=2.0, min_peers=2, violation_factor=0.0)
+    for peer in ("a", "b", "c"):
+        bound.observe(peer, 4, 10.0, now=0.0)
+    assert bound.judge(10_000, 10.0, now=0.0) is None
+    with pytest.raises(ValueError):
+        ClaimBound(factor=2.0, min_peers=2, violation_factor=0.5)  # below the median itself
+
+
+def _push(swarm: Swarm, peer: str, steps: int, trust: float = 1.0) -> tuple[str, dict[str, float]] | None:
+    swarm.nonce += 1
+    admission = swarm.c.accept(
+        peer,
+        0,
+        swarm.honest(),
+        base_version=swarm.c.versions[0],
+        steps=steps,
+        tokens=steps * 64,
+        sched_step=swarm.nonce,
+        step_time_s=0.1,
+        nonce=swarm.nonce.to_bytes(16, "big"),
+        now=swarm.now,
+        trust=trust,
+    )
+    return admission.claim_violation
+
+
+def test_an_inflator_is_judged_every_push_loses_its_weight_and_is_banned_while_honest_peers_never_are() -> (
+    None
+):
+    """The syncer's loop through the core: each implausible claim is a ledger violation, the ledger's trust scales
+    the next pushes' tokens, the third bans (the shell then refuses it)."""
+    swarm, ledger = Swarm(core()), LearnerLedger(ban_after=2.5, forgive_half_life_s=600.0, ban_s=3600.0)
+    for _ in range(3):
+        swarm.round()  # honest rates: 0.4 steps/s
+    rate = swarm.c.claims.median(swarm.now)
+    shares, banned = [], None
+    for _ in range(3):
+        swarm.now += 10.0
+        for peer in swarm.peers:
+            assert _push(swarm, peer, 4) is None  # no honest peer is ever judged
+        violation = _push(swarm, "inflator", 80, trust=ledger.trust("inflator", swarm.now))
+        assert violation is not None
+        banned = ledger.record("inflator", CLAIM, violation[0], "d", swarm.now, violation[1])
+        record = swarm.c.merge_now(0, 4, swarm.now)
+        assert record is not None
+        shares.append(record.weights["inflator"])
+    assert swarm.c.claims.median(swarm.now) == rate  # the inflator's samples never entered the median
+    # credited at the median rate (an honest weight), then trust 0.6 and 0.2: the weight falls with trust squared
+    assert shares[0] == pytest.approx(1 / 4, abs=0.01)
+    assert shares[1] < 0.15 and shares[2] < 0.04
+    assert banned is not None and "3 refused contributions" in banned.reason
+    assert all(ledger.weight(p, swarm.now) == 0.0 for p in swarm.peers)
+
+
+def test_work_on_the_seed_is_neither_judged_nor_sampled_so_a_slow_start_sets_no_median() -> None:
+    """Learners start from the seed whenever they join: the time since the syncer published it says nothing of their
+    work. Sampled, a slow start (here 4 steps in 100 s) set a median that judged every later honest claim
+    implausible (all 4 honest learners were banned in a check run of the benchmark)."""
+    swarm = Swarm(core())
+    swarm.now = 100.0
+    for peer in swarm.peers:
+        assert _push(swarm, peer, 4) is None
+    assert swarm.c.claims.median(swarm.now) is None
+    assert swarm.c.merge_now(0, 3, swarm.now) is not None
+    swarm.now += 10.0  # on the version we published: 4 steps in 10 s, sampled; judged against nothing yet
+    for peer in swarm.peers:
+        assert _push(swarm, peer, 4) is None
+    assert swarm.c.claims.median(swarm.now) == pytest.approx(0.4)
+
+
+def test_negative_control_with_the_check_off_the_inflator_keeps_twice_an_honest_weight_and_is_never_judged() -> (
+    None
+):
+    swarm = Swarm(core(ScreeningConfig(claim_violation_factor=0.0)))
+    for _ in range(3):
+        swarm.round()
+    for _ in range(3):
+        swarm.now += 10.0
+        for peer in swarm.peers:
+            _push(swarm, peer, 4)
+        assert _push(swarm, "inflator", 80) is None
+        record = swarm.c.merge_now(0, 4, swarm.now)
+        assert record is not None and record.weights["inflator"] == pytest.approx(2 / 5, abs=0.01)
 
 
 # ---- copycats and free-riders ----
