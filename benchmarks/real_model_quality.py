@@ -107,8 +107,9 @@ class QualityConfig:
     # outer_sweep.py), H = 10 with it lagged one process at batch 16 by 9.1 %, H = 5 with averaging by 4.6 %
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
-    # the syncer's held-out loss screen (issue 18) refused honest work from ~240k tokens on in this
-    # run and banned all four learners at ~288k (docs/models.md): off, so that this measures training, not that screen
+    # the syncer's held-out loss screen (issue 18) refused honest work from ~240k tokens on in this run and banned
+    # honest learners (all four at ~288k; three at ~257k in the --screen-check run; docs/models.md): off, so that
+    # this measures training, not that screen
     loss_probe: bool = False
     tokens: int = 300_000  # the swarm runs until the global model holds this many merged tokens
     deadline_s: float = 2700.0

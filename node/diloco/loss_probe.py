@@ -11,12 +11,9 @@ lowers it.
 The bound, per fragment: the larger of `loss_tolerance` x the loss before (a floor: the held-out batch is fixed,
 so the score is deterministic and "noise" is how far honest contributions scatter) and, once `min_history` scores
 were merged, their median plus `loss_mad_factor` x their median absolute deviation. Only merged scores enter the
-history (as for the norms of node.diloco.screening): those that lowered the loss, and those of senior identities
-(node.diloco.seniority) whatever their sign. An attacker that is rejected never moves the bound, nor do a fresh
-Sybil majority's ascent steps that slipped under the floor (counted, they had widened it). Senior identities'
-rises count because honest work does rise the loss alone once a real model learns slowly: llama-20m's honest
-learners scored +0.13 to +0.32 nats against a floor of +0.12 from ~240k tokens, and a history of falls alone kept
-the bound at the floor and refused them all.
+history (as for the norms of node.diloco.screening), and only those that lowered the loss: an attacker that is
+rejected never moves the bound, nor do ascent steps that slipped under the floor (a Sybil majority of them had
+widened it).
 
 `measure` is the heavy part (two forward passes, the first cached per version vector) and runs off the event loop
 in the shell; the loss function and the clock are passed in. Pure: no sockets, no event loop.
@@ -149,12 +146,12 @@ class LossBound:
             return reason, f"the bound has fewer than {self.min_history} merged scores to learn from"
         return reason, None if corroborated else "most other peers' work failed too lately"
 
-    def commit(self, fragment: int, scores: list[tuple[float, bool]]) -> None:
-        """The scores of a published merge's participants, each with whether its peer is senior."""
+    def commit(self, fragment: int, deltas: list[float]) -> None:
+        """The scores of a published merge's participants."""
         window = self._scores.setdefault(fragment, deque(maxlen=self.history))
-        # rises teach the bound only from senior identities: fresh ones' rises (within the floor) let a majority
-        # of ascent steps widen the bound they are judged by (seen with 5 Sybils of 9)
-        window.extend(d for d, senior in scores if math.isfinite(d) and (d <= 0 or senior))
+        # only contributions that lowered the loss teach the bound: ones that raised it (within the floor)
+        # would let a majority of ascent steps widen the bound they are judged by (seen with 5 Sybils of 9)
+        window.extend(d for d in deltas if math.isfinite(d) and d <= 0)
 
 
 def _most_others_passed(window: deque[tuple[str, bool]], peer: str) -> bool:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter, deque
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -159,8 +159,7 @@ class ScreenUpdate:
     norms: tuple[float, ...]  # the merged participants' delta norms
     # the fragment's next recent merged direction (None: unchanged), or the key of its file when spilled
     direction: dict[str, torch.Tensor] | str | None
-    # the merged participants' held-out loss-delta scores (those measured), each with whether its peer is senior
-    losses: tuple[tuple[float, bool], ...] = ()
+    losses: tuple[float, ...] = ()  # the merged participants' held-out loss-delta scores (those measured)
 
 
 def _norm(tensors: Iterable[torch.Tensor]) -> float:
@@ -288,16 +287,13 @@ class ContributionScreen:
         fragment: int,
         result: MergeResult,
         losses: Mapping[str, float] | None = None,
-        senior: Collection[str] = (),
     ) -> ScreenUpdate | None:
         """The state a merge adds (heavy part, off the event loop): its participants' norms and held-out scores
-        (`losses`: peer -> score, those measured; `senior`: the senior identities among them) and the next recent
-        direction from the merged pseudo-gradient."""
+        (`losses`: peer -> score, those measured) and the next recent direction from the merged pseudo-gradient."""
         if not self.config.enabled:
             return None
         norms = tuple(result.delta_norms[p] for p in result.participants if p in result.delta_norms)
-        losses = losses or {}
-        scores = tuple((losses[p], p in senior) for p in result.participants if p in losses)
+        scores = tuple((losses or {})[p] for p in result.participants if p in (losses or {}))
         length = _norm(result.outer_grad.values())
         if length <= 0 or not math.isfinite(length):
             return ScreenUpdate(norms, None, scores)

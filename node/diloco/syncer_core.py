@@ -197,10 +197,6 @@ def _loss_scores(sources: Mapping[str, list[_Entry]]) -> dict[str, float]:
     return scores
 
 
-def _seniors(seniority: Seniority, result: MergeResult, now: float) -> set[str]:
-    return {p for p in result.participants if not seniority.is_young(p, now)}
-
-
 def _void_result(rejected: Mapping[str, str]) -> MergeResult:
     return MergeResult(
         outer_grad={},
@@ -901,9 +897,7 @@ class SyncerCore(CoreState):
             required=required,
             expected=expected,
             started_at=started_at,
-            screened=self.screen.prepare_commit(
-                fragment, result, _loss_scores(sources), _seniors(self.seniority, result, started_at)
-            ),
+            screened=self.screen.prepare_commit(fragment, result, _loss_scores(sources)),
             seniority_credit=credit,
             spilled=self.history.spill_now(fragment, global_params),
         )
