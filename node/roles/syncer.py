@@ -103,8 +103,10 @@ class SyncerConfig:
     max_grace_s: float = 5.0  # absolute cap on the grace window
     max_poll_s: float = 10.0  # longest versions long-poll served
     membership_refresh_s: float = 1.0  # how often the live learner/stage list is re-read
-    # a round waits only for live holders with a contribution merged within proven_s (a heartbeat alone is free
-    # to fake); while none has one (a fresh run), for all of them during its first unproven_wait_s (inf: for good)
+    # on: a round waits only for live holders with a contribution merged within proven_s (a heartbeat alone is
+    # free to fake; in a fresh run, for all during its first unproven_wait_s). Off by default: in the decoupled
+    # mode a newcomer not waited for can miss round after round; on for elastic runs, where a fake heartbeat stalls
+    count_proven_only: bool = False
     proven_s: float = 600.0
     unproven_wait_s: float = 30.0
     # A standby takes over only while it sees most of the learners/stages it knew when it last saw the lease
@@ -680,7 +682,7 @@ def expected_holders(role: SyncerRole, fragment: int) -> set[str]:
         and not role.is_banned(peer)
     }
     core = role.core
-    if core is None:
+    if core is None or not role.config.count_proven_only:
         return live
     round_ = core.rounds.get(fragment)
     return counted_holders(
