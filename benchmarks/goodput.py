@@ -217,7 +217,8 @@ class Swarm:
         )
         maddr = wait_for(lambda: maddrs.exists() and maddrs.read_text().split(), 60, "bootstrap")[0]
         common = ["--join", maddr, "--config", str(self.node_toml), "--max-steps", "1000000"]
-        for name, key in zip(self.syncers, self.keys, strict=True):
+
+        def node_argv(name: str, role: str, *extra: str) -> list[str]:
             argv = [
                 python,
                 "-m",
@@ -225,30 +226,20 @@ class Swarm:
                 "--state-dir",
                 str(self.root / name),
                 "--role",
-                "syncer",
-                "--identity",
-                str(key),
+                role,
+                *extra,
+                *common,
             ]
-            self.group.start(name, argv + common + list(self.node_args.get(name, ())))
+            return argv + list(self.node_args.get(name, ()))
+
+        for name, key in zip(self.syncers, self.keys, strict=True):
+            self.group.start(name, node_argv(name, "syncer", "--identity", str(key)))
             if name == "syncer-a":  # the primary first, so it holds the first lease
                 wait_for(
                     lambda: (self.status("syncer-a") or {}).get("state") == "syncing", 60, "primary syncer"
                 )
         for name in self.learners:
-            self.group.start(
-                name,
-                [
-                    python,
-                    "-m",
-                    "node",
-                    "--state-dir",
-                    str(self.root / name),
-                    "--role",
-                    "learner",
-                    *common,
-                    *self.node_args.get(name, ()),
-                ],
-            )
+            self.group.start(name, node_argv(name, "learner"))
         wait_for(
             lambda: all((self.status(n) or {}).get("state") == "training" for n in self.learners),
             120,
