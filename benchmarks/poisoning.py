@@ -18,6 +18,9 @@ Per arm, from the syncer's events and status after `--duration` seconds:
   processes take CPU from the honest learners on a small machine, so equal windows merge fewer honest tokens);
 * attacker_weight_share = mean over merges after the attackers' first refusal (all merges when none was
   refused) of the summed merge weight of attacker identities;
+* merges_after_detection: how many merges that mean is over (the test runs a fixed count of them);
+  attacker_weight_share_since_joined: the mean from the first merge that took attacker weight on (the undefended
+  control's share, not diluted by the merges before its first push);
 * time_to_ban_s: from the window's start to the first `learner_banned` of an attacker (None: not banned);
 * honest_banned: honest identities the syncer banned;
 * check cost: the held-out loss probe's mean seconds per contribution over the mean interval between merges of
@@ -283,6 +286,11 @@ def run_arm(
     return result
 
 
+def _mean_share_since_first(shares: list[float]) -> float:
+    first = next((i for i, w in enumerate(shares) if w > 0), None)
+    return 0.0 if first is None else round(sum(shares[first:]) / len(shares[first:]), 4)
+
+
 def summarize(
     arm: Arm,
     events: list[dict[str, Any]],
@@ -319,6 +327,9 @@ def summarize(
         "final_loss": evals[-1][1] if evals else None,
         "loss_curve": evals,
         "attacker_weight_share": round(sum(shares) / len(shares), 4) if shares else 0.0,
+        "merges_after_detection": len(after) if detected is not None else 0,
+        # from the merge that first took attacker weight on (merges before its first push are not its choice)
+        "attacker_weight_share_since_joined": _mean_share_since_first(every),
         "attacker_weight_share_all": round(
             sum(sum(w for p, w in m["weights"].items() if p in attackers) for m in merges)
             / max(1, len(merges)),

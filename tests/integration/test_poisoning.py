@@ -20,10 +20,18 @@ DEADLINE_S = (
 )
 MERGES = 6
 ATTACKER_MERGES = 4
+# the defended share is a mean over the merges after the attacker's first refusal: stopping at the ban made it
+# a mean over however few merges happened before the ban (a faster ban read as a larger share: 0.13-0.14 in stop
+# 28's loaded CI runs, 6-8 merges at probation weight); a fixed count makes runs comparable
+MERGES_AFTER_DETECTION = 16
 
 
 def _defence_shown(summary: dict) -> bool:
-    return summary["attackers_banned"] >= 1 and summary["merges"] >= MERGES
+    return (
+        summary["attackers_banned"] >= 1
+        and summary["merges"] >= MERGES
+        and summary["merges_after_detection"] >= MERGES_AFTER_DETECTION
+    )
 
 
 def _attack_merged(summary: dict) -> bool:
@@ -31,11 +39,6 @@ def _attack_merged(summary: dict) -> bool:
     return summary["merges"] >= MERGES and summary["attacker_merges"] >= ATTACKER_MERGES
 
 
-@pytest.mark.xfail(
-    reason="stop 28: with 2 honest learners the defended attacker held 0.13-0.14 of the weight before its ban in "
-    "three runs (the undefended one 0.16); cause not found (the 4-learner benchmark arm: 0.031). Issue 18.",
-    strict=False,
-)
 def test_a_sign_flipping_learner_is_refused_and_banned_and_without_the_screen_it_is_merged(
     tmp_path: Path,
 ) -> None:
@@ -45,10 +48,10 @@ def test_a_sign_flipping_learner_is_refused_and_banned_and_without_the_screen_it
     assert defended["screening"].get("screen: loss", 0) >= 1  # the held-out loss score caught it
     assert defended["attackers_banned"] == 1 and defended["time_to_ban_s"] is not None
     # after detection, and before its ban, its flips that stay under the loss bound still merge at probation
-    # weight: the benchmark reports that share against the issue's 5 % goal (under load, fewer honest pushes per
-    # round make it vary: 7.4 % seen at load 10, 13 % twice in stop 28's CI runs with another suite beside it, 3.1 %
-    # in the quiet benchmark); here, well under its fair third, and under the undefended share (below)
-    assert defended["attacker_weight_share"] < 0.2
+    # weight: the benchmark reports that share against the issue's 5 % goal (2.9 % quiet, 5.9 % beside two busy
+    # loops in this test); here, well under its fair third
+    assert defended["merges_after_detection"] >= MERGES_AFTER_DETECTION
+    assert defended["attacker_weight_share"] < 0.1
 
     undefended = run_arm(
         tmp_path / "undefended", ARM, duration_s=DEADLINE_S, defended=False, until=_attack_merged
@@ -56,5 +59,7 @@ def test_a_sign_flipping_learner_is_refused_and_banned_and_without_the_screen_it
     print(f"\nundefended: {undefended}")
     assert undefended["merges"] > 0 and undefended["attackers_banned"] == 0
     assert undefended["attacker_merges"] >= ATTACKER_MERGES  # its ascent steps entered the model
-    assert undefended["attacker_weight_share_all"] > 0.1
-    assert undefended["attacker_weight_share_all"] > 1.5 * defended["attacker_weight_share"]
+    # its share from its first merged push on: near its fair third (0.15-0.44 of all merges in stop 29's runs,
+    # diluted by the merges before it started)
+    assert undefended["attacker_weight_share_since_joined"] > 0.2
+    assert undefended["attacker_weight_share_since_joined"] > 2 * defended["attacker_weight_share"]
