@@ -42,10 +42,19 @@ class LossScore:
     before: float
     after: float
     cost_s: float  # seconds the measurement took (the clock passed to `measure`)
+    # the loss with the contribution's delta reversed (measured only for a rise over the bound; None: not measured)
+    opposite: float | None = None
 
     @property
     def delta(self) -> float:
         return self.after - self.before
+
+    @property
+    def descent(self) -> float | None:
+        """How much lower the loss is with the delta applied than with it reversed (None: not measured). The
+        second-order term of a step, the overshoot, is the same both ways and cancels: what is left is twice the
+        first-order term, positive for a step down the held-out gradient whatever its size."""
+        return None if self.opposite is None else self.opposite - self.after
 
 
 class LossProbe:
@@ -66,9 +75,12 @@ class LossProbe:
         base: Mapping[str, torch.Tensor],
         params: Mapping[str, torch.Tensor],
         clock: Callable[[], float],
+        rise_bound: Callable[[float], float] | None = None,
     ) -> LossScore | None:
         """Score `params` (one fragment's tensors, built on `base`) against `current` (every global tensor, at
-        `versions`). None when the contribution or a loss is not finite (the screen rejects those anyway)."""
+        `versions`). None when the contribution or a loss is not finite (the screen rejects those anyway).
+        `rise_bound(before)`: the highest rise the screen accepts; over it, the loss with the delta reversed is
+        measured too (`LossScore.opposite`, one more forward pass)."""
         started = clock()
         applied: dict[str, torch.Tensor] = {}
         for name, theirs in params.items():
@@ -80,13 +92,19 @@ class LossProbe:
             self._before = (versions, self.loss(current))
         before = self._before[1]
         after = self.loss({**current, **applied})
+        opposite = None
+        if rise_bound is not None and math.isfinite(after) and after - before > rise_bound(before):
+            for name, tensor in applied.items():  # current + delta, in place: 2 current - (current - delta)
+                tensor.mul_(-1.0).add_(current[name], alpha=2.0)
+            opposite = self.loss({**current, **applied})
         cost = max(0.0, clock() - started)
         self.measured += 1
         self.total_cost_s += cost
         self.max_cost_s = max(self.max_cost_s, cost)
         if not (math.isfinite(before) and math.isfinite(after)):
             return None
-        return LossScore(before=before, after=after, cost_s=cost)
+        opposite = opposite if opposite is not None and math.isfinite(opposite) else None
+        return LossScore(before=before, after=after, cost_s=cost, opposite=opposite)
 
     def status(self) -> dict[str, float | int]:
         mean = self.total_cost_s / self.measured if self.measured else 0.0
@@ -108,8 +126,17 @@ class LossBound:
 
     def bound(self, fragment: int, before: float) -> tuple[float, str]:
         """(the highest loss delta accepted, what set it)."""
+        return self._bound(tuple(self._scores.get(fragment, ())), before)
+
+    def rise_bound(self, fragment: int) -> Callable[[float], float]:
+        """`bound` as a function of the loss before, on the scores merged so far (a copy: the probe calls it in
+        a worker thread while merges commit)."""
+        scores = tuple(self._scores.get(fragment, ()))
+        return lambda before: self._bound(scores, before)[0]
+
+    def _bound(self, merged: tuple[float, ...], before: float) -> tuple[float, str]:
         floor = self.tolerance * abs(before)
-        scores = sorted(self._scores.get(fragment, ()))
+        scores = sorted(merged)
         if len(scores) < self.min_history:
             return floor, f"{self.tolerance:g} x loss {before:.4g}"
         median = scores[(len(scores) - 1) // 2]
@@ -120,11 +147,21 @@ class LossBound:
         return floor, f"{self.tolerance:g} x loss {before:.4g}"
 
     def check(self, fragment: int, score: LossScore) -> str | None:
-        """None when `score` is within the bound, else the one-line reason it is not."""
+        """None when `score` is within the bound, or over it but a clear step down the held-out gradient (its
+        `descent` over the floor: an honest step that overshoots alone, seen on real models, where every honest
+        learner's work rose the loss applied at weight 1); else the one-line reason it is not."""
         bound, basis = self.bound(fragment, score.before)
         if score.delta <= bound:
             return None
-        return f"held-out loss {score.before:.4g} -> {score.after:.4g} ({score.delta:+.4g} > {bound:+.4g}: {basis})"
+        floor = self.tolerance * abs(score.before)
+        descent = score.descent
+        if descent is not None and descent > floor:
+            return None
+        reversed_ = "" if descent is None else f", {descent:+.4g} below its reverse"
+        return (
+            f"held-out loss {score.before:.4g} -> {score.after:.4g} ({score.delta:+.4g} > {bound:+.4g}: {basis}"
+            f"{reversed_})"
+        )
 
     def judge(self, fragment: int, score: LossScore, peer: str) -> tuple[str | None, str | None]:
         """(`check`'s reason, why a failure is not blamed on `peer` or None when it is). Blamed only once the

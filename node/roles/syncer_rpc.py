@@ -363,7 +363,10 @@ class SyncerService:
             return None
         async with self.role.probe_lock:  # the probe's model is one copy
             current, versions = dict(core.params), tuple(core.versions)
-            return await asyncio.to_thread(probe.measure, current, versions, base, params, time.perf_counter)
+            rise_bound = core.screen.loss.rise_bound(fragment)  # over it, the reversed delta is scored too
+            return await asyncio.to_thread(
+                probe.measure, current, versions, base, params, time.perf_counter, rise_bound
+            )
 
     def _fresh(self, remote: str, fragment: int) -> None:
         """In recovery: `remote` sent the fragment's work snapshotted for us."""

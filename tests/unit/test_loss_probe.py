@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 
 import pytest
 import torch
@@ -110,7 +111,12 @@ class Harness:
         current = dict(self.c.params)
         base = self.c.fragment_tensors(0)
         return self.probe.measure(
-            current, tuple(self.c.versions), base, params, lambda: next(self.ticks) * 0.001
+            current,
+            tuple(self.c.versions),
+            base,
+            params,
+            lambda: next(self.ticks) * 0.001,
+            self.c.screen.loss.rise_bound(0),
         )
 
     def push(self, peer: str, params: Tensors) -> None:
@@ -307,3 +313,61 @@ def test_a_loss_refusal_is_blamed_only_when_most_other_peers_pass() -> None:
     assert bound.judge(0, fail, "a") == (bound.check(0, fail), None)  # blamed
     bound.judge(0, fail, "b")  # b's latest fails: 1 of 4 again
     assert bound.judge(0, fail, "a")[1] is not None
+
+
+def scaled(c: SyncerCore, params: Tensors, factor: float) -> Tensors:
+    """The honest delta times `factor`: applied alone, a large enough one overshoots and raises the loss."""
+    base = c.fragment_tensors(0)
+    return {n: base[n] - factor * (base[n] - t) for n, t in params.items()}
+
+
+def test_an_overshooting_step_down_the_gradient_passes_and_its_reverse_is_refused() -> None:
+    """Seen on real models: honest work applied alone at weight 1 raised the held-out loss over the floor (it
+    overshoots), so every honest llama-20m learner was refused. The reverse of the delta is then scored too: the
+    overshoot is the same both ways, and a step down the held-out gradient is lower than its reverse by twice its
+    first-order gain. The control: without the reverse measured (the probe as before), the same push is refused."""
+    overshoot = (
+        32.0  # the toy model's honest delta x 32: +0.47 nats alone (floor 0.11), 0.87 below its reverse
+    )
+    h = Harness(ScreeningConfig())
+    honest = scaled(h.c, trained(h.c, seed=1), overshoot)
+    score = h.score(honest)
+    assert score is not None and score.delta > 0.02 * score.before  # over the floor
+    assert score.descent is not None and score.descent > 0.02 * score.before
+    h.push("honest", honest)  # not refused
+    assert h.c.screen.status().get(LOSS, 0) == 0
+    with pytest.raises(Refusal) as reverse:
+        h.push("evil", flipped(h.c, honest))
+    assert reverse.value.reason == LOSS and "below its reverse" in str(reverse.value)
+
+    control = Harness(ScreeningConfig())
+    blind = control.probe.measure(  # no rise bound: the reverse is not measured
+        dict(control.c.params), tuple(control.c.versions), control.c.fragment_tensors(0),
+        scaled(control.c, trained(control.c, seed=1), overshoot), lambda: 0.0,
+    )  # fmt: skip
+    assert blind is not None and blind.opposite is None
+    assert control.c.screen.loss.check(0, blind) is not None
+
+
+def test_the_reverse_is_measured_only_over_the_rise_bound() -> None:
+    """The extra forward pass costs only contributions that rise over the bound; the reverse of the delta is
+    current + (base - params)."""
+    seen: list[float] = []
+
+    def loss(params: Mapping[str, torch.Tensor]) -> float:
+        seen.append(float(params["a"].sum()))
+        return float(params["a"].sum())
+
+    probe = LossProbe(loss)
+    current, base = {"a": torch.zeros(2)}, {"a": torch.ones(2)}
+    up = probe.measure(current, (0,), base, {"a": torch.full((2,), 2.0)}, lambda: 0.0, lambda before: 0.5)
+    assert up == LossScore(before=0.0, after=2.0, cost_s=0.0, opposite=-2.0) and up.descent == -4.0
+    assert seen == [0.0, 2.0, -2.0]
+    down = probe.measure(current, (0,), base, {"a": torch.zeros(2)}, lambda: 0.0, lambda before: 0.5)
+    assert down is not None and down.opposite is None and down.descent is None
+    assert len(seen) == 4  # after only (before is cached per version vector)
+    bound = LossBound(tolerance=0.02, mad_factor=3.0, history=4, min_history=4)
+    over = LossScore(before=3.0, after=3.3, cost_s=0.0)
+    assert bound.check(0, over) is not None
+    assert bound.check(0, replace(over, opposite=3.5)) is None  # 0.2 below its reverse, floor 0.06
+    assert bound.check(0, replace(over, opposite=3.33)) is not None  # 0.03: not clearly a descent
