@@ -83,7 +83,9 @@ class ScreeningConfig:
         2  # held-out batches per score (CPU cost: two forward passes of these per contribution)
     )
     loss_batch_size: int = 8  # sequences per held-out batch
-    loss_tolerance: float = 0.02  # a loss rise up to this x the loss before is noise (the bound's floor)
+    # a loss rise up to this x the loss before is noise (the bound's floor); a rise over the bound still passes
+    # when the delta's reverse scores worse by more than this x the loss (a step down the gradient that overshoots)
+    loss_tolerance: float = 0.02
     loss_mad_factor: float = 3.0  # after warm-up, the bound is also median + this x MAD of merged scores
     # claims and copies (node.diloco.claims)
     claim_rate_factor: float = 2.0  # steps claimed are capped at this x the peers' median measured step rate
