@@ -3,7 +3,8 @@
 `benchmarks.real_model_quality --screen-check` showed the screen refusing honest llama-20m learners (and banning
 three of four at ~257k tokens). This measures why, in one process and without the network: M replicas of the
 quality benchmark's model (llama-20m at context 128, the trained 8k BPE, the built-in corpus, AdamW, H steps a
-round, every replica in every round: the live run's K = M), and each round, for each fragment (the embedding and
+round, every replica in every round: the live run's K = M; replica i on shard i of the learner's `num_shards`, as
+learners on the built-in corpus each train on one shard), and each round, for each fragment (the embedding and
 the rest, as the live run's fragment plan) and each replica, the probe's score as the syncer computes it
 (node.diloco.loss_probe: held-out loss after the fragment's delta applied to the global model, minus before, on
 `loss_batches` x `loss_batch_size` private held-out windows), for the honest delta and its sign flip (the
@@ -11,10 +12,12 @@ poisoning benchmark's ascent attack), each applied alone at weight 1 (today's pr
 1/M. Then how often each rule (the floor `loss_tolerance` x loss, on either scale) refuses honest work and passes
 flips, over the run and in its last third.
 
-    python -m benchmarks.loss_screen_offline [--tokens 300000] [--replicas 4] [--score-every 2]
+    python -m benchmarks.loss_screen_offline [--tokens 300000] [--replicas 4] [--score-every 2] [--shards 16]
+    python -m benchmarks.loss_screen_offline --rescore [--shards 0]   # the headline again from the rounds
 
-Writes benchmarks/results/loss_screen_offline.json (`headline`: per rule, honest refusal and flip pass rates) and
-loss_screen_offline.png (scores against tokens).
+Writes benchmarks/results/loss_screen_offline.json (`--shards 0`, every replica on the whole split:
+loss_screen_offline_iid.json) with a `headline` (per rule, honest refusal and flip pass rates, over the run and
+its last third) and a plot of the scores against tokens.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ import torch
 from benchmarks.common import RESULTS_DIR, plot_path, write_result
 from benchmarks.real_model_quality import QualityConfig, Setup, train_tokenizer
 from node.diloco.screening import ScreeningConfig
-from node.ml.data import Batch, evaluate
+from node.ml.data import Batch, BatchSampler, evaluate
 from node.ml.model import build_model
+from node.roles.learner import LearnerConfig
 
 NAME = "loss_screen_offline"
 KINDS = ("honest@1", "honest@1/M", "flip@1", "flip@1/M")
@@ -88,8 +92,30 @@ def score_round(
     return {"before": before, "scores": scores}
 
 
+def samplers_of(setup: Setup, replicas: int, num_shards: int) -> list[BatchSampler]:
+    """Replica i trains on shard i of `num_shards` of the training split, as a learner on the built-in corpus
+    takes one shard of the learner's `num_shards` (by peer id there); 0: every replica on the whole split."""
+    cfg = setup.cfg
+    return [
+        BatchSampler(
+            setup.corpus.train_stream(i % num_shards, num_shards)
+            if num_shards
+            else setup.corpus.train_stream(),
+            batch_size=cfg.batch_size,
+            context_len=cfg.context_len,
+            generator=torch.Generator().manual_seed(cfg.seed + i),
+        )
+        for i in range(replicas)
+    ]
+
+
 def run(
-    setup: Setup, replicas: int, tokens: int, screening: ScreeningConfig, score_every: int = 1
+    setup: Setup,
+    replicas: int,
+    tokens: int,
+    screening: ScreeningConfig,
+    score_every: int = 1,
+    num_shards: int = 0,
 ) -> list[dict[str, Any]]:
     """Synchronous DiLoCo at outer lr 1 without momentum (the quality run's), scored every `score_every` rounds."""
     cfg = setup.cfg
@@ -99,7 +125,7 @@ def run(
     plan = fragments(list(global_params))
     locals_ = [copy.deepcopy(model) for _ in range(replicas)]
     optimizers = [torch.optim.AdamW(r.parameters(), lr=cfg.lr, weight_decay=0.01) for r in locals_]
-    samplers = [setup.sampler(cfg.seed + i, cfg.batch_size) for i in range(replicas)]
+    samplers = samplers_of(setup, replicas, num_shards)
     batches = probe_batches(setup, screening, cfg.seed + 1000)
     rounds, trained, index = [], 0, 0
     while trained < tokens:
@@ -148,24 +174,32 @@ def rates(rounds: list[dict[str, Any]], tolerance: float) -> dict[str, dict[str,
             "honest_refused": round(refused / max(1, honest), 4),
             "flip_passed": round(passed / max(1, flips), 4),
         }
-    out["1, reverse"] = descent_rates(rounds, tolerance)
+    out["1, reverse"] = descent_rates(rounds, tolerance, ScreeningConfig().loss_reverse_tolerance)
     return out
 
 
-def descent_rates(rounds: list[dict[str, Any]], tolerance: float) -> dict[str, float]:
-    """The screen as it is now at weight 1: a rise over the floor is refused unless the delta's reverse is worse
-    by more than the floor (node.diloco.loss_probe.LossScore.descent). A flip's reverse is the honest delta."""
-    count = refused = passed = 0
+def descent_rates(
+    rounds: list[dict[str, Any]], tolerance: float, reverse_tolerance: float
+) -> dict[str, float]:
+    """The screen as it is now, at weight 1 (node.diloco.loss_probe.LossBound.check on the floor): refused when
+    the loss is higher than with the delta reversed by more than `reverse_tolerance` x loss, or when it rises over
+    the floor without being lower than its reverse by more than the floor. A flip's reverse is the honest delta."""
+
+    def refused(rise: float, reverse_rise: float, before: float) -> bool:
+        descent = reverse_rise - rise
+        floor = tolerance * abs(before)
+        return descent < -reverse_tolerance * abs(before) or (rise > floor and descent <= floor)
+
+    count = honest_refused = flip_passed = 0
     for r in rounds:
-        floor = tolerance * abs(r["before"])
         for per_kind in r["scores"].values():
             for honest, flip in zip(per_kind["honest@1"], per_kind["flip@1"], strict=True):
                 count += 1
-                refused += honest > floor and flip - honest <= floor
-                passed += flip <= floor or honest - flip > floor
+                honest_refused += refused(honest, flip, r["before"])
+                flip_passed += not refused(flip, honest, r["before"])
     return {
-        "honest_refused": round(refused / max(1, count), 4),
-        "flip_passed": round(passed / max(1, count), 4),
+        "honest_refused": round(honest_refused / max(1, count), 4),
+        "flip_passed": round(flip_passed / max(1, count), 4),
     }
 
 
@@ -203,15 +237,15 @@ def headline_of(rounds: list[dict[str, Any]], tolerance: float) -> dict[str, Any
     }
 
 
-def rescore() -> int:
+def rescore(name: str) -> int:
     """The headline again from the rounds already measured (after a change to the rules compared here)."""
-    path = RESULTS_DIR / f"{NAME}.json"
+    path = RESULTS_DIR / f"{name}.json"
     result = json.loads(path.read_text())
     rounds = result["rounds"]
     headline = {**result["headline"], **headline_of(rounds, result["headline"]["loss_tolerance"])}
     print(headline)
-    write_result(NAME, headline, {"rounds": rounds})
-    plot(rounds, headline["loss_tolerance"], plot_path(NAME))
+    write_result(name, headline, {"rounds": rounds})
+    plot(rounds, headline["loss_tolerance"], plot_path(name))
     return 0
 
 
@@ -220,10 +254,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=300_000)
     parser.add_argument("--replicas", type=int, default=QualityConfig().learners)
     parser.add_argument("--score-every", type=int, default=2, help="rounds between scored rounds (CPU)")
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=LearnerConfig().num_shards,
+        help="replica i trains on shard i of this many (the learner's num_shards); 0: the whole split each",
+    )
     parser.add_argument("--rescore", action="store_true", help="recompute the headline from the results file")
     args = parser.parse_args(argv)
+    name = NAME if args.shards else f"{NAME}_iid"
     if args.rescore:
-        return rescore()
+        return rescore(name)
     torch.set_num_threads(1)
     cfg, screening = QualityConfig(), ScreeningConfig()
     root = Path(tempfile.mkdtemp(prefix="hivenode-loss-screen-"))
@@ -232,17 +273,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     started = time.monotonic()
-    rounds = run(setup, args.replicas, args.tokens, screening, args.score_every)
+    rounds = run(setup, args.replicas, args.tokens, screening, args.score_every, args.shards)
     headline = {
         "tokens": args.tokens,
         "replicas": args.replicas,
         "scored_rounds": len(rounds),
+        "shards": args.shards,
         **headline_of(rounds, screening.loss_tolerance),
         "seconds": round(time.monotonic() - started, 1),
     }
     print(headline)
-    write_result(NAME, headline, {"rounds": rounds})
-    plot(rounds, screening.loss_tolerance, plot_path(NAME))
+    write_result(name, headline, {"rounds": rounds})
+    plot(rounds, screening.loss_tolerance, plot_path(name))
     return 0
 
 

@@ -86,6 +86,9 @@ class ScreeningConfig:
     # a loss rise up to this x the loss before is noise (the bound's floor); a rise over the bound still passes
     # when the delta's reverse scores worse by more than this x the loss (a step down the gradient that overshoots)
     loss_tolerance: float = 0.02
+    # a contribution whose held-out loss is higher than with its delta reversed by more than this x the loss is an
+    # ascent step and refused, whatever its rise (inf: off); honest real-model work was at worst 0.004 x the loss
+    loss_reverse_tolerance: float = 0.005
     loss_mad_factor: float = 3.0  # after warm-up, the bound is also median + this x MAD of merged scores
     # claims and copies (node.diloco.claims)
     claim_rate_factor: float = 2.0  # steps claimed are capped at this x the peers' median measured step rate
@@ -136,6 +139,8 @@ class ScreeningConfig:
             raise ValueError("screening.loss_batches and loss_batch_size must be >= 1")
         if not (0.0 <= self.loss_tolerance < math.inf and 0.0 <= self.loss_mad_factor < math.inf):
             raise ValueError("screening.loss_tolerance and loss_mad_factor must be finite numbers >= 0")
+        if not self.loss_reverse_tolerance >= 0.0:
+            raise ValueError("screening.loss_reverse_tolerance must be a number >= 0 (inf: off)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -189,6 +194,7 @@ class ContributionScreen:
         self.loss = LossBound(
             tolerance=c.loss_tolerance,
             mad_factor=c.loss_mad_factor,
+            reverse_tolerance=c.loss_reverse_tolerance,
             history=c.history,
             min_history=c.min_history,
         )

@@ -363,9 +363,8 @@ class SyncerService:
             return None
         async with self.role.probe_lock:  # the probe's model is one copy
             current, versions = dict(core.params), tuple(core.versions)
-            rise_bound = core.screen.loss.rise_bound(fragment)  # over it, the reversed delta is scored too
             return await asyncio.to_thread(
-                probe.measure, current, versions, base, params, time.perf_counter, rise_bound
+                probe.measure, current, versions, base, params, time.perf_counter, True
             )
 
     def _fresh(self, remote: str, fragment: int) -> None:
