@@ -27,7 +27,7 @@ from tools.simulate import (
     simulate,
 )
 
-SMALL = GridConfig(failures_target=1_500.0, learner_failures_target=300.0)
+SMALL = GridConfig(dp_failures_target=1_500.0, failures_target=1_500.0, learner_failures_target=300.0)
 
 
 def test_deterministic_for_a_seed() -> None:
@@ -57,6 +57,7 @@ def test_dp_matches_the_renewal_formula() -> None:
     rate = 600_000 / fm.mtbi_chip_s
     restart = fm.restart_s + fm.restore_chip_s / 600_000
     expected = 1.0 / (1.0 + rate * (fm.return_mean_s + restart))
+    assert fm.dp_goodput(600_000) == pytest.approx(expected, rel=1e-12)  # what the calibration fits dp on
     result = simulate(config)
     assert result.goodput == pytest.approx(expected, rel=0.03)
     assert abs(result.goodput - expected) < 4 * result.goodput_stderr + 1e-3  # and within its own noise
@@ -103,7 +104,7 @@ def test_goodput_stderr_matches_the_spread_over_seeds() -> None:
 
 
 def test_cells_of_bigger_units_simulate_more_failures() -> None:
-    grid = GridConfig(learner_failures_target=1_000.0, failures_target=2_000.0)
+    grid = GridConfig(dp_failures_target=3_000.0, failures_target=2_000.0, learner_failures_target=1_000.0)
     mtbi = grid.failures.mtbi_chip_s
 
     def expected_failures(system: str, chips: int) -> float:
@@ -113,6 +114,7 @@ def test_cells_of_bigger_units_simulate_more_failures() -> None:
     assert expected_failures("M2", 2_400_000) == pytest.approx(8_000.0)  # learners of 1.2M chips: 8 times
     assert expected_failures("M8", 150_000) == pytest.approx(1_000.0)  # smaller units never get fewer
     assert expected_failures("elastic_dp", 600_000) == pytest.approx(8_000.0)
+    assert expected_failures("dp", 2_400_000) == pytest.approx(3_000.0)  # dp: its own target, not scaled
 
 
 def test_no_failures_means_full_goodput() -> None:
@@ -169,6 +171,8 @@ def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
                 "dp,M2",
                 "--chips",
                 "300k",
+                "--dp-failures-target",
+                "200",
                 "--failures-target",
                 "200",
                 "--learner-failures-target",
