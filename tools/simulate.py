@@ -27,8 +27,10 @@ Failure semantics (our assumptions, documented because the paper's are unknown, 
   simulated one by one, so 2.4M chips cost no more than 150k).
 * the time for failed chips to return follows an exponentiated Weibull distribution [S]; its shape is
   assumed (k = 1.5, a = 2), its mean is calibrated.
-* reconfiguration (downscale, upscale) and the non-elastic restart take fixed times, calibrated; a
-  failure or return during a reconfiguration joins it.
+* reconfiguration (downscale, upscale) takes a fixed time, calibrated; a failure or return during a
+  reconfiguration joins it. The non-elastic restart takes a fixed time plus a restore whose work the job's
+  chips share (restore_chip_s / chips), both calibrated: the one cost of ours that falls with the job's size.
+* goodput_stderr: the standard error of a run's goodput from NOISE_BATCHES batch means over the measured span.
 
 Parameters marked [P] come from the paper, [S] are guesses we calibrated against the paper's
 data-parallel, elastic data-parallel and M = 8 rows (`benchmarks/simulate_table.py --calibrate`); the
@@ -42,11 +44,13 @@ import heapq
 import logging
 import math
 import random
+import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from itertools import pairwise
 from typing import Literal, TypedDict
 
 from node.diloco.counters import token_weight
@@ -85,15 +89,19 @@ class FailureModel:
     """Chip failures, repairs and reconfiguration costs. Defaults are the calibrated values."""
 
     mtbi_chip_s: float = SECONDS_PER_YEAR  # [P] mean time between interruptions of one chip
-    # Calibrated values (docs/simulator.md): return_mean_s and the elastic pauses on the dp and elastic_dp rows of
-    # Table 1, restart_s on the dp row, slice_chips on the elastic_dp and M8 rows; M2, M4, M16 stay predictions.
-    return_mean_s: float = 66.9  # [S, calibrated] mean time for failed chips to return
+    # Calibrated values (docs/simulator.md): return_mean_s, the elastic pauses and slice_chips on the elastic_dp and
+    # M8 rows of Table 1, then restart_s and restore_chip_s on the dp row; M2, M4, M16 stay predictions.
+    return_mean_s: float = 67.5  # [S, calibrated] mean time for failed chips to return
     return_weibull_k: float = 1.5  # [S, assumed] Weibull shape of the return time
     return_weibull_a: float = 2.0  # [S, assumed] exponent of the exponentiated Weibull
-    restart_s: float = 9.0  # [S, calibrated] non-elastic restart once chips are back
-    downscale_s: float = 12.5  # [P named, value calibrated, tied] elastic pause to drop a failed slice
-    upscale_s: float = 12.5  # [P named, value calibrated, tied] elastic pause to re-add a returned slice
-    slice_chips: int = 9_000  # [S, calibrated] chips per elastic slice (a failure takes out its slice)
+    restart_s: float = 3.8  # [S, calibrated] non-elastic restart once chips are back: the fixed part ...
+    # ... plus the checkpoint restore, a fixed amount of work the job's chips share (each reads its shard), so a
+    # bigger job restores faster: restart = restart_s + restore_chip_s / chips. The paper's dp row needs a cost per
+    # failure that falls with the job's size (docs/simulator.md); this is the one term of ours that does.
+    restore_chip_s: float = 3_270_000.0  # [S, calibrated] restore work of one non-elastic restart, chip-s
+    downscale_s: float = 12.8  # [P named, value calibrated, tied] elastic pause to drop a failed slice
+    upscale_s: float = 12.8  # [P named, value calibrated, tied] elastic pause to re-add a returned slice
+    slice_chips: int = 11_270  # [S, calibrated] chips per elastic slice (a failure takes out its slice)
     lose_inflight_step: bool = False  # a failure also discards the step being computed
 
     def __post_init__(self) -> None:
@@ -101,12 +109,22 @@ class FailureModel:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"FailureModel.{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("restart_s", "downscale_s", "upscale_s"):
+        for name in ("restart_s", "restore_chip_s", "downscale_s", "upscale_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"FailureModel.{name} must be finite and >= 0, got {value!r}")
         if self.slice_chips < 1:
             raise ValueError(f"FailureModel.slice_chips must be >= 1, got {self.slice_chips!r}")
+
+    def restart_duration_s(self, chips: float) -> float:
+        """A non-elastic job's restart once its chips are back: fixed part plus its share of the restore."""
+        return self.restart_s + self.restore_chip_s / chips
+
+    def dp_goodput(self, chips: float) -> float:
+        """The non-elastic job's goodput by the renewal formula, exact for this model (failures only hit a
+        computing job, each costs a return and a restart): 1 / (1 + rate * (E[return] + restart))."""
+        rate = chips / self.mtbi_chip_s
+        return 1.0 / (1.0 + rate * (self.return_mean_s + self.restart_duration_s(chips)))
 
     def sample_return_s(self, rng: random.Random) -> float:
         """One draw of the return delay: scale * (-ln(1 - u**(1/a)))**(1/k)."""
@@ -200,11 +218,15 @@ class SimResult:
     mean_effective_learners: float  # diloco: (sum w)^2 / sum w^2 per merged round (token weights)
     merged_step_share: float  # diloco: share of learner fragment-steps that entered some merge
     events: int  # events processed (cost)
+    goodput_stderr: float = 0.0  # standard error of `goodput` from NOISE_BATCHES batch means
 
 
 _RUNNING, _PAUSED, _STALLED = 0, 1, 2
-_FAIL, _RETURN, _PAUSE_END, _CHECK, _MERGE_DONE, _FETCH_DONE, _WARMUP, _END = range(8)
+_FAIL, _RETURN, _PAUSE_END, _CHECK, _MERGE_DONE, _FETCH_DONE, _WARMUP, _BATCH, _END = range(9)
 _EPS = 1e-9
+# The measured span is cut into this many equal batches; the spread of their goodputs gives the standard error
+# (batch means: each batch spans hundreds of failures or more in the grid, so batches are nearly independent).
+NOISE_BATCHES = 10
 
 
 class _SyncerStats(TypedDict):
@@ -308,6 +330,7 @@ class _Engine:
         self.useful_at_warmup = 0.0
         self.stepped_at_warmup = 0.0
         self.failures_at_warmup = 0
+        self.useful_marks: list[float] = []  # useful chip-seconds at warm-up and at each batch boundary
 
     # ----- setup -------------------------------------------------------------------------------
     def _init_units(self) -> None:
@@ -375,6 +398,9 @@ class _Engine:
         for unit in self.units:
             self._start_running(unit)
         self.push(cfg.warmup_s, _WARMUP)
+        batch_s = (cfg.horizon_s - cfg.warmup_s) / NOISE_BATCHES
+        for i in range(1, NOISE_BATCHES):
+            self.push(cfg.warmup_s + i * batch_s, _BATCH)
         self.push(cfg.horizon_s, _END)
         handlers = {
             _FAIL: self._on_fail,
@@ -390,12 +416,11 @@ class _Engine:
             self.events += 1
             if kind == _END:
                 break
-            if kind == _WARMUP:
-                self._on_warmup()
+            if kind in (_WARMUP, _BATCH):
+                self._mark(warmup=kind == _WARMUP)
                 continue
             handlers[kind](a, b)
-        for unit in self.units:
-            self._advance(unit)
+        self._mark(warmup=False)
         return _summarise(self)
 
     # ----- units -------------------------------------------------------------------------------
@@ -479,7 +504,7 @@ class _Engine:
             if unit.state != _PAUSED:  # running: upscale; all gone: this is the recovery
                 self._pause(unit, self.fm.upscale_s)
         elif unit.state == _STALLED and unit.num_down == 0:
-            self._pause(unit, self.fm.restart_s)
+            self._pause(unit, self.fm.restart_duration_s(unit.chips))
         self._learner_changed()
 
     def _on_pause_end(self, index: int, gen: int) -> None:
@@ -548,6 +573,29 @@ class _Engine:
         # an earliest bound (later rounds may queue ahead of it): a check at that time looks again
         return max(reached, unit.up_free) + link.upload_s + link.latency_s
 
+    def _arrivals(self, rnd: _Round) -> tuple[list[_Unit], list[float]]:
+        """The learners whose contribution to `rnd` is at the syncer, and the sorted times the others' will be."""
+        now = self.now
+        if self.cfg.links is not None:
+            arrivals = [self._arrival(u, rnd) for u in self.units]
+            arrived = [u for u, at in zip(self.units, arrivals, strict=True) if at <= now + _EPS]
+            return arrived, sorted(at for at in arrivals if now + _EPS < at < math.inf)
+        # No links: `_arrival` inlined (same arithmetic), the quorum check being most of a grid cell's time.
+        arrived, future, step = [], [], rnd.step
+        for unit in self.units:
+            running = unit.state == _RUNNING
+            progress = min(unit.cap, unit.progress + unit.rate * (now - unit.t)) if running else unit.progress
+            if progress >= step - _EPS:
+                arrived.append(unit)
+            elif running and unit.cap >= step - _EPS:
+                at = now + (step - progress) / unit.rate
+                if at <= now + _EPS:
+                    arrived.append(unit)
+                else:
+                    future.append(at)
+        future.sort()
+        return arrived, future
+
     def _expected(self) -> tuple[int, float]:
         """Learners the membership believes alive, and when that belief next changes."""
         alive, next_change = 0, math.inf
@@ -568,9 +616,7 @@ class _Engine:
         if self.cfg.links is not None:
             for unit in self.units:
                 self._advance(unit)
-        arrivals = [self._arrival(u, rnd) for u in self.units]
-        arrived = [u for u, at in zip(self.units, arrivals, strict=True) if at <= self.now + _EPS]
-        future = sorted(at for at in arrivals if self.now + _EPS < at < math.inf)
+        arrived, future = self._arrivals(rnd)
         expected, membership_change = self._expected()
         required = self.policy.required(expected)
         if rnd.quorum_at is None and len(arrived) >= required:
@@ -674,12 +720,16 @@ class _Engine:
         unit.cap = pending + self.cfg.overlap_steps
 
     # ----- accounting --------------------------------------------------------------------------
-    def _on_warmup(self) -> None:
+    def _mark(self, *, warmup: bool) -> None:
+        """Bring every unit to now and note the useful chip-time (warm-up end, batch boundaries, horizon)."""
         for unit in self.units:
             self._advance(unit)
-        self.useful_at_warmup = sum(u.useful for u in self.units)
-        self.stepped_at_warmup = sum(u.stepped for u in self.units)
-        self.failures_at_warmup = sum(u.failures for u in self.units)
+        useful = math.fsum(u.useful for u in self.units)
+        self.useful_marks.append(useful)
+        if warmup:
+            self.useful_at_warmup = useful
+            self.stepped_at_warmup = sum(u.stepped for u in self.units)
+            self.failures_at_warmup = sum(u.failures for u in self.units)
 
 
 def _summarise(engine: _Engine) -> SimResult:
@@ -690,6 +740,8 @@ def _summarise(engine: _Engine) -> SimResult:
     stepped = sum(u.stepped for u in units) - engine.stepped_at_warmup
     stats = engine.stats if engine.diloco else None
     merged = stats["merged"] if stats else 0
+    marks = engine.useful_marks
+    batch_goodputs = [(b - a) * NOISE_BATCHES / (cfg.num_chips * measured) for a, b in pairwise(marks)]
     return SimResult(
         system=cfg.system,
         num_chips=cfg.num_chips,
@@ -703,6 +755,7 @@ def _summarise(engine: _Engine) -> SimResult:
         mean_effective_learners=stats["effective"] / merged if stats and merged else 0.0,
         merged_step_share=stats["steps"] / (stepped * cfg.num_fragments) if stats and stepped else 0.0,
         events=engine.events,
+        goodput_stderr=statistics.stdev(batch_goodputs) / math.sqrt(len(batch_goodputs)),
     )
 
 
@@ -712,11 +765,15 @@ def simulate(config: SimConfig) -> SimResult:
 
 
 # ----- the Table 1 grid -------------------------------------------------------------------------
-DEFAULT_FAILURES_TARGET = 60_000.0  # dp / elastic_dp cells: cheap (events scale with failures)
-DEFAULT_LEARNER_FAILURES_TARGET = 6_000.0  # diloco cells: cost scales with rounds, i.e. horizon / step_s
+DEFAULT_FAILURES_TARGET = 20_000.0  # elastic_dp cells: cheap (events scale with failures)
+# dp cells: cheaper still, and their noise, ~ g (1 - g) per failure, is largest in the small jobs that the
+# unit-size scaling leaves at the base: more failures, not scaled (the dp row is fitted to within 2.7 points).
+DEFAULT_DP_FAILURES_TARGET = 100_000.0
+DEFAULT_LEARNER_FAILURES_TARGET = 4_000.0  # diloco cells (all learners): a failure costs a few quorum checks
 # K = 1 goodput does not depend on the step time (no one waits; failure streams are seeded per learner
-# and a unit test checks the independence), so the grid uses a coarse step to keep rounds few.
-DEFAULT_GRID_STEP_S = 30.0
+# and a unit test checks the independence: 2 s and this step agree to 12 digits), so the grid uses a coarse step
+# to keep rounds few: the cost of a DiLoCo cell is then mostly its failures, not its rounds.
+DEFAULT_GRID_STEP_S = 1_000.0
 
 
 class _CellCommon(TypedDict):
@@ -734,8 +791,13 @@ class _CellCommon(TypedDict):
 class GridConfig:
     """How the Table 1 grid is simulated: run length per cell and the shared model settings."""
 
-    failures_target: float = DEFAULT_FAILURES_TARGET  # expected interruptions per dp / elastic_dp cell ...
+    dp_failures_target: float = DEFAULT_DP_FAILURES_TARGET  # expected interruptions per dp cell ...
+    failures_target: float = DEFAULT_FAILURES_TARGET  # ... per elastic_dp cell ...
     learner_failures_target: float = DEFAULT_LEARNER_FAILURES_TARGET  # ... per diloco cell (all learners)
+    # A unit (job or learner) of more chips than this simulates proportionally more failures: the goodput noise
+    # per failure grows with the unit's size (one return spans more of its failures), so every cell gets about the
+    # same noise, and the cells of small units, where it is low anyway, stay cheap.
+    noise_reference_chips: float = 150_000.0
     min_horizon_s: float = 3_600.0  # never simulate less than this
     warmup_fraction: float = 0.05  # share of each horizon discarded
     step_s: float = DEFAULT_GRID_STEP_S  # step time of every unit (only matters with in-flight step loss)
@@ -744,17 +806,31 @@ class GridConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (self.failures_target > 0 and self.learner_failures_target > 0 and self.min_horizon_s > 0):
-            raise ValueError("failure targets and min_horizon_s must be > 0")
+        positive = (
+            self.dp_failures_target,
+            self.failures_target,
+            self.learner_failures_target,
+            self.noise_reference_chips,
+            self.min_horizon_s,
+        )
+        if not all(v > 0 for v in positive):
+            raise ValueError("failure targets, noise_reference_chips and min_horizon_s must be > 0")
         if not 0 <= self.warmup_fraction < 1:
             raise ValueError("warmup_fraction must be in [0, 1)")
 
 
 def cell_config(system: str, num_chips: int, grid: GridConfig) -> SimConfig:
     """The SimConfig of one grid cell; `system` is dp, elastic_dp or M<number of learners>."""
-    cluster_mtbf_s = grid.failures.mtbi_chip_s / num_chips
-    target = grid.failures_target if system in ("dp", "elastic_dp") else grid.learner_failures_target
-    horizon = max(grid.min_horizon_s, target * cluster_mtbf_s)
+    baseline = system in ("dp", "elastic_dp")
+    if not baseline and not (system.startswith("M") and system[1:].isdigit() and int(system[1:]) >= 1):
+        raise ValueError(f"unknown grid system {system!r}")
+    units = 1 if baseline else int(system[1:])
+    if system == "dp":
+        target = grid.dp_failures_target
+    else:
+        target = grid.failures_target if baseline else grid.learner_failures_target
+        target *= max(1.0, num_chips / units / grid.noise_reference_chips)
+    horizon = max(grid.min_horizon_s, target * grid.failures.mtbi_chip_s / num_chips)
     common: _CellCommon = {
         "num_chips": num_chips,
         "horizon_s": horizon,
@@ -767,9 +843,7 @@ def cell_config(system: str, num_chips: int, grid: GridConfig) -> SimConfig:
         return SimConfig(system="dp", **common)
     if system == "elastic_dp":
         return SimConfig(system="elastic_dp", **common)
-    if not system.startswith("M") or not system[1:].isdigit():
-        raise ValueError(f"unknown grid system {system!r}")
-    return SimConfig(system="diloco", num_learners=int(system[1:]), quorum=grid.quorum, **common)
+    return SimConfig(system="diloco", num_learners=units, quorum=grid.quorum, **common)
 
 
 def run_grid(
@@ -849,6 +923,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of dp, elastic_dp, M<n>")
     parser.add_argument("--chips", default=",".join(CHIP_COUNTS), help="comma list of 150k,300k,...")
+    parser.add_argument("--dp-failures-target", type=float, default=DEFAULT_DP_FAILURES_TARGET)
     parser.add_argument("--failures-target", type=float, default=DEFAULT_FAILURES_TARGET)
     parser.add_argument("--learner-failures-target", type=float, default=DEFAULT_LEARNER_FAILURES_TARGET)
     parser.add_argument("--seed", type=int, default=0)
@@ -860,6 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     logging.basicConfig(level=logging.WARNING)
     grid = GridConfig(
+        dp_failures_target=args.dp_failures_target,
         failures_target=args.failures_target,
         learner_failures_target=args.learner_failures_target,
         seed=args.seed,

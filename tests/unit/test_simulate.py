@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import replace
 
 import pytest
 import torch
 
+from benchmarks.simulate_table import nelder_mead
 from protocol.compress import CodecSpec, encode
 from tools.sim_links import LinkModel, PeerLink
 from tools.simulate import (
+    DEFAULT_GRID_STEP_S,
     FailureModel,
     GridConfig,
     QuorumConfig,
@@ -24,7 +27,7 @@ from tools.simulate import (
     simulate,
 )
 
-SMALL = GridConfig(failures_target=1_500.0, learner_failures_target=300.0)
+SMALL = GridConfig(dp_failures_target=1_500.0, failures_target=1_500.0, learner_failures_target=300.0)
 
 
 def test_deterministic_for_a_seed() -> None:
@@ -46,13 +49,72 @@ def test_tiny_grid_orders_the_systems_like_the_paper() -> None:
 
 
 def test_dp_matches_the_renewal_formula() -> None:
-    # Failures only hit a computing job, each costs the return time plus the restart:
-    # goodput = 1 / (1 + rate * (E[return] + restart)).
+    # Failures only hit a computing job, each costs the return time plus the restart (its fixed part and the
+    # job's share of the restore): goodput = 1 / (1 + rate * (E[return] + restart)).
     fm = FailureModel()
+    assert fm.restore_chip_s > 0  # the calibrated model has the size-dependent part this checks
     config = SimConfig(system="dp", num_chips=600_000, horizon_s=3.0e5, warmup_s=1.0e4, failures=fm)
     rate = 600_000 / fm.mtbi_chip_s
-    expected = 1.0 / (1.0 + rate * (fm.return_mean_s + fm.restart_s))
-    assert simulate(config).goodput == pytest.approx(expected, rel=0.03)
+    restart = fm.restart_s + fm.restore_chip_s / 600_000
+    expected = 1.0 / (1.0 + rate * (fm.return_mean_s + restart))
+    assert fm.dp_goodput(600_000) == pytest.approx(expected, rel=1e-12)  # what the calibration fits dp on
+    result = simulate(config)
+    assert result.goodput == pytest.approx(expected, rel=0.03)
+    assert abs(result.goodput - expected) < 4 * result.goodput_stderr + 1e-3  # and within its own noise
+
+
+def _implied_cost_s(fm: FailureModel, chips: int) -> float:
+    """The mean cost of one failure a dp run implies: goodput = 1 / (1 + rate * cost)."""
+    rate = chips / fm.mtbi_chip_s
+    horizon = 30_000.0 / rate  # 30k failures: cost noise about 1%
+    g = simulate(
+        SimConfig(system="dp", num_chips=chips, horizon_s=horizon, warmup_s=0.05 * horizon, failures=fm)
+    )
+    return (1.0 / g.goodput - 1.0) / rate
+
+
+def test_restore_work_makes_a_bigger_job_restart_faster() -> None:
+    # The restore is work the job's chips share: restart = restart_s + restore_chip_s / chips.
+    fm = replace(FailureModel(), restart_s=5.0, restore_chip_s=6.0e6)
+    assert fm.restart_duration_s(150_000) == pytest.approx(45.0)
+    assert fm.restart_duration_s(2_400_000) == pytest.approx(7.5)
+    small, big = _implied_cost_s(fm, 150_000), _implied_cost_s(fm, 2_400_000)
+    assert small - big == pytest.approx(45.0 - 7.5, abs=5.0)
+    # negative control: without the restore term the cost per failure does not depend on the job's size
+    flat = replace(fm, restore_chip_s=0.0)
+    assert _implied_cost_s(flat, 150_000) == pytest.approx(_implied_cost_s(flat, 2_400_000), rel=0.04)
+    # an elastic job never restarts: the restore does not touch it
+    elastic = cell_config("elastic_dp", 600_000, replace(SMALL, failures=fm))
+    assert simulate(elastic) == simulate(replace(elastic, failures=flat))
+    with pytest.raises(ValueError):
+        replace(fm, restore_chip_s=-1.0)
+
+
+def test_goodput_stderr_matches_the_spread_over_seeds() -> None:
+    config = cell_config("elastic_dp", 1_200_000, SMALL)
+    runs = [simulate(replace(config, seed=seed)) for seed in range(8)]
+    spread = statistics.stdev(r.goodput for r in runs)
+    mean_stderr = statistics.fmean(r.goodput_stderr for r in runs)
+    assert mean_stderr > 0.0 and spread / 3 < mean_stderr < spread * 3  # the batch means estimate the noise
+    calm = replace(FailureModel(), mtbi_chip_s=math.inf)
+    assert (
+        simulate(SimConfig(system="dp", num_chips=1000, horizon_s=1000.0, failures=calm)).goodput_stderr
+        == 0.0
+    )
+
+
+def test_cells_of_bigger_units_simulate_more_failures() -> None:
+    grid = GridConfig(dp_failures_target=3_000.0, failures_target=2_000.0, learner_failures_target=1_000.0)
+    mtbi = grid.failures.mtbi_chip_s
+
+    def expected_failures(system: str, chips: int) -> float:
+        return cell_config(system, chips, grid).horizon_s * chips / mtbi
+
+    assert expected_failures("M16", 2_400_000) == pytest.approx(1_000.0)  # learners of 150k chips: the base
+    assert expected_failures("M2", 2_400_000) == pytest.approx(8_000.0)  # learners of 1.2M chips: 8 times
+    assert expected_failures("M8", 150_000) == pytest.approx(1_000.0)  # smaller units never get fewer
+    assert expected_failures("elastic_dp", 600_000) == pytest.approx(8_000.0)
+    assert expected_failures("dp", 2_400_000) == pytest.approx(3_000.0)  # dp: its own target, not scaled
 
 
 def test_no_failures_means_full_goodput() -> None:
@@ -67,7 +129,7 @@ def test_no_failures_means_full_goodput() -> None:
 
 def test_k1_goodput_does_not_depend_on_step_time() -> None:
     base = cell_config("M4", 2_400_000, SMALL)
-    fine, coarse = (simulate(replace(base, step_s=s)) for s in (2.0, 30.0))
+    fine, coarse = (simulate(replace(base, step_s=s)) for s in (2.0, DEFAULT_GRID_STEP_S))
     assert fine.goodput == pytest.approx(coarse.goodput, rel=1e-12)  # same failures, nobody waits
     assert fine.failures == coarse.failures
     assert fine.rounds_merged > 10 * coarse.rounds_merged
@@ -109,6 +171,8 @@ def test_cli_prints_a_table(capsys: pytest.CaptureFixture[str]) -> None:
                 "dp,M2",
                 "--chips",
                 "300k",
+                "--dp-failures-target",
+                "200",
                 "--failures-target",
                 "200",
                 "--learner-failures-target",
@@ -204,3 +268,10 @@ def test_link_validation() -> None:
         PeerLink(latency_ms=-1.0)
     with pytest.raises(ValueError):
         _links_config(10.0, peers=(PeerLink(),) * 3)  # neither one link nor one per learner
+
+
+def test_nelder_mead_finds_a_quadratic_minimum() -> None:
+    x, fx = nelder_mead(
+        lambda t: (t[0] - 3.0) ** 2 + 10 * (t[1] + 1.0) ** 2, [0.0, 0.0], [1.0, 1.0], tol=1e-10
+    )
+    assert x == pytest.approx([3.0, -1.0], abs=1e-3) and fx < 1e-6
