@@ -230,3 +230,24 @@ def test_max_fragments_in_flight_must_be_at_least_one() -> None:
     with pytest.raises(ValueError, match="max_fragments_in_flight"):
         SyncerConfig(max_fragments_in_flight=0)
     assert SyncerConfig().max_fragments_in_flight == 2
+
+
+# ------------------------------------------------------------------------------------------------ the learner's side
+
+
+def test_a_push_refused_for_load_is_retried_unless_it_can_never_pass() -> None:
+    """A chunk that arrived while other peers' requests held the syncer's bytes is refused midway; the learner keeps
+    the contribution and sends it again (before, any `throttled: ...` dropped it). A request over the caps alone
+    (`retry_after_s` inf) is final, as are refusals about the contribution itself."""
+    from node.diloco.sync_client import is_retryable
+    from protocol.errors import RemoteRefused
+    from protocol.rpc import PeerThrottled
+
+    def throttled(limit: str, retry_after_s: float) -> PeerThrottled:
+        return PeerThrottled("x", reason=f"throttled: {limit}", limit=limit, retry_after_s=retry_after_s)
+
+    assert is_retryable(throttled(limits.GLOBAL_BYTES_IN_FLIGHT, 0.0))
+    assert is_retryable(throttled(limits.RATE, 0.5))
+    assert not is_retryable(throttled(limits.BYTES_IN_FLIGHT, math.inf))
+    assert is_retryable(RemoteRefused("x", reason="busy"))
+    assert not is_retryable(RemoteRefused("x", reason="stale base"))
