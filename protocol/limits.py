@@ -187,7 +187,8 @@ class LimitsConfig:
     reserved_streams: int = 16
     max_streams_per_guest: int = 4
     # One activation of the demo model is ~1 MiB (16 x 128 x 128 fp32); 64 MiB per peer leaves room for
-    # larger models while keeping one peer to a bounded share of the node's memory.
+    # larger models while keeping one peer to a bounded share of the node's memory. Counted chunk by chunk as
+    # request bytes arrive (`FrameReservation`), which is what the receive buffers hold.
     max_bytes_in_flight_per_peer: int = 64 * MiB
     max_bytes_in_flight_total: int = 512 * MiB
     # Peer entries are a few hundred bytes each (buckets per RPC name plus counters); 4096 is ~1-2 MiB.

@@ -15,9 +15,9 @@ the frame in its usual layout, its payload hashed as it arrived.
 The receiver checks the preamble against the cap of that handler (which comes from our config, never from the peer)
 before it reads or allocates anything else, then reads each chunk under a timeout, counting chunks and bytes and
 refusing any chunk that would pass the declared total. The body buffer grows chunk by chunk as the chunks land, so
-memory follows the bytes that arrived, never the size a peer declared. Bodies are signed envelopes, so the reader also hashes each chunk's payload bytes as
-they land in that buffer (`envelope.FrameDigester`): `open_envelope` then finds the digest already made, and hashing
-overlaps the transfer instead of being a pass of its own. A request is one message with status REQUEST; the
+memory follows the bytes that arrived, never the size a peer declared. Bodies are signed envelopes, so the reader
+also hashes each chunk's payload bytes as they land in that buffer (`envelope.FrameDigester`): `open_envelope` then
+finds the digest already made, and hashing overlaps the transfer instead of being a pass of its own. A request is one message with status REQUEST; the
 answer is one message with status OK (the handler's bytes) or ERROR (a short reason tag).
 
 `remote_peer`, as handed to handlers, is the Noise-authenticated caller (`StreamInfo.peer_id` from the daemon).
