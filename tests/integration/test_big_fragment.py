@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,7 +57,7 @@ def test_the_syncers_caps_admit_one_fragment_per_peer_and_two_in_total() -> None
     assert not c.take(1, 0.0)
 
 
-def test_a_fragment_over_64_mib_syncs(tmp_path: Path) -> None:
+def test_a_fragment_over_64_mib_syncs(tmp_path: Path, record_property: Any) -> None:
     key = tmp_path / "syncer.key"
     run = replace(BIG, authorized_syncers=(NodeIdentity.load_or_create(key).peer_id,))
     run_path = run.write_run_toml(tmp_path / "run.toml")
@@ -82,6 +83,7 @@ def test_a_fragment_over_64_mib_syncs(tmp_path: Path) -> None:
         assert not merged.get("learners"), merged.get("learners")
         # the push frames (> 64 MiB) were held whole, chunk by chunk, and never more than the caps
         held = merged["in_flight"]
+        record_property("syncer_in_flight", held)
         assert held["cap_bytes"] == 2 * held["per_peer_cap_bytes"] > 2 * 64 * MiB, held
         assert 64 * MiB < held["peak_bytes"] <= held["cap_bytes"], held
         assert held["peak_per_peer_bytes"] <= held["per_peer_cap_bytes"], held
