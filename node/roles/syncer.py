@@ -116,9 +116,9 @@ class SyncerConfig:
     eval_batches: int = 4
     eval_batch_size: int = 8
     max_merged_keys: int = 65536  # remembered (peer, fragment, base, nonce) of merged contributions
-    # Requests of the largest size (a push or an offer of the largest fragment) that all peers together may hold
-    # in flight here: their bytes are reserved chunk by chunk as they arrive and given back once the request was
-    # handled or refused; a chunk past the cap refuses its request. Never below 64 MiB (many small fragments).
+    # Frames of the largest fragment that all peers' requests together may hold in flight here: their bytes are
+    # reserved chunk by chunk as they arrive and given back once the request was handled or refused; a chunk past
+    # the cap refuses its request. Never below 64 MiB (many small fragments) nor one whole offer (every fragment).
     max_fragments_in_flight: int = 2
     # each contribution checked alone before it merges: finite, norm bound, direction; rollback of a bad outer step
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)

@@ -34,6 +34,7 @@ from node.diloco.sync_client import (
     STATE_ROUTE,
     VERSIONS_ROUTE,
     control_limits,
+    fragment_limits,
     offer_limits,
     open_version_envelope,
 )
@@ -116,18 +117,20 @@ class SyncerHost(Protocol):
     def notify(self) -> None: ...
 
 
-def fragment_server_limits(routes: Mapping[str, Route], *, max_fragments_in_flight: int = 2) -> LimitsConfig:
-    """The stream layer's default caps, with room for fragments of any size: one peer may hold one whole request
-    of the largest route (a fragment's push or offer) in flight, and all peers together `max_fragments_in_flight`
-    of them, but never less than the default per-peer cap (64 MiB: small fragments keep the room they had). Bytes
-    are reserved chunk by chunk as they arrive (`protocol.limits.FrameReservation`), so these caps bound the
-    receive buffers: at most ~`max_fragments_in_flight` fragments' bytes whatever the model's size."""
+def fragment_server_limits(
+    routes: Mapping[str, Route], *, fragment_frame_bytes: int, max_fragments_in_flight: int = 2
+) -> LimitsConfig:
+    """The stream layer's default caps, with room for fragments of any size: one peer may hold one whole request of
+    the largest route in flight, and all peers together `max_fragments_in_flight` frames of the largest fragment,
+    never less than the default per-peer cap (64 MiB: small fragments keep room) nor than one largest request (an
+    offer may carry every fragment's version at once, so that one can still pass, alone). Bytes are reserved chunk by
+    chunk as they arrive (`protocol.limits.FrameReservation`), so these caps bound the receive buffers."""
     if max_fragments_in_flight < 1:
         raise ValueError(f"max_fragments_in_flight must be >= 1, got {max_fragments_in_flight}")
     base = route_limits(routes, StreamConfig())
     largest_request = max(route.max_request_bytes for route in routes.values())
     per_peer = max(base.max_bytes_in_flight_per_peer, largest_request)
-    total = max(base.max_bytes_in_flight_per_peer, max_fragments_in_flight * largest_request)
+    total = max(base.max_bytes_in_flight_per_peer, max_fragments_in_flight * fragment_frame_bytes, per_peer)
     return dataclasses.replace(base, max_bytes_in_flight_per_peer=per_peer, max_bytes_in_flight_total=total)
 
 
@@ -202,7 +205,9 @@ class SyncerService:
             on_reject=self._on_reject,
             on_throttle=on_throttle,
             limits=fragment_server_limits(
-                routes, max_fragments_in_flight=self.role.config.max_fragments_in_flight
+                routes,
+                fragment_frame_bytes=max_frame_bytes(fragment_limits(self.role.plan)),
+                max_fragments_in_flight=self.role.config.max_fragments_in_flight,
             ),
         )
         await self._server.start()

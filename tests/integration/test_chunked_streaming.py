@@ -153,7 +153,9 @@ async def _push_until_merged(
 
 
 async def _three_at_once(swarm: Swarm) -> dict[str, Any]:
-    caps = fragment_server_limits({"push3": Route(swarm.merge, FRAME)}, max_fragments_in_flight=2)
+    caps = fragment_server_limits(
+        {"push3": Route(swarm.merge, FRAME)}, fragment_frame_bytes=FRAME, max_fragments_in_flight=2
+    )
     server = swarm.server("push3", caps)
     await server.start()
     samples: list[int] = []
@@ -268,7 +270,9 @@ async def _answer(reader: Any) -> tuple[Status, str] | None:
 
 
 async def _chunk_past_the_cap(swarm: Swarm) -> dict[str, Any]:
-    caps = fragment_server_limits({"cut": Route(swarm.merge, FRAME)}, max_fragments_in_flight=1)
+    caps = fragment_server_limits(
+        {"cut": Route(swarm.merge, FRAME)}, fragment_frame_bytes=FRAME, max_fragments_in_flight=1
+    )
     server = swarm.server("cut", caps)
     await server.start()
     try:
@@ -322,7 +326,9 @@ def _rss_kib() -> int:
 
 
 async def _declare_and_stall(swarm: Swarm) -> dict[str, Any]:
-    caps = fragment_server_limits({"stall": Route(swarm.merge, FRAME)}, max_fragments_in_flight=2)
+    caps = fragment_server_limits(
+        {"stall": Route(swarm.merge, FRAME)}, fragment_frame_bytes=FRAME, max_fragments_in_flight=2
+    )
     server = swarm.server("stall", caps)
     await server.start()
     honest = _body(2)
@@ -402,7 +408,9 @@ BROKEN = {  # declared bytes, declared chunks (None: what the bytes need), what 
 
 async def _broken(swarm: Swarm, kind: str) -> dict[str, Any]:
     declared, num_chunks, write, _ = BROKEN[kind]
-    caps = fragment_server_limits({"broken": Route(swarm.merge, FRAME)}, max_fragments_in_flight=2)
+    caps = fragment_server_limits(
+        {"broken": Route(swarm.merge, FRAME)}, fragment_frame_bytes=FRAME, max_fragments_in_flight=2
+    )
     server = swarm.server("broken", caps)
     await server.start()
     try:

@@ -211,14 +211,28 @@ async def _noop(frame: bytearray, remote: str) -> None:
 def test_the_syncer_holds_at_most_the_configured_number_of_largest_requests(fragments: int) -> None:
     big = 256 * MiB  # the largest fragment frame of llama-1b at P = 16
     caps = fragment_server_limits(
-        {"push": Route(_noop, big), "ctl": Route(_noop, 4096)}, max_fragments_in_flight=fragments
+        {"push": Route(_noop, big), "ctl": Route(_noop, 4096)},
+        fragment_frame_bytes=big,
+        max_fragments_in_flight=fragments,
     )
     assert caps.max_bytes_in_flight_per_peer == big
     assert caps.max_bytes_in_flight_total == fragments * big
 
 
+def test_an_offer_of_every_fragment_can_still_pass_alone() -> None:
+    """An offer carries every fragment's signed version in one request: the total cap is never below it (at
+    llama-1b's 17 fragments that is ~17 fragments, not 2: offers sent a version at a time would lift this)."""
+    big = 256 * MiB
+    caps = fragment_server_limits(
+        {"push": Route(_noop, big), "offer": Route(_noop, 17 * big)}, fragment_frame_bytes=big
+    )
+    assert caps.max_bytes_in_flight_per_peer == caps.max_bytes_in_flight_total == 17 * big
+
+
 def test_small_fragments_keep_the_default_room() -> None:
-    caps = fragment_server_limits({"push": Route(_noop, MiB)}, max_fragments_in_flight=2)
+    caps = fragment_server_limits(
+        {"push": Route(_noop, MiB)}, fragment_frame_bytes=MiB, max_fragments_in_flight=2
+    )
     default = LimitsConfig()
     assert caps.max_bytes_in_flight_per_peer == default.max_bytes_in_flight_per_peer == 64 * MiB
     assert caps.max_bytes_in_flight_total == 64 * MiB
@@ -226,7 +240,9 @@ def test_small_fragments_keep_the_default_room() -> None:
 
 def test_max_fragments_in_flight_must_be_at_least_one() -> None:
     with pytest.raises(ValueError):
-        fragment_server_limits({"push": Route(_noop, MiB)}, max_fragments_in_flight=0)
+        fragment_server_limits(
+            {"push": Route(_noop, MiB)}, fragment_frame_bytes=MiB, max_fragments_in_flight=0
+        )
     with pytest.raises(ValueError, match="max_fragments_in_flight"):
         SyncerConfig(max_fragments_in_flight=0)
     assert SyncerConfig().max_fragments_in_flight == 2
