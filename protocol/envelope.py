@@ -453,17 +453,28 @@ class FrameDigester:
         self._hasher = _BackgroundHasher(_new_hasher(self.frame_bytes - start))
         self._hashed = start
 
-    def advance(self, frame: memoryview, filled: int) -> None:
+    def advance(self, frame: memoryview, filled: int, piece: bytes | memoryview | None = None) -> None:
         """`frame[:filled]` has arrived (and will not change): hash the payload bytes among it not hashed yet.
 
-        With a given `payload_start` (the head comes last), `frame[payload_start:filled]` has arrived."""
+        With a given `payload_start` (the head comes last), `frame[payload_start:filled]` has arrived. `piece`, if
+        given, holds the bytes that just arrived (they end at `filled`) in memory of its own: the hasher, which may
+        still be reading when this returns, then holds views of `piece`, never of `frame`, so the buffer under
+        `frame` may grow (and move) as the next chunk lands (`rpc.Reassembler` grows it chunk by chunk)."""
         if self.payload_start is None:
             if filled < _LENGTH.size:
                 return
             (header_len,) = _LENGTH.unpack_from(frame)
             self._start_at(_OVERHEAD_BYTES + header_len)
         if self._hasher is not None and filled > self._hashed:
-            self._hasher.update(frame[self._hashed : filled])
+            new = filled - self._hashed
+            if piece is None:
+                self._hasher.update(frame[self._hashed : filled])
+            elif new <= len(
+                piece
+            ):  # always, for chunks fed in order: the payload starts past the first 4 bytes
+                self._hasher.update(memoryview(piece)[len(piece) - new :])
+            else:
+                self._hasher.update(memoryview(bytes(frame[self._hashed : filled])))
             self._hashed = filled
 
     def digest(self, payload_start: int, frame_bytes: int) -> bytes | None:

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from protocol.errors import ProtocolError
+from protocol.errors import FrameTooLarge, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,8 @@ class LimitsConfig:
     reserved_streams: int = 16
     max_streams_per_guest: int = 4
     # One activation of the demo model is ~1 MiB (16 x 128 x 128 fp32); 64 MiB per peer leaves room for
-    # larger models while keeping one peer to a bounded share of the node's memory.
+    # larger models while keeping one peer to a bounded share of the node's memory. Counted chunk by chunk as
+    # request bytes arrive (`FrameReservation`), which is what the receive buffers hold.
     max_bytes_in_flight_per_peer: int = 64 * MiB
     max_bytes_in_flight_total: int = 512 * MiB
     # Peer entries are a few hundred bytes each (buckets per RPC name plus counters); 4096 is ~1-2 MiB.
@@ -226,6 +227,7 @@ class PeerStats:
     throttled_by_reason: Mapping[str, int]
     num_open_streams: int
     bytes_in_flight: int
+    peak_bytes_in_flight: int  # the most this peer held at once since it was (last) tracked
     num_flood_reports: int
 
 
@@ -239,6 +241,7 @@ class LimiterStats:
     num_evicted_peers: int
     num_open_streams: int
     bytes_in_flight: int
+    peak_bytes_in_flight: int  # the most all peers held at once, ever
 
 
 @dataclass(slots=True)
@@ -248,6 +251,7 @@ class _PeerState:
     num_streams: int = 0
     guest_streams: int = 0  # of num_streams, those opened while the peer was not preferred
     bytes_in_flight: int = 0
+    peak_bytes_in_flight: int = 0
     throttled: Counter[str] = field(default_factory=Counter)
     recent_throttles: deque[float] = field(default_factory=deque)  # own-fault throttle times, bounded
     num_flood_reports: int = 0
@@ -260,8 +264,8 @@ class PeerLimiter:
     """Per-peer (and global) request rates, concurrent streams and bytes in flight.
 
     Unary requests ask `admit`; streaming calls ask `open_stream` (a rate token plus a stream slot) and must
-    `close_stream` (or use the `stream` context manager); large payloads reserve their bytes before
-    allocating. Refusals are counted per peer and reason; a peer refused for its own behaviour more than
+    `close_stream` (or use the `stream` context manager); payloads reserve their bytes before allocating them,
+    chunk by chunk as they arrive (`frame`, `FrameReservation`). Refusals are counted per peer and reason; a peer refused for its own behaviour more than
     `flood_threshold` times within `flood_window_s` gets a `FloodReport` on the refusal that crossed the line
     (once per crossing).
 
@@ -285,6 +289,7 @@ class PeerLimiter:
         self._num_streams = 0
         self._num_guest_streams = 0
         self._bytes_in_flight = 0
+        self._peak_bytes_in_flight = 0
         self._preferred: Callable[[str], bool] | None = None  # None: every peer is preferred
 
     # ---- public API -----------------------------------------------------------------------------------
@@ -354,20 +359,48 @@ class PeerLimiter:
             self.close_stream(peer, rpc)
 
     def reserve_bytes(self, peer: str, num_bytes: int, now: float) -> Admission:
-        """Reserve `num_bytes` of buffer for `peer` before allocating it (declared size, from a header)."""
+        """Reserve `num_bytes` of buffer for `peer` before allocating it (a chunk's length, from its header)."""
         _require(num_bytes >= 0, f"num_bytes must be >= 0, got {num_bytes}")
         state = self._peers.get(peer)
-        held = state.bytes_in_flight if state is not None else 0
-        if held + num_bytes > self.config.max_bytes_in_flight_per_peer:
-            return self._refuse(peer, state, Admission(ok=False, reason=BYTES_IN_FLIGHT), now)
-        if self._bytes_in_flight + num_bytes > self.config.max_bytes_in_flight_total:
-            return self._refuse(peer, state, Admission(ok=False, reason=GLOBAL_BYTES_IN_FLIGHT), now)
+        refusal = self._check_bytes(state, num_bytes)
+        if refusal is not None:
+            return self._refuse(peer, state, refusal, now)
         state = self._state_for_admitted(peer)
         if state is None:
             return self._refuse(peer, None, Admission(ok=False, reason=PEER_TABLE_FULL), now)
         state.bytes_in_flight += num_bytes
         self._bytes_in_flight += num_bytes
+        state.peak_bytes_in_flight = max(state.peak_bytes_in_flight, state.bytes_in_flight)
+        self._peak_bytes_in_flight = max(self._peak_bytes_in_flight, self._bytes_in_flight)
         return ADMITTED
+
+    def admit_bytes(self, peer: str, num_bytes: int, now: float) -> Admission:
+        """May `peer` start sending a `num_bytes` message now? Reserves nothing (`FrameReservation` reserves its
+        chunks as they arrive). Refused for good (`retry_after_s` inf) when it could never fit, being over the
+        per-peer or the total cap alone; refused for now when it does not fit beside what the peer and the node
+        hold at this moment, so that a transfer the caps would cut midway is not started."""
+        _require(num_bytes >= 0, f"num_bytes must be >= 0, got {num_bytes}")
+        state = self._peers.get(peer)
+        never = self._check_bytes(None, num_bytes, held_total=0)
+        if never is not None:
+            return self._refuse(
+                peer, state, Admission(ok=False, reason=never.reason, retry_after_s=math.inf), now
+            )
+        for_now = self._check_bytes(state, num_bytes)
+        return ADMITTED if for_now is None else self._refuse(peer, state, for_now, now)
+
+    @contextmanager
+    def frame(self, peer: str, declared_bytes: int, now: float) -> Iterator[FrameReservation]:
+        """`with limiter.frame(peer, declared, now) as held:` admits the message (`admit_bytes`; raises `Throttled`)
+        and gives back every byte its chunks reserved (`held.take`) when the block ends: consumed or refused."""
+        admission = self.admit_bytes(peer, declared_bytes, now)
+        if not admission:
+            raise Throttled(admission)
+        held = FrameReservation(self, peer, declared_bytes)
+        try:
+            yield held
+        finally:
+            held.release()
 
     def release_bytes(self, peer: str, num_bytes: int) -> None:
         """Give back bytes taken by an admitted `reserve_bytes`."""
@@ -388,6 +421,11 @@ class PeerLimiter:
         finally:
             self.release_bytes(peer, num_bytes)
 
+    @property
+    def bytes_in_flight(self) -> int:
+        """Bytes reserved now, all peers together."""
+        return self._bytes_in_flight
+
     def stats(self) -> LimiterStats:
         peers = {
             peer: PeerStats(
@@ -395,6 +433,7 @@ class PeerLimiter:
                 throttled_by_reason=dict(state.throttled),
                 num_open_streams=state.num_streams,
                 bytes_in_flight=state.bytes_in_flight,
+                peak_bytes_in_flight=state.peak_bytes_in_flight,
                 num_flood_reports=state.num_flood_reports,
             )
             for peer, state in self._peers.items()
@@ -408,6 +447,7 @@ class PeerLimiter:
             num_evicted_peers=self._num_evicted,
             num_open_streams=self._num_streams,
             bytes_in_flight=self._bytes_in_flight,
+            peak_bytes_in_flight=self._peak_bytes_in_flight,
         )
 
     # ---- internals ------------------------------------------------------------------------------------
@@ -451,6 +491,17 @@ class PeerLimiter:
         reserved = min(config.reserved_streams, config.max_streams_total // 2)  # guests keep half at least
         if guest and self._num_guest_streams >= config.max_streams_total - reserved:
             return Admission(ok=False, reason=GLOBAL_STREAMS)
+        return None
+
+    def _check_bytes(
+        self, state: _PeerState | None, num_bytes: int, *, held_total: int | None = None
+    ) -> Admission | None:
+        held = state.bytes_in_flight if state is not None else 0
+        if held + num_bytes > self.config.max_bytes_in_flight_per_peer:
+            return Admission(ok=False, reason=BYTES_IN_FLIGHT)
+        total = self._bytes_in_flight if held_total is None else held_total
+        if total + num_bytes > self.config.max_bytes_in_flight_total:
+            return Admission(ok=False, reason=GLOBAL_BYTES_IN_FLIGHT)
         return None
 
     def _state_for_admitted(self, peer: str) -> _PeerState | None:
@@ -508,6 +559,47 @@ class PeerLimiter:
             reasons=dict(state.throttled),
             reason=f"throttled {num_throttled} times within {window_s:g} s ({summary})",
         )
+
+
+class FrameReservation:
+    """The bytes one incoming message holds against a `PeerLimiter`: reserved chunk by chunk as the chunks arrive
+    (`take`, before each is read), all given back at once (`release`) when the message was consumed or refused.
+
+    Counting chunks rather than the declared size means a peer holds the budget of what it has actually sent: a
+    peer that declares a fragment-sized frame and stalls holds nothing, and the node's bytes in flight are the bytes
+    its receive buffers hold (the stream layer grows them as chunks land). A chunk past a cap is refused, and so is
+    one that would carry the message past its declared size: that is the sender's fault (`FrameTooLarge`).
+    """
+
+    __slots__ = ("limiter", "peer", "declared_bytes", "held_bytes", "num_chunks")
+
+    def __init__(self, limiter: PeerLimiter, peer: str, declared_bytes: int) -> None:
+        _require(declared_bytes >= 0, f"declared_bytes must be >= 0, got {declared_bytes}")
+        self.limiter = limiter
+        self.peer = peer
+        self.declared_bytes = declared_bytes
+        self.held_bytes = 0
+        self.num_chunks = 0  # chunks reserved so far
+
+    def take(self, num_bytes: int, now: float) -> Admission:
+        """Reserve one `num_bytes` chunk; a refusal reserves nothing (the caller refuses the whole message)."""
+        if self.held_bytes + num_bytes > self.declared_bytes:
+            raise FrameTooLarge(
+                f"chunk {self.num_chunks + 1} brings the message to {self.held_bytes + num_bytes} bytes, more than"
+                f" the {self.declared_bytes} declared",
+                reason="more than declared",
+            )
+        admission = self.limiter.reserve_bytes(self.peer, num_bytes, now)
+        if admission:
+            self.held_bytes += num_bytes
+            self.num_chunks += 1
+        return admission
+
+    def release(self) -> None:
+        """Give back everything taken (idempotent)."""
+        if self.held_bytes:
+            self.limiter.release_bytes(self.peer, self.held_bytes)
+            self.held_bytes = 0
 
 
 # ---- DHT store quotas ----------------------------------------------------------------------------------

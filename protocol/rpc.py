@@ -14,10 +14,10 @@ the frame in its usual layout, its payload hashed as it arrived.
 
 The receiver checks the preamble against the cap of that handler (which comes from our config, never from the peer)
 before it reads or allocates anything else, then reads each chunk under a timeout, counting chunks and bytes and
-refusing any chunk that would pass the declared total. The body buffer is allocated only once the declared size is
-known to be under the cap. Bodies are signed envelopes, so the reader also hashes each chunk's payload bytes as
-they land in that buffer (`envelope.FrameDigester`): `open_envelope` then finds the digest already made, and hashing
-overlaps the transfer instead of being a pass of its own. A request is one message with status REQUEST; the
+refusing any chunk that would pass the declared total. The body buffer grows chunk by chunk as the chunks land, so
+memory follows the bytes that arrived, never the size a peer declared. Bodies are signed envelopes, so the reader
+also hashes each chunk's payload bytes as they land in that buffer (`envelope.FrameDigester`): `open_envelope` then
+finds the digest already made, and hashing overlaps the transfer instead of being a pass of its own. A request is one message with status REQUEST; the
 answer is one message with status OK (the handler's bytes) or ERROR (a short reason tag).
 
 `remote_peer`, as handed to handlers, is the Noise-authenticated caller (`StreamInfo.peer_id` from the daemon).
@@ -26,8 +26,11 @@ the remote peer in `PeerStrikes` unless the fault may be ours (see `blames_remot
 
 Load limits sit above all of that (p2pd runs libp2p with `InfiniteLimits`, so nothing below us sheds load). Before
 a byte of a request is read, the server asks its `PeerLimiter` for a rate token of that route and a stream slot of
-that peer; once the preamble has declared the request's size, and before the buffer is allocated, it reserves those
-bytes against the peer's and the node's bytes-in-flight caps. A refused peer gets a quick typed answer
+that peer; once the preamble has declared the request's size it checks that the request could fit the peer's and
+the node's bytes-in-flight caps beside what is held now (`PeerLimiter.admit_bytes`), then reserves each chunk's
+bytes against those caps before reading it (`FrameReservation`: a peer holds budget only for what it has sent) and
+gives them all back once the handler returned or the request was refused. A chunk past a cap refuses the whole
+request, logged; its handler never runs, so nothing of it is merged. A refused peer gets a quick typed answer
 (`throttled: <limit>; retry_after_s=<s>`, raised as `PeerThrottled` by `call_framed`), is counted, and is not struck:
 being over a limit is load. A peer refused for its own behaviour more than the limiter's flood threshold is
 flooding: that is logged once per flood window and recorded as one "flood" strike per window.
@@ -67,6 +70,7 @@ from protocol.limits import (
     STREAMS,
     Admission,
     FloodReport,
+    FrameReservation,
     LimitsConfig,
     PeerLimiter,
     RateLimit,
@@ -225,7 +229,10 @@ class Reassembler:
         self.max_chunk_bytes = max_chunk_bytes
         self.received_bytes = 0
         self.received_chunks = 0
-        self._buffer = ReceivedFrame(preamble.total_bytes)  # already checked against our cap
+        # The buffer grows chunk by chunk (appends to a bytearray move no bytes once it is large: glibc remaps it),
+        # so memory follows the bytes that arrived, which the server reserves chunk by chunk, and never the size
+        # the peer declared. When the head comes last its place (<= 64 KiB) is made up front.
+        self._buffer = ReceivedFrame(preamble.head_bytes)
         # when the head comes last: its size, and the payload bytes read before it
         self._head = preamble.head_bytes
         self._payload = preamble.total_bytes - preamble.head_bytes
@@ -235,6 +242,11 @@ class Reassembler:
     @property
     def done(self) -> bool:
         return self.received_chunks == self.preamble.num_chunks
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes the body buffer holds now: what arrived (plus the head's place, when the head comes last)."""
+        return len(self._buffer)
 
     def next_chunk_length(self, raw_header: bytes) -> int:
         """Validate a chunk header before its body is read."""
@@ -252,21 +264,24 @@ class Reassembler:
         return length
 
     def add(self, data: bytes) -> None:
+        """Place one chunk (its length already passed `next_chunk_length`); `data` must not change afterwards."""
         start = self.received_bytes
-        with memoryview(self._buffer) as view:  # not bytearray item assignment, which drops the digest
-            if not self._head:
-                view[start : start + len(data)] = data
-            else:  # read order: payload, then head; buffer order: head, then payload
-                split = max(0, min(len(data), self._payload - start))  # bytes of this chunk in the payload
-                view[self._head + start : self._head + start + split] = data[:split]
-                if split < len(data):
-                    head_at = start + split - self._payload
-                    view[head_at : head_at + len(data) - split] = data[split:]
-            self.received_bytes += len(data)
-            self.received_chunks += 1
-            if self._buffer.digester is not None:
-                arrived = self._head + min(self.received_bytes, self._payload)  # in-order: 0 + all received
-                self._buffer.digester.advance(view, arrived)
+        piece = memoryview(data)
+        # bytes of this chunk in the payload (all of it when the body comes in order), appended to the buffer;
+        # the rest (the head, sent last) goes in front
+        split = len(piece) if not self._head else max(0, min(len(piece), self._payload - start))
+        if split:
+            self._buffer.extend(piece[:split])  # not item assignment, which drops the digest
+        if split < len(piece):
+            head_at = start + split - self._payload
+            with memoryview(self._buffer) as view:
+                view[head_at : head_at + len(piece) - split] = piece[split:]
+        self.received_bytes += len(piece)
+        self.received_chunks += 1
+        if self._buffer.digester is not None:
+            arrived = self._head + min(self.received_bytes, self._payload)  # in-order: 0 + all received
+            with memoryview(self._buffer) as view:
+                self._buffer.digester.advance(view, arrived, piece[:split])
 
     def finish(self) -> ReceivedFrame:
         if not self.done or self.received_bytes != self.preamble.total_bytes:
@@ -304,14 +319,22 @@ async def read_message(
 
 
 async def _read_chunks(
-    reader: asyncio.StreamReader, preamble: Preamble, config: StreamConfig, *, digest: bool
+    reader: asyncio.StreamReader,
+    preamble: Preamble,
+    config: StreamConfig,
+    *,
+    digest: bool,
+    reserve: Callable[[int], None] | None = None,
 ) -> ReceivedFrame:
-    """The body a checked preamble announced (allocated here, once, at the declared size)."""
+    """The body a checked preamble announced, its buffer grown as its chunks land. `reserve(length)` is called
+    with each chunk's checked length before a byte of that chunk is read, and raises to refuse it."""
     parts = Reassembler(preamble, max_chunk_bytes=config.max_chunk_bytes, digest=digest)
     while not parts.done:
         length = parts.next_chunk_length(
             await _read_exactly(reader, _CHUNK_HEADER.size, config.chunk_timeout_s)
         )
+        if reserve is not None:
+            reserve(length)
         parts.add(await _read_exactly(reader, length, config.chunk_timeout_s))
     return parts.finish()
 
@@ -568,7 +591,7 @@ class FramedServer:
             await self._throttle(remote, name, admission, reader, writer)
             return
         try:
-            answer = await self._handle(route, remote, reader)
+            answer = await self._handle(name, route, remote, reader)
         except Throttled as e:
             await self._throttle(remote, name, e.admission, reader, writer)
             return
@@ -587,8 +610,9 @@ class FramedServer:
         except (ConnectionError, asyncio.TimeoutError) as e:
             logger.debug("%s: answer to %s not delivered: %r", name, remote[:16], e)
 
-    async def _handle(self, route: Route, remote: str, reader: asyncio.StreamReader) -> Body:
-        """Read the request under the caps (its bytes reserved before they are allocated), then run the handler."""
+    async def _handle(self, name: str, route: Route, remote: str, reader: asyncio.StreamReader) -> Body:
+        """Read the request under the caps (each chunk's bytes reserved before it is read), then run the handler;
+        the reservation is given back once the handler returns or the request is refused."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.message_timeout_s
         raw = await _read_exactly(reader, _PREAMBLE.size, self.config.chunk_timeout_s)
@@ -598,10 +622,16 @@ class FramedServer:
             max_chunk_bytes=self.config.max_chunk_bytes,
             statuses=frozenset({Status.REQUEST}),
         )
-        with self.limiter.reserved_bytes(remote, preamble.total_bytes, self.clock()):
+        with self.limiter.frame(remote, preamble.total_bytes, self.clock()) as held:
             try:
                 frame = await asyncio.wait_for(
-                    _read_chunks(reader, preamble, self.config, digest=route.digest_payload),
+                    _read_chunks(
+                        reader,
+                        preamble,
+                        self.config,
+                        digest=route.digest_payload,
+                        reserve=lambda length: self._take_chunk(name, remote, held, preamble, length),
+                    ),
                     max(0.0, deadline - loop.time()),
                 )
             except asyncio.TimeoutError:
@@ -610,6 +640,27 @@ class FramedServer:
                 ) from None
             answer = await route.handler(frame, remote)
         return b"" if answer is None else answer
+
+    def _take_chunk(
+        self, name: str, remote: str, held: FrameReservation, preamble: Preamble, length: int
+    ) -> None:
+        """Reserve one chunk of a request; past a cap the whole request is refused (`Throttled`) and its handler
+        never runs."""
+        admission = held.take(length, self.clock())
+        if admission:
+            return
+        logger.info(
+            "%s: refused a request from %s at chunk %d of %d: %s (%d of %d declared bytes held, %d in flight here)",
+            name,
+            remote[:16],
+            held.num_chunks + 1,
+            preamble.num_chunks,
+            admission.reason,
+            held.held_bytes,
+            preamble.total_bytes,
+            self.limiter.bytes_in_flight,
+        )
+        raise Throttled(admission)
 
     async def _throttle(
         self,

@@ -553,7 +553,7 @@ class FramedSyncTransport:
         try:
             peer, answer = await self._call(PUSH_ROUTE, frame, max_frame_bytes(control_limits()))
         except RemoteRefused as e:
-            if e.reason in RETRYABLE_REFUSALS:
+            if is_retryable(e):
                 raise SyncDeferred(f"push deferred by the syncer: {e.reason}", reason=e.reason) from None
             raise ContributionRefused(str(e), reason=e.reason) from None
         opened = self._open(answer, peer, Kind.CONTROL, control_limits())
@@ -630,6 +630,17 @@ class FramedSyncTransport:
 RETRYABLE_REFUSALS = frozenset(
     {"busy", "recovering", "standby", "internal error", "ahead of syncer", "unknown peer"}
 )
+
+
+def is_retryable(error: Exception) -> bool:
+    """A "not now": a retryable reason, or a refusal for load that could pass later (other peers' requests held
+    the syncer's bytes in flight when a chunk of ours arrived); one that can never pass (`retry_after_s` inf: a
+    request over the syncer's caps alone) is final."""
+    from protocol.rpc import PeerThrottled
+
+    if isinstance(error, PeerThrottled):
+        return math.isfinite(error.retry_after_s)
+    return getattr(error, "reason", None) in RETRYABLE_REFUSALS
 
 
 def choose_syncer(

@@ -116,6 +116,10 @@ class SyncerConfig:
     eval_batches: int = 4
     eval_batch_size: int = 8
     max_merged_keys: int = 65536  # remembered (peer, fragment, base, nonce) of merged contributions
+    # Frames of the largest fragment that all peers' requests together may hold in flight here: their bytes are
+    # reserved chunk by chunk as they arrive and given back once the request was handled or refused; a chunk past
+    # the cap refuses its request. Never below 64 MiB (many small fragments) nor one whole offer (every fragment).
+    max_fragments_in_flight: int = 2
     # each contribution checked alone before it merges: finite, norm bound, direction; rollback of a bad outer step
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
 
@@ -147,8 +151,10 @@ class SyncerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"syncer.{name} must be an int >= 0, got {value!r}")
-        if self.eval_batch_size < 1 or self.max_merged_keys < 1 or self.checkpoint_keep < 1:
-            raise ValueError("syncer.eval_batch_size, max_merged_keys and checkpoint_keep must be >= 1")
+        for name in ("eval_batch_size", "max_merged_keys", "checkpoint_keep", "max_fragments_in_flight"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"syncer.{name} must be an int >= 1, got {value!r}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], *, heartbeat_period_s: float) -> SyncerConfig:

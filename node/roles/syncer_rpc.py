@@ -34,6 +34,7 @@ from node.diloco.sync_client import (
     STATE_ROUTE,
     VERSIONS_ROUTE,
     control_limits,
+    fragment_limits,
     offer_limits,
     open_version_envelope,
 )
@@ -78,6 +79,8 @@ class PollTiming(Protocol):
     def mirror_every_s(self) -> float: ...
     @property
     def screening(self) -> ScreeningConfig: ...
+    @property
+    def max_fragments_in_flight(self) -> int: ...
 
 
 class SyncerHost(Protocol):
@@ -114,15 +117,37 @@ class SyncerHost(Protocol):
     def notify(self) -> None: ...
 
 
-def fragment_server_limits(routes: Mapping[str, Route], fragment_frame_bytes: int) -> LimitsConfig:
-    """The stream layer's default caps, with room for fragments of any size: one peer may hold one whole
-    fragment frame (or its largest request) in flight, and all peers together two fragments' worth (or the
-    defaults, if larger). Request bytes are still reserved from the declared size before any is allocated."""
+def fragment_server_limits(
+    routes: Mapping[str, Route], *, fragment_frame_bytes: int, max_fragments_in_flight: int = 2
+) -> LimitsConfig:
+    """The stream layer's default caps, with room for fragments of any size: one peer may hold one whole request of
+    the largest route in flight, and all peers together `max_fragments_in_flight` frames of the largest fragment,
+    never less than the default per-peer cap (64 MiB: small fragments keep room) nor than one largest request (an
+    offer may carry every fragment's version at once, so that one can still pass, alone). Bytes are reserved chunk by
+    chunk as they arrive (`protocol.limits.FrameReservation`), so these caps bound the receive buffers."""
+    if max_fragments_in_flight < 1:
+        raise ValueError(f"max_fragments_in_flight must be >= 1, got {max_fragments_in_flight}")
     base = route_limits(routes, StreamConfig())
     largest_request = max(route.max_request_bytes for route in routes.values())
     per_peer = max(base.max_bytes_in_flight_per_peer, largest_request)
-    total = max(base.max_bytes_in_flight_total, 2 * fragment_frame_bytes, per_peer)
+    total = max(base.max_bytes_in_flight_per_peer, max_fragments_in_flight * fragment_frame_bytes, per_peer)
     return dataclasses.replace(base, max_bytes_in_flight_per_peer=per_peer, max_bytes_in_flight_total=total)
+
+
+def in_flight_status(server: FramedServer | None) -> dict[str, int]:
+    """Request bytes a server holds in receive buffers now (reserved chunk by chunk as they arrive), the most it
+    ever held (all peers, and one peer), and the caps they may not pass."""
+    if server is None:
+        return {}
+    limiter = server.limiter
+    stats = limiter.stats()
+    return {
+        "bytes": stats.bytes_in_flight,
+        "peak_bytes": stats.peak_bytes_in_flight,
+        "peak_per_peer_bytes": max((p.peak_bytes_in_flight for p in stats.peers.values()), default=0),
+        "cap_bytes": limiter.config.max_bytes_in_flight_total,
+        "per_peer_cap_bytes": limiter.config.max_bytes_in_flight_per_peer,
+    }
 
 
 class RefusedFrame(TensorPolicyError):
@@ -179,7 +204,11 @@ class SyncerService:
             strikes=self.role.strikes,
             on_reject=self._on_reject,
             on_throttle=on_throttle,
-            limits=fragment_server_limits(routes, max_frame_bytes(self.push_limits)),
+            limits=fragment_server_limits(
+                routes,
+                fragment_frame_bytes=max_frame_bytes(fragment_limits(self.role.plan)),
+                max_fragments_in_flight=self.role.config.max_fragments_in_flight,
+            ),
         )
         await self._server.start()
 
@@ -202,6 +231,7 @@ class SyncerService:
             # per learner: refused contributions by tag, evidence (hash, scores, reason), ban and its reason
             "learners": self.ledger.status(time.time()),
             "refusals_by_peer": self.ledger.refusals(),
+            "in_flight": in_flight_status(self._server),
             **self._sybil_status(),
         }
 

@@ -2,13 +2,16 @@
 
 The model is 2 layers x 1024 wide cut into one layer fragment of ~25M parameters (~100 MB in fp32, plus the
 embedding apart). With the stream layer's default caps the syncer could never accept that push; the syncer
-sizes its caps from the run's largest fragment (`fragment_server_limits`), so the learner's pushes merge.
+sizes its caps from the run's largest fragment (`fragment_server_limits`), so the learner's pushes merge, while
+the bytes it holds in flight (counted chunk by chunk, its `/api/status` `in_flight`) stay under two requests.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,7 +19,7 @@ from node.diloco.sync_client import PUSH_ROUTE, fragment_limits, run_fragment_pl
 from node.roles.syncer_rpc import fragment_server_limits
 from protocol.envelope import max_frame_bytes
 from protocol.identity import NodeIdentity
-from protocol.limits import LimitsConfig, PeerLimiter
+from protocol.limits import FrameReservation, LimitsConfig, PeerLimiter
 from protocol.manifest import parse_run_toml
 from protocol.rpc import Route, StreamConfig, route_limits
 from tests.integration.procs import QUIET_LEARNER, RunSpec, procs, wait_until, write_node_toml
@@ -36,22 +39,25 @@ def test_the_syncers_caps_admit_one_fragment_per_peer_and_two_in_total() -> None
     frame = max_frame_bytes(fragment_limits(plan))
     assert frame > 64 * MiB  # the point of the test
     routes = {PUSH_ROUTE: Route(_noop, frame)}
-    limits = fragment_server_limits(routes, frame)
+    limits = fragment_server_limits(routes, fragment_frame_bytes=frame)
     default = route_limits(routes, StreamConfig())
     assert default.max_bytes_in_flight_per_peer == LimitsConfig().max_bytes_in_flight_per_peer == 64 * MiB
-    # negative control: the default caps refuse one whole fragment from one peer
-    assert not PeerLimiter(default).reserve_bytes("a", frame, 0.0)
-    assert limits.max_bytes_in_flight_total == max(default.max_bytes_in_flight_total, 2 * frame)
-    # a 1B-class fragment (400 MiB): one per peer, two in flight in all
-    huge = 400 * MiB
-    limiter = PeerLimiter(fragment_server_limits({PUSH_ROUTE: Route(_noop, huge)}, huge))
-    assert limiter.reserve_bytes("a", huge, 0.0)
-    assert not limiter.reserve_bytes("a", 1, 0.0)
-    assert limiter.reserve_bytes("b", huge, 0.0)
-    assert not limiter.reserve_bytes("c", huge, 0.0)
+    # negative control: the default caps refuse one whole fragment from one peer, for good
+    refused = PeerLimiter(default).admit_bytes("a", frame, 0.0)
+    assert not refused and refused.retry_after_s == math.inf
+    assert limits.max_bytes_in_flight_per_peer == frame
+    assert limits.max_bytes_in_flight_total == 2 * frame
+    # a 1B-class fragment (256 MiB, llama-1b at P = 16), counted chunk by chunk: one per peer, two in all
+    huge = 256 * MiB
+    limiter = PeerLimiter(fragment_server_limits({PUSH_ROUTE: Route(_noop, huge)}, fragment_frame_bytes=huge))
+    a, b, c = (FrameReservation(limiter, peer, huge) for peer in ("a", "b", "c"))
+    assert all(a.take(MiB, 0.0) for _ in range(256))
+    assert not FrameReservation(limiter, "a", huge).take(1, 0.0)
+    assert all(b.take(MiB, 0.0) for _ in range(256))
+    assert not c.take(1, 0.0)
 
 
-def test_a_fragment_over_64_mib_syncs(tmp_path: Path) -> None:
+def test_a_fragment_over_64_mib_syncs(tmp_path: Path, record_property: Any) -> None:
     key = tmp_path / "syncer.key"
     run = replace(BIG, authorized_syncers=(NodeIdentity.load_or_create(key).peer_id,))
     run_path = run.write_run_toml(tmp_path / "run.toml")
@@ -75,6 +81,13 @@ def test_a_fragment_over_64_mib_syncs(tmp_path: Path) -> None:
         # has no violation on record and is not banned
         assert set(merged.get("refusals") or {}) <= {"missed round", "screen: loss"}, merged.get("refusals")
         assert not merged.get("learners"), merged.get("learners")
+        # the push frames (> 64 MiB) were held whole, chunk by chunk, and never more than the caps
+        held = merged["in_flight"]
+        record_property("syncer_in_flight", held)
+        # two fragment frames, or one whole offer (every fragment's version) if larger
+        assert held["cap_bytes"] >= max(2 * 64 * MiB, held["per_peer_cap_bytes"]), held
+        assert 64 * MiB < held["peak_bytes"] <= held["cap_bytes"], held
+        assert held["peak_per_peer_bytes"] <= held["per_peer_cap_bytes"], held
         wait_until(
             lambda: (trainer.try_status().get("versions") or {}).get(str(big), 0) >= 1,
             60,
