@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from node.diloco import chunked
 from node.diloco.outer import STATE_PREFIX, checked_buffers
 
 _HEADER = struct.Struct("<Q")
@@ -262,6 +263,21 @@ class MomentumView(Mapping[str, torch.Tensor]):
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.shapes[self._where[key]][key[len(STATE_PREFIX) :]]
+
+    def pieces(self, key: str) -> tuple[tuple[int, ...], Iterator[torch.Tensor]]:
+        """(shape, its values in chunks, read from its file a chunk at a time as they are consumed): a
+        checkpoint writes a buffer without holding it (node.ml.checkpoint `Pieces`)."""
+        fragment, name = self._where[key], key[len(STATE_PREFIX) :]
+        file = self.files[fragment]
+        assert file is not None
+        shape = self.shapes[fragment][name]
+
+        def chunks() -> Iterator[torch.Tensor]:
+            tensors = self.spill.tensors(file)
+            for start, stop in chunked.ranges(math.prod(shape)):
+                yield tensors.chunk(name, start, stop)
+
+        return shape, chunks()
 
 
 @functools.cache
