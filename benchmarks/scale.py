@@ -575,16 +575,17 @@ def ratio(peak: int | None, size: dict[str, int]) -> float | None:
     return round(peak / (size["model_bytes"] + 2 * size["fragment_bytes"]), 3)
 
 
-def part_1b(args: argparse.Namespace) -> dict[str, Any]:
-    """The llama-1b syncer core, guarded: skipped (with the reason) unless the memory it needs is free: the global
-    parameters (the older versions, the momentum and the screen's direction are on disk) plus a merge's and the
-    build's temporaries and the process."""
-    size = sizes(manifest("llama-1b", num_fragments=FRAGMENTS_1B))
-    need = int(size["model_bytes"] + 12 * size["fragment_bytes"] + 1.0 * GiB)
+def part_1b(args: argparse.Namespace, fragments: int = FRAGMENTS_1B) -> dict[str, Any]:
+    """The llama-1b syncer core at `fragments` a stage, guarded: skipped (with the reason) unless the memory it needs
+    is free: the global parameters (the older versions, the momentum, the screen's direction and the round's
+    contributions are on disk) plus a merge's outer gradient, the contribution being accepted, the process and a
+    margin."""
+    size = sizes(manifest("llama-1b", num_fragments=fragments))
+    need = int(size["model_bytes"] + 4 * size["fragment_bytes"] + 1.0 * GiB)
     free = available_bytes()
     out: dict[str, Any] = {
         **size,
-        "fragments_per_stage": FRAGMENTS_1B,
+        "fragments_per_stage": fragments,
         "need_bytes": need,
         "available_bytes": free,
     }
@@ -592,7 +593,7 @@ def part_1b(args: argparse.Namespace) -> dict[str, Any]:
         return {**out, "skipped": "quick mode: llama-124m only"}
     if free < need:
         return {**out, "skipped": f"{free / GiB:.1f} GiB available < {need / GiB:.1f} GiB needed"}
-    out.update(run_core("llama-1b", 2, False, timeout_s=3000, num_fragments=FRAGMENTS_1B))
+    out.update(run_core("llama-1b", 2, False, timeout_s=3000, num_fragments=fragments))
     return out
 
 
@@ -630,20 +631,38 @@ def headline(model: str, rnd: dict[str, Any], big: dict[str, Any], stage: dict[s
 
 
 def only_1b(args: argparse.Namespace, out: Path) -> int:
-    """Rerun the 1B part alone (when the machine is quiet) into an existing results JSON."""
+    """Rerun the 1B part alone (when the machine is quiet) into an existing results JSON; at another fragment count
+    than FRAGMENTS_1B (`--fragments-1b`), into keys of its own (`core_1b_p4`, `syncer_rss_ratio_1b_p4`, ...)."""
     path = out / f"{NAME}.json"
     payload = json.loads(path.read_text())
-    big = part_1b(args)
-    payload["core_1b"] = big
-    payload["headline"].update(headline_1b(big))
-    payload["measured_at_1b"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    fragments = args.fragments_1b
+    big = part_1b(args, fragments)
+    suffix = "" if fragments == FRAGMENTS_1B else f"_p{fragments}"
+    payload[f"core_1b{suffix}"] = big
+    payload["headline"].update({key + suffix: value for key, value in headline_1b(big).items()})
+    payload[f"measured_at_1b{suffix}"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
-    plot(payload["headline"], big, out / f"{NAME}.png")
+    plot(payload["headline"], payload["core_1b"], out / f"{NAME}.png", payload.get("core_1b_p4"))
     print(json.dumps(payload["headline"], indent=2))
     return 0
 
 
-def plot(head: dict[str, Any], big: dict[str, Any], path: Path) -> None:
+def only_core(args: argparse.Namespace, out: Path) -> int:
+    """Rerun the syncer core of `--model` (with the probe) alone into an existing results JSON."""
+    path = out / f"{NAME}.json"
+    payload = json.loads(path.read_text())
+    core = run_core(args.model, 2, True, timeout_s=900)
+    payload["core"] = core
+    payload["headline"]["syncer_core_peak_gib"] = round(core["peak_rss"] / GiB, 3)
+    payload["headline"]["syncer_core_rss_ratio"] = ratio(core["peak_rss"], sizes(manifest(args.model)))
+    payload["measured_at_core"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    plot(payload["headline"], payload["core_1b"], out / f"{NAME}.png", payload.get("core_1b_p4"))
+    print(json.dumps(payload["headline"], indent=2))
+    return 0
+
+
+def plot(head: dict[str, Any], big: dict[str, Any], path: Path, big_p4: dict[str, Any] | None = None) -> None:
     """Peak RSS per party against its goal (the syncer: model + 2 fragments; others: the model's bytes); the 1B core,
     when killed for memory, as a hatched bar of what it had reached (a lower bound)."""
     import matplotlib
@@ -663,6 +682,9 @@ def plot(head: dict[str, Any], big: dict[str, Any], path: Path) -> None:
         bars.append(("syncer core\nllama-1b", head["syncer_peak_gib_1b"], goal_1b, ""))
     elif killed:
         bars.append(("syncer core\nllama-1b (killed)", killed / GiB, goal_1b, "//"))
+    if big_p4 is not None and big_p4.get("peak_rss"):
+        goal_p4 = (big_p4["model_bytes"] + 2 * big_p4["fragment_bytes"]) / GiB
+        bars.append(("syncer core\nllama-1b P=4", big_p4["peak_rss"] / GiB, goal_p4, ""))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for x, (_, peak, _, hatch) in enumerate(bars):
         ax.bar(x, peak, color="tab:blue", hatch=hatch, label="peak RSS" if x == 0 else None)
@@ -686,9 +708,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     parser.add_argument("--core", default=None, help="only a syncer core's round of this preset, printed")
     parser.add_argument("--only-1b", action="store_true", help="rerun the 1B part into the existing JSON")
+    parser.add_argument(
+        "--fragments-1b", type=int, default=FRAGMENTS_1B, help="fragments a stage of the 1B part"
+    )
+    parser.add_argument(
+        "--only-core", action="store_true", help="rerun the --model core into the existing JSON"
+    )
     args = parser.parse_args(argv)
     if args.core:  # e.g. on an older checkout, to measure what a change saved
-        fragments = FRAGMENTS_1B if args.core == "llama-1b" else 4
+        fragments = args.fragments_1b if args.core == "llama-1b" else 4
         print(json.dumps(run_core(args.core, 2, args.core != "llama-1b", 3000, fragments), indent=2))
         return 0
     from benchmarks.common import RESULTS_DIR, machine_info
@@ -697,6 +725,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.only_1b:
         return only_1b(args, out)
+    if args.only_core:
+        return only_core(args, out)
     rnd = merge_round(args.model, args.max_steps, timeout_s=900)
     core = run_core(args.model, 2, True, timeout_s=900)
     big = part_1b(args)
@@ -716,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage_1b": stage,
     }
     (out / f"{NAME}.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
-    plot(head, big, out / f"{NAME}.png")
+    plot(head, big, out / f"{NAME}.png")  # (a P = 4 bar only once `--only-1b --fragments-1b 4` added it)
     print(json.dumps(head, indent=2))
     return 0
 

@@ -247,9 +247,10 @@ def test_a_held_contribution_is_a_file_of_its_own_read_in_chunks_and_deleted_onc
     """With a spill directory, a round's accepted contributions are files (not K fragments in memory), deleted when
     the round is merged or the contribution replaced."""
     c = synchronous(tmp_path / "spill")
-    contributions = lambda: sorted(
-        p.name for p in (tmp_path / "spill").iterdir() if p.name.startswith("contribution")
-    )  # noqa: E731
+
+    def contributions() -> list[str]:
+        return sorted(p.name for p in (tmp_path / "spill").iterdir() if p.name.startswith("contribution"))
+
     contribute(c, "a", 0, 0, seed=1, now=1.0)
     contribute(c, "b", 0, 0, seed=2, now=1.0)
     held = c.rounds[0].entries["a"].contribution.params
