@@ -19,9 +19,10 @@ Each measured party is a child process of its own (spawned), and reports its pea
 The syncer's goal is peak RSS <= model bytes + 2 fragments; `syncer_rss_ratio_*` is peak / (model bytes + 2 x the
 largest fragment's bytes). The core, as the node's syncer builds it, keeps only the global parameters in memory (the
 seed model handed over, not copied); the outer Nesterov momentum, the versions a contribution may still be built on
-(`max_staleness`) and the screen's recent direction are per-fragment files in a spill directory (node.diloco.spill),
-read one fragment at a time; the checkpoint is streamed. What is left over the goal is the process itself (torch:
-~0.3 GiB) and a merge's fragment-sized temporaries; docs/scale.md has the breakdown.
+(`max_staleness`), the screen's recent direction and the round's accepted contributions are files in a spill
+directory (node.diloco.spill), read a chunk at a time (node.diloco.chunked); a merge's one fragment-sized buffer is
+its outer gradient, which becomes the new version; the checkpoint is streamed. What is left over the goal is the
+process itself (torch and transformers: ~0.4 GiB) and the push being accepted; docs/scale.md has the breakdown.
 
 Run: `python -m benchmarks.scale` (everything; the 1B part needs ~8 GiB free), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs).
 """
@@ -50,9 +51,11 @@ TOKENIZER: dict[str, str | int | float | bool] = {
     "vocab_size": 32000,
 }  # a 32k BPE vocabulary, as the presets' sizes assume
 RUN_ID = "5c" * 20
-# The 1B syncer core runs with 16 fragments a stage (a run's `num_fragments`, P), not the default 4: its peak is the
-# model + a merge's fragment-sized temporaries, so smaller fragments lower it. Before the spill (older versions and
-# momentum on disk) it held 3 models and was killed on the shared 23 GiB machine (P = 16: at 15.9 GB).
+# The 1B syncer core runs with 16 fragments a stage (a run's `num_fragments`, P), not the default 4: the headline's
+# setting since its merges held ~2K + 5 fragments of temporaries (smaller fragments, a smaller peak); kept so that
+# the figures compare. Now a merge holds one fragment over the model, and `--only-1b --fragments-1b 4` measures the
+# default P too. Before the spill (older versions and momentum on disk) it held 3 models and was killed on the
+# shared 23 GiB machine (P = 16: at 15.9 GB).
 FRAGMENTS_1B = 16
 MIN_FREE = 1 << 30  # a child is killed when the machine's available memory falls under this (the 1B part)
 
