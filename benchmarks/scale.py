@@ -455,6 +455,18 @@ def copying_probe(run: Any) -> Any:
     return LossProbe(loss)
 
 
+def probe_score(scorer: Any, core: Any, fragment: int, params: dict[str, Any]) -> Any:
+    """The held-out score of a contribution on base version 0, as the syncer's push route takes it; its base is not
+    held past the call (kept in a variable of the round's loop, it held a replaced version through the next
+    fragment's merge: one fragment more in the 1B core's peak)."""
+    from node.diloco.syncer_core import probe_base
+
+    base = probe_base(core, fragment, 0)
+    if scorer is None or base is None:
+        return None
+    return scorer.measure(dict(core.params), tuple(core.versions), base, params, time.perf_counter)
+
+
 def core_round(preset: str, contributors: int, probe: bool, num_fragments: int = 4) -> dict[str, Any]:
     """A syncer core merging every fragment of `preset` from synthetic contributions, each scored by the held-out
     loss probe first (`probe`), in this process; then a checkpoint written from its snapshot. Peak RSS after
@@ -462,7 +474,7 @@ def core_round(preset: str, contributors: int, probe: bool, num_fragments: int =
     import torch
 
     from node.diloco.screening import ScreeningConfig
-    from node.diloco.syncer_core import Refusal, probe_base
+    from node.diloco.syncer_core import Refusal
     from node.ml.checkpoint import CheckpointStore
     from node.ml.model import ModelConfig, build_model
 
@@ -480,12 +492,7 @@ def core_round(preset: str, contributors: int, probe: bool, num_fragments: int =
     for fragment in range(core.plan.num_fragments):
         for peer in range(contributors):
             params = synthetic(core, fragment, gen)
-            base = probe_base(core, fragment, 0)
-            score = (
-                scorer.measure(dict(core.params), tuple(core.versions), base, params, time.perf_counter)
-                if scorer and base
-                else None
-            )
+            score = probe_score(scorer, core, fragment, params)
             try:
                 core.accept(
                     f"peer-{peer}", fragment, params, base_version=0, steps=4, tokens=4 * SEQ, sched_step=4,
