@@ -19,9 +19,10 @@ Each measured party is a child process of its own (spawned), and reports its pea
 The syncer's goal is peak RSS <= model bytes + 2 fragments; `syncer_rss_ratio_*` is peak / (model bytes + 2 x the
 largest fragment's bytes). The core, as the node's syncer builds it, keeps only the global parameters in memory (the
 seed model handed over, not copied); the outer Nesterov momentum, the versions a contribution may still be built on
-(`max_staleness`) and the screen's recent direction are per-fragment files in a spill directory (node.diloco.spill),
-read one fragment at a time; the checkpoint is streamed. What is left over the goal is the process itself (torch:
-~0.3 GiB) and a merge's fragment-sized temporaries; docs/scale.md has the breakdown.
+(`max_staleness`), the screen's recent direction and the round's accepted contributions are files in a spill
+directory (node.diloco.spill), read a chunk at a time (node.diloco.chunked); a merge's one fragment-sized buffer is
+its outer gradient, which becomes the new version; the checkpoint is streamed. What is left over the goal is the
+process itself (torch and transformers: ~0.4 GiB) and the push being accepted; docs/scale.md has the breakdown.
 
 Run: `python -m benchmarks.scale` (everything; the 1B part needs ~8 GiB free), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs).
 """
@@ -50,9 +51,11 @@ TOKENIZER: dict[str, str | int | float | bool] = {
     "vocab_size": 32000,
 }  # a 32k BPE vocabulary, as the presets' sizes assume
 RUN_ID = "5c" * 20
-# The 1B syncer core runs with 16 fragments a stage (a run's `num_fragments`, P), not the default 4: its peak is the
-# model + a merge's fragment-sized temporaries, so smaller fragments lower it. Before the spill (older versions and
-# momentum on disk) it held 3 models and was killed on the shared 23 GiB machine (P = 16: at 15.9 GB).
+# The 1B syncer core runs with 16 fragments a stage (a run's `num_fragments`, P), not the default 4: the headline's
+# setting since its merges held ~2K + 5 fragments of temporaries (smaller fragments, a smaller peak); kept so that
+# the figures compare. Now a merge holds one fragment over the model, and `--only-1b --fragments-1b 4` measures the
+# default P too. Before the spill (older versions and momentum on disk) it held 3 models and was killed on the
+# shared 23 GiB machine (P = 16: at 15.9 GB).
 FRAGMENTS_1B = 16
 MIN_FREE = 1 << 30  # a child is killed when the machine's available memory falls under this (the 1B part)
 
@@ -452,6 +455,18 @@ def copying_probe(run: Any) -> Any:
     return LossProbe(loss)
 
 
+def probe_score(scorer: Any, core: Any, fragment: int, params: dict[str, Any]) -> Any:
+    """The held-out score of a contribution on base version 0, as the syncer's push route takes it; its base is not
+    held past the call (kept in a variable of the round's loop, it held a replaced version through the next
+    fragment's merge: one fragment more in the 1B core's peak)."""
+    from node.diloco.syncer_core import probe_base
+
+    base = probe_base(core, fragment, 0)
+    if scorer is None or base is None:
+        return None
+    return scorer.measure(dict(core.params), tuple(core.versions), base, params, time.perf_counter)
+
+
 def core_round(preset: str, contributors: int, probe: bool, num_fragments: int = 4) -> dict[str, Any]:
     """A syncer core merging every fragment of `preset` from synthetic contributions, each scored by the held-out
     loss probe first (`probe`), in this process; then a checkpoint written from its snapshot. Peak RSS after
@@ -459,7 +474,7 @@ def core_round(preset: str, contributors: int, probe: bool, num_fragments: int =
     import torch
 
     from node.diloco.screening import ScreeningConfig
-    from node.diloco.syncer_core import Refusal, probe_base
+    from node.diloco.syncer_core import Refusal
     from node.ml.checkpoint import CheckpointStore
     from node.ml.model import ModelConfig, build_model
 
@@ -477,12 +492,7 @@ def core_round(preset: str, contributors: int, probe: bool, num_fragments: int =
     for fragment in range(core.plan.num_fragments):
         for peer in range(contributors):
             params = synthetic(core, fragment, gen)
-            base = probe_base(core, fragment, 0)
-            score = (
-                scorer.measure(dict(core.params), tuple(core.versions), base, params, time.perf_counter)
-                if scorer and base
-                else None
-            )
+            score = probe_score(scorer, core, fragment, params)
             try:
                 core.accept(
                     f"peer-{peer}", fragment, params, base_version=0, steps=4, tokens=4 * SEQ, sched_step=4,
@@ -575,16 +585,17 @@ def ratio(peak: int | None, size: dict[str, int]) -> float | None:
     return round(peak / (size["model_bytes"] + 2 * size["fragment_bytes"]), 3)
 
 
-def part_1b(args: argparse.Namespace) -> dict[str, Any]:
-    """The llama-1b syncer core, guarded: skipped (with the reason) unless the memory it needs is free: the global
-    parameters (the older versions, the momentum and the screen's direction are on disk) plus a merge's and the
-    build's temporaries and the process."""
-    size = sizes(manifest("llama-1b", num_fragments=FRAGMENTS_1B))
-    need = int(size["model_bytes"] + 12 * size["fragment_bytes"] + 1.0 * GiB)
+def part_1b(args: argparse.Namespace, fragments: int = FRAGMENTS_1B) -> dict[str, Any]:
+    """The llama-1b syncer core at `fragments` a stage, guarded: skipped (with the reason) unless the memory it needs
+    is free: the global parameters (the older versions, the momentum, the screen's direction and the round's
+    contributions are on disk) plus a merge's outer gradient, the contribution being accepted, the process and a
+    margin."""
+    size = sizes(manifest("llama-1b", num_fragments=fragments))
+    need = int(size["model_bytes"] + 4 * size["fragment_bytes"] + 1.0 * GiB)
     free = available_bytes()
     out: dict[str, Any] = {
         **size,
-        "fragments_per_stage": FRAGMENTS_1B,
+        "fragments_per_stage": fragments,
         "need_bytes": need,
         "available_bytes": free,
     }
@@ -592,7 +603,7 @@ def part_1b(args: argparse.Namespace) -> dict[str, Any]:
         return {**out, "skipped": "quick mode: llama-124m only"}
     if free < need:
         return {**out, "skipped": f"{free / GiB:.1f} GiB available < {need / GiB:.1f} GiB needed"}
-    out.update(run_core("llama-1b", 2, False, timeout_s=3000, num_fragments=FRAGMENTS_1B))
+    out.update(run_core("llama-1b", 2, False, timeout_s=3000, num_fragments=fragments))
     return out
 
 
@@ -630,20 +641,38 @@ def headline(model: str, rnd: dict[str, Any], big: dict[str, Any], stage: dict[s
 
 
 def only_1b(args: argparse.Namespace, out: Path) -> int:
-    """Rerun the 1B part alone (when the machine is quiet) into an existing results JSON."""
+    """Rerun the 1B part alone (when the machine is quiet) into an existing results JSON; at another fragment count
+    than FRAGMENTS_1B (`--fragments-1b`), into keys of its own (`core_1b_p4`, `syncer_rss_ratio_1b_p4`, ...)."""
     path = out / f"{NAME}.json"
     payload = json.loads(path.read_text())
-    big = part_1b(args)
-    payload["core_1b"] = big
-    payload["headline"].update(headline_1b(big))
-    payload["measured_at_1b"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    fragments = args.fragments_1b
+    big = part_1b(args, fragments)
+    suffix = "" if fragments == FRAGMENTS_1B else f"_p{fragments}"
+    payload[f"core_1b{suffix}"] = big
+    payload["headline"].update({key + suffix: value for key, value in headline_1b(big).items()})
+    payload[f"measured_at_1b{suffix}"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
-    plot(payload["headline"], big, out / f"{NAME}.png")
+    plot(payload["headline"], payload["core_1b"], out / f"{NAME}.png", payload.get("core_1b_p4"))
     print(json.dumps(payload["headline"], indent=2))
     return 0
 
 
-def plot(head: dict[str, Any], big: dict[str, Any], path: Path) -> None:
+def only_core(args: argparse.Namespace, out: Path) -> int:
+    """Rerun the syncer core of `--model` (with the probe) alone into an existing results JSON."""
+    path = out / f"{NAME}.json"
+    payload = json.loads(path.read_text())
+    core = run_core(args.model, 2, True, timeout_s=900)
+    payload["core"] = core
+    payload["headline"]["syncer_core_peak_gib"] = round(core["peak_rss"] / GiB, 3)
+    payload["headline"]["syncer_core_rss_ratio"] = ratio(core["peak_rss"], sizes(manifest(args.model)))
+    payload["measured_at_core"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    plot(payload["headline"], payload["core_1b"], out / f"{NAME}.png", payload.get("core_1b_p4"))
+    print(json.dumps(payload["headline"], indent=2))
+    return 0
+
+
+def plot(head: dict[str, Any], big: dict[str, Any], path: Path, big_p4: dict[str, Any] | None = None) -> None:
     """Peak RSS per party against its goal (the syncer: model + 2 fragments; others: the model's bytes); the 1B core,
     when killed for memory, as a hatched bar of what it had reached (a lower bound)."""
     import matplotlib
@@ -663,6 +692,9 @@ def plot(head: dict[str, Any], big: dict[str, Any], path: Path) -> None:
         bars.append(("syncer core\nllama-1b", head["syncer_peak_gib_1b"], goal_1b, ""))
     elif killed:
         bars.append(("syncer core\nllama-1b (killed)", killed / GiB, goal_1b, "//"))
+    if big_p4 is not None and big_p4.get("peak_rss"):
+        goal_p4 = (big_p4["model_bytes"] + 2 * big_p4["fragment_bytes"]) / GiB
+        bars.append(("syncer core\nllama-1b P=4", big_p4["peak_rss"] / GiB, goal_p4, ""))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for x, (_, peak, _, hatch) in enumerate(bars):
         ax.bar(x, peak, color="tab:blue", hatch=hatch, label="peak RSS" if x == 0 else None)
@@ -686,9 +718,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     parser.add_argument("--core", default=None, help="only a syncer core's round of this preset, printed")
     parser.add_argument("--only-1b", action="store_true", help="rerun the 1B part into the existing JSON")
+    parser.add_argument(
+        "--fragments-1b", type=int, default=FRAGMENTS_1B, help="fragments a stage of the 1B part"
+    )
+    parser.add_argument(
+        "--only-core", action="store_true", help="rerun the --model core into the existing JSON"
+    )
     args = parser.parse_args(argv)
     if args.core:  # e.g. on an older checkout, to measure what a change saved
-        fragments = FRAGMENTS_1B if args.core == "llama-1b" else 4
+        fragments = args.fragments_1b if args.core == "llama-1b" else 4
         print(json.dumps(run_core(args.core, 2, args.core != "llama-1b", 3000, fragments), indent=2))
         return 0
     from benchmarks.common import RESULTS_DIR, machine_info
@@ -697,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.only_1b:
         return only_1b(args, out)
+    if args.only_core:
+        return only_core(args, out)
     rnd = merge_round(args.model, args.max_steps, timeout_s=900)
     core = run_core(args.model, 2, True, timeout_s=900)
     big = part_1b(args)
@@ -716,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         "stage_1b": stage,
     }
     (out / f"{NAME}.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
-    plot(head, big, out / f"{NAME}.png")
+    plot(head, big, out / f"{NAME}.png")  # (a P = 4 bar only once `--only-1b --fragments-1b 4` added it)
     print(json.dumps(head, indent=2))
     return 0
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from node.diloco import norms
+from node.diloco import chunked
 
 COPYCAT, FREE_RIDER = "copycat", "free-rider"
 CLAIM = "claim: rate"  # the learner ledger's tag of a claim `ClaimBound.judge` found implausible
@@ -107,12 +107,6 @@ class ClaimBound:
             self._rates.popitem(last=False)
 
 
-def _distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
-    return math.sqrt(
-        math.fsum(norms.distance(a[n], b[n]) for n in a)
-    )  # float32 differences, a chunk at a time
-
-
 def copy_of(
     params: Mapping[str, torch.Tensor],
     base: Mapping[str, torch.Tensor],
@@ -123,13 +117,13 @@ def copy_of(
     """(tag, reason) if the contribution `params` built on `base` is a free-rider (within `tolerance` x its delta
     norm of a `published` (version, tensors)) or a copycat (its delta within that of another peer's delta in
     `others`: (peer, delta)); None if it is its own work."""
-    delta = {n: base[n].float() - params[n].float() for n in params}
-    norm = norms.norm(delta.values())
+    delta = chunked.Delta(base, params)  # a chunk at a time: no fragment-sized temporary (issue 17)
+    norm = chunked.norm(delta)
     bound = tolerance * norm
     for version, tensors in published:
-        if (gap := _distance(params, tensors)) <= bound:
+        if (gap := chunked.distance(params, tensors)) <= bound:
             return FREE_RIDER, f"within {gap:.3g} of published version {version} (delta norm {norm:.3g})"
     for peer, theirs in others:
-        if (gap := _distance(delta, theirs)) <= bound:
+        if (gap := chunked.distance(delta, theirs)) <= bound:
             return COPYCAT, f"delta within {gap:.3g} of {peer[-8:]}'s in this round (norm {norm:.3g})"
     return None

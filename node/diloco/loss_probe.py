@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from node.diloco import chunked
+
 logger = logging.getLogger(__name__)
 
 LOSS = "screen: loss"
@@ -81,12 +83,9 @@ class LossProbe:
         `versions`). None when the contribution or a loss is not finite (the screen rejects those anyway).
         `reverse`: measure the loss with the delta reversed too (`LossScore.opposite`, one more forward pass)."""
         started = clock()
-        applied: dict[str, torch.Tensor] = {}
-        for name, theirs in params.items():
-            tensor = current[name] - (base[name].to(torch.float32) - theirs.detach().to(torch.float32))
-            if not bool(torch.isfinite(tensor).all()):
-                return None
-            applied[name] = tensor
+        applied = _applied(current, base, params)
+        if applied is None:
+            return None
         if self._before is None or self._before[0] != versions:
             self._before = (versions, self.loss(current))
         before = self._before[1]
@@ -112,6 +111,24 @@ class LossProbe:
             "mean_cost_s": round(mean, 5),
             "max_cost_s": round(self.max_cost_s, 5),
         }
+
+
+def _applied(
+    current: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor] | None:
+    """current - (base - params) per tensor of `params`, written a chunk at a time into one new tensor each (a
+    spilled base is read a chunk at a time: no fragment-sized temporary, issue 17); None if a value is not
+    finite."""
+    applied: dict[str, torch.Tensor] = {}
+    for name in params:
+        tensor = applied[name] = torch.empty(chunked.shape(params, name), dtype=torch.float32)
+        flat = tensor.view(-1)
+        for start, stop in chunked.ranges(tensor.numel()):
+            delta = chunked.delta_piece(base, params, name, start, stop)
+            flat[start:stop] = chunked.piece(current, name, start, stop) - delta
+            if not bool(torch.isfinite(flat[start:stop]).all()):
+                return None
+    return applied
 
 
 class LossBound:

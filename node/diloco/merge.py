@@ -21,18 +21,23 @@ its full norm in the radial factor. Malformed contributions (wrong tensor set or
 values, negative counters, stale base version) are rejected with a reason, not raised: they are remote
 data. If no contribution carries weight, `NothingToMerge` is raised; the syncer must then skip the outer
 step (a zero outer gradient would still move the parameters through Nesterov momentum).
+
+Memory (issue 17): the outer gradient is the merge's only fragment-sized buffer. The deltas are never held: each
+pass over a tensor (norms, then the weighted sum) recomputes them from the contributions a chunk at a time
+(node.diloco.chunked; a contribution may be a spill file), clipped by a scale and winsorized chunk by chunk, which
+needs the K contributions' values of one chunk at once, not K deltas.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from node.diloco import norms
+from node.diloco import chunked
 from node.diloco.counters import token_weight
 
 logger = logging.getLogger(__name__)
@@ -83,10 +88,14 @@ class NothingToMerge(ValueError):  # noqa: N818 - reads as the condition it repo
 
 @dataclass(slots=True)
 class _Accepted:
+    """A contribution taken into the merge: its deltas are never held whole (node.diloco.chunked), only its norm
+    and the clipping scale they are multiplied by."""
+
     peer_id: str
-    deltas: dict[str, torch.Tensor]
+    params: Mapping[str, torch.Tensor]
     weight: float
     norm: float = field(default=0.0)
+    scale: float = 1.0  # < 1: clipped (`_clip`)
 
 
 def merge_fragment(
@@ -129,10 +138,10 @@ def merge_fragment(
     weighted = [a for a in accepted if a.weight > 0]
     delta_norms = {a.peer_id: a.norm for a in accepted}
     clipped = _clip(weighted, clip_factor)
-    trimmed = _winsorize(weighted, trim_fraction)
+    trimmed = _trim_count(len(weighted), trim_fraction)
     weights = {a.peer_id: a.weight / total for a in accepted}
     outer_grad, fallback = _merge_tensors(
-        sorted(global_params), weighted, weights, embedding_names, degenerate_tol
+        global_params, weighted, weights, embedding_names, degenerate_tol, trimmed
     )
     reason = (
         f"merged {len(weighted)}/{len(contributions)} contributions"
@@ -157,42 +166,83 @@ def _screen(
     current_version: int | None,
     max_staleness: int | None,
 ) -> tuple[list[_Accepted], dict[str, str]]:
-    """Split contributions into accepted ones (with their float32 deltas and token weight) and peer -> reason."""
+    """Split contributions into accepted ones (with their float32 delta norm and token weight) and peer -> reason."""
     rejected: dict[str, str] = {}
     accepted: list[_Accepted] = []
     for contribution in contributions:
         problem = _problem(contribution, global_params, current_version, max_staleness)
+        norm = 0.0
         if problem is None:
-            deltas, problem = _deltas(contribution, global_params)
+            norm, problem = _delta_norm(contribution, global_params)
         if problem is not None:
             rejected[contribution.peer_id] = problem
             logger.info("rejected contribution from %s: %s", contribution.peer_id, problem)
             continue
         weight = token_weight(contribution.tokens, contribution.steps)
-        accepted.append(_Accepted(contribution.peer_id, deltas, weight, _norm(deltas.values())))
+        accepted.append(_Accepted(contribution.peer_id, contribution.params, weight, norm))
     return accepted, rejected
 
 
 def _merge_tensors(
-    names: Sequence[str],
+    global_params: Mapping[str, torch.Tensor],
     weighted: Sequence[_Accepted],
     weights: Mapping[str, float],
     embedding_names: Collection[str],
     degenerate_tol: float,
+    trim: int,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Per tensor: the weighted mean for embeddings, RDA otherwise; also the tensors where RDA fell back."""
+    """Per tensor: the weighted mean for embeddings, RDA otherwise; also the tensors where RDA fell back. The
+    outer gradient is the only fragment-sized buffer: the deltas are recomputed a chunk at a time for each pass."""
     outer_grad: dict[str, torch.Tensor] = {}
     fallback: list[str] = []
-    for name in names:
-        items = [(weights[a.peer_id], a.deltas[name]) for a in weighted]
+    for name in sorted(global_params):
+        parts = _Parts(global_params, weighted, name, trim)
+        alphas = [weights[a.peer_id] for a in weighted]
         if name in embedding_names:
-            outer_grad[name] = _weighted_mean(items)
+            outer_grad[name] = parts.accumulate(alphas)
             continue
-        merged, degenerate = _rda(items, degenerate_tol)
+        merged, degenerate = _rda(parts, alphas, degenerate_tol)
         outer_grad[name] = merged
         if degenerate:
             fallback.append(name)
     return outer_grad, fallback
+
+
+class _Parts:
+    """One tensor's deltas of the weighted contributions, clipped and winsorized, a chunk at a time."""
+
+    def __init__(
+        self, global_params: Mapping[str, torch.Tensor], weighted: Sequence[_Accepted], name: str, trim: int
+    ) -> None:
+        self.global_params, self.weighted, self.name, self.trim = global_params, weighted, name, trim
+        self.shape = tuple(global_params[name].shape)
+
+    def chunks(self) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
+        """(start, stop, the contributions' delta values there) for each chunk of the tensor."""
+        for start, stop in chunked.ranges(math.prod(self.shape)):
+            deltas = []
+            for a in self.weighted:
+                delta = chunked.delta_piece(self.global_params, a.params, self.name, start, stop)
+                deltas.append(delta.mul_(a.scale) if a.scale != 1.0 else delta)
+            yield start, stop, _winsorized(deltas, self.trim)
+
+    def accumulate(self, alphas: Sequence[float | None], out: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_m alphas[m] x delta_m, added in contribution order (a zero alpha skips that delta)."""
+        out = torch.zeros(self.shape, dtype=torch.float32) if out is None else out.zero_()
+        flat = out.view(-1)
+        for start, stop, deltas in self.chunks():
+            for alpha, delta in zip(alphas, deltas, strict=True):
+                if alpha is not None:
+                    flat[start:stop].add_(delta, alpha=alpha)
+        return out
+
+    def norms(self) -> list[float]:
+        """Each contribution's delta norm over the whole tensor (float64 chunk sums)."""
+        sums: list[list[float]] = [[] for _ in self.weighted]
+        for _, _, deltas in self.chunks():
+            for into, delta in zip(sums, deltas, strict=True):
+                into.append(chunked.squared(delta))
+        return [math.sqrt(math.fsum(terms)) for terms in sums]
 
 
 def _check_arguments(
@@ -231,25 +281,25 @@ def _problem(
     return None
 
 
-def _deltas(
+def _delta_norm(
     contribution: Contribution, global_params: Mapping[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], str | None]:
-    deltas: dict[str, torch.Tensor] = {}
+) -> tuple[float, str | None]:
+    """The norm of the contribution's whole-fragment delta (float64, as `norms.norm`), or why it is malformed."""
+    terms: list[float] = []
     for name, base in global_params.items():
-        theirs = contribution.params[name]
-        if tuple(theirs.shape) != tuple(base.shape):
-            return {}, f"{name}: shape {tuple(theirs.shape)} != {tuple(base.shape)}"
-        if not theirs.is_floating_point():
-            return {}, f"{name}: dtype {theirs.dtype} is not floating point"
-        delta = base.detach().to(torch.float32) - theirs.detach().to(torch.float32)
-        if not bool(torch.isfinite(delta).all()):
-            return {}, f"{name}: non-finite values"
-        deltas[name] = delta
-    return deltas, None
-
-
-def _norm(tensors: Collection[torch.Tensor]) -> float:
-    return norms.norm(tensors)  # float64, a chunk at a time (a float64 copy of the tensor was 2 of its size)
+        theirs = chunked.shape(contribution.params, name)
+        if theirs != tuple(base.shape):
+            return 0.0, f"{name}: shape {theirs} != {tuple(base.shape)}"
+        if not chunked.is_float(contribution.params, name):
+            return 0.0, f"{name}: dtype {contribution.params[name].dtype} is not floating point"
+        tensor: list[float] = []
+        for start, stop in chunked.ranges(base.numel()):
+            delta = chunked.delta_piece(global_params, contribution.params, name, start, stop)
+            if not bool(torch.isfinite(delta).all()):
+                return 0.0, f"{name}: non-finite values"
+            tensor.append(chunked.squared(delta))
+        terms.append(math.fsum(tensor))  # as norms.norm: per tensor, then over tensors
+    return math.sqrt(math.fsum(terms)), None
 
 
 def _clip(weighted: list[_Accepted], clip_factor: float | None) -> dict[str, float]:
@@ -266,50 +316,43 @@ def _clip(weighted: list[_Accepted], clip_factor: float | None) -> dict[str, flo
     clipped: dict[str, float] = {}
     for a in weighted:
         if a.norm > bound:
-            scale = bound / a.norm
-            a.deltas = {name: d * scale for name, d in a.deltas.items()}
+            a.scale = scale = bound / a.norm  # applied as its deltas are read (`_Parts`)
             clipped[a.peer_id] = scale
             logger.info("clipped %s delta norm %.4g to %.4g", a.peer_id, a.norm, bound)
     return clipped
 
 
-def _winsorize(weighted: list[_Accepted], trim_fraction: float) -> int:
-    """Clamp each coordinate of each delta to [k-th lowest, k-th highest] of the weighted deltas' values there
-    (k = max(1, floor(trim_fraction x n)), n >= 3, k < n / 2); returns k (0: not applied)."""
-    n = len(weighted)
+def _trim_count(n: int, trim_fraction: float) -> int:
+    """k of the winsorized merge: max(1, floor(trim_fraction x n)) with k < n / 2, for n >= 3; 0: not applied."""
     if trim_fraction <= 0 or n < 3:
         return 0
-    k = min(max(1, math.floor(trim_fraction * n)), (n - 1) // 2)
-    for name in weighted[0].deltas:
-        ordered = torch.stack([a.deltas[name] for a in weighted]).sort(dim=0).values
-        low, high = ordered[k], ordered[n - 1 - k]
-        for a in weighted:
-            a.deltas[name] = torch.minimum(torch.maximum(a.deltas[name], low), high)
-    return k
+    return min(max(1, math.floor(trim_fraction * n)), (n - 1) // 2)
 
 
-def _weighted_mean(items: list[tuple[float, torch.Tensor]]) -> torch.Tensor:
-    out = torch.zeros_like(items[0][1])
-    for weight, delta in items:
-        out.add_(delta, alpha=weight)
-    return out
+def _winsorized(deltas: list[torch.Tensor], k: int) -> list[torch.Tensor]:
+    """Each delta chunk clamped to [k-th lowest, k-th highest] of the chunks' values at each coordinate (k = 0:
+    as they are). Needs every contribution's chunk at once: K chunks, not K fragments."""
+    if k <= 0:
+        return deltas
+    ordered = torch.stack(deltas).sort(dim=0).values
+    low, high = ordered[k], ordered[len(deltas) - 1 - k]
+    return [torch.minimum(torch.maximum(d, low), high) for d in deltas]
 
 
-def _rda(items: list[tuple[float, torch.Tensor]], tol: float) -> tuple[torch.Tensor, bool]:
+def _rda(parts: _Parts, weights: Sequence[float], tol: float) -> tuple[torch.Tensor, bool]:
     """Weighted RDA of one tensor; returns (merged, fell_back). Weights sum to 1."""
-    direction = torch.zeros_like(items[0][1])
-    radial = 0.0
-    reach = 0.0  # the norm `direction` would have if all unit vectors agreed
-    for weight, delta in items:
-        norm = float(delta.norm())
-        if norm == 0.0:
-            continue
-        direction.add_(delta, alpha=weight / norm)
-        radial += weight * norm
-        reach += weight
+    lengths = parts.norms()
+    alphas: list[float | None] = []
+    radial = reach = 0.0  # reach: the norm the direction would have if all unit vectors agreed
+    for weight, norm in zip(weights, lengths, strict=True):
+        alphas.append(weight / norm if norm != 0.0 else None)
+        if norm != 0.0:
+            radial += weight * norm
+            reach += weight
+    direction = parts.accumulate(alphas)
     if reach == 0.0:
         return direction, False  # every delta is zero; so is the merge
     length = float(direction.norm())
     if length <= tol * reach:
-        return _weighted_mean(items), True
+        return parts.accumulate(list(weights), out=direction), True
     return direction.mul_(radial / length), False

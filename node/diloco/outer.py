@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
+
+from node.diloco import chunked
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,55 @@ class OuterNesterov:
             if bad:
                 raise NonFiniteStep(f"outer step non-finite in {len(bad)} tensors, e.g. {bad[0]}")
         return updated, buffers
+
+    def step_in_place(
+        self,
+        momentum: Mapping[str, torch.Tensor] | None,
+        global_params: Mapping[str, torch.Tensor],
+        outer_grad: Mapping[str, torch.Tensor],
+        *,
+        require_finite: bool = False,
+    ) -> Iterator[torch.Tensor]:
+        """`step_from` a chunk at a time (node.diloco.chunked) for a syncer that keeps its momentum on disk: each
+        chunk of `outer_grad` (float32, owned by the caller) is overwritten with the new parameter values there,
+        and the new momentum buffers are yielded chunk by chunk, in `outer_grad`'s order, to be written to a file.
+        Fragment-sized memory: none beyond `outer_grad` itself (`momentum`, e.g. a spill file, is read a chunk at a
+        time). The values are those of `step_from`; with `require_finite`, NonFiniteStep is raised after the last
+        chunk (the caller drops what it wrote, and `outer_grad` holds no gradient any more)."""
+        checked = momentum or {}
+        for name, grad in outer_grad.items():
+            if name not in global_params or tuple(grad.shape) != tuple(global_params[name].shape):
+                raise ValueError(f"outer_grad {name!r} is not a parameter of this shape")
+            if grad.dtype != torch.float32 or not grad.is_contiguous():
+                raise ValueError(f"{name}: outer_grad must be contiguous float32 to be stepped in place")
+            if name in checked and chunked.shape(checked, name) != tuple(grad.shape):
+                raise ValueError(f"{name}: momentum buffer shape != {tuple(grad.shape)}")
+        bad: list[str] = []
+        for name, grad in outer_grad.items():
+            finite = True
+            for start, stop in chunked.ranges(grad.numel()):
+                g = grad.view(-1)[start:stop]
+                buf = (
+                    g.clone()
+                    if name not in checked
+                    else chunked.piece(checked, name, start, stop)
+                    .to(torch.float32)
+                    .mul(self.momentum)
+                    .add_(g)
+                )
+                direction = g.add(buf, alpha=self.momentum)
+                new = (
+                    chunked.piece(global_params, name, start, stop)
+                    .to(torch.float32)
+                    .sub(direction, alpha=self.lr)
+                )
+                finite = finite and (not require_finite or (_finite(new) and _finite(buf)))
+                g.copy_(new)
+                yield buf
+            if not finite:
+                bad.append(name)
+        if bad:
+            raise NonFiniteStep(f"outer step non-finite in {len(bad)} tensors, e.g. {bad[0]}")
 
     def state_dict(self, *, share: bool = False) -> dict[str, torch.Tensor]:
         """Flat copy of the momentum buffers, keys prefixed with STATE_PREFIX. With `share`, the buffers themselves

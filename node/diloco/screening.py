@@ -36,12 +36,12 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 import torch
 
-from node.diloco import norms
+from node.diloco import chunked, norms
 from node.diloco.loss_probe import LOSS, LossBound, LossScore
 from node.diloco.merge import MergeResult, NothingToMerge
 from node.diloco.spill import SpillDir
@@ -174,8 +174,33 @@ def _norm(tensors: Iterable[torch.Tensor]) -> float:
     return norms.norm(tensors)
 
 
-def _deltas(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {n: base[n].detach().to(torch.float32) - params[n].detach().to(torch.float32) for n in base}
+def _delta_norm(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> float | None:
+    """The norm of base - params (float64, as `_norm` of the deltas), None if a value is not finite; a chunk at a
+    time."""
+    terms = []
+    for name in base:
+        tensor = []
+        for start, stop in chunked.ranges(chunked.numel(base, name)):
+            delta = chunked.delta_piece(base, params, name, start, stop)
+            if not bool(torch.isfinite(delta).all()):
+                return None
+            tensor.append(chunked.squared(delta))
+        terms.append(math.fsum(tensor))
+    return math.sqrt(math.fsum(terms))
+
+
+def _clipped(
+    base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], scale: float
+) -> dict[str, torch.Tensor]:
+    """base - (base - params) x scale in float32, written a chunk at a time into the one new tensor per name."""
+    out: dict[str, torch.Tensor] = {}
+    for name in base:
+        tensor = out[name] = torch.empty(chunked.shape(base, name), dtype=torch.float32)
+        flat = tensor.view(-1)
+        for start, stop in chunked.ranges(tensor.numel()):
+            delta = chunked.delta_piece(base, params, name, start, stop)
+            flat[start:stop] = chunked.piece(base, name, start, stop).to(torch.float32) - delta * scale
+    return out
 
 
 class ContributionScreen:
@@ -238,14 +263,13 @@ class ContributionScreen:
         if not self.config.enabled:
             return Verdict(tag=ACCEPTED, reason="not screened", params=_float32(params))
         base = base if base is not None else current
-        deltas = _deltas(base, params)
-        if not all(bool(torch.isfinite(d).all()) for d in deltas.values()):
+        norm = _delta_norm(base, params)  # a chunk at a time: no delta held (issue 17)
+        if norm is None:
             return self._reject(NON_FINITE, "non-finite")
-        norm = _norm(deltas.values())
         clip_at, reject_at, basis = self.bounds(fragment, _norm(current.values()))
         if norm > reject_at:
             return self._reject(NORM, f"norm {norm:.3g} over bound {reject_at:.3g} ({basis})")
-        cosine = self._cosine(fragment, deltas, norm)
+        cosine = self._cosine(fragment, chunked.Delta(base, params), norm)
         if cosine is not None and cosine < self.config.min_cosine:
             return self._reject(DIRECTION, f"direction cos {cosine:.2f} < {self.config.min_cosine:g}")
         if (rejected := self.check_loss(fragment, loss, peer, outage=outage)) is not None:
@@ -253,8 +277,7 @@ class ContributionScreen:
         if norm <= clip_at:
             self.counts[ACCEPTED] += 1
             return Verdict(tag=ACCEPTED, reason="ok", params=_float32(params), norm=norm, cosine=cosine)
-        scale = clip_at / norm
-        clipped = {n: base[n].detach().to(torch.float32) - d * scale for n, d in deltas.items()}
+        clipped = _clipped(base, params, clip_at / norm)
         self.counts[CLIPPED] += 1
         reason = f"norm {norm:.3g} clipped to {clip_at:.3g} ({basis})"
         return Verdict(tag=CLIPPED, reason=reason, params=clipped, norm=clip_at, cosine=cosine)
@@ -279,11 +302,15 @@ class ContributionScreen:
             return None
         direction = self.direction(fragment)
         assert direction is not None
-        length = _norm(direction.values())
+        length = chunked.norm(direction)
         if length <= 0:
             return None
-        # the delta's norm is bounded by now, so a float32 dot cannot overflow
-        dot = math.fsum(float(torch.dot(d.flatten(), direction[n].flatten())) for n, d in deltas.items())
+        # the delta's norm is bounded by now, so a float32 dot cannot overflow; a chunk at a time
+        dot = math.fsum(
+            float(torch.dot(chunked.piece(deltas, n, a, b), chunked.piece(direction, n, a, b)))
+            for n in deltas
+            for a, b in chunked.ranges(chunked.numel(deltas, n))
+        )
         return dot / (norm * length)
 
     def _reject(self, tag: str, reason: str) -> Verdict:
@@ -306,16 +333,27 @@ class ContributionScreen:
         if length <= 0 or not math.isfinite(length):
             return ScreenUpdate(norms, None, scores)
         previous, keep = self.direction(fragment), self.config.direction_decay
-        direction = {
-            n: g.detach().to(torch.float32) * ((1.0 - keep) / length)
-            + (previous[n] * keep if previous is not None and n in previous else 0.0)
-            for n, g in result.outer_grad.items()
-        }
         if self.spill is None:
+            direction = {
+                n: g.detach().to(torch.float32) * ((1.0 - keep) / length)
+                + (previous[n] * keep if previous is not None and n in previous else 0.0)
+                for n, g in result.outer_grad.items()
+            }
             return ScreenUpdate(norms, direction, scores)
-        del previous
+
+        def chunks() -> Iterator[torch.Tensor]:  # the same values, a chunk at a time (off the event loop)
+            for n, g in result.outer_grad.items():
+                for a, b in chunked.ranges(g.numel()):
+                    new = chunked.piece(result.outer_grad, n, a, b).to(torch.float32) * (
+                        (1.0 - keep) / length
+                    )
+                    if previous is not None and n in previous:
+                        new = new + chunked.piece(previous, n, a, b) * keep
+                    yield new
+
         key = self.spill.new_key(f"direction-{fragment}")
-        self.spill.write(key, direction)  # off the event loop, as the rest of this
+        layout = [(n, tuple(g.shape)) for n, g in result.outer_grad.items()]
+        self.spill.write_stream(key, layout, chunks())
         return ScreenUpdate(norms, key, scores)
 
     def direction(self, fragment: int) -> Mapping[str, torch.Tensor] | None:
@@ -323,7 +361,7 @@ class ContributionScreen:
         direction = self._direction.get(fragment)
         if isinstance(direction, str):
             assert self.spill is not None
-            return self.spill.read(direction)
+            return self.spill.tensors(direction)  # read a chunk at a time when used
         return direction
 
     def discard(self, update: ScreenUpdate | None) -> None:

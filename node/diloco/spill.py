@@ -18,15 +18,17 @@ import ctypes.util
 import functools
 import itertools
 import json
+import math
 import os
 import shutil
 import struct
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
+from node.diloco import chunked
 from node.diloco.outer import STATE_PREFIX, checked_buffers
 
 _HEADER = struct.Struct("<Q")
@@ -60,6 +62,36 @@ class SpillDir:
                 handle.write(data.numpy().data.cast("B"))
         os.replace(tmp, self.directory / key)
 
+    def write_stream(
+        self, key: str, layout: Sequence[tuple[str, tuple[int, ...]]], chunks: Iterable[torch.Tensor]
+    ) -> None:
+        """Write tensors of `layout` (name, shape) under `key` from `chunks`, their float32 values in order (each
+        tensor flattened, the tensors one after the other), a chunk in memory at a time; ValueError if the chunks
+        do not add up to the layout (nothing written)."""
+        header = json.dumps([[name, list(shape)] for name, shape in layout]).encode()
+        expected = sum(math.prod(shape) for _, shape in layout)
+        tmp, written = self.directory / f".{key}.tmp", 0
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(_HEADER.pack(len(header)) + header)
+                for chunk in chunks:
+                    if chunk.dtype != torch.float32:
+                        raise ValueError(f"spilled tensors are float32, not {chunk.dtype}")
+                    data = chunk.detach().to("cpu").contiguous().reshape(-1)
+                    handle.write(data.numpy().data.cast("B"))
+                    written += data.numel()
+            if written != expected:
+                raise ValueError(f"{key}: {written} values written for a layout of {expected}")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, self.directory / key)
+
+    def tensors(self, key: str, *, owned: bool = False) -> SpilledTensors:
+        """The tensors under `key`, read a tensor or a chunk at a time when asked for; `owned`: the file is
+        deleted once the returned mapping is no longer referenced (a contribution held on disk)."""
+        return SpilledTensors(self, key, owned=owned)
+
     def read(self, key: str) -> dict[str, torch.Tensor]:
         """The tensors written under `key`, read into new tensors (FileNotFoundError if there is none)."""
         with open(self.directory / key, "rb") as handle:
@@ -76,6 +108,50 @@ class SpillDir:
 
     def delete(self, key: str) -> None:
         (self.directory / key).unlink(missing_ok=True)
+
+
+class SpilledTensors(Mapping[str, torch.Tensor]):
+    """A file of `SpillDir` as name -> tensor, nothing held: `[name]` reads that tensor, `chunk` a slice of its
+    flattened values (node.diloco.chunked). With `owned`, the file goes when this mapping is garbage."""
+
+    def __init__(self, spill: SpillDir, key: str, *, owned: bool = False) -> None:
+        self.spill, self.key = spill, key
+        path = spill.directory / key
+        with open(path, "rb") as handle:
+            (size,) = _HEADER.unpack(handle.read(_HEADER.size))
+            layout = json.loads(handle.read(size))
+        offset = _HEADER.size + size
+        self._where: dict[str, tuple[int, tuple[int, ...]]] = {}
+        for name, shape in layout:
+            self._where[name] = (offset, tuple(shape))
+            offset += 4 * math.prod(shape)
+        if owned:
+            weakref.finalize(self, path.unlink, missing_ok=True)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self._where[name][1]
+
+    def chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Values [start, stop) of tensor `name`, flattened, read into a new tensor."""
+        offset, shape = self._where[name]
+        stop = min(stop, math.prod(shape))
+        out = torch.empty(max(0, stop - start), dtype=torch.float32)
+        view = out.numpy().data.cast("B")
+        with open(self.spill.directory / self.key, "rb") as handle:
+            handle.seek(offset + 4 * start)
+            if view.nbytes and handle.readinto(view) != view.nbytes:
+                raise OSError(f"{self.spill.directory / self.key}: truncated at {name}")
+        return out
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self._where[name][1]
+        return self.chunk(name, 0, math.prod(shape)).reshape(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 class SpilledMomentum:
@@ -103,6 +179,23 @@ class SpilledMomentum:
         self.spill.write(key, buffers)
         old, self.files[fragment] = self.files[fragment], key
         self.shapes[fragment] = {name: tuple(t.shape) for name, t in buffers.items()}
+        if old is not None:
+            self._stale.add(old)
+        self._prune()
+
+    def current(self, fragment: int) -> SpilledTensors | None:
+        """The fragment's buffers as they are, read a chunk at a time when used (None before its first step)."""
+        key = self.files[fragment]
+        return None if key is None else self.spill.tensors(key)
+
+    def store_stream(
+        self, fragment: int, layout: Sequence[tuple[str, tuple[int, ...]]], chunks: Iterable[torch.Tensor]
+    ) -> None:
+        """`store` from chunks (`SpillDir.write_stream`): nothing changes if `chunks` raises."""
+        key = self.spill.new_key(f"momentum-{fragment}")
+        self.spill.write_stream(key, layout, chunks)
+        old, self.files[fragment] = self.files[fragment], key
+        self.shapes[fragment] = dict(layout)
         if old is not None:
             self._stale.add(old)
         self._prune()
@@ -170,6 +263,21 @@ class MomentumView(Mapping[str, torch.Tensor]):
 
     def shape(self, key: str) -> tuple[int, ...]:
         return self.shapes[self._where[key]][key[len(STATE_PREFIX) :]]
+
+    def pieces(self, key: str) -> tuple[tuple[int, ...], Iterator[torch.Tensor]]:
+        """(shape, its values in chunks, read from its file a chunk at a time as they are consumed): a
+        checkpoint writes a buffer without holding it (node.ml.checkpoint `Pieces`)."""
+        fragment, name = self._where[key], key[len(STATE_PREFIX) :]
+        file = self.files[fragment]
+        assert file is not None
+        shape = self.shapes[fragment][name]
+
+        def chunks() -> Iterator[torch.Tensor]:
+            tensors = self.spill.tensors(file)
+            for start, stop in chunked.ranges(math.prod(shape)):
+                yield tensors.chunk(name, start, stop)
+
+        return shape, chunks()
 
 
 @functools.cache

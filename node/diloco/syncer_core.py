@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from node.diloco import chunked
 from node.diloco.claims import ClaimBound, copy_of
 from node.diloco.compression import decode_contribution
 from node.diloco.counters import cap_counters
@@ -275,7 +276,8 @@ def merge_record(prepared: PreparedMerge, version: int, now: float) -> MergeReco
 
 class SpilledVersions(Mapping[int, Mapping[str, torch.Tensor]]):
     """A fragment's versions still held (`VersionHistory.of`): each either in memory or the key of its file in the
-    spill directory, read when asked for (a fresh copy per read: hold it no longer than needed)."""
+    spill directory, a mapping that reads a tensor (a fresh copy per read: hold it no longer than needed) or a chunk
+    (node.diloco.chunked) when asked for."""
 
     def __init__(self, entries: Mapping[int, dict[str, torch.Tensor] | str], spill: SpillDir | None) -> None:
         self._entries, self._spill = entries, spill
@@ -284,7 +286,7 @@ class SpilledVersions(Mapping[int, Mapping[str, torch.Tensor]]):
         entry = self._entries[version]
         if isinstance(entry, str):
             assert self._spill is not None
-            return self._spill.read(entry)
+            return self._spill.tensors(entry)  # read a tensor or a chunk at a time when used
         return entry
 
     def __iter__(self) -> Iterator[int]:
@@ -793,7 +795,7 @@ class SyncerCore(CoreState):
             key = (peer, fragment, base_version, nonce)
             check_base(self, fragment, base_version, key)
             base = self.history.at(fragment, base_version)  # None: unknown, taken as current
-            params = screened(self, peer, fragment, params, base, loss, steps)
+            params = held(self, fragment, screened(self, peer, fragment, params, base, loss, steps))
             steps, tokens, capped, elapsed, implausible = new_counters(
                 self, peer, fragment, base_version, steps, tokens, now
             )
@@ -829,7 +831,7 @@ class SyncerCore(CoreState):
         for other, e in round_.entries.items() if round_ is not None else ():
             if other != peer and (c := e.contribution).steps > 0:
                 their_base = self.history.at(fragment, c.base_version) or current  # read once (maybe a file)
-                others.append((other, {n: their_base[n] - c.params[n] for n in c.params}))
+                others.append((other, chunked.Delta(their_base, c.params)))  # a chunk at a time
         published = self.history.of(fragment).items()  # read one at a time
         return copy_of(params, base if base is not None else current, published, others, tolerance)
 
@@ -882,10 +884,15 @@ class SyncerCore(CoreState):
             self.max_staleness,
         )
         result, credit = merge_capped(self, fragment, global_params, merged, started_at)
+        # the screen's update first: with the momentum on disk the outer step turns the gradient into the new params
+        screened_update = self.screen.prepare_commit(fragment, result, _loss_scores(sources))
         try:
             new_params = self._outer_step(fragment, global_params, result.outer_grad)
         except NonFiniteStep as e:  # nothing published, momentum untouched: the round is rolled back
+            self.screen.discard(screened_update)
             raise self.screen.rolled_back(fragment, result, e) from None
+        if self.spilled is not None:
+            result = dataclasses.replace(result, outer_grad={})  # its tensors are the new params now
         return PreparedMerge(
             fragment=fragment,
             base_version=self.versions[fragment],
@@ -897,7 +904,7 @@ class SyncerCore(CoreState):
             required=required,
             expected=expected,
             started_at=started_at,
-            screened=self.screen.prepare_commit(fragment, result, _loss_scores(sources)),
+            screened=screened_update,
             seniority_credit=credit,
             spilled=self.history.spill_now(fragment, global_params),
         )
@@ -906,17 +913,19 @@ class SyncerCore(CoreState):
         self, fragment: int, global_params: Mapping[str, torch.Tensor], outer_grad: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """The outer step of one fragment (NonFiniteStep: nothing changed); with the momentum on disk, the
-        fragment's buffers are read, stepped and written as a new generation."""
+        fragment's buffers are read and stepped a chunk at a time and written as a new generation, and the new
+        parameters are written over `outer_grad` (`OuterNesterov.step_in_place`): the merge's one fragment-sized
+        buffer becomes the published version (issue 17)."""
         require_finite = self.screen.config.rollback
         if self.spilled is None:
             return self.outer.step(global_params, outer_grad, require_finite=require_finite)
-        momentum = self.spilled.load(fragment)
-        new_params, buffers = self.outer.step_from(
-            momentum, global_params, outer_grad, require_finite=require_finite
+        # a merge steps every tensor of the fragment, so the new generation holds all of its buffers
+        layout = [(name, tuple(grad.shape)) for name, grad in outer_grad.items()]
+        chunks = self.outer.step_in_place(
+            self.spilled.current(fragment), global_params, outer_grad, require_finite=require_finite
         )
-        momentum.update(buffers)  # every buffer of the fragment (a merge steps all of its tensors)
-        self.spilled.store(fragment, momentum)
-        return new_params
+        self.spilled.store_stream(fragment, layout, chunks)
+        return dict(outer_grad)
 
     def void_merge(
         self,
@@ -1074,6 +1083,18 @@ def screened(
     return verdict.params
 
 
+def held(core: SyncerCore, fragment: int, params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """How the core holds an accepted contribution until its round merges: with a spill directory, in a file of its
+    own (deleted when the contribution is dropped), read a chunk at a time by the copy check and the merge
+    (node.diloco.chunked), so a round of K contributions is not K fragments in memory (issue 17); else as it is."""
+    spill = core.history.spill
+    if spill is None:
+        return params
+    key = spill.new_key(f"contribution-{fragment}")
+    spill.write(key, params)
+    return spill.tensors(key, owned=True)
+
+
 def is_outage(core: SyncerCore, fragment: int) -> bool:
     """Whether work on `fragment` now is outage work: its current version is one this syncer took over (restored
     from a checkpoint or an earlier syncer's mirror, not the seed) and has not merged since. Such work is many steps
@@ -1188,7 +1209,8 @@ def merge_capped(
     if capped and capped[-1].grad_scale < 1.0:  # young identities alone while seniors are active
         # the step and the recorded weights both shrink, as if seniors without progress held the rest
         scale = capped[-1].grad_scale
-        grad = {name: g * scale for name, g in result.outer_grad.items()}
+        for g in result.outer_grad.values():
+            g.mul_(scale)  # in place: the merge's own buffers (a copy was one fragment more)
         weights = {peer: w * scale for peer, w in result.weights.items()}
-        result = dataclasses.replace(result, outer_grad=grad, weights=weights)
+        result = dataclasses.replace(result, weights=weights)
     return result, dict(capped[-1].credit) if capped else {}

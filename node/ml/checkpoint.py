@@ -196,17 +196,28 @@ def _layout(snapshot: SyncerSnapshot) -> list[tuple[str, tuple[int, ...]]]:
     return layout
 
 
-def _tensors(snapshot: SyncerSnapshot) -> Iterator[torch.Tensor]:
-    """The tensors of `_layout`, in its order, one at a time."""
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """A tensor for `write_safetensors` given as its flattened values in chunks (a momentum buffer read from the
+    spill a chunk at a time: a llama-1b embedding's buffer is a whole fragment, issue 17)."""
+
+    shape: tuple[int, ...]
+    chunks: Iterable[torch.Tensor]
+
+
+def _tensors(snapshot: SyncerSnapshot) -> Iterator[torch.Tensor | Pieces]:
+    """The tensors of `_layout`, in its order, one at a time; a momentum that can give a buffer in chunks
+    (node.diloco.spill `MomentumView.pieces`) gives them so."""
     yield from snapshot.params.values()
+    pieces = getattr(snapshot.momentum, "pieces", None)
     for key in snapshot.momentum:
-        yield snapshot.momentum[key]
+        yield Pieces(*pieces(key)) if pieces is not None else snapshot.momentum[key]
 
 
 def write_safetensors(
     handle: BinaryIO,
     layout: Sequence[tuple[str, tuple[int, ...]]],
-    tensors: Iterable[torch.Tensor],
+    tensors: Iterable[torch.Tensor | Pieces],
     metadata: Mapping[str, str],
 ) -> None:
     """A safetensors file of float32 tensors written one at a time (`safetensors.torch.save_file` wants them all at
@@ -225,8 +236,13 @@ def write_safetensors(
     for (key, shape), tensor in zip(layout, tensors, strict=True):
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"{key}: shape {tuple(tensor.shape)} != {tuple(shape)} of the layout")
-        data = tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
-        written += handle.write(data.numpy().data.cast("B"))
+        size = 0
+        for part in tensor.chunks if isinstance(tensor, Pieces) else (tensor,):
+            data = part.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+            size += handle.write(data.numpy().data.cast("B"))
+        if size != 4 * math.prod(shape):
+            raise ValueError(f"{key}: {size} bytes written for shape {tuple(shape)}")
+        written += size
     if written != offset:
         raise ValueError(f"wrote {written} tensor bytes, the header says {offset}")
 

@@ -393,6 +393,11 @@ def init_parameters(module: _LayerSpan, seed: int) -> None:
     for name, param in module.named_parameters():
         if param.dim() >= 2:
             generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name))
+            if param.dtype == torch.float32 and param.is_contiguous():
+                # drawn in place, the same values: a float32 draw copied over was the largest tensor once more
+                # at every build (a llama-1b embedding: 0.25 GiB of a syncer's start, issue 17)
+                param.normal_(0.0, _init_std(name, module.cfg), generator=generator)
+                continue
             values = torch.empty(param.shape, dtype=torch.float32)
             values.normal_(0.0, _init_std(name, module.cfg), generator=generator)
             param.copy_(values)

@@ -195,3 +195,36 @@ def test_argument_errors() -> None:
         merge_fragment(base, [c], embedding_names=(), clip_factor=0.5)
     with pytest.raises(ValueError, match="empty"):
         merge_fragment({}, [c], embedding_names=(), clip_factor=None)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_a_merge_a_chunk_at_a_time_equals_the_whole_tensor_merge(
+    monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """The merge never holds a delta whole: norms, clipping, the winsorized clamp and RDA work on chunks of
+    `chunked.CHUNK` values (issue 17). Split at every value, or mid-tensor, it merges as one chunk per tensor does
+    (up to float rounding of the float64 norms), an outlier's clip included."""
+    gen = torch.Generator().manual_seed(4)
+    base = {
+        "w": torch.randn(6, 7, generator=gen),
+        EMB: torch.randn(9, 3, generator=gen),
+        "v": torch.zeros(11),
+    }
+    deltas = [{n: 0.1 * torch.randn(t.shape, generator=gen) for n, t in base.items()} for _ in range(4)]
+    deltas.append({n: 50.0 * torch.ones(t.shape) for n, t in base.items()})  # clipped, then winsorized
+    for d in deltas[1:]:
+        d["v"] = -deltas[0]["v"]  # v: p0 against the rest, clamped by the winsorized range chunk by chunk
+    deltas[2]["v"] = torch.zeros(11)  # a zero delta, skipped by RDA
+    contributions = [
+        contribution(f"p{i}", base, d, steps=5 + i, tokens=300 + 7 * i) for i, d in enumerate(deltas)
+    ]
+    options = {"embedding_names": {EMB}, "clip_factor": 2.0, "trim_fraction": 0.25}
+    whole = merge_fragment(base, contributions, **options)  # type: ignore[arg-type]
+    monkeypatch.setattr("node.diloco.chunked.CHUNK", chunk)
+    split = merge_fragment(base, contributions, **options)  # type: ignore[arg-type]
+    assert split.clipped.keys() == whole.clipped.keys() == {"p4"}
+    assert split.fallback_tensors == whole.fallback_tensors
+    assert split.reason == whole.reason and "winsorized at 1 of 5" in split.reason
+    for name, grad in whole.outer_grad.items():
+        torch.testing.assert_close(split.outer_grad[name], grad, rtol=1e-5, atol=1e-6)
+    assert split.delta_norms == pytest.approx(whole.delta_norms, rel=1e-9)

@@ -239,3 +239,59 @@ def test_a_checkpoint_written_by_safetensors_itself_still_loads_its_momentum_laz
     restored = synchronous(tmp_path / "spill")
     restored.restore(loaded, 5.0)
     assert all(torch.equal(momentum_of(restored)[k], t) for k, t in snapshot.momentum.items())
+
+
+def test_a_held_contribution_is_a_file_of_its_own_read_in_chunks_and_deleted_once_merged(
+    tmp_path: Path,
+) -> None:
+    """With a spill directory, a round's accepted contributions are files (not K fragments in memory), deleted when
+    the round is merged or the contribution replaced."""
+    c = synchronous(tmp_path / "spill")
+
+    def contributions() -> list[str]:
+        return sorted(p.name for p in (tmp_path / "spill").iterdir() if p.name.startswith("contribution"))
+
+    contribute(c, "a", 0, 0, seed=1, now=1.0)
+    contribute(c, "b", 0, 0, seed=2, now=1.0)
+    held = c.rounds[0].entries["a"].contribution.params
+    assert not isinstance(held, dict) and len(contributions()) == 2
+    name = PLAN.fragments[0].names[0]
+    assert torch.equal(
+        torch.cat([held.chunk(name, 0, 3), held.chunk(name, 3, 10**9)]), held[name].reshape(-1)
+    )  # type: ignore[attr-defined]
+    del held
+    contribute(c, "a", 0, 0, seed=3, now=1.5)  # replaces a's first one: its file goes
+    gc.collect()
+    assert len(contributions()) == 2
+    assert c.merge_now(0, 2, 2.0) is not None
+    gc.collect()
+    assert contributions() == []
+    # control: the in-memory core holds them as they came
+    memory = synchronous(None)
+    contribute(memory, "a", 0, 0, seed=1, now=1.0)
+    assert isinstance(memory.rounds[0].entries["a"].contribution.params, dict)
+
+
+@pytest.mark.parametrize("chunk", [7, 1000])
+def test_merges_a_few_values_a_chunk_land_where_whole_tensors_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """The merge, the screen, the momentum step and the checkpoint work a chunk at a time (node.diloco.chunked): with
+    tiny chunks (every tensor split, at boundaries inside it) the spilled core lands where the in-memory one does at
+    one chunk per tensor, up to float rounding (float64 norms summed per chunk)."""
+    reference = synchronous(None)
+    script(reference)
+    monkeypatch.setattr("node.diloco.chunked.CHUNK", chunk)
+    spilled = synchronous(tmp_path / "spill")
+    script(spilled)
+    assert spilled.versions == reference.versions
+    for n, t in reference.params.items():
+        torch.testing.assert_close(spilled.params[n], t, rtol=1e-5, atol=1e-6)
+    ours, theirs = momentum_of(spilled), momentum_of(reference)
+    assert ours.keys() == theirs.keys()
+    for k, t in theirs.items():
+        torch.testing.assert_close(ours[k], t, rtol=1e-5, atol=1e-6)
+    path = checkpoint_path(tmp_path / "ckpt", RUN_ID)  # the momentum written in chunks reads back whole
+    save_checkpoint(path, spilled.snapshot(RUN_ID, term=1))
+    loaded = load_checkpoint(path, run_id=RUN_ID, expected=spilled.shapes, num_fragments=PLAN.num_fragments)
+    assert all(torch.equal(loaded.momentum[k], t) for k, t in ours.items())
