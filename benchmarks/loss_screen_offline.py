@@ -183,12 +183,13 @@ def descent_rates(
 ) -> dict[str, float]:
     """The screen as it is now, at weight 1 (node.diloco.loss_probe.LossBound.check on the floor): refused when
     the loss is higher than with the delta reversed by more than `reverse_tolerance` x loss, or when it rises over
-    the floor without being lower than its reverse by more than the floor. A flip's reverse is the honest delta."""
+    the floor without being lower than its reverse by more than that. A flip's reverse is the honest delta."""
 
     def refused(rise: float, reverse_rise: float, before: float) -> bool:
         descent = reverse_rise - rise
         floor = tolerance * abs(before)
-        return descent < -reverse_tolerance * abs(before) or (rise > floor and descent <= floor)
+        margin = reverse_tolerance * abs(before)
+        return descent < -margin or (rise > floor and descent <= margin)
 
     count = honest_refused = flip_passed = 0
     for r in rounds:

@@ -168,8 +168,9 @@ class LossBound:
         """The one-line reason `score` is refused, or None. Refused: a loss higher than with the delta reversed
         by more than `reverse_tolerance` x the loss (an ascent step, however small its rise: on a real model a
         sign-flipped delta raised the loss by less than the floor in 71 % of rounds,
-        benchmarks/loss_screen_offline.py), and a rise over the bound unless the delta is a clear step down the
-        held-out gradient (its `descent` over the floor: an honest step that overshoots applied alone)."""
+        benchmarks/loss_screen_offline.py), and a rise over the bound unless the delta is a step down the held-out
+        gradient by the same margin (its `descent`: an honest step that overshoots applied alone, as honest
+        real-model work on its own data shard does)."""
         bound, basis = self.bound(fragment, score.before)
         descent = score.descent
         margin = self.reverse_tolerance * abs(score.before)
@@ -178,10 +179,7 @@ class LossBound:
                 f"held-out loss {score.before:.4g} -> {score.after:.4g}, {-descent:+.4g} above its reverse "
                 f"(> {margin:.4g} = {self.reverse_tolerance:g} x loss): an ascent step"
             )
-        if score.delta <= bound:
-            return None
-        floor = self.tolerance * abs(score.before)
-        if descent is not None and descent > floor:
+        if score.delta <= bound or (descent is not None and descent > margin):
             return None
         reversed_ = "" if descent is None else f", {descent:+.4g} below its reverse"
         return (

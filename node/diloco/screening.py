@@ -83,11 +83,10 @@ class ScreeningConfig:
         2  # held-out batches per score (CPU cost: two forward passes of these per contribution)
     )
     loss_batch_size: int = 8  # sequences per held-out batch
-    # a loss rise up to this x the loss before is noise (the bound's floor); a rise over the bound still passes
-    # when the delta's reverse scores worse by more than this x the loss (a step down the gradient that overshoots)
-    loss_tolerance: float = 0.02
+    loss_tolerance: float = 0.02  # a loss rise up to this x the loss before is noise (the bound's floor)
     # a contribution whose held-out loss is higher than with its delta reversed by more than this x the loss is an
-    # ascent step and refused, whatever its rise (inf: off); honest real-model work was at worst 0.004 x the loss
+    # ascent step, refused whatever its rise; one lower than its reverse by more than this passes a rise over the
+    # bound (an overshoot down the gradient). inf: off. Honest llama-20m work was at worst 0.0036 x the loss above
     loss_reverse_tolerance: float = 0.005
     loss_mad_factor: float = 3.0  # after warm-up, the bound is also median + this x MAD of merged scores
     # claims and copies (node.diloco.claims)
