@@ -42,6 +42,8 @@ logger = logging.getLogger("benchmarks.bandwidth_live")
 def run_toml_table(spec: CodecSpec) -> str:
     fields = spec.header_fields()
     lines = [f'codec = "{fields.pop("codec")}"'] + [f"{k} = {v}" for k, v in fields.items()]
+    if spec.feedback_decay != 1.0:  # learner side, not a header field
+        lines.append(f"feedback_decay = {spec.feedback_decay}")
     return "\n[outer_codec]\n" + "\n".join(lines) + "\n"
 
 

@@ -100,6 +100,7 @@ def merge_fragment(
     max_staleness: int | None = None,
     trim_fraction: float = 0.0,
     reweight: Callable[[Mapping[str, float]], Mapping[str, float]] | None = None,
+    sparse: bool = False,
 ) -> MergeResult:
     """Merge `contributions` to one fragment into an outer gradient (see the module docstring).
 
@@ -111,7 +112,11 @@ def merge_fragment(
     clamped to the range of the values left after dropping the max(1, floor(trim_fraction x n)) highest and
     lowest (a winsorized merge: one or a few contributions cannot pull any coordinate past the honest ones').
     `reweight` maps the accepted contributions' raw token weights to the weights used (the syncer's seniority
-    cap, node.diloco.seniority); a weight it leaves out is kept.
+    cap, node.diloco.seniority); a weight it leaves out is kept. With `sparse` (a top-k outer codec: each learner
+    sends a few coordinates, the rest decode to an exact zero), the winsorizing ranks each coordinate among the
+    contributions that sent it (non-zero) only, and leaves it alone when fewer than 2k + 1 did: among the zeros
+    of the others, every value that fewer than k + 1 learners sent would be clamped to zero, i.e. nearly all of
+    the update (see `_sparse_bounds`).
     Raises NothingToMerge if no accepted contribution has positive weight, ValueError on bad arguments
     (duplicate peer ids, bad clip_factor or tolerance, empty fragment).
     """
@@ -129,7 +134,7 @@ def merge_fragment(
     weighted = [a for a in accepted if a.weight > 0]
     delta_norms = {a.peer_id: a.norm for a in accepted}
     clipped = _clip(weighted, clip_factor)
-    trimmed = _winsorize(weighted, trim_fraction)
+    trimmed = _winsorize(weighted, trim_fraction, sparse=sparse)
     weights = {a.peer_id: a.weight / total for a in accepted}
     outer_grad, fallback = _merge_tensors(
         sorted(global_params), weighted, weights, embedding_names, degenerate_tol
@@ -273,19 +278,38 @@ def _clip(weighted: list[_Accepted], clip_factor: float | None) -> dict[str, flo
     return clipped
 
 
-def _winsorize(weighted: list[_Accepted], trim_fraction: float) -> int:
+def _winsorize(weighted: list[_Accepted], trim_fraction: float, *, sparse: bool = False) -> int:
     """Clamp each coordinate of each delta to [k-th lowest, k-th highest] of the weighted deltas' values there
-    (k = max(1, floor(trim_fraction x n)), n >= 3, k < n / 2); returns k (0: not applied)."""
+    (k = max(1, floor(trim_fraction x n)), n >= 3, k < n / 2); returns k (0: not applied). `sparse`: ranked among
+    the non-zero values only, and a zero stays zero (`merge_fragment`)."""
     n = len(weighted)
     if trim_fraction <= 0 or n < 3:
         return 0
     k = min(max(1, math.floor(trim_fraction * n)), (n - 1) // 2)
     for name in weighted[0].deltas:
-        ordered = torch.stack([a.deltas[name] for a in weighted]).sort(dim=0).values
-        low, high = ordered[k], ordered[n - 1 - k]
+        stacked = torch.stack([a.deltas[name] for a in weighted])
+        if sparse:
+            low, high = _sparse_bounds(stacked, k)
+        else:
+            ordered = stacked.sort(dim=0).values
+            low, high = ordered[k], ordered[n - 1 - k]
         for a in weighted:
-            a.deltas[name] = torch.minimum(torch.maximum(a.deltas[name], low), high)
+            clamped = torch.minimum(torch.maximum(a.deltas[name], low), high)
+            # a coordinate this learner did not send stays unsent (a bound of the senders' would invent one)
+            a.deltas[name] = torch.where(a.deltas[name] != 0, clamped, 0.0) if sparse else clamped
     return k
+
+
+def _sparse_bounds(stacked: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per coordinate, the k-th lowest and k-th highest of the non-zero values of `stacked` ([n, ...]), or
+    -inf/+inf (no clamp) where fewer than 2k + 1 are non-zero. Such a coordinate stays bounded by the sender's
+    codec scale and the norm clipping; robust statistics need more senders than that."""
+    sent = stacked != 0
+    inf = torch.tensor(math.inf, dtype=stacked.dtype)
+    low = torch.where(sent, stacked, inf).sort(dim=0).values[k]
+    high = torch.where(sent, stacked, -inf).sort(dim=0, descending=True).values[k]
+    few = sent.sum(dim=0) < 2 * k + 1
+    return torch.where(few, -inf, low), torch.where(few, inf, high)
 
 
 def _weighted_mean(items: list[tuple[float, torch.Tensor]]) -> torch.Tensor:
