@@ -58,7 +58,8 @@ CODECS: dict[str, CodecSpec] = {
 # clears issue 20's >= 150x, index cost included; the error feedback's decay cost no bytes and closed most of the
 # in-process loss gap (benchmarks/codec_sweep.py)
 RECOMMENDED = "topk 1/128 2-bit EF 0.9"
-PREVIOUS = "topk 1/128 2-bit"  # the recommended one before the decay and the sparse winsorizing: a live arm too
+# the recommended one before the decay and the sparse winsorizing: a live arm too
+PREVIOUS = "topk 1/128 2-bit"
 
 
 def _one_shot(name: str, spec: CodecSpec, delta: torch.Tensor, limits: TensorLimits) -> dict[str, Any]:

@@ -393,7 +393,8 @@ def test_feedback_decay_scales_the_residual_once_committed_and_never_travels() -
     decayed = CodecSpec(codec="topk", chunk=64, k=4, bits=4, feedback_decay=0.5)
     full, half = ErrorFeedback(EF_TOPK), ErrorFeedback(decayed)
     a, b = full.encode(0, _structured_delta(0)), half.encode(0, _structured_delta(0))
-    assert a.header == b.header and a.payload == b.payload  # a learner-side setting: the same bytes and header
+    # a learner-side setting: the same bytes and header
+    assert a.header == b.header and a.payload == b.payload
     assert torch.allclose(half.residual(0), 0.5 * full.residual(0))  # type: ignore[operator]
     # the receiver decodes it with either spec as `expect` (the header has no decay to disagree on)
     decode(b.header, b.payload, LIMITS, expect=EF_TOPK)
