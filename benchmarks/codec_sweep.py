@@ -10,9 +10,12 @@ stepped by `OuterNesterov`. Rounds are synchronous (every fragment each round), 
 
     gap of a variant = its held-out loss at the last round / the fp32 arm's - 1   (same tokens, same seeds)
 
-The noise floor is the gap of an fp32 arm with other data seeds (`seed=1`). Each variant is a ';'-separated item of
-comma-separated keys: codec (fp32 | topk | int8 | int4), chunk, k, bits, scale_bits, trim (the merge's
-trim_fraction), lr and momentum (the outer step), seed (data seeds offset).
+`gap_last5` compares the mean of the last 5 rounds' losses instead (one round's loss swings by a few per cent under
+the default Nesterov step). The noise floor is the gap of an fp32 arm with other data seeds (`seed=1`). Each
+variant is a ';'-separated item of comma-separated keys: codec (fp32 | topk | int8 | int4), chunk, k, bits,
+scale_bits, decay (the codec's feedback_decay), trim (the merge's trim_fraction), sparse (1: the merge's sparse
+winsorizing, what a syncer under a top-k codec does), rda (0: plain mean instead of RDA), lr and momentum (the
+outer step), seed (data seeds offset).
 Run: `python -m benchmarks.codec_sweep [--rounds 30] [--variants "codec=topk,k=32;..."] [--write]`.
 """
 
@@ -53,12 +56,8 @@ class Variant:
     momentum: float = 0.9
     seed: int = 0
     rda: bool = True  # the merge's RDA for non-embedding tensors; False: the plain weighted mean everywhere
-    sparse_trim: bool = (
-        False  # the merge's winsorizing among the coordinates sent only (merge_fragment's sparse)
-    )
-    decay: float = (
-        1.0  # error feedback: the residual is multiplied by this after each push (SparseLoCo's beta)
-    )
+    # the merge's winsorizing among the coordinates sent only (merge_fragment's sparse; a syncer under topk)
+    sparse_trim: bool = False
 
 
 def parse_variant(text: str) -> Variant:
@@ -68,6 +67,7 @@ def parse_variant(text: str) -> Variant:
     if unknown:
         raise ValueError(f"unknown variant keys {sorted(unknown)}")
     spec_fields: dict[str, Any] = {k: int(v) for k, v in values.items() if k in _SPEC_KEYS[1:]}
+    spec_fields["feedback_decay"] = float(values.get("decay", 1.0))
     spec = CodecSpec(codec=values.get("codec", "fp32"), **spec_fields)  # type: ignore[arg-type]
     return Variant(
         label=text.strip(),
@@ -77,8 +77,7 @@ def parse_variant(text: str) -> Variant:
         momentum=float(values.get("momentum", 0.9)),
         seed=int(values.get("seed", 0)),
         rda=values.get("rda", "1") != "0",
-        decay=float(values.get("decay", 1.0)),
-        sparse_trim=values.get("sparse", "0") != "0",
+        sparse_trim=values.get("sparse", "1" if spec.codec == "topk" else "0") != "0",
     )
 
 
@@ -114,9 +113,6 @@ def _contributions(
         if variant.spec.codec != "fp32":
             sent = encoder.encode(fragment, base, params)
             encoder.commit(fragment, sent)
-            residual = encoder.feedback.residual(fragment)
-            if residual is not None and variant.decay != 1.0:
-                residual.mul_(variant.decay)
             params = decode_contribution(sent.tensors, sent.meta, spec=variant.spec, base=base, names=names)
         out.append(Contribution(f"l{i}", params, version, H, H * BATCH * MODEL.context_len))
     return out
