@@ -20,6 +20,11 @@ Over a WAN (`benchmarks.bandwidth_live.WAN_LINK`): the same two live arms with e
 50 Mbit/s, 100 ms round-trip link of the WAN proxy: tokens/s and merge efficiency with and without compression
 (`wan_*` headline keys, `wan` detail). `--wan-only` measures just these into the existing results file.
 
+`--live-only`: the live arms alone, into the existing results file (`live_measured_at` dates them): fp32, fp32
+again (its gap is the noise floor, `outer_loss_gap_noise`), the previous recommendation (top-k 1/128 2-bit without
+feedback decay, `outer_loss_gap_previous`) and the recommended codec (`outer_loss_gap`); the plot gets their
+loss curves.
+
 Run: `python -m benchmarks.bandwidth [--numel 4194304] [--ef-numel 1048576] [--steps 20] [--live-s 90 | --live-s 0]
 [--wan-s 90 | --wan-s 0 | --wan-only | --live-only] [--activation-microbatches 600 | --activations-only]`.
 """
@@ -144,13 +149,31 @@ def _feedback(numel: int, steps: int, limits: TensorLimits) -> dict[str, Any]:
     return out
 
 
-def _plot(rows: list[dict[str, Any]], feedback: dict[str, Any], steps: int) -> None:
+def _plot_live(ax: Any, live: dict[str, Any]) -> None:
+    """The live arms' held-out loss against merged tokens."""
+    for name, arm in live.items():
+        curve = arm.get("loss_curve") or []
+        gap = arm.get("loss_gap")
+        label = name if gap is None or name == "fp32" else f"{name} ({gap:+.1%})"
+        ax.plot([t / 1e3 for t, _ in curve], [loss for _, loss in curve], marker=".", label=label)
+    ax.set_xlabel("tokens merged (thousands)")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.set_title("Live swarm, 4 learners: loss at equal merged tokens")
+    ax.legend(fontsize=7)
+
+
+def _plot(
+    rows: list[dict[str, Any]], feedback: dict[str, Any], steps: int, live: dict[str, Any] | None = None
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_ratio, ax_ef) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3 if live else 2, figsize=(18 if live else 12, 4.5))
+    ax_ratio, ax_ef = axes[0], axes[1]
+    if live:
+        _plot_live(axes[2], live)
     names = [r["codec"] for r in rows]
     bars = ax_ratio.bar(range(len(rows)), [r["ratio"] for r in rows], color="tab:blue")
     for bar, row in zip(bars, rows, strict=True):
@@ -242,7 +265,8 @@ def _update_live(seconds: float, min_step_s: float) -> None:
     previous["live"] = live
     previous["live_measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     path.write_text(json.dumps(previous, indent=2, default=float) + "\n")
-    print(f"headline {previous['headline']}\nwrote {path}")
+    _plot(previous["codecs"], previous["feedback"], previous["headline"]["feedback_steps"], live)
+    print(f"headline {previous['headline']}\nwrote {path} and {plot_path(NAME)}")
 
 
 def main() -> None:
@@ -323,7 +347,7 @@ def main() -> None:
         headline |= bandwidth_activations.headline(activations)
         detail["activations"] = activations
     path = write_result(NAME, headline, detail)
-    _plot(rows, feedback, args.steps)
+    _plot(rows, feedback, args.steps, live)
     print(f"headline {headline}\nwrote {path} and {plot_path(NAME)}")
 
 
