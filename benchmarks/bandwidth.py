@@ -258,7 +258,9 @@ def _update_live(seconds: float, min_step_s: float) -> None:
     previous["headline"] |= {
         "outer_codec": RECOMMENDED,
         "outer_loss_gap": live[RECOMMENDED]["loss_gap"],
+        "outer_loss_gap_last3": live[RECOMMENDED]["loss_gap_last3"],
         "outer_loss_gap_noise": live["fp32 again"]["loss_gap"],
+        "outer_loss_gap_noise_last3": live["fp32 again"]["loss_gap_last3"],
         "outer_loss_gap_previous": live[PREVIOUS]["loss_gap"],
         "outer_live_compression": live[RECOMMENDED]["live_compression"],
     }

@@ -147,6 +147,17 @@ def loss_gap(arm: dict[str, Any], reference: dict[str, Any]) -> float | None:
     return round((loss - ref) / ref, 4) if ref else None
 
 
+def loss_gap_tail(arm: dict[str, Any], reference: dict[str, Any], last: int = 3) -> float | None:
+    """The mean relative gap of the arm's last `last` evaluations, each against the reference interpolated at the
+    same merged tokens: one evaluation of a lossy codec's swarm swings by more than the gap asked for."""
+    gaps = []
+    for tokens, loss in arm["loss_curve"][-last:]:
+        ref = interpolate(reference["loss_curve"], tokens)
+        if ref:
+            gaps.append((loss - ref) / ref)
+    return round(sum(gaps) / len(gaps), 4) if gaps else None
+
+
 def run_live(
     codecs: dict[str, CodecSpec], duration_s: float, min_step_s: float, link: LinkProfile | None = None
 ) -> dict[str, dict[str, Any]]:
@@ -164,6 +175,7 @@ def run_live(
     reference = next(iter(results.values()))
     for result in results.values():
         result["loss_gap"] = loss_gap(result, reference)
+        result["loss_gap_last3"] = loss_gap_tail(result, reference)
     return results
 
 
