@@ -188,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     codecs = {
         "fp32": CodecSpec(),
-        "topk 1/128 2-bit": CodecSpec(codec="topk", chunk=4096, k=32, bits=2, scale_bits=16),
+        "topk 1/128 2-bit EF 0.9": CodecSpec(
+            codec="topk", chunk=4096, k=32, bits=2, scale_bits=16, feedback_decay=0.9
+        ),  # benchmarks.bandwidth's RECOMMENDED
     }
     results = run_live(codecs, args.duration, args.min_step_s, WAN_LINK if args.wan else None)
     print(
