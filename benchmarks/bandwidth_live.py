@@ -42,6 +42,8 @@ logger = logging.getLogger("benchmarks.bandwidth_live")
 def run_toml_table(spec: CodecSpec) -> str:
     fields = spec.header_fields()
     lines = [f'codec = "{fields.pop("codec")}"'] + [f"{k} = {v}" for k, v in fields.items()]
+    if spec.feedback_decay != 1.0:  # learner side, not a header field
+        lines.append(f"feedback_decay = {spec.feedback_decay}")
     return "\n[outer_codec]\n" + "\n".join(lines) + "\n"
 
 
@@ -145,6 +147,17 @@ def loss_gap(arm: dict[str, Any], reference: dict[str, Any]) -> float | None:
     return round((loss - ref) / ref, 4) if ref else None
 
 
+def loss_gap_tail(arm: dict[str, Any], reference: dict[str, Any], last: int = 3) -> float | None:
+    """The mean relative gap of the arm's last `last` evaluations, each against the reference interpolated at the
+    same merged tokens: one evaluation of a lossy codec's swarm swings by more than the gap asked for."""
+    gaps = []
+    for tokens, loss in arm["loss_curve"][-last:]:
+        ref = interpolate(reference["loss_curve"], tokens)
+        if ref:
+            gaps.append((loss - ref) / ref)
+    return round(sum(gaps) / len(gaps), 4) if gaps else None
+
+
 def run_live(
     codecs: dict[str, CodecSpec], duration_s: float, min_step_s: float, link: LinkProfile | None = None
 ) -> dict[str, dict[str, Any]]:
@@ -162,6 +175,7 @@ def run_live(
     reference = next(iter(results.values()))
     for result in results.values():
         result["loss_gap"] = loss_gap(result, reference)
+        result["loss_gap_last3"] = loss_gap_tail(result, reference)
     return results
 
 
@@ -174,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     codecs = {
         "fp32": CodecSpec(),
-        "topk 1/128 2-bit": CodecSpec(codec="topk", chunk=4096, k=32, bits=2, scale_bits=16),
+        "topk 1/128 2-bit EF 0.9": CodecSpec(
+            codec="topk", chunk=4096, k=32, bits=2, scale_bits=16, feedback_decay=0.9
+        ),  # benchmarks.bandwidth's RECOMMENDED
     }
     results = run_live(codecs, args.duration, args.min_step_s, WAN_LINK if args.wan else None)
     print(

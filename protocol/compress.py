@@ -78,6 +78,10 @@ class CodecSpec:
     # 16 (float16) or 32 (float32) per scale. float16 halves the scale cost but flushes a block whose max is under
     # ~4e-6 (int8) or ~2e-7 (int4, topk 2-bit) to zero: far below an outer delta, and error feedback keeps it.
     scale_bits: int = 32
+    # learner side, never in a header: error feedback keeps this fraction of its residual after each push (1.0:
+    # all of it). SparseLoCo's beta: below 1, what the codec kept dropping fades instead of arriving rounds late
+    # as one stale burst (benchmarks/codec_sweep.py measures it).
+    feedback_decay: float = 1.0
 
     def __post_init__(self) -> None:
         problem = _spec_problem(self)
@@ -112,6 +116,9 @@ def _spec_problem(spec: CodecSpec) -> str | None:
             return f"bits {spec.bits} not in {sorted(TOPK_VALUE_BITS)}"
     if spec.scale_bits not in SCALE_DTYPES:
         return f"scale_bits {spec.scale_bits} not in {sorted(SCALE_DTYPES)}"
+    decay = spec.feedback_decay
+    if type(decay) not in (int, float) or not 0.0 < decay <= 1.0:  # NaN fails the range too
+        return f"feedback_decay {str(decay)[:16]} not a number in (0, 1]"
     return None
 
 

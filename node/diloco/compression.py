@@ -9,7 +9,9 @@ per fragment and adds it to the next delta before encoding::
     residual  = corrected - decode(encoded)
 
 so the decoded updates sum to the true deltas minus the current residual, which stays bounded (the codec keeps
-each chunk's largest entries, so a coordinate cannot grow without being sent). Pure: no I/O, no clock.
+each chunk's largest entries, so a coordinate cannot grow without being sent). With the codec's
+`feedback_decay` below 1 (SparseLoCo's beta) the residual is scaled by it once committed: a coordinate the codec
+keeps dropping fades rather than arriving many rounds late. Pure: no I/O, no clock.
 
 A contribution the syncer refuses for good carried work that never arrived: `forget` drops the residual of that
 fragment (the next delta, measured from the version the learner then loads, already holds the lost progress as
@@ -74,8 +76,11 @@ class ErrorFeedback:
         return encoded, corrected - decode(encoded.header, encoded.payload, _own_limits(corrected))
 
     def commit(self, fragment: int, residual: torch.Tensor | None) -> None:
-        """Keep `residual` (from `prepare`) as what the codec still owes the syncer for `fragment`."""
+        """Keep `residual` (from `prepare`) as what the codec still owes the syncer for `fragment`, times the
+        codec's `feedback_decay` (in place: `prepare` made it for us alone)."""
         if residual is not None:
+            if self.spec.feedback_decay != 1.0:
+                residual.mul_(self.spec.feedback_decay)
             self._residuals[fragment] = residual
 
     def residual(self, fragment: int) -> torch.Tensor | None:

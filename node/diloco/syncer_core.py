@@ -714,6 +714,7 @@ class SyncerCore(CoreState):
         run_id: str = "",  # what admission proofs are bound to
         spill_dir: Path | None = None,  # None: all state in memory; else older versions and momentum on disk
         take_params: bool = False,  # the caller hands `params` over (never uses them again): no copy
+        sparse_merge: bool = False,  # a top-k outer codec: winsorize among the coordinates sent (merge_fragment)
     ) -> None:
         missing = set(plan.names()) - set(params)
         if missing:
@@ -737,6 +738,7 @@ class SyncerCore(CoreState):
             violation_factor=config.claim_violation_factor,
         )
         self.clip_factor = clip_factor
+        self.sparse_merge = sparse_merge
         self.max_staleness = max_staleness
         self.max_steps_per_s = max_steps_per_s
         self.tokens_per_step = tokens_per_step
@@ -1205,6 +1207,7 @@ def merge_capped(
         max_staleness=core.max_staleness,
         trim_fraction=core.screen.config.trim_fraction if core.screen.config.enabled else 0.0,
         reweight=reweight,
+        sparse=core.sparse_merge,
     )
     if capped and capped[-1].grad_scale < 1.0:  # young identities alone while seniors are active
         # the step and the recorded weights both shrink, as if seniors without progress held the rest

@@ -648,6 +648,7 @@ def build_core(role: SyncerRole) -> SyncerCore:
         # store, emptied here: a restart resumes from the checkpoint
         spill_dir=role.ctx.config.state_dir / "syncer-spill",
         take_params=True,  # the seed model is ours alone (dropped on return)
+        sparse_merge=manifest.outer_codec.codec == "topk",
     )
 
 

@@ -326,3 +326,48 @@ def test_negative_control_without_trimming_the_spike_moves_that_coordinate_far_p
     honest = torch.stack([c.params["w"] for c in contributions[:4]])
     result = merge_fragment({"w": torch.zeros(50)}, contributions, embedding_names=(), clip_factor=3.0)
     assert float(result.outer_grad["w"][7]) > float((-honest[:, 7]).max()) * 1.3
+
+
+def _sparse_contributions(spike: float) -> list[Contribution]:
+    """Top-k-like deltas: each of 4 honest learners sends 10 of 50 coordinates (its own, plus 0..4 sent by all
+    and 5 sent by three), the rest exact zeros; an attacker sends the shared ones with one spiked."""
+    gen = torch.Generator().manual_seed(4)
+    out = []
+    for i in range(4):
+        delta = torch.zeros(50)
+        own = [*range(5), *range(10 + 5 * i, 15 + 5 * i)]
+        delta[own] = 1.0 + 0.1 * torch.randn(len(own), generator=gen)
+        if i < 3:
+            delta[5] = 1.0
+        out.append(Contribution(f"h{i}", {"w": -delta}, 0, 4, 256))
+    evil = torch.zeros(50)
+    evil[:5] = 1.0
+    evil[3] = spike
+    out.append(Contribution("evil", {"w": -evil}, 0, 4, 256))
+    return out
+
+
+def test_sparse_winsorizing_keeps_what_one_learner_sent_and_still_bounds_a_spike_on_a_shared_coordinate() -> (
+    None
+):
+    contributions = _sparse_contributions(spike=8.0)
+    sparse = merge_fragment(
+        {"w": torch.zeros(50)},
+        contributions,
+        embedding_names=(),
+        clip_factor=3.0,
+        trim_fraction=0.25,
+        sparse=True,
+    )
+    plain = merge_fragment(
+        {"w": torch.zeros(50)}, contributions, embedding_names=(), clip_factor=3.0, trim_fraction=0.25
+    )
+    mean = merge_fragment({"w": torch.zeros(50)}, contributions, embedding_names=(), clip_factor=3.0)
+    own = slice(10, 30)  # coordinates one learner sent each
+    # negative control: the dense winsorizing ranks those among four zeros and clamps them all to zero
+    assert float(plain.outer_grad["w"][own].abs().max()) == 0.0
+    assert float(sparse.outer_grad["w"][own].abs().min()) > 0.0
+    assert torch.equal(sparse.outer_grad["w"][30:], torch.zeros(20))  # nobody sent these: none is invented
+    # the spike on a coordinate all five sent stays within the honest range, as without winsorizing it does not
+    assert float(sparse.outer_grad["w"][3]) <= 1.2 * float(sparse.outer_grad["w"][:3].max())
+    assert float(mean.outer_grad["w"][3]) > 1.5 * float(mean.outer_grad["w"][:3].max())

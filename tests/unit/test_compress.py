@@ -389,6 +389,27 @@ def test_without_feedback_top_k_loses_the_small_coordinates() -> None:
     assert feedback.residual(0) is None
 
 
+def test_feedback_decay_scales_the_residual_once_committed_and_never_travels() -> None:
+    decayed = CodecSpec(codec="topk", chunk=64, k=4, bits=4, feedback_decay=0.5)
+    full, half = ErrorFeedback(EF_TOPK), ErrorFeedback(decayed)
+    a, b = full.encode(0, _structured_delta(0)), half.encode(0, _structured_delta(0))
+    # a learner-side setting: the same bytes and header
+    assert a.header == b.header and a.payload == b.payload
+    assert torch.allclose(half.residual(0), 0.5 * full.residual(0))  # type: ignore[operator]
+    # the receiver decodes it with either spec as `expect` (the header has no decay to disagree on)
+    decode(b.header, b.payload, LIMITS, expect=EF_TOPK)
+    # the sums no longer track the true deltas exactly (a fading residual), but stay bounded and close
+    true_sum, decoded_sum, norms = _run_feedback(ErrorFeedback(decayed), 200)
+    assert max(norms[100:]) <= max(norms[:100]) * 1.1
+    assert relative_error(decoded_sum, true_sum) < 0.5
+
+
+@pytest.mark.parametrize("decay", [0.0, -0.5, 1.5, math.nan, math.inf, True, "0.9"])
+def test_a_feedback_decay_outside_0_1_is_refused(decay: object) -> None:
+    with pytest.raises(ValueError, match="feedback_decay"):
+        CodecSpec(codec="topk", feedback_decay=decay)  # type: ignore[arg-type]
+
+
 def test_quantizer_feedback_keeps_the_residual_within_one_step() -> None:
     feedback = ErrorFeedback(INT4)
     for step in range(50):

@@ -1,0 +1,208 @@
+"""Outer-gradient codecs in one process (issue 20 part 1): which codec settings keep the loss at >= 150x.
+
+The live benchmark (`benchmarks.bandwidth_live`) costs minutes per arm; this runs the same algorithm without the
+network, in seconds: the goodput swarm's model and recipe (byte-level llama, 2 layers of width 64, context 32,
+AdamW lr 3e-3, batch 8, H = 12, 2 fragments plus the embedding, 4 learners on shards of the built-in corpus), each
+learner's pseudo-gradient per fragment encoded with the real codec and error feedback
+(`node.diloco.compression.ContributionEncoder`), decoded as the syncer does (`decode_contribution`), merged by the
+syncer's `merge_fragment` (RDA, clipping at 3x the median norm, the screen's winsorizing `trim_fraction`) and
+stepped by `OuterNesterov`. Rounds are synchronous (every fragment each round), unlike the live run's streaming.
+
+    gap of a variant = its held-out loss at the last round / the fp32 arm's - 1   (same tokens, same seeds)
+
+`gap_last5` compares the mean of the last 5 rounds' losses instead (one round's loss swings by a few per cent under
+the default Nesterov step). The noise floor is the gap of an fp32 arm with other data seeds (`seed=1`). Each
+variant is a ';'-separated item of comma-separated keys: codec (fp32 | topk | int8 | int4), chunk, k, bits,
+scale_bits, decay (the codec's feedback_decay), trim (the merge's trim_fraction), sparse (1: the merge's sparse
+winsorizing, what a syncer under a top-k codec does), rda (0: plain mean instead of RDA), lr and momentum (the
+outer step), seed (data seeds offset).
+Run: `python -m benchmarks.codec_sweep [--rounds 30] [--variants "codec=topk,k=32;..."] [--write]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from benchmarks.common import write_result
+from node.diloco.compression import ContributionEncoder, decode_contribution
+from node.diloco.fragments import FragmentPlan, plan_fragments
+from node.diloco.merge import Contribution, merge_fragment
+from node.diloco.outer import OuterNesterov
+from node.ml.data import Batch, BatchSampler, evaluate, load_corpus, validation_batches
+from node.ml.model import ModelConfig, build_model, embedding_param_names
+from protocol.compress import CodecSpec, compression_ratio
+
+NAME = "codec_sweep"
+MODEL = ModelConfig(vocab_size=256, context_len=32, num_layers=2, width=64, num_heads=2)  # goodput's
+LEARNERS, BATCH, H, INNER_LR, WEIGHT_DECAY, SEED = 4, 8, 12, 3e-3, 0.01, 11
+CLIP_FACTOR = 3.0  # the syncer's default
+DEFAULT_VARIANTS = "codec=fp32,seed=1;codec=topk,k=32,bits=2,scale_bits=16"
+_SPEC_KEYS = ("codec", "chunk", "k", "bits", "scale_bits")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Variant:
+    label: str
+    spec: CodecSpec = field(default_factory=CodecSpec)
+    trim: float = 0.25  # the screen's default trim_fraction
+    outer_lr: float = 0.7
+    momentum: float = 0.9
+    seed: int = 0
+    rda: bool = True  # the merge's RDA for non-embedding tensors; False: the plain weighted mean everywhere
+    # the merge's winsorizing among the coordinates sent only (merge_fragment's sparse; a syncer under topk)
+    sparse_trim: bool = False
+
+
+def parse_variant(text: str) -> Variant:
+    """'codec=topk,k=32,trim=0' -> Variant; ValueError on an unknown key or a bad codec."""
+    values = dict(part.strip().split("=", 1) for part in text.split(",") if part.strip())
+    unknown = set(values) - {*_SPEC_KEYS, "trim", "lr", "momentum", "seed", "rda", "decay", "sparse"}
+    if unknown:
+        raise ValueError(f"unknown variant keys {sorted(unknown)}")
+    spec_fields: dict[str, Any] = {k: int(v) for k, v in values.items() if k in _SPEC_KEYS[1:]}
+    spec_fields["feedback_decay"] = float(values.get("decay", 1.0))
+    spec = CodecSpec(codec=values.get("codec", "fp32"), **spec_fields)  # type: ignore[arg-type]
+    return Variant(
+        label=text.strip(),
+        spec=spec,
+        trim=float(values.get("trim", 0.25)),
+        outer_lr=float(values.get("lr", 0.7)),
+        momentum=float(values.get("momentum", 0.9)),
+        seed=int(values.get("seed", 0)),
+        rda=values.get("rda", "1") != "0",
+        sparse_trim=values.get("sparse", "1" if spec.codec == "topk" else "0") != "0",
+    )
+
+
+@dataclass(slots=True)
+class Setup:
+    plan: FragmentPlan
+    streams: list[Any]
+    held: list[Batch]
+
+
+def build_setup(eval_batches: int) -> Setup:
+    corpus = load_corpus()
+    model = build_model(MODEL, SEED)
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    plan = plan_fragments(sizes, 2, embedding_param_names(MODEL))
+    streams = [corpus.train_stream(i, LEARNERS) for i in range(LEARNERS)]
+    held = validation_batches(corpus, batch_size=8, context_len=MODEL.context_len, num_batches=eval_batches)
+    return Setup(plan=plan, streams=streams, held=held)
+
+
+def _contributions(
+    variant: Variant,
+    encoders: list[ContributionEncoder],
+    replicas: list[torch.nn.Module],
+    base: dict[str, torch.Tensor],
+    fragment: int,
+    version: int,
+) -> list[Contribution]:
+    names = encoders[0].plan.fragments[fragment].names
+    out = []
+    for i, (encoder, replica) in enumerate(zip(encoders, replicas, strict=True)):
+        params = {n: p.detach() for n, p in replica.named_parameters() if n in names}
+        if variant.spec.codec != "fp32":
+            sent = encoder.encode(fragment, base, params)
+            encoder.commit(fragment, sent)
+            params = decode_contribution(sent.tensors, sent.meta, spec=variant.spec, base=base, names=names)
+        out.append(Contribution(f"l{i}", params, version, H, H * BATCH * MODEL.context_len))
+    return out
+
+
+def run(setup: Setup, variant: Variant, rounds: int) -> list[tuple[int, float]]:
+    """Held-out loss of the global model after each round, against tokens trained by all learners."""
+    model = build_model(MODEL, SEED)
+    global_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    replicas = [copy.deepcopy(model) for _ in range(LEARNERS)]
+    optimizers = [torch.optim.AdamW(r.parameters(), lr=INNER_LR, weight_decay=WEIGHT_DECAY) for r in replicas]
+    samplers = [
+        BatchSampler(
+            stream,
+            batch_size=BATCH,
+            context_len=MODEL.context_len,
+            generator=torch.Generator().manual_seed(1000 * variant.seed + i),
+        )
+        for i, stream in enumerate(setup.streams)
+    ]
+    encoders = [ContributionEncoder(variant.spec, setup.plan) for _ in range(LEARNERS)]
+    outer = OuterNesterov(variant.outer_lr, variant.momentum)
+    embedding = embedding_param_names(MODEL)
+    curve, trained = [], 0
+    for round_ in range(rounds):
+        for replica, optimizer, sampler in zip(replicas, optimizers, samplers, strict=True):
+            replica.load_state_dict(global_params, strict=False)
+            for _ in range(H):
+                inputs, targets = sampler.next_batch()
+                optimizer.zero_grad(set_to_none=True)
+                replica(inputs, targets)[1].backward()
+                optimizer.step()
+                trained += int(inputs.numel())
+        for fragment in setup.plan.fragments:
+            base = {n: global_params[n] for n in fragment.names}
+            contributions = _contributions(variant, encoders, replicas, base, fragment.index, round_)
+            result = merge_fragment(
+                base,
+                contributions,
+                embedding_names=embedding if variant.rda else set(fragment.names),
+                clip_factor=CLIP_FACTOR,
+                trim_fraction=variant.trim,
+                sparse=variant.sparse_trim,
+            )
+            global_params.update(outer.step(base, result.outer_grad))
+        model.load_state_dict(global_params, strict=False)
+        curve.append((trained, evaluate(model, setup.held)))
+    return curve
+
+
+def _tail(curve: list[tuple[int, float]], last: int = 5) -> float:
+    """Mean held-out loss of the last rounds: one round's loss of a lossy codec swings more than the gap."""
+    return sum(loss for _, loss in curve[-last:]) / len(curve[-last:])
+
+
+def ratio(spec: CodecSpec, plan: FragmentPlan) -> float:
+    """fp32 bytes over encoded bytes of one push of every fragment (short last chunks included)."""
+    sizes = [f.num_params for f in plan.fragments]
+    return 4 * sum(sizes) / sum(4 * n / compression_ratio(spec, n) for n in sizes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--eval-batches", type=int, default=64)
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+    parser.add_argument("--write", action="store_true", help="write benchmarks/results/codec_sweep.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    setup = build_setup(args.eval_batches)
+    variants = [parse_variant(t) for t in args.variants.split(";") if t.strip()]
+    curves = {"fp32": run(setup, Variant(label="fp32"), args.rounds)}
+    ref, ref_tail = curves["fp32"][-1][1], _tail(curves["fp32"])
+    rows = {}
+    for variant in variants:
+        started = time.monotonic()
+        curves[variant.label] = run(setup, variant, args.rounds)
+        loss = curves[variant.label][-1][1]
+        rows[variant.label] = {
+            "ratio": round(ratio(variant.spec, setup.plan), 1),
+            "loss": round(loss, 4),
+            "gap": round(loss / ref - 1, 4),
+            "gap_last5": round(_tail(curves[variant.label]) / ref_tail - 1, 4),
+        }
+        print(f"{variant.label}: {rows[variant.label]} ({time.monotonic() - started:.0f} s)", flush=True)
+    print(json.dumps({"fp32_loss": round(ref, 4), **rows}, indent=1))
+    if args.write:
+        write_result(NAME, {"rounds": args.rounds, "fp32_loss": round(ref, 4), **rows}, {"curves": curves})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
