@@ -417,10 +417,10 @@ class _Engine:
             if kind == _END:
                 break
             if kind in (_WARMUP, _BATCH):
-                self._mark(warmup=kind == _WARMUP)
+                _mark(self, warmup=kind == _WARMUP)
                 continue
             handlers[kind](a, b)
-        self._mark(warmup=False)
+        _mark(self, warmup=False)
         return _summarise(self)
 
     # ----- units -------------------------------------------------------------------------------
@@ -520,7 +520,7 @@ class _Engine:
             unit.gen += 1
         else:
             if unit.down_since is not None and self.diloco:
-                self._recover(unit)
+                _recover(self, unit)
             unit.down_since = None
             self._start_running(unit)
         self._learner_changed()
@@ -537,18 +537,6 @@ class _Engine:
         self.rounds[r] = rnd
         self.newest = r
         self.push(self.now, _CHECK, r, rnd.gen)
-
-    def _recover(self, unit: _Unit) -> None:
-        """A learner back from losing every chip fetches a live peer's state and resumes at its step."""
-        leader = max((self._progress_at(u) for u in self.units if u.state == _RUNNING), default=0.0)
-        self._refresh_cap(unit)
-        unit.progress = min(unit.cap, max(unit.progress, leader))
-        if unit.link is not None:  # the rounds it jumped over are never sent
-            while self._round_step(unit.next_upload) <= unit.progress + _EPS:
-                unit.next_upload += 1
-        for p in range(self.cfg.num_fragments):
-            self.mark_steps[unit.index][p] = unit.progress
-            self.mark_tokens[unit.index][p] = unit.tokens
 
     def _progress_at(self, unit: _Unit) -> float:
         if unit.state != _RUNNING:
@@ -720,16 +708,31 @@ class _Engine:
         unit.cap = pending + self.cfg.overlap_steps
 
     # ----- accounting --------------------------------------------------------------------------
-    def _mark(self, *, warmup: bool) -> None:
-        """Bring every unit to now and note the useful chip-time (warm-up end, batch boundaries, horizon)."""
-        for unit in self.units:
-            self._advance(unit)
-        useful = math.fsum(u.useful for u in self.units)
-        self.useful_marks.append(useful)
-        if warmup:
-            self.useful_at_warmup = useful
-            self.stepped_at_warmup = sum(u.stepped for u in self.units)
-            self.failures_at_warmup = sum(u.failures for u in self.units)
+
+
+def _mark(engine: _Engine, *, warmup: bool) -> None:
+    """Bring every unit to now and note the useful chip-time (warm-up end, batch boundaries, horizon)."""
+    for unit in engine.units:
+        engine._advance(unit)
+    useful = math.fsum(u.useful for u in engine.units)
+    engine.useful_marks.append(useful)
+    if warmup:
+        engine.useful_at_warmup = useful
+        engine.stepped_at_warmup = sum(u.stepped for u in engine.units)
+        engine.failures_at_warmup = sum(u.failures for u in engine.units)
+
+
+def _recover(engine: _Engine, unit: _Unit) -> None:
+    """A learner back from losing every chip fetches a live peer's state and resumes at its step."""
+    leader = max((engine._progress_at(u) for u in engine.units if u.state == _RUNNING), default=0.0)
+    engine._refresh_cap(unit)
+    unit.progress = min(unit.cap, max(unit.progress, leader))
+    if unit.link is not None:  # the rounds it jumped over are never sent
+        while engine._round_step(unit.next_upload) <= unit.progress + _EPS:
+            unit.next_upload += 1
+    for p in range(engine.cfg.num_fragments):
+        engine.mark_steps[unit.index][p] = unit.progress
+        engine.mark_tokens[unit.index][p] = unit.tokens
 
 
 def _summarise(engine: _Engine) -> SimResult:

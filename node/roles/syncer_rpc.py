@@ -383,8 +383,7 @@ class SyncerService:
     async def _score(
         self, core: SyncerCore, fragment: int, base_version: int, params: Mapping[str, Any]
     ) -> LossScore | None:
-        """The contribution's held-out loss-delta score (node.diloco.loss_probe), measured in a worker thread
-        one at a time; None while the probe's data is not loaded or the probe is off."""
+        """Its held-out loss score and reverse (node.diloco.loss_probe), one at a time off the loop; None: off."""
         probe, config = self.role.probe, core.screen.config
         if probe is None or not (config.enabled and config.loss_probe):
             return None
