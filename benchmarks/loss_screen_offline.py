@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import RESULTS_DIR, plot_path, write_result
+from benchmarks.outer_sweep import train_round
 from benchmarks.real_model_quality import QualityConfig, Setup, train_tokenizer
 from node.diloco.screening import ScreeningConfig
 from node.ml.data import Batch, BatchSampler, evaluate
@@ -130,15 +131,7 @@ def run(
     rounds, trained, index = [], 0, 0
     while trained < tokens:
         index += 1
-        for replica, optimizer, sampler in zip(locals_, optimizers, samplers, strict=True):
-            replica.load_state_dict(global_params, strict=False)
-            replica.train()
-            for _ in range(cfg.sync_every_steps):
-                inputs, targets = sampler.next_batch()
-                optimizer.zero_grad(set_to_none=True)
-                replica(inputs, targets)[1].backward()
-                optimizer.step()
-                trained += int(inputs.numel())
+        trained += train_round(locals_, optimizers, samplers, global_params, cfg.sync_every_steps)
         params = [dict(r.named_parameters()) for r in locals_]
         deltas = [{n: g - p[n].detach() for n, g in global_params.items()} for p in params]
         scored = index == 1 or index % score_every == 0

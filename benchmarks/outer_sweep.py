@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from benchmarks.common import plot_path, write_result
 from benchmarks.goodput import interpolate
 from benchmarks.real_model_quality import QualityConfig, Setup, train_tokenizer
 from node.diloco.outer import OuterNesterov
-from node.ml.data import evaluate
+from node.ml.data import BatchSampler, evaluate
 from node.ml.model import build_model
 
 NAME = "outer_sweep"
@@ -69,6 +70,28 @@ def parse_variant(text: str, replicas: int) -> Variant:
     )
 
 
+def train_round(
+    replicas: Sequence[torch.nn.Module],
+    optimizers: Sequence[torch.optim.Optimizer],
+    samplers: Sequence[BatchSampler],
+    global_params: Mapping[str, torch.Tensor],
+    steps: int,
+) -> int:
+    """Each replica starts from `global_params` and takes `steps` inner steps on its own batches; the tokens
+    trained, all replicas together."""
+    trained = 0
+    for replica, optimizer, sampler in zip(replicas, optimizers, samplers, strict=True):
+        replica.load_state_dict(global_params, strict=False)
+        replica.train()
+        for _ in range(steps):
+            inputs, targets = sampler.next_batch()
+            optimizer.zero_grad(set_to_none=True)
+            replica(inputs, targets)[1].backward()
+            optimizer.step()
+            trained += int(inputs.numel())
+    return trained
+
+
 def run_diloco(
     setup: Setup, variant: Variant, tokens: int, batch_size: int, eval_every_tokens: int = EVAL_EVERY_TOKENS
 ) -> list[tuple[int, float]]:
@@ -83,15 +106,7 @@ def run_diloco(
     outer = OuterNesterov(variant.outer_lr, variant.momentum)
     curve, trained, next_eval = [(0, evaluate(model, setup.held))], 0, eval_every_tokens
     while trained < tokens:
-        for replica, optimizer, sampler in zip(replicas, optimizers, samplers, strict=True):
-            replica.load_state_dict(global_params, strict=False)
-            replica.train()
-            for _ in range(variant.sync_every_steps):
-                inputs, targets = sampler.next_batch()
-                optimizer.zero_grad(set_to_none=True)
-                replica(inputs, targets)[1].backward()
-                optimizer.step()
-                trained += int(inputs.numel())
+        trained += train_round(replicas, optimizers, samplers, global_params, variant.sync_every_steps)
         locals_ = [dict(r.named_parameters()) for r in replicas]
         delta = {
             n: torch.stack([g - p[n].detach() for p in locals_]).mean(dim=0) for n, g in global_params.items()

@@ -101,9 +101,8 @@ def flipped(c: SyncerCore, params: Tensors) -> Tensors:
 
 
 class Harness:
-    def __init__(self, screening: ScreeningConfig, *, reverse: bool = True) -> None:
+    def __init__(self, screening: ScreeningConfig) -> None:
         self.c, self.loss = core(screening), Eval()
-        self.reverse = reverse  # the syncer measures the reverse of every delta
         self.probe = LossProbe(self.loss)
         self.now, self.nonce = 0.0, itertools.count(1)
         self.ticks = itertools.count()
@@ -117,7 +116,7 @@ class Harness:
             base,
             params,
             lambda: next(self.ticks) * 0.001,
-            reverse=self.reverse,
+            reverse=True,  # as the syncer measures every delta
         )
 
     def push(self, peer: str, params: Tensors) -> None:
