@@ -124,6 +124,8 @@ class FragmentLedger:
         self.step = 0
         self.view: VersionsView | None = None  # the syncer's last versions answer
         self.rejoin_due = False  # lock-step modes: a round merged without us; the watcher realigns us
+        # what the watcher fetched for a rejoin, applied on the inner loop's side (see `rejoin`)
+        self.rejoin_with: list[FragmentVersion] | None = None
 
     # ---- the inner loop's side ----
 
@@ -232,16 +234,22 @@ class FragmentLedger:
         return ok
 
     def rejoin(self, fetched: Sequence[FragmentVersion]) -> None:
-        """Lock-step modes, after a late contribution: load the fetched current versions and realign."""
+        """Lock-step modes, after a late contribution: load the fetched current versions and realign. The
+        watcher calls this; the parameters are written by the inner loop's side at its next `after_inner_step`
+        or `apply_arrived` (written here, a step's backward in flight failed: 'modified by an inplace
+        operation', and the learner stopped)."""
+        fitting = [v for v in fetched if v.fragment in self.local and self.fits(v)]
         with self.lock:
-            for version in fetched:
-                index = self.local.get(version.fragment)
-                if index is None or not self.fits(version) or version.version < self.versions[index]:
-                    continue
-                self._overwrite(index, version)
-            self.inbox.clear()
+            self.rejoin_with = fitting
             self.rejoin_due = False
-            self._realign(self.step, "a contribution of ours was late")
+
+    def _rejoin_now(self, fetched: Sequence[FragmentVersion]) -> None:
+        for version in fetched:
+            index = self.local[version.fragment]
+            if version.version >= self.versions[index]:
+                self._overwrite(index, version)
+        self.inbox.clear()
+        self._realign(self.step, "a contribution of ours was late")
 
     def resend_unanswered(self, view: VersionsView) -> tuple[int, int]:
         """A new syncer does not have the rounds of the old one. Decoupled: queue a fresh snapshot of every
@@ -319,6 +327,9 @@ class FragmentLedger:
     # ---- internals under the lock ----
 
     def _apply_due(self, step: int) -> int:
+        if self.rejoin_with is not None:
+            fetched, self.rejoin_with = self.rejoin_with, None
+            self._rejoin_now(fetched)
         applied = 0
         missed = False
         for index in list(self.inbox):

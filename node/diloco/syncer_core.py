@@ -71,6 +71,9 @@ class _Round:
     opened_at: float | None = None  # when the first contribution that counts toward K arrived
     entries: dict[str, _Entry] = field(default_factory=dict)  # peer -> its newest counting contribution
     quorum_reached_at: float | None = None
+    # peers whose contribution to this round was refused for good: their learner drops it and sends nothing
+    # more to the round, so it must not wait for them (see `refused_in_round`)
+    refused: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -139,10 +142,12 @@ def _num_expected(round_: _Round, expected: Expected) -> int:
     """How many contributions make the round complete. Given the live holders, those still missing plus
     what is in: a contribution from a peer outside them (its heartbeat expired while it was stopped) counts
     towards K but never stands in for a live holder that has not sent yet (counted, it let an elastic round
-    merge without a live learner). Given only a count, every contribution in counts."""
+    merge without a live learner). Given only a count, every contribution in counts. A holder whose
+    contribution to the round was refused is not waited for."""
+    refused = round_.refused - round_.entries.keys()
     if isinstance(expected, int):
-        return max(expected, len(round_.entries))
-    return len(round_.entries) + len(set(expected) - round_.entries.keys())
+        return max(expected - len(refused), len(round_.entries))
+    return len(round_.entries) + len(set(expected) - round_.entries.keys() - refused)
 
 
 def combine_round(
@@ -797,7 +802,11 @@ class SyncerCore(CoreState):
             key = (peer, fragment, base_version, nonce)
             check_base(self, fragment, base_version, key)
             base = self.history.at(fragment, base_version)  # None: unknown, taken as current
-            params = held(self, fragment, screened(self, peer, fragment, params, base, loss, steps))
+            try:
+                params = held(self, fragment, screened(self, peer, fragment, params, base, loss, steps))
+            except Refusal:
+                refused_in_round(self, peer, fragment, base_version)
+                raise
             steps, tokens, capped, elapsed, implausible = new_counters(
                 self, peer, fragment, base_version, steps, tokens, now
             )
@@ -992,11 +1001,12 @@ class SyncerCore(CoreState):
         """After a merge, contributions that arrived during it on the version it replaced missed that round:
         dropped like any contribution on an older base (QuorumConfig.drop_stale), never a round of their own."""
         round_ = self.rounds.get(fragment)
-        if round_ is None or not self.policy.config.drop_stale:
+        if round_ is None:
             return  # (only called right after our own merge of the fragment)
+        round_.refused.clear()  # refused on the version the merge replaced: not this round's
         current = self.versions[fragment]
         for peer, entry in list(round_.entries.items()):
-            if entry.contribution.base_version < current:
+            if entry.contribution.base_version < current and self.policy.config.drop_stale:
                 del round_.entries[peer]
         if not round_.entries:
             del self.rounds[fragment]
@@ -1083,6 +1093,19 @@ def screened(
     if steps > 0 and (copied := core._copied(peer, fragment, verdict.params, base)) is not None:
         raise refuse(*copied, blame=True)  # it earns nothing
     return verdict.params
+
+
+def refused_in_round(core: SyncerCore, peer: str, fragment: int, base_version: int) -> None:
+    """`peer`'s contribution to the fragment's open round was screened out: its learner drops it for good
+    (a refusal is final) and sends nothing more to that round, so the round stops counting it as expected.
+    Counted, a lock-step run deadlocked on one honest push the loss screen refused: the round waited for its
+    learner, who waited at the barrier for another fragment's round, which needed a learner waiting on it."""
+    if base_version != core.versions[fragment]:
+        return  # a stale base: its round merged already
+    round_ = core.rounds.get(fragment)
+    if round_ is None:
+        round_ = core.rounds[fragment] = _Round()
+    round_.refused.add(peer)
 
 
 def held(core: SyncerCore, fragment: int, params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

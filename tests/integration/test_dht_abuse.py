@@ -325,7 +325,10 @@ def test_a_shared_dht_without_the_quota_stores_the_whole_flood(swarm_factory: An
         assert stored.get("spam", 0) == NUM_SPAM
         assert stored.get("far", 0) == NUM_FAR and census["far"] == NUM_FAR
         assert census["records"] >= NUM_SPAM
-        assert outcome.rss_growth_kib >= RSS_BOUND_MIB * 1024  # ~50 MiB here: a stored flood costs memory
+        # A stored flood costs memory: ~1 MB of record bytes held (the quota arm holds ~2 kB). The victim's RSS
+        # grows by 14-50 MiB depending on the allocator's state, so only a floor well above the quota arm's ~2 MiB.
+        assert census["bytes"] >= NUM_SPAM * 8
+        assert outcome.rss_growth_kib >= RSS_BOUND_MIB * 1024 // 4
 
 
 async def _junk_subkeys_coro(_dht: Any, node: Any, victim: str, count: int) -> int:

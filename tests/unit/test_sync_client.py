@@ -451,7 +451,11 @@ def test_a_lock_step_learner_told_it_was_late_loads_the_current_versions_and_sen
             step += 1
             await asyncio.sleep(0.01)
         assert syncer.pushed[0].base_version == 0  # late: its round merged without us
-        await until(lambda: sync.status()["rejoins"] == 1)
+        await until(lambda: sync.ledger.rejoin_with is not None)  # the watcher fetched the current versions
+        # ... but parameters are only written on the inner loop's side (a step may be running meanwhile)
+        assert set(sync.versions().values()) == {0} and sync.status()["rejoins"] == 0
+        sync.apply_arrived(step)
+        assert sync.status()["rejoins"] == 1
         assert set(sync.versions().values()) == {2}
         await asyncio.wait_for(sync.wait_barrier(step + sync.schedule.sync_every_steps, stop), 2.0)
         first_open = min(range(len(sync.fragment_ids)), key=lambda i: sync.schedule.next_send(i, 0))

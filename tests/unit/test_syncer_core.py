@@ -677,3 +677,38 @@ def test_a_snapshot_shares_the_cores_tensors_and_keeps_its_state_through_later_m
     push(c, "a", fragment=0, base=c.versions[0], now=31.0, nonce=b"9" * 16)
     assert c.merge_now(0, 1, 31.0) is not None
     assert all(torch.equal(loaded.params[n], t) for n, t in taken.items())
+
+
+def test_a_lock_step_round_does_not_wait_for_a_holder_whose_contribution_it_refused() -> None:
+    """A refusal is final: the learner drops its contribution and sends nothing more to that round. Counted as
+    expected, it held an elastic round forever (while that learner waited at the barrier on another round)."""
+    c = core(quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0))
+    holders = {"a", "b"}
+    poisoned = {n: torch.full_like(t, math.nan) for n, t in learner_params(c, 0, 0.0).items()}
+    with pytest.raises(Refusal):
+        c.accept(
+            "b",
+            0,
+            poisoned,
+            base_version=0,
+            steps=4,
+            tokens=256,
+            sched_step=7,
+            step_time_s=0.1,
+            nonce=b"b" * 16,
+            now=10.0,
+        )
+    assert c.due(100.0, lambda _f: holders)[0] == []  # nothing in yet
+    push(c, "a")
+    assert c.due(100.0, lambda _f: holders)[0] == [0]  # "b" is not waited for
+    record = c.merge_now(0, 1, 100.0)
+    assert record is not None and record.participants == ("a",)
+    # the next round waits for both again: the refusal was of the round that merged
+    push(c, "a", base=1, nonce=b"x" * 16)
+    assert c.due(200.0, lambda _f: holders)[0] == []
+
+
+def test_the_control_a_silent_holder_still_holds_the_lock_step_round() -> None:
+    c = core(quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0))
+    push(c, "a")
+    assert c.due(100.0, lambda _f: {"a", "b"})[0] == []
