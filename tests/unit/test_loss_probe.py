@@ -393,3 +393,25 @@ def test_an_ascent_step_under_the_floor_is_refused_by_its_reverse() -> None:
     off = Harness(ScreeningConfig(loss_reverse_tolerance=math.inf))
     off.push("evil", flipped(off.c, scaled(off.c, trained(off.c, seed=1), small)))
     assert off.c.merge_now(0, 1, off.now) is not None and off.c.screen.status().get(LOSS, 0) == 0
+
+
+def test_an_ascent_step_under_the_bound_is_refused_but_not_held_against_its_peer() -> None:
+    """Refused by its reverse alone (its rise under the bound) the contribution is not merged, but honest work is
+    refused so at times (3 honest learners of a test swarm were banned for it): no blame. Over the bound: blamed."""
+    bound = LossBound(tolerance=0.02, mad_factor=3.0, history=8, min_history=4, reverse_tolerance=0.005)
+    bound.commit(0, [-0.05, -0.04, -0.06, -0.05])  # the history the bound learns from
+    for peer in ("b", "c"):  # the other peers' latest work passed: a failure would be corroborated
+        assert bound.judge(0, LossScore(before=3.0, after=2.95, cost_s=0.0, opposite=3.05), peer) == (
+            None,
+            None,
+        )
+    limit, _ = bound.bound(0, 3.0)
+    small = LossScore(
+        before=3.0, after=3.0 + limit / 2, cost_s=0.0, opposite=2.9
+    )  # above its reverse by 0.1+
+    reason, excuse = bound.judge(0, small, "a")
+    assert reason is not None and "ascent step" in reason
+    assert excuse is not None and "under the bound" in excuse
+    big = replace(small, after=3.0 + 2 * limit)
+    reason, excuse = bound.judge(0, big, "a")
+    assert reason is not None and excuse is None  # blamed
