@@ -209,7 +209,10 @@ class LossBound:
             # refused by its reverse alone: honest work does that too now and then (3 honest learners of a byte-level
             # test swarm were banned for it within 30 s; 2 in 64 honest real-model contributions were refused), so
             # the contribution is not merged but nothing is held against its peer
-            return reason, "an ascent step whose rise stays under the bound (honest work is refused so at times)"
+            return (
+                reason,
+                "an ascent step whose rise stays under the bound (honest work is refused so at times)",
+            )
         return reason, None if corroborated else "most other peers' work failed too lately"
 
     def commit(self, fragment: int, deltas: list[float]) -> None:
