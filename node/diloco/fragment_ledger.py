@@ -435,6 +435,13 @@ class FragmentLedger:
                 **self.stats.counts(),
                 "in_flight": len(self.outbox),
                 "pending": len(self.pending),
+                # per fragment: [base version, inner step it is applied at, version that answers it]
+                "pending_rounds": {
+                    str(self.fragment_ids[i]): [p.base_version, p.apply_at, p.target_version]
+                    for i, p in self.pending.items()
+                },
+                "step": self.step,
+                "sched_step": self.timer.sched_step(self.step),
                 "syncer": view.syncer if view is not None else None,
                 "syncer_term": view.term if view is not None else None,
                 "step_time_s": round(self.timer.step_time_s, 4),
