@@ -266,10 +266,13 @@ def test_barrier_waits_for_the_round_version_then_releases() -> None:
         await asyncio.sleep(0.1)
         assert not waiter.done()  # the round of `fid` has not merged
         await until(lambda: any(c.fragment == fid for c in syncer.pushed))
+        assert not waiter.done() and sync.versions()[fid] == 0  # still held, right before the version comes
         names = sync.plan.fragments[fid].names
         syncer.publish(fid, {n: dict(model.named_parameters())[n].detach().clone() for n in names})
+        # (not how long it waited: on a loaded box another task can hold the loop past the sleep above before the
+        # waiter starts its clock; CI saw 1 ms)
         waited = await asyncio.wait_for(waiter, 2.0)
-        assert waited > 0.05 and sync.versions()[fid] == 1
+        assert waited >= 0.0 and sync.versions()[fid] == 1
         stop.set()
         await asyncio.gather(*tasks)
 
