@@ -238,7 +238,7 @@ class FragmentLedger:
         watcher calls this; the parameters are written by the inner loop's side at its next `after_inner_step`
         or `apply_arrived` (written here, a step's backward in flight failed: 'modified by an inplace
         operation', and the learner stopped)."""
-        fitting = [v for v in fetched if v.fragment in self.local and self.fits(v)]
+        fitting = [v for v in fetched if self.fits(v)]
         with self.lock:
             self.rejoin_with = fitting
             self.rejoin_due = False

@@ -1004,10 +1004,11 @@ class SyncerCore(CoreState):
         if round_ is None:
             return  # (only called right after our own merge of the fragment)
         round_.refused.clear()  # refused on the version the merge replaced: not this round's
-        current = self.versions[fragment]
-        for peer, entry in list(round_.entries.items()):
-            if entry.contribution.base_version < current and self.policy.config.drop_stale:
-                del round_.entries[peer]
+        if self.policy.config.drop_stale:
+            current = self.versions[fragment]
+            for peer, entry in list(round_.entries.items()):
+                if entry.contribution.base_version < current:
+                    del round_.entries[peer]
         if not round_.entries:
             del self.rounds[fragment]
 
@@ -1100,12 +1101,8 @@ def refused_in_round(core: SyncerCore, peer: str, fragment: int, base_version: i
     (a refusal is final) and sends nothing more to that round, so the round stops counting it as expected.
     Counted, a lock-step run deadlocked on one honest push the loss screen refused: the round waited for its
     learner, who waited at the barrier for another fragment's round, which needed a learner waiting on it."""
-    if base_version != core.versions[fragment]:
-        return  # a stale base: its round merged already
-    round_ = core.rounds.get(fragment)
-    if round_ is None:
-        round_ = core.rounds[fragment] = _Round()
-    round_.refused.add(peer)
+    if base_version == core.versions[fragment]:  # else a stale base: its round merged already
+        core.rounds.setdefault(fragment, _Round()).refused.add(peer)
 
 
 def held(core: SyncerCore, fragment: int, params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

@@ -66,11 +66,12 @@ def push(
     base: int = 0,
     nonce: bytes = b"n" * 16,
     shift: float = 0.01,
+    params: dict[str, torch.Tensor] | None = None,
 ):  # noqa: ANN201
     return c.accept(
         peer,
         fragment,
-        learner_params(c, fragment, shift),
+        learner_params(c, fragment, shift) if params is None else params,
         base_version=base,
         steps=steps,
         tokens=steps * 64,
@@ -686,18 +687,7 @@ def test_a_lock_step_round_does_not_wait_for_a_holder_whose_contribution_it_refu
     holders = {"a", "b"}
     poisoned = {n: torch.full_like(t, math.nan) for n, t in learner_params(c, 0, 0.0).items()}
     with pytest.raises(Refusal):
-        c.accept(
-            "b",
-            0,
-            poisoned,
-            base_version=0,
-            steps=4,
-            tokens=256,
-            sched_step=7,
-            step_time_s=0.1,
-            nonce=b"b" * 16,
-            now=10.0,
-        )
+        push(c, "b", nonce=b"b" * 16, params=poisoned)
     assert c.due(100.0, lambda _f: holders)[0] == []  # nothing in yet
     push(c, "a")
     assert c.due(100.0, lambda _f: holders)[0] == [0]  # "b" is not waited for
