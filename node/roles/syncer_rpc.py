@@ -122,9 +122,9 @@ def fragment_server_limits(
 ) -> LimitsConfig:
     """The stream layer's default caps, with room for fragments of any size: one peer may hold one whole request of
     the largest route in flight, and all peers together `max_fragments_in_flight` frames of the largest fragment,
-    never less than the default per-peer cap (64 MiB: small fragments keep room) nor than one largest request (an
-    offer may carry every fragment's version at once, so that one can still pass, alone). Bytes are reserved chunk by
-    chunk as they arrive (`protocol.limits.FrameReservation`), so these caps bound the receive buffers."""
+    never less than the default per-peer cap (64 MiB: small fragments keep room) nor than one largest request (a
+    push or an offer of one version: about one fragment's frame). Bytes are reserved chunk by chunk as they arrive
+    (`protocol.limits.FrameReservation`), so these caps bound the receive buffers."""
     if max_fragments_in_flight < 1:
         raise ValueError(f"max_fragments_in_flight must be >= 1, got {max_fragments_in_flight}")
     base = route_limits(routes, StreamConfig())
