@@ -1,7 +1,8 @@
 """Offers through the syncer's real offer route (`SyncerService._handle_offer`): a learner offers the signed
 version of an earlier syncer one fragment per request, so an offer is never larger than a push and the syncer's
 bytes in flight stay ~2 fragments whatever the fragment count (`offer_limits`). An offer of a newer version is
-adopted; a frame carrying two versions at once is refused by the route's caps before anything is adopted."""
+adopted; a frame carrying two versions at once is refused by the route's caps before anything is adopted. And the
+fetch route, which sends a version from the published tensors themselves (`seal_streaming`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from node.diloco.sync_client import OFFER_PREFIX, FramedSyncTransport
+from node.diloco.sync_client import OFFER_PREFIX, FramedSyncTransport, open_version_envelope
 from node.diloco.sync_types import FragmentVersion
 from node.roles import syncer_rpc
-from protocol.envelope import Context, Kind, seal
+from protocol.envelope import Context, Kind, StreamingFrame, seal
 from protocol.errors import ProtocolError
 from protocol.identity import NodeIdentity
 from tests.unit.test_syncer_ban_push import RUN, RUN_ID, Host, live_learner
@@ -100,3 +101,29 @@ def test_the_learner_offers_each_held_version_in_its_own_request() -> None:
     adopted = asyncio.run(FramedSyncTransport.offer(client, held))  # type: ignore[arg-type]
     assert sent == [(0, b"\x00"), (1, b"\x01"), (3, b"\x03")]  # not the one without an envelope
     assert adopted == 2
+
+
+def test_a_fetch_streams_the_published_version_and_a_later_merge_does_not_tear_it() -> None:
+    """The fetch answer holds views of the published tensors (no copy of the fragment per fetch): a version
+    published while it is on its way replaces those tensors instead of writing them, so the answer still carries
+    the version it names."""
+    host, _, learner = offering_host()
+    context = Context(run_id=RUN_ID, kind=Kind.CONTROL, receiver=host.identity.peer_id)
+    request = seal(learner, context, microbatch=0, step=0, now=time.time(), meta={"fragment": 1})
+    answer = asyncio.run(host.service._handle_fetch(request, learner.peer_id))
+    assert isinstance(answer, StreamingFrame)
+    sent = {n: t.clone() for n, t in host.core.fragment_tensors(1).items()}
+    newer = {n: t + 1.0 for n, t in sent.items()}
+    assert host.core.adopt(1, 4, newer, time.monotonic())  # published before the answer went out
+    opened = open_version_envelope(
+        answer.to_bytes(),
+        run_id=RUN_ID,
+        receiver=learner.peer_id,
+        signer_candidates=[host.identity.peer_id],
+        limits=host.limits,
+        now=time.time(),
+        max_age_s=60.0,
+    )
+    assert opened.header.step == 0 and opened.header.microbatch == 1
+    for name, tensor in sent.items():
+        torch.testing.assert_close(opened.tensors[name], tensor)
