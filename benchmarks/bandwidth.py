@@ -75,6 +75,13 @@ CODECS: dict[str, CodecSpec] = {
     "topk 1/128 2-bit EF 0.8": CodecSpec(
         codec="topk", chunk=4096, k=32, bits=2, scale_bits=16, feedback_decay=0.8
     ),
+    "topk 1/128 2-bit EF 0.95": CodecSpec(
+        codec="topk", chunk=4096, k=32, bits=2, scale_bits=16, feedback_decay=0.95
+    ),
+    # the densest 2-bit top-k over 150x on the live fragments (157x, benchmarks/codec_sweep.py)
+    "topk k=56 2-bit EF 0.9": CodecSpec(
+        codec="topk", chunk=4096, k=56, bits=2, scale_bits=16, feedback_decay=0.9
+    ),
 }
 # clears issue 20's >= 150x, index cost included; the error feedback's decay cost no bytes and closed most of the
 # in-process loss gap (benchmarks/codec_sweep.py)
@@ -191,9 +198,9 @@ def _live_panels(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     panels = {}
     if results.get("live"):
         panels["Live swarm, 4 learners, default outer step: loss at equal merged tokens"] = results["live"]
-    if results.get("live_tuned"):
-        title = f"Live, outer step {results['live_tuned_outer']} (last arm: default)"
-        panels[title] = results["live_tuned"]
+    for key in ("live_tuned", "live_tuned_extra"):
+        if results.get(key):
+            panels[f"Live ({key}), outer step {results[f'{key}_outer']} (last arm: default)"] = results[key]
     return panels
 
 
@@ -329,44 +336,60 @@ def meets_goal(arm: dict[str, Any], noise: dict[str, Any]) -> bool:
     )
 
 
-def tuned_headline(live: dict[str, Any], label: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The `outer_tuned_*` headline keys of a `--live-tuned` run; and, where a codec meets the goal against the
-    tuned fp32 arm, the `outer_*` recommendation from it (the one whose worse gap is the smaller)."""
-    noise, default = live["fp32 again"], live[DEFAULT_OUTER_ARM]
+def _suffix(name: str) -> str:
+    """A codec's part of its headline keys: `decay_0.9` for TUNED_CODECS (they differ only in it), else the name."""
+    if name in TUNED_CODECS:
+        return f"decay_{CODECS[name].feedback_decay}"
+    return name.replace(" ", "_").replace("/", "_").replace("=", "")
+
+
+def tuned_headline(
+    live: dict[str, Any],
+    label: str,
+    rows: list[dict[str, Any]],
+    names: tuple[str, ...] = TUNED_CODECS,
+    key: str = "live_tuned",
+) -> dict[str, Any]:
+    """The `outer_tuned_*` headline keys of a `--live-tuned` run (`outer_tuned_extra_*` for other codecs than
+    TUNED_CODECS); and, where a codec meets the goal against the tuned fp32 arm, the `outer_*` recommendation
+    from it (the one whose worse gap is the smaller)."""
+    noise, default, prefix = live["fp32 again"], live[DEFAULT_OUTER_ARM], f"outer_{key.removeprefix('live_')}"
     head: dict[str, Any] = {
-        "outer_tuned_settings": label,
-        "outer_tuned_loss_gap_noise": noise["loss_gap"],
-        "outer_tuned_loss_gap_noise_last3": noise["loss_gap_last3"],
-        "outer_tuned_default_step_fp32_gap": default["loss_gap"],
-        "outer_tuned_default_step_fp32_gap_last3": default["loss_gap_last3"],
+        f"{prefix}_settings": label,
+        f"{prefix}_loss_gap_noise": noise["loss_gap"],
+        f"{prefix}_loss_gap_noise_last3": noise["loss_gap_last3"],
+        f"{prefix}_default_step_fp32_gap": default["loss_gap"],
+        f"{prefix}_default_step_fp32_gap_last3": default["loss_gap_last3"],
     }
-    for name in TUNED_CODECS:
-        suffix = f"decay_{CODECS[name].feedback_decay}"
-        head[f"outer_tuned_loss_gap_{suffix}"] = live[name]["loss_gap"]
-        head[f"outer_tuned_loss_gap_{suffix}_last3"] = live[name]["loss_gap_last3"]
-        head[f"outer_tuned_live_compression_{suffix}"] = live[name]["live_compression"]
-    met = [name for name in TUNED_CODECS if meets_goal(live[name], noise)]
-    head["outer_tuned_goal_met"] = met
+    for name in names:
+        head[f"{prefix}_loss_gap_{_suffix(name)}"] = live[name]["loss_gap"]
+        head[f"{prefix}_loss_gap_{_suffix(name)}_last3"] = live[name]["loss_gap_last3"]
+        head[f"{prefix}_live_compression_{_suffix(name)}"] = live[name]["live_compression"]
+    met = [name for name in names if meets_goal(live[name], noise)]
+    head[f"{prefix}_goal_met"] = met
     if met:
         best = min(met, key=lambda name: max(live[name]["loss_gap"], live[name]["loss_gap_last3"]))
         header = CODECS[best].header_fields()  # the decay costs no byte: the one-shot row of the same header
+        one_shot = next((r["ratio"] for r in rows if r["spec"] == header), live[best]["live_compression"])
         head |= {
             "outer_codec": best,
-            "outer_compression": round(next(r["ratio"] for r in rows if r["spec"] == header), 1),
+            "outer_compression": round(one_shot, 1),
             "outer_loss_gap": live[best]["loss_gap"],
             "outer_loss_gap_last3": live[best]["loss_gap_last3"],
             "outer_loss_gap_noise": noise["loss_gap"],
             "outer_loss_gap_noise_last3": noise["loss_gap_last3"],
             "outer_live_compression": live[best]["live_compression"],
-            "outer_loss_gap_outer_settings": f"{label}, both arms (live_tuned)",
+            "outer_loss_gap_outer_settings": f"{label}, both arms ({key})",
         }
     return head
 
 
-def _update_live_tuned(seconds: float, min_step_s: float, outer: str) -> None:
-    """The live arms at a tuned outer step (fp32, fp32 again, each of TUNED_CODECS, then fp32 at the default
-    step), the same seeds, into the existing results file (others kept; the headline's recommendation only
-    where a codec meets the goal, the default-step figures it replaces kept as `outer_*_default_step`)."""
+def _update_live_tuned(seconds: float, min_step_s: float, outer: str, names: tuple[str, ...]) -> None:
+    """The live arms at a tuned outer step (fp32, fp32 again, each of `names`, then fp32 at the default step),
+    the same seeds, into the existing results file as `live_tuned` (`live_tuned_extra` for other codecs than
+    TUNED_CODECS; others kept; the headline's recommendation only where a codec meets the goal, the
+    default-step figures it replaces kept as `outer_*_default_step`)."""
+    key = "live_tuned" if names == TUNED_CODECS else "live_tuned_extra"
     path = RESULTS_DIR / f"{NAME}.json"
     previous = json.loads(path.read_text())
     tuned = parse_outer(outer)
@@ -374,25 +397,25 @@ def _update_live_tuned(seconds: float, min_step_s: float, outer: str) -> None:
     codecs = {
         "fp32": fp32,
         "fp32 again": fp32,
-        **{n: CODECS[n] for n in TUNED_CODECS},
+        **{n: CODECS[n] for n in names},
         DEFAULT_OUTER_ARM: fp32,
     }
     load = [os.getloadavg()]
     live = run_live(codecs, seconds, min_step_s, diloco={n: tuned for n in codecs if n != DEFAULT_OUTER_ARM})
     load.append(os.getloadavg())
-    raw = Path(tempfile.gettempdir()) / f"{NAME}_live_tuned.json"  # the arms survive a failure below
+    raw = Path(tempfile.gettempdir()) / f"{NAME}_{key}.json"  # the arms survive a failure below
     raw.write_text(json.dumps(live, default=float))
-    head = tuned_headline(live, outer_label(tuned), previous["codecs"])
+    head = tuned_headline(live, outer_label(tuned), previous["codecs"], names, key)
     old = previous["headline"]
     if "outer_codec" in head and "live_tuned" not in old.get("outer_loss_gap_outer_settings", "default"):
         for key in ("outer_codec", "outer_loss_gap", "outer_loss_gap_last3", "outer_loss_gap_noise"):
             old[f"{key}_default_step"] = old[key]
     old |= head
     previous |= {
-        "live_tuned": live,
-        "live_tuned_outer": outer_label(tuned),
-        "live_tuned_load_1_5_15": [[round(x, 2) for x in avg] for avg in load],  # before, after
-        "live_tuned_measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        key: live,
+        f"{key}_outer": outer_label(tuned),
+        f"{key}_load_1_5_15": [[round(x, 2) for x in avg] for avg in load],  # before, after
+        f"{key}_measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     path.write_text(json.dumps(previous, indent=2, default=float) + "\n")
     _plot(previous["codecs"], previous["feedback"], old["feedback_steps"], _live_panels(previous))
@@ -420,6 +443,11 @@ def main() -> None:
         help="measure the live arms at a tuned outer step (--outer), fp32 twice, into the results",
     )
     parser.add_argument(
+        "--tuned-codecs",
+        default=",".join(TUNED_CODECS),
+        help="--live-tuned's lossy arms, names of CODECS (others than the default: into live_tuned_extra)",
+    )
+    parser.add_argument(
         "--outer", default=TUNED_OUTER, help="--live-tuned's outer step: H=..,outer_lr=..,momentum=.."
     )
     parser.add_argument(
@@ -439,7 +467,11 @@ def main() -> None:
         _update_live(args.live_s, args.min_step_s)
         return
     if args.live_tuned:
-        _update_live_tuned(args.live_s, args.min_step_s, args.outer)
+        names = tuple(args.tuned_codecs.split(","))
+        unknown = [n for n in names if n not in CODECS or n == "fp32"]
+        if unknown:
+            parser.error(f"--tuned-codecs: unknown {unknown}; valid: {[n for n in CODECS if n != 'fp32']}")
+        _update_live_tuned(args.live_s, args.min_step_s, args.outer, names)
         return
     torch.set_num_threads(1)  # a shared 2-core box: one thread keeps the timings comparable run to run
     limits = TensorLimits(max_bytes=4 * max(args.numel, args.ef_numel))
