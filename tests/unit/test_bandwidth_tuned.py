@@ -92,3 +92,21 @@ def test_no_recommendation_when_the_goal_is_not_met(arm: dict[str, Any], noise: 
     assert not meets_goal(arm, noise)
     head = tuned_headline(_live(arm, arm, noise), "H=12,outer_lr=1.0,momentum=0.0", ROWS)
     assert head["outer_tuned_goal_met"] == [] and "outer_codec" not in head
+
+
+def test_other_codecs_go_to_their_own_keys_and_may_still_become_the_recommendation() -> None:
+    names = ("topk k=56 2-bit EF 0.9",)
+    live = {
+        "fp32": _arm(0.0, 0.0, 1.0),
+        "fp32 again": _arm(0.002, -0.004, 1.0),
+        names[0]: _arm(0.008, 0.006, 157.0),
+        DEFAULT_OUTER_ARM: _arm(0.12, 0.13, 1.0),
+    }
+    head = tuned_headline(live, "H=12,outer_lr=1.0,momentum=0.0", ROWS, names, "live_tuned_extra")
+    assert head["outer_tuned_extra_loss_gap_topk_k56_2-bit_EF_0.9"] == 0.008
+    assert head["outer_tuned_extra_goal_met"] == list(names) and not any(
+        k.startswith("outer_tuned_") for k in head
+    )
+    # no one-shot row of k=56: the live ratio stands in
+    assert head["outer_codec"] == names[0] and head["outer_compression"] == 157.0
+    assert head["outer_loss_gap_outer_settings"].endswith("(live_tuned_extra)")
