@@ -27,9 +27,11 @@ Failure semantics (our assumptions, documented because the paper's are unknown, 
   simulated one by one, so 2.4M chips cost no more than 150k).
 * the time for failed chips to return follows an exponentiated Weibull distribution [S]; its shape is
   assumed (k = 1.5, a = 2), its mean is calibrated.
-* reconfiguration (downscale, upscale) takes a fixed time, calibrated; a failure or return during a
-  reconfiguration joins it. The non-elastic restart takes a fixed time plus a restore whose work the job's
-  chips share (restore_chip_s / chips), both calibrated: the one cost of ours that falls with the job's size.
+* reconfiguration takes a fixed time, calibrated, one for a downscale and one for an upscale; a return during a
+  reconfiguration joins it, and a reconfiguring unit does not fail (the elastic_dp row rejects failures then: the
+  elastic job collapses too early, docs/simulator.md). The non-elastic restart takes a fixed time plus a restore
+  whose work the job's chips share (restore_chip_s / chips), both calibrated: the one cost of ours that falls with
+  the job's size.
 * goodput_stderr: the standard error of a run's goodput from NOISE_BATCHES batch means over the measured span.
 
 Parameters marked [P] come from the paper, [S] are guesses we calibrated against the paper's
@@ -91,17 +93,17 @@ class FailureModel:
     mtbi_chip_s: float = SECONDS_PER_YEAR  # [P] mean time between interruptions of one chip
     # Calibrated values (docs/simulator.md): return_mean_s, the elastic pauses and slice_chips on the elastic_dp and
     # M8 rows of Table 1, then restart_s and restore_chip_s on the dp row; M2, M4, M16 stay predictions.
-    return_mean_s: float = 67.5  # [S, calibrated] mean time for failed chips to return
+    return_mean_s: float = 68.4  # [S, calibrated] mean time for failed chips to return
     return_weibull_k: float = 1.5  # [S, assumed] Weibull shape of the return time
     return_weibull_a: float = 2.0  # [S, assumed] exponent of the exponentiated Weibull
-    restart_s: float = 3.8  # [S, calibrated] non-elastic restart once chips are back: the fixed part ...
+    restart_s: float = 2.9  # [S, calibrated] non-elastic restart once chips are back: the fixed part ...
     # ... plus the checkpoint restore, a fixed amount of work the job's chips share (each reads its shard), so a
     # bigger job restores faster: restart = restart_s + restore_chip_s / chips. The paper's dp row needs a cost per
     # failure that falls with the job's size (docs/simulator.md); this is the one term of ours that does.
     restore_chip_s: float = 3_270_000.0  # [S, calibrated] restore work of one non-elastic restart, chip-s
-    downscale_s: float = 12.8  # [P named, value calibrated, tied] elastic pause to drop a failed slice
-    upscale_s: float = 12.8  # [P named, value calibrated, tied] elastic pause to re-add a returned slice
-    slice_chips: int = 11_270  # [S, calibrated] chips per elastic slice (a failure takes out its slice)
+    downscale_s: float = 13.3  # [P named, value calibrated] elastic pause to drop a failed slice (unplanned)
+    upscale_s: float = 11.7  # [P named, value calibrated] elastic pause to re-add a returned slice (planned)
+    slice_chips: int = 11_320  # [S, calibrated] chips per elastic slice (a failure takes out its slice)
     lose_inflight_step: bool = False  # a failure also discards the step being computed
 
     def __post_init__(self) -> None:
