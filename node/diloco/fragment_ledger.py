@@ -244,11 +244,13 @@ class FragmentLedger:
             self.rejoin_due = False
 
     def _rejoin_now(self, fetched: Sequence[FragmentVersion]) -> None:
+        # `fetched` may be older than what we applied since the watcher fetched it (the inner loop went on
+        # meanwhile): a version we hold is not loaded again (the steps since are for its open round), and a
+        # newer one in the inbox is applied after this, by `_apply_due`
         for version in fetched:
             index = self.local[version.fragment]
-            if version.version >= self.versions[index]:
+            if version.version > self.versions[index]:
                 self._overwrite(index, version)
-        self.inbox.clear()
         self._realign(self.step, "a contribution of ours was late")
 
     def resend_unanswered(self, view: VersionsView) -> tuple[int, int]:
@@ -361,15 +363,20 @@ class FragmentLedger:
 
     def _realign(self, step: int, why: str) -> None:
         """Lock-step modes: drop what was built on versions we have since replaced (each would be late in
-        turn) and move our schedule to the earliest open round (the held versions say which), as a restarted
-        learner does."""
+        turn) and move our schedule to the earliest open round we have not sent to (the held versions and the
+        rounds in flight say which), as a restarted learner does."""
         for index in list(self.pending):
             if self.pending[index].base_version < self.versions[index]:
                 del self.pending[index]
         for index in list(self.outbox):
             if self.outbox[index].base_version < self.versions[index]:
                 del self.outbox[index]
-        clock = self.timer.open_round(self.versions)
+        # a round we sent to on the version we hold is not open for us any more. Counted open, a realign on versions
+        # fetched before such a send put our schedule back before it; once the round's version came we sent the
+        # fragment again, on that version: to its next round, ahead of another fragment's round that waited for
+        # us while we waited at the barrier for ours (the elastic straggler deadlock)
+        owed = [version + (index in self.pending) for index, version in enumerate(self.versions)]
+        clock = self.timer.open_round(owed)
         self.timer.offset = clock - step  # the next step is the open round's send, either way
         self.stats.rejoins += 1
         logger.info("%s: schedule realigned to the earliest open round (step %d)", why, clock + 1)

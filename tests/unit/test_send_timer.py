@@ -152,3 +152,38 @@ def test_a_refused_contribution_holds_no_round_and_an_old_version_is_dropped() -
     book.store(1, merged(1, 1, 9.0))  # older than what the inbox has: not kept
     assert book.inbox[1].version == 2
     assert book.apply_arrived(3) == 1 and book.versions == [0, 2]
+
+
+def test_a_rejoin_on_versions_fetched_before_our_send_does_not_send_that_fragment_again_to_the_next_round() -> (
+    None
+):
+    """Lock-step: the watcher fetches the current versions for a rejoin (a contribution of ours was late), and
+    before the inner loop applies them we send fragment 0 to its open round. Realigned on those versions as if
+    that round were still ours to send, the schedule went back to the send we had made; once the round's
+    version came we sent fragment 0 again, on it: to its next round, ahead of fragment 1's, which waits for
+    us, while we waited at the barrier for fragment 0's (CI's elastic straggler deadlock)."""
+    now = [0.0]
+    book = ledger(now, barrier=True)
+    current = [merged(0, 5, 1.0), merged(1, 5, 1.0)]  # rounds 1..5 of both fragments merged
+    view = VersionsView(versions=(5, 5), term=1, syncer="s", barrier=True)
+    assert book.join(view, current) == 21  # fragment 0's round 6 (step 22) is the earliest open one
+    assert book.after_inner_step(1, tokens=1)
+    sent = book.outbox[0]
+    assert (sent.fragment, sent.base_version, sent.sched_step) == (0, 5, 22)
+    book.acked(0, sent, PushReceipt(target_version=6, term=1))
+    # then waits at the barrier (schedule step 23) for that round
+    assert not book.after_inner_step(2, tokens=1)
+    book.rejoin(current)  # fetched before that send, handed over after it
+    book.apply_arrived(2)
+    assert book.stats.rejoins == 1 and book.blocked_at(2) == [0]  # the round we sent to is still ours
+    book.store(0, merged(0, 6, 2.0))
+    assert book.apply_arrived(2) == 1 and book.blocked_at(2) == []
+    step = 2
+    while book.outbox_empty():
+        step += 1
+        book.after_inner_step(step, tokens=1)
+    (index, following), *_ = book.outbox_batch()
+    # the earliest open round: fragment 1's round 6 at schedule step 24, on version 5 and with all our steps on
+    # it (a rejoin re-loads no version we hold); not fragment 0 on version 6 (its round 7, at step 26)
+    assert (following.fragment, following.base_version, following.sched_step) == (1, 5, 24)
+    assert following.steps == step
