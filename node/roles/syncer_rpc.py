@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from node.diloco.fragments import FragmentPlan
     from node.diloco.loss_probe import LossProbe, LossScore
     from node.diloco.screening import ScreeningConfig
+    from protocol.identity import NodeIdentity
     from protocol.receipts import TokenReceipt
     from protocol.rpc import PeerStrikes
 
@@ -140,6 +141,23 @@ def fragment_server_limits(
     per_peer = max(base.max_bytes_in_flight_per_peer, largest_request)
     total = max(base.max_bytes_in_flight_per_peer, max_fragments_in_flight * fragment_frame_bytes, per_peer)
     return dataclasses.replace(base, max_bytes_in_flight_per_peer=per_peer, max_bytes_in_flight_total=total)
+
+
+def version_answer(
+    identity: NodeIdentity, run_id: str, receiver: str, core: SyncerCore, fragment: int, term: int
+) -> StreamingFrame:
+    """The fragment's current version, sent straight from the published tensors and signed as it streams: no copy
+    of the fragment per fetch (a merge publishes new tensors and never writes a published one)."""
+    version = core.versions[fragment]
+    return seal_streaming(
+        identity,
+        Context(run_id=run_id, kind=Kind.VERSION, receiver=receiver),
+        microbatch=fragment,
+        step=version,
+        now=time.time(),
+        tensors=core.fragment_tensors(fragment),
+        meta={"fragment": fragment, "version": version, "term": term},
+    )
 
 
 def in_flight_status(server: FramedServer | None) -> dict[str, int]:
@@ -478,23 +496,12 @@ class SyncerService:
         return fragment
 
     async def _handle_fetch(self, frame: bytearray, remote: str) -> StreamingFrame:
-        """The fragment's current version, sent straight from the published tensors and signed as it streams: no
-        copy of the fragment per fetch (a merge publishes new tensors and never writes a published one)."""
         opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)
         self._require_active()
-        fragment = self._fragment_of(opened.meta)
-        core = self.role.core
-        assert core is not None
-        version = core.versions[fragment]
-        context = Context(run_id=self.role.ctx.run_id, kind=Kind.VERSION, receiver=remote)
-        return seal_streaming(
-            self.role.ctx.identity,
-            context,
-            microbatch=fragment,
-            step=version,
-            now=time.time(),
-            tensors=core.fragment_tensors(fragment),
-            meta={"fragment": fragment, "version": version, "term": self.role.term},
+        assert self.role.core is not None
+        ctx = self.role.ctx
+        return version_answer(
+            ctx.identity, ctx.run_id, remote, self.role.core, self._fragment_of(opened.meta), self.role.term
         )
 
     async def _handle_state(self, frame: bytearray, remote: str) -> bytes:

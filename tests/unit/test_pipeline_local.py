@@ -377,11 +377,15 @@ def test_a_dead_context_holder_is_replaced_and_nothing_is_applied_twice() -> Non
 
 
 class LosesAnswers(DirectTransport):
-    """Every answer `lossy` gives to a forward is lost after the handler ran (it applied the microbatch)."""
+    """Once armed with the last stage's replicas, the first of them asked a forward (the loss hop) becomes `lossy`:
+    every answer it gives to a forward is lost after the handler ran (it applied the microbatch)."""
 
+    armed: set[str] = set()
     lossy = ""
 
     async def call(self, peer_id: str, rpc: str, frame, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        if not self.lossy and peer_id in self.armed and rpc == FORWARD_RPC:
+            self.lossy = peer_id  # whichever the router picked (its choice weighs measured times)
         answer = await super().call(peer_id, rpc, frame, **kwargs)
         if peer_id == self.lossy and rpc == FORWARD_RPC:
             raise StreamClosed("stream ended while reading the answer")
@@ -396,9 +400,9 @@ def test_a_loss_hop_moved_on_after_lost_answers_is_counted_as_maybe_applied_twic
     outcomes = drive_all(pipe, range(1, 5))
     assert all(o.completed for o in outcomes) and pipe.driver.stats.maybe_applied_twice == 0  # the control
 
-    transport.lossy = pipe.driver.last_route[1]
-    survivor = next(p for p in last if p != transport.lossy)
+    transport.armed = set(last)
     outcome = run(pipe.driver.run_microbatch(9, *batch(9)))
+    survivor = next(p for p in last if p != transport.lossy)
     assert outcome.completed and outcome.replicas[1] == survivor
     # it was applied on both last-stage replicas: the driver cannot tell, so it says it may have been
     applied = [9 in pipe.services[p].core.recent_applied(64) for p in last]
@@ -447,7 +451,13 @@ def test_a_reply_signed_by_another_key_is_rejected_and_retried_elsewhere() -> No
     forger = Forger(honest.identity, RUN_ID, honest.core, authorized=honest.authorized())
     pipe.services[forger_peer] = forger
     pipe.driver.rng = random.Random(3)
-    outcomes = drive_all(pipe, range(1, 5))
+    outcomes: list = []
+    for first in range(
+        1, 33, 4
+    ):  # the router weighs measured times: on a loaded box the forger may come later
+        outcomes += drive_all(pipe, range(first, first + 4))
+        if pipe.driver.stats.bad_replies:
+            break
     assert all(o.completed for o in outcomes)
     assert all(o.replicas[1] != forger_peer for o in outcomes)
     assert pipe.driver.stats.bad_replies >= 1
