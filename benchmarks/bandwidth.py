@@ -43,6 +43,7 @@ from benchmarks import bandwidth_activations
 from benchmarks.bandwidth_live import WAN_LINK, run_live
 from benchmarks.common import RESULTS_DIR, plot_path, write_result
 from node.diloco.compression import ErrorFeedback, relative_error
+from protocol.boundary_codec import BOUNDARY_CODECS
 from protocol.codec import TensorLimits
 from protocol.compress import CodecSpec, decode, encode
 
@@ -202,11 +203,15 @@ def _plot(
     plt.close(fig)
 
 
-def _update_activations(microbatches: int) -> None:
+def _update_activations(microbatches: int, codecs: list[str]) -> None:
     """Measure the activation arms and rewrite their keys into the existing results file (others kept)."""
     path = RESULTS_DIR / f"{NAME}.json"
     previous = json.loads(path.read_text())
-    activations = bandwidth_activations.measure(microbatches)
+    activations = bandwidth_activations.measure(microbatches, codecs=codecs)  # type: ignore[arg-type]
+    stale = [
+        k for k in previous["headline"] if k.startswith("activation_")
+    ]  # codecs measured before, maybe gone
+    previous["headline"] = {k: v for k, v in previous["headline"].items() if k not in stale}
     previous["headline"] |= bandwidth_activations.headline(activations)
     previous["activations"] = activations
     previous["activations_measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -292,9 +297,14 @@ def main() -> None:
     parser.add_argument(
         "--activations-only", action="store_true", help="measure activations only, into the existing results"
     )
+    parser.add_argument(
+        "--activation-codecs",
+        default=",".join(BOUNDARY_CODECS),
+        help="comma-separated boundary codecs to measure (fp32 always)",
+    )
     args = parser.parse_args()
     if args.activations_only:
-        _update_activations(args.activation_microbatches)
+        _update_activations(args.activation_microbatches, args.activation_codecs.split(","))
         return
     if args.wan_only:
         _update_wan(args.wan_s, args.min_step_s)
@@ -345,7 +355,10 @@ def main() -> None:
         wan_headline, detail["wan"] = _wan(args.wan_s, args.min_step_s)
         headline |= wan_headline
     if args.activation_microbatches > 0:
-        activations = bandwidth_activations.measure(args.activation_microbatches)
+        activations = bandwidth_activations.measure(
+            args.activation_microbatches,
+            codecs=args.activation_codecs.split(","),  # type: ignore[arg-type]
+        )
         headline |= bandwidth_activations.headline(activations)
         detail["activations"] = activations
     path = write_result(NAME, headline, detail)
