@@ -6,36 +6,27 @@ Codecs (`[activation_codec]` in run.toml; every peer of a run uses the one its s
 - ``int8``: per channel (the last dimension, the model width): scale_c = absmax_c / 127 over every other position,
   q = round(x / scale_c) in [-127, 127]; ~4x smaller.
 - ``int4``: the same with q in [-7, 7], two values per byte (low nibble first), stored as q + 8; ~8x smaller.
-- ``rot4``, ``rot3``, ``rot4g2``: rotate, then quantize to few bits (QuaRot-style). Each position's vector along the
-  last dimension is multiplied by a fixed orthogonal matrix R (random signs, then a normalized Walsh-Hadamard
-  transform over blocks of the largest power of two dividing the width; the signs derive from the width alone, so
-  both sides know R and it costs no bytes). Rotation spreads a few outlier channels over all of them, so a coarse
-  grid loses much less. The rotated rows are quantized on the half-integer grid (k + 1/2) x scale_row with
-  k in [-2^(b-1), 2^(b-1) - 1] (all 2^b codes used), one scale per row (position): scale_row = S x 2^(-e/16)
-  with one float32 S per tensor and one uint8 e per row (rounded up so nothing clips). Activations are rounded to
-  nearest; gradients stochastically (unbiased: E[decoded] = the gradient, so the noise averages out over steps
-  instead of biasing them). Bits (activations/gradients): rot4 4/4, rot3 3/3, rot4g2 4/2; the frame's kind says
-  which applies. The decoder multiplies by R^T (R is its own inverse up to float error).
+- ``a4g2``, ``a3g3``, ``rot4g2``: fewer than 4 bits per value on average (`protocol.boundary_lowbit`): activations
+  per channel asymmetric, gradients per position with stochastic (unbiased) rounding, bits (activations/gradients)
+  4/2 and 3/3; ``rot4g2`` rotates every position's vector by a fixed Hadamard-based orthogonal matrix first
+  (QuaRot-style) and quantizes per position, 4/2. The frame's kind (activation or gradient) says which bits apply.
 
 Payload, the frame's "" tensor (1-D uint8)::
 
     channels x float32 scale | numel x int8   (int4: ceil(numel / 2) bytes of nibbles)
-    rot*: float32 S | rows x uint8 e | ceil(numel / 8) x b bytes (each 8 codes k + 2^(b-1), b bits each, packed
-          little-endian into b bytes)
+    a4g2, a3g3, rot4g2: see `protocol.boundary_lowbit`
 
 with the header, ``{"codec", "shape"}``, in the frame's meta under `META_PREFIX`. The sender encodes after its stage
 computed (`encode`); the receiver decodes right after `open_envelope` and before the tensor is used or checked
 (`decode_opened`), so SENTINEL and the spot checks see decoded tensors. The header is untrusted: `decode_opened`
 checks its schema, the codec against the manifest's, the declared shape against the receiver's `TensorLimits` for
 the float32 tensor it would build (the cap, before anything is allocated), the payload's exact length, and the
-scales (finite, >= 0, <= `compress.MAX_SCALE`; a rot codec's row exponents are any byte and only shrink S); each
+scales (finite, >= 0, <= `compress.MAX_SCALE`; the low-bit codecs' offsets finite and bounded too); each
 refusal is a `CompressionError` with a reason tag.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +34,8 @@ from typing import Literal, cast
 
 import torch
 
+from protocol import boundary_lowbit as lowbit
+from protocol.boundary_lowbit import LOWBIT
 from protocol.codec import TensorLimits, check_spec
 from protocol.compress import (
     BAD_HEADER,
@@ -58,22 +51,11 @@ from protocol.compress import (
 from protocol.envelope import Kind, MetaScalar, MetaValue, Opened
 from protocol.errors import CompressionError, TensorPolicyError
 
-BoundaryCodecName = Literal["fp32", "int8", "int4", "rot4", "rot3", "rot4g2"]
-BOUNDARY_CODECS: tuple[BoundaryCodecName, ...] = ("fp32", "int8", "int4", "rot4", "rot3", "rot4g2")
+BoundaryCodecName = Literal["fp32", "int8", "int4", "a4g2", "a3g3", "rot4g2"]
+BOUNDARY_CODECS: tuple[BoundaryCodecName, ...] = ("fp32", "int8", "int4", "a4g2", "a3g3", "rot4g2")
 META_PREFIX = "b_"  # the header's keys in a pipeline frame's meta
 _QMAX = {"int8": 127, "int4": 7}
 _SCALE_BYTES = 4  # float32 scales: a channel's absmax may be anywhere an activation's range goes
-# rotated codecs: bits of (activations, gradients)
-_ROTATED: dict[str, tuple[int, int]] = {"rot4": (4, 4), "rot3": (3, 3), "rot4g2": (4, 2)}
-_EXPONENT_STEPS = 16  # a row's scale is S x 2^(-e/16): steps of 4.4 %, rows down to 2^-16 of the largest
-_ROTATION_DOMAIN = b"hivenode/boundary-rotation/v1/"
-# Stochastic rounding's noise: private, so that encoding never moves the training RNG (`reseed_rounding`).
-_ROUNDING = torch.Generator().manual_seed(0)
-
-
-def reseed_rounding(seed: int) -> None:
-    """Restart the stochastic rounding's random stream (benchmarks: each arm starts from the same one)."""
-    _ROUNDING.manual_seed(seed)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,8 +75,8 @@ class BoundaryCodecSpec:
 
 def value_bits(codec: BoundaryCodecName, gradient: bool) -> int:
     """Bits per value of `codec` for an activation, or a gradient (`gradient`)."""
-    if codec in _ROTATED:
-        return _ROTATED[codec][1 if gradient else 0]
+    if codec in LOWBIT:
+        return lowbit.scheme_of(codec, gradient)[1]
     return {"fp32": 32, "int8": 8, "int4": 4}[codec]
 
 
@@ -103,8 +85,8 @@ def payload_size(codec: BoundaryCodecName, shape: tuple[int, ...], gradient: boo
     numel = math.prod(shape)
     if codec == "fp32":
         return 4 * numel
-    if codec in _ROTATED:
-        return _SCALE_BYTES + numel // shape[-1] + -(-numel // 8) * value_bits(codec, gradient)
+    if codec in LOWBIT:
+        return lowbit.payload_size(*lowbit.scheme_of(codec, gradient), shape)
     values = numel if codec == "int8" else -(-numel // 2)
     return shape[-1] * _SCALE_BYTES + values
 
@@ -123,7 +105,7 @@ def encode(
     tensor: torch.Tensor, spec: BoundaryCodecSpec, *, gradient: bool = False
 ) -> tuple[torch.Tensor, dict[str, MetaValue]]:
     """(the tensor to seal, the meta to add): `tensor` itself and no meta for fp32, else the uint8 payload.
-    `gradient`: the tensor is a boundary gradient (a rot codec's bits and rounding differ; the receiver reads which
+    `gradient`: the tensor is a boundary gradient (a low-bit codec's bits and rounding differ; the receiver reads which
     from the frame's kind).
 
     A tensor the codec cannot carry (an empty dimension, NaN or Inf, a channel max above 127 x `MAX_SCALE`) travels
@@ -134,8 +116,9 @@ def encode(
     if not spec.enabled or not shape or any(d <= 0 for d in shape):
         return tensor, {}
     rows = tensor.detach().to("cpu", torch.float32).reshape(-1, shape[-1])
-    if spec.codec in _ROTATED:
-        payload = _encode_rotated(rows, value_bits(spec.codec, gradient), stochastic=gradient)
+    if spec.codec in LOWBIT:
+        scheme, bits = lowbit.scheme_of(spec.codec, gradient)
+        payload = lowbit.encode_rows(rows, scheme, bits, stochastic=gradient)
         if payload is None:
             return tensor, {}
         return payload, _meta(spec.codec, shape)
@@ -172,8 +155,8 @@ def decode_opened(opened: Opened, spec: BoundaryCodecSpec, limits: TensorLimits)
         raise CompressionError(
             f"{data.numel()} payload bytes, the header implies {expected}", reason=WRONG_LENGTH
         )
-    if codec in _ROTATED:
-        decoded = _decode_rotated(data, shape, value_bits(codec, gradient))
+    if codec in LOWBIT:
+        decoded = lowbit.decode_rows(data, shape, *lowbit.scheme_of(codec, gradient))
         return Opened(opened.header, {**opened.tensors, "": decoded})
     channels = shape[-1]
     scales = _read_scales(data, channels, 8 * _SCALE_BYTES)
@@ -209,96 +192,3 @@ def _parse_header(
     if not shape or min(shape) <= 0:
         raise CompressionError(f"declared shape {shape} has an empty dimension", reason=BAD_HEADER)
     return codec, shape
-
-
-# ------------------------------------------------------------------------------------------------ rotated codecs
-
-
-@functools.lru_cache(maxsize=16)
-def _rotation(width: int) -> tuple[torch.Tensor, int]:
-    """(the +-1 signs of R, the Hadamard block size) for `width`: the signs come from SHA-256 of the width (the same
-    on every machine, no RNG or BLAS involved); the block is the largest power of two dividing the width."""
-    stream = b""
-    counter = 0
-    while len(stream) * 8 < width:
-        stream += hashlib.sha256(_ROTATION_DOMAIN + f"{width}/{counter}".encode()).digest()
-        counter += 1
-    bits = torch.frombuffer(bytearray(stream), dtype=torch.uint8)
-    unpacked = ((bits.unsqueeze(1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)[:width]
-    return 1.0 - 2.0 * unpacked.to(torch.float32), width & -width
-
-
-def _hadamard(rows: torch.Tensor, block: int) -> torch.Tensor:
-    """The normalized Walsh-Hadamard transform of each `block` values along the last dimension (symmetric and
-    orthogonal: it is its own inverse)."""
-    y = rows.reshape(-1, block)
-    h = 1
-    while h < block:
-        pairs = y.view(-1, block // (2 * h), 2, h)
-        y = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
-        h *= 2
-    return y.reshape(rows.shape) * (1.0 / math.sqrt(block))
-
-
-def rotate(rows: torch.Tensor) -> torch.Tensor:
-    """R x each row (rows: (n, width) float32)."""
-    signs, block = _rotation(rows.shape[-1])
-    return _hadamard(rows * signs, block)
-
-
-def unrotate(rows: torch.Tensor) -> torch.Tensor:
-    """R^T x each row: `rotate`'s inverse."""
-    signs, block = _rotation(rows.shape[-1])
-    return _hadamard(rows, block) * signs
-
-
-def _encode_rotated(rows: torch.Tensor, bits: int, *, stochastic: bool) -> torch.Tensor | None:
-    """The rot payload of `rows` ((positions, width) float32), or None when the codec cannot carry it."""
-    rotated = rotate(rows)
-    half = 1 << (bits - 1)
-    needed = rotated.abs().amax(dim=1) / (
-        half - 0.5
-    )  # the row's max lands on the outermost half-integer level
-    top = float(needed.max()) if needed.numel() else 0.0
-    if not math.isfinite(top) or top > MAX_SCALE:
-        return None
-    big = torch.tensor([top], dtype=torch.float32)
-    # e rounded down, so the stored scale is >= the needed one (nothing clips); the 1e-4 keeps a scale that is exactly
-    # on a step (a relayed, already decoded tensor) on it despite float error
-    ratio = needed / top if top > 0 else torch.zeros_like(needed)
-    exponent = torch.floor(-_EXPONENT_STEPS * torch.log2(ratio) + 1e-4).clamp_(0, 255)
-    scale = big * torch.exp2(-exponent / _EXPONENT_STEPS)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)
-    x = rotated / safe - 0.5  # the level k + 1/2 nearest to x / scale is k = round(x / scale - 1/2)
-    # stochastic: floor(x + u), u ~ U[0, 1): k or k + 1 with the probabilities that make it unbiased
-    k = torch.floor(x + torch.rand(x.shape, generator=_ROUNDING)) if stochastic else torch.round(x)
-    codes = (k.clamp_(-half, half - 1) + half).to(torch.uint8).reshape(-1)
-    header = torch.cat([big.view(torch.uint8), exponent.to(torch.uint8)])
-    return torch.cat([header, _pack_bits(codes, bits)])
-
-
-def _decode_rotated(data: torch.Tensor, shape: tuple[int, ...], bits: int) -> torch.Tensor:
-    width = shape[-1]
-    positions = math.prod(shape) // width
-    big = _read_scales(data, 1, 8 * _SCALE_BYTES)  # finite, >= 0 and <= MAX_SCALE, or refused
-    exponent = data[_SCALE_BYTES : _SCALE_BYTES + positions].to(torch.float32)
-    scale = big * torch.exp2(-exponent / _EXPONENT_STEPS)
-    codes = _unpack_bits(data[_SCALE_BYTES + positions :], bits, positions * width)
-    half = 1 << (bits - 1)
-    levels = codes.to(torch.float32).sub_(half - 0.5).view(positions, width).mul_(scale.unsqueeze(1))
-    return unrotate(levels).view(shape)
-
-
-def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes (uint8, each < 2^bits) packed 8 to `bits` bytes, little-endian; the last group padded with zeros."""
-    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, (-codes.numel()) % 8)).view(-1, 8)
-    word = (padded << (bits * torch.arange(8, dtype=torch.int64))).sum(dim=1, keepdim=True)
-    return ((word >> (8 * torch.arange(bits, dtype=torch.int64))) & 0xFF).to(torch.uint8).reshape(-1)
-
-
-def _unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """`_pack_bits`'s inverse: the first `count` codes (int64)."""
-    groups = packed.to(torch.int64).view(-1, bits)
-    word = (groups << (8 * torch.arange(bits, dtype=torch.int64))).sum(dim=1, keepdim=True)
-    codes = (word >> (bits * torch.arange(8, dtype=torch.int64))) & ((1 << bits) - 1)
-    return codes.reshape(-1)[:count]
