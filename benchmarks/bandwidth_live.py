@@ -15,6 +15,9 @@ announces its proxy's address, so every connection to it crosses one shaped link
 each learner-syncer pair gets its own 50 Mbit/s). Tokens/s trained and the merge efficiency (tokens merged / tokens
 trained x fragments) of each codec.
 
+An arm may run another outer step (`run_live(diloco=...)`, `[diloco]` keys over the swarm's, parsed from
+outer_sweep's spelling by `parse_outer`): the fp32 control and the codec then share it.
+
 Called by `benchmarks.bandwidth` (which writes the results); alone: `python -m benchmarks.bandwidth_live [--wan]`.
 """
 
@@ -28,12 +31,13 @@ import logging
 import shutil
 import socket
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.goodput import NUM_LEARNERS, Arm, Swarm, interpolate, measure
+from benchmarks.goodput import DILOCO, NUM_LEARNERS, Arm, Swarm, interpolate, measure
 from protocol.compress import CodecSpec
+from protocol.manifest import DilocoSpec
 from tools.wan_proxy import LinkProfile, ProxyThread
 
 logger = logging.getLogger("benchmarks.bandwidth_live")
@@ -49,6 +53,26 @@ def run_toml_table(spec: CodecSpec) -> str:
 
 WAN_LINK = LinkProfile(delay_s=0.05, bandwidth_bytes_per_s=50e6 / 8)  # 50 Mbit/s each way, 100 ms round trip
 NODE_NAMES = ("syncer-a", "syncer-b", *(f"learner{i}" for i in range(NUM_LEARNERS)))  # goodput.Swarm's names
+
+
+OUTER_KEYS = {"H": "sync_every_steps", "outer_lr": "outer_lr", "momentum": "outer_momentum"}
+
+
+def parse_outer(text: str) -> dict[str, int | float]:
+    """'H=12,outer_lr=1.0,momentum=0.0' (outer_sweep's spelling; any subset) -> `[diloco]` keys; ValueError
+    naming the valid keys."""
+    values = dict(part.strip().split("=", 1) for part in text.split(",") if part.strip())
+    unknown = set(values) - set(OUTER_KEYS)
+    if unknown:
+        raise ValueError(f"unknown outer keys {sorted(unknown)}; valid: {', '.join(OUTER_KEYS)}")
+    return {OUTER_KEYS[k]: int(v) if k == "H" else float(v) for k, v in values.items()}
+
+
+def outer_label(diloco: Mapping[str, int | float]) -> str:
+    """The `[diloco]` outer keys back in `parse_outer`'s spelling, the swarm's defaults filled in."""
+    spec = DilocoSpec()
+    full = {**DILOCO, "outer_lr": spec.outer_lr, "outer_momentum": spec.outer_momentum, **diloco}
+    return ",".join(f"{short}={full[key]}" for short, key in OUTER_KEYS.items())
 
 
 def _free_port() -> int:
@@ -95,9 +119,10 @@ def run_arm(
     duration_s: float,
     min_step_s: float,
     link: LinkProfile | None = None,
+    diloco: Mapping[str, int | float] | None = None,
 ) -> dict[str, Any]:
-    """One failure-free swarm with `spec` as the run's outer codec (every node behind a `link` when given);
-    `measure`'s result plus push bytes and tokens/s."""
+    """One failure-free swarm with `spec` as the run's outer codec (every node behind a `link` when given, the
+    `[diloco]` keys of `diloco` over the swarm's: an outer step); `measure`'s result plus push bytes and tokens/s."""
     with wan_links(NODE_NAMES, link) as node_args:
         swarm = Swarm(
             root,
@@ -105,6 +130,7 @@ def run_arm(
             min_step_s,
             run_extra=run_toml_table(spec),
             node_args=node_args,
+            diloco=diloco,
         )
         try:
             swarm.start()
@@ -119,6 +145,7 @@ def run_arm(
     result.pop("learner_samples", None)
     result.update(
         codec=spec.header_fields(),
+        diloco={**DILOCO, **(diloco or {})},
         warmup_s=round(warmup_s, 2),
         push_bytes=sum(sent),
         push_bytes_fp32=sum(plain),
@@ -159,17 +186,23 @@ def loss_gap_tail(arm: dict[str, Any], reference: dict[str, Any], last: int = 3)
 
 
 def run_live(
-    codecs: dict[str, CodecSpec], duration_s: float, min_step_s: float, link: LinkProfile | None = None
+    codecs: dict[str, CodecSpec],
+    duration_s: float,
+    min_step_s: float,
+    link: LinkProfile | None = None,
+    diloco: Mapping[str, Mapping[str, int | float]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every arm of `codecs` (the first is the reference, fp32), each with its `loss_gap` against it; over
-    `link` (every node behind one) when given."""
+    `link` (every node behind one) when given; an arm named in `diloco` runs with those `[diloco]` keys over
+    the swarm's (`parse_outer`)."""
     results: dict[str, dict[str, Any]] = {}
     base = Path(tempfile.mkdtemp(prefix="bandwidth-live-"))
     try:
         for index, (name, spec) in enumerate(codecs.items()):
             root = base / f"arm{index}"
             root.mkdir()
-            results[name] = run_arm(root, f"codec{index}", spec, duration_s, min_step_s, link)
+            overrides = (diloco or {}).get(name)
+            results[name] = run_arm(root, f"codec{index}", spec, duration_s, min_step_s, link, overrides)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     reference = next(iter(results.values()))

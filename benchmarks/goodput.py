@@ -87,15 +87,13 @@ lr = 0.003
 batch_size = 8
 weight_decay = 0.01
 [diloco]
-num_fragments = 2
-sync_every_steps = 12
-overlap_steps = 2
-min_sync_interval_s = 0.0
-mode = "{mode}"
-sync_learners = {num_learners}
+{diloco}
 [admission]
 pow_bits = 12
 """
+# the [diloco] table of RUN_TOML, less mode and sync_learners (the arm's); another benchmark's arm may override
+# any key (`Swarm(diloco=...)`: an outer step, say)
+DILOCO = {"num_fragments": 2, "sync_every_steps": 12, "overlap_steps": 2, "min_sync_interval_s": 0.0}
 NODE_TOML = """
 [learner]
 min_step_s = {min_step_s}
@@ -151,6 +149,11 @@ def wait_for(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.
     raise RuntimeError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def diloco_table(values: Mapping[str, object]) -> str:
+    """The body of a [diloco] table: one `key = value` line each, strings quoted."""
+    return "\n".join(f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v}" for k, v in values.items())
+
+
 class Swarm:
     """One arm's processes; status URLs are read from each node's log ("status: http://...")."""
 
@@ -162,6 +165,7 @@ class Swarm:
         *,
         run_extra: str = "",
         node_args: Mapping[str, Sequence[str]] | None = None,
+        diloco: Mapping[str, int | float] | None = None,
     ) -> None:
         self.root, self.arm = root, arm
         self.node_args = dict(
@@ -181,8 +185,9 @@ class Swarm:
             RUN_TOML.format(
                 arm=arm.name,
                 syncers=", ".join(f'"{i}"' for i in ids),
-                mode=arm.mode,
-                num_learners=NUM_LEARNERS,
+                diloco=diloco_table(
+                    {**DILOCO, **(diloco or {}), "mode": arm.mode, "sync_learners": NUM_LEARNERS}
+                ),
             )
             + run_extra  # more tables of run.toml (another benchmark's arm: a codec, say)
         )

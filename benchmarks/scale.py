@@ -24,7 +24,7 @@ directory (node.diloco.spill), read a chunk at a time (node.diloco.chunked); a m
 its outer gradient, which becomes the new version; the checkpoint is streamed. What is left over the goal is the
 process itself (torch and transformers: ~0.4 GiB) and the push being accepted; docs/scale.md has the breakdown.
 
-Run: `python -m benchmarks.scale` (everything; the 1B part needs ~8 GiB free), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs).
+Run: `python -m benchmarks.scale` (everything; the 1B part needs ~8 GiB free), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs), `--only-round --model llama-350m` (one model's merge round into the existing JSON, keys suffixed by the model unless it is the headline's).
 """
 
 from __future__ import annotations
@@ -672,6 +672,38 @@ def only_core(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def only_round(args: argparse.Namespace, out: Path) -> int:
+    """Rerun the merge round of `--model` (syncer, learner and late joiner processes) alone into an existing results
+    JSON: for the headline's model into `round` and the headline's keys, for another model into keys of its own
+    (`round_llama-350m`, headline `syncer_peak_gib_llama-350m`, ...)."""
+    path = out / f"{NAME}.json"
+    payload = json.loads(path.read_text())
+    rnd = merge_round(args.model, args.max_steps, timeout_s=1800)
+    size = sizes(manifest(args.model))
+    syncer, learner = rnd["syncer"], rnd["learner"]
+    keys = {
+        "syncer_peak_gib": round(syncer["peak_rss"] / GiB, 3),
+        "learner_peak_gib": round(learner["peak_rss"] / GiB, 3),
+        "syncer_rss_ratio": ratio(syncer["peak_rss"], size),
+        "round_merged": min(int(v) for v in learner["versions"].values()) >= 1,
+        "state_transfer_s": rnd["joiner"]["state_transfer_s"],
+    }
+    same = args.model == payload["headline"]["model"]
+    suffix = "" if same else f"_{args.model}"
+    payload[f"round{suffix}"] = rnd
+    payload["headline"].update({key + suffix: value for key, value in keys.items()})
+    if not same:
+        payload["headline"][f"model_gib{suffix}"] = round(size["model_bytes"] / GiB, 3)
+        payload["headline"][f"fragment_gib{suffix}"] = round(size["fragment_bytes"] / GiB, 3)
+    elif args.model == "llama-124m":
+        payload["headline"]["state_transfer_s_124m"] = keys["state_transfer_s"]
+    payload[f"measured_at_round{suffix}"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    plot(payload["headline"], payload["core_1b"], out / f"{NAME}.png", payload.get("core_1b_p4"))
+    print(json.dumps(payload["headline"], indent=2))
+    return 0
+
+
 def plot(head: dict[str, Any], big: dict[str, Any], path: Path, big_p4: dict[str, Any] | None = None) -> None:
     """Peak RSS per party against its goal (the syncer: model + 2 fragments; others: the model's bytes); the 1B core,
     when killed for memory, as a hatched bar of what it had reached (a lower bound)."""
@@ -724,6 +756,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only-core", action="store_true", help="rerun the --model core into the existing JSON"
     )
+    parser.add_argument(
+        "--only-round", action="store_true", help="rerun the --model merge round into the existing JSON"
+    )
     args = parser.parse_args(argv)
     if args.core:  # e.g. on an older checkout, to measure what a change saved
         fragments = args.fragments_1b if args.core == "llama-1b" else 4
@@ -737,6 +772,8 @@ def main(argv: list[str] | None = None) -> int:
         return only_1b(args, out)
     if args.only_core:
         return only_core(args, out)
+    if args.only_round:
+        return only_round(args, out)
     rnd = merge_round(args.model, args.max_steps, timeout_s=900)
     core = run_core(args.model, 2, True, timeout_s=900)
     big = part_1b(args)

@@ -372,16 +372,14 @@ def fragment_limits(plan: FragmentPlan, *, factor: int = 1) -> TensorLimits:
 
 
 def offer_limits(plan: FragmentPlan) -> TensorLimits:
-    """Caps for an offer: up to every fragment's signed version, each as one uint8 tensor."""
+    """Caps for an offer: one fragment's signed version as one uint8 tensor. One per request, so that an offer is
+    no larger than a push and the syncer's bytes in flight stay ~2 fragments whatever the fragment count."""
     from protocol.codec import TensorLimits
     from protocol.envelope import max_frame_bytes
 
     per_version = max_frame_bytes(fragment_limits(plan))
     return TensorLimits(
-        max_bytes=per_version * plan.num_fragments,
-        max_tensors=plan.num_fragments,
-        max_dim=per_version,
-        allowed_dtypes=frozenset({"uint8"}),
+        max_bytes=per_version, max_tensors=1, max_dim=per_version, allowed_dtypes=frozenset({"uint8"})
     )
 
 
@@ -605,22 +603,26 @@ class FramedSyncTransport:
         return version_from_opened(opened, self.plan, envelope=bytes(answer))
 
     async def offer(self, held: Sequence[FragmentVersion]) -> int:
+        """Offer each held version (one request each, see `offer_limits`); how many the syncer adopted."""
+        adopted = 0
+        for version in held:
+            if version.envelope:
+                adopted += await self._offer_one(version.fragment, version.envelope)
+        return adopted
+
+    async def _offer_one(self, fragment: int, envelope: bytes) -> int:
         from protocol.envelope import Kind, max_frame_bytes
         from protocol.errors import RemoteRefused
 
-        tensors = {
-            f"{OFFER_PREFIX}{v.fragment}": torch.frombuffer(bytearray(v.envelope), dtype=torch.uint8)
-            for v in held
-            if v.envelope
-        }
-        if not tensors:
-            return 0
+        tensor = torch.frombuffer(bytearray(envelope), dtype=torch.uint8)
         peer, _ = await self.current_syncer()
-        frame = self._seal(Kind.CONTROL, peer, microbatch=0, step=0, tensors=tensors)
+        frame = self._seal(
+            Kind.CONTROL, peer, microbatch=0, step=0, tensors={f"{OFFER_PREFIX}{fragment}": tensor}
+        )
         try:
             peer, answer = await self._call(OFFER_ROUTE, frame, max_frame_bytes(control_limits()))
         except RemoteRefused as e:
-            logger.info("offer refused: %s", e.reason)
+            logger.info("offer of fragment %d refused: %s", fragment, e.reason)
             return 0
         adopted = self._open(answer, peer, Kind.CONTROL, control_limits()).meta.get("adopted")
         return adopted if type(adopted) is int else 0

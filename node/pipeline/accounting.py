@@ -39,6 +39,8 @@ class MicrobatchOutcome:
     recomputed: int = 0  # forwards re-run because the context holder was gone
     replicas: list[str | None] = field(default_factory=list)  # per stage, the replica that applied it
     failures: list[dict[str, Any]] = field(default_factory=list)
+    # (stage, replica) left after a timeout or a lost answer for another replica: it may have applied it too
+    maybe_twice: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
 
 
@@ -51,6 +53,7 @@ class DriverStats:
     recomputed: int = 0
     recovered: int = 0  # completed microbatches that needed at least one retry
     double_applied: int = 0  # a backward acknowledged twice for one (microbatch, stage): must stay 0
+    maybe_applied_twice: int = 0  # applying hops moved on after a timeout or a lost answer (at-least-once)
     bad_replies: int = 0
     spot_checks: int = 0  # spot-check recomputations concluded (see SentinelTap for their outcomes)
     failures: dict[str, int] = field(default_factory=dict)
@@ -155,6 +158,20 @@ class Accounting:
         """A forward re-run on another replica because the one holding the context failed its backward."""
         outcome.recomputed += 1
         self.stats.recomputed += 1
+
+    def moved_on(self, outcome: MicrobatchOutcome, stage: int, left: str, to: str) -> None:
+        """A hop that applies (the last stage's loss, a backward) timed out or lost its answer on `left`, was asked
+        of `left` again, and now goes to `to`. `left` may have applied it too: a slow replica that applied and
+        one that did not look the same from here, and waiting on a frozen one would stall the microbatch."""
+        self.stats.maybe_applied_twice += 1
+        outcome.maybe_twice.append({"stage": stage, "replica": left, "moved_to": to})
+        logger.warning(
+            "microbatch %d: moved from %s to %s at stage %d after a timeout or a lost answer; it may be applied twice",
+            outcome.microbatch,
+            left[-8:],
+            to[-8:],
+            stage,
+        )
 
     def asked_again(self, outcome: MicrobatchOutcome, stage: int, replica: str, error: HopError) -> None:
         """The answer was lost: the same replica is asked again (it answers from cache if it applied it)."""

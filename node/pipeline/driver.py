@@ -266,7 +266,8 @@ class PipelineDriver:
                 if not self.retry.retry_elsewhere(e.failure, attempt):
                     raise MicrobatchAbandoned(f"loss at stage {stage}: {e}") from None
                 outcome.retries += 1
-                replica, same_tries = self._choose(stage, x, tried), 0
+                left, (replica, same_tries) = replica, (self._choose(stage, x, tried), 0)
+                self._note_move(outcome, stage, e, left, replica)
 
     async def _backward(
         self,
@@ -306,7 +307,8 @@ class PipelineDriver:
                     raise MicrobatchAbandoned(f"backward at stage {stage}: {e}") from None
                 outcome.retries += 1
                 # The context lived on the failed replica: rebuild it on another one from the input we kept.
-                replica, _ = await self._forward(microbatch, stage, x, outcome, tried=tried)
+                left, (replica, _) = replica, await self._forward(microbatch, stage, x, outcome, tried=tried)
+                self._note_move(outcome, stage, e, left, replica)
                 same_tries = 0  # a new holder: its answer, too, may be asked again once
                 self.accounting.recomputed(outcome)
 
@@ -359,6 +361,10 @@ class PipelineDriver:
 
     def _choose(self, stage: int, x: torch.Tensor, tried: set[str]) -> str:
         return self.picker.choose(stage, int(x.shape[0] * x.shape[1]), tried)
+
+    def _note_move(self, outcome: MicrobatchOutcome, stage: int, error: HopError, left: str, to: str) -> None:
+        if error.failure in (HopFailure.TIMEOUT, HopFailure.LOST) and to != left:
+            self.accounting.moved_on(outcome, stage, left, to)
 
     def _asked_again(
         self, microbatch: int, stage: int, replica: str, error: HopError, outcome: MicrobatchOutcome

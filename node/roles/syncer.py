@@ -118,7 +118,7 @@ class SyncerConfig:
     max_merged_keys: int = 65536  # remembered (peer, fragment, base, nonce) of merged contributions
     # Frames of the largest fragment that all peers' requests together may hold in flight here: their bytes are
     # reserved chunk by chunk as they arrive and given back once the request was handled or refused; a chunk past
-    # the cap refuses its request. Never below 64 MiB (many small fragments) nor one whole offer (every fragment).
+    # the cap refuses its request. Never below 64 MiB (many small fragments) nor one request (a fragment).
     max_fragments_in_flight: int = 2
     # each contribution checked alone before it merges: finite, norm bound, direction; rollback of a bad outer step
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)

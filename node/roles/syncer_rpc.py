@@ -48,7 +48,15 @@ from node.diloco.syncer_core import (
     wire_params,
 )
 from protocol.admission import ADMISSION_CAUSES, ADMISSION_META
-from protocol.envelope import Context, Kind, max_frame_bytes, open_envelope, seal
+from protocol.envelope import (
+    Context,
+    Kind,
+    StreamingFrame,
+    max_frame_bytes,
+    open_envelope,
+    seal,
+    seal_streaming,
+)
 from protocol.errors import MalformedFrame, ProtocolError, TensorPolicyError
 from protocol.limits import LimitsConfig
 from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
@@ -122,9 +130,9 @@ def fragment_server_limits(
 ) -> LimitsConfig:
     """The stream layer's default caps, with room for fragments of any size: one peer may hold one whole request of
     the largest route in flight, and all peers together `max_fragments_in_flight` frames of the largest fragment,
-    never less than the default per-peer cap (64 MiB: small fragments keep room) nor than one largest request (an
-    offer may carry every fragment's version at once, so that one can still pass, alone). Bytes are reserved chunk by
-    chunk as they arrive (`protocol.limits.FrameReservation`), so these caps bound the receive buffers."""
+    never less than the default per-peer cap (64 MiB: small fragments keep room) nor than one largest request (a
+    push or an offer of one version: about one fragment's frame). Bytes are reserved chunk by chunk as they arrive
+    (`protocol.limits.FrameReservation`), so these caps bound the receive buffers."""
     if max_fragments_in_flight < 1:
         raise ValueError(f"max_fragments_in_flight must be >= 1, got {max_fragments_in_flight}")
     base = route_limits(routes, StreamConfig())
@@ -469,18 +477,22 @@ class SyncerService:
             raise MalformedFrame("bad fragment id")
         return fragment
 
-    async def _handle_fetch(self, frame: bytearray, remote: str) -> bytes:
+    async def _handle_fetch(self, frame: bytearray, remote: str) -> StreamingFrame:
+        """The fragment's current version, sent straight from the published tensors and signed as it streams: no
+        copy of the fragment per fetch (a merge publishes new tensors and never writes a published one)."""
         opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)
         self._require_active()
         fragment = self._fragment_of(opened.meta)
         core = self.role.core
         assert core is not None
         version = core.versions[fragment]
-        return self._answer(
-            Kind.VERSION,
-            remote,
+        context = Context(run_id=self.role.ctx.run_id, kind=Kind.VERSION, receiver=remote)
+        return seal_streaming(
+            self.role.ctx.identity,
+            context,
             microbatch=fragment,
             step=version,
+            now=time.time(),
             tensors=core.fragment_tensors(fragment),
             meta={"fragment": fragment, "version": version, "term": self.role.term},
         )

@@ -358,6 +358,7 @@ class VerifierRole:
                 recomputed=outcome.recomputed,
                 replicas=outcome.replicas,
                 failures=outcome.failures,
+                maybe_twice=outcome.maybe_twice,
                 reason=outcome.reason,
             )
 
@@ -512,6 +513,7 @@ class VerifierRole:
             "failures": dict(stats.failures),
             "bad_replies": stats.bad_replies,
             "double_applied": stats.double_applied,
+            "maybe_applied_twice": stats.maybe_applied_twice,
             "applied_per_stage": {str(k): v for k, v in sorted(stats.applied_per_stage.items())},
             "val_loss": progress.val_history[-1]["loss"] if progress.val_history else None,
             "val_history": list(progress.val_history),

@@ -84,7 +84,7 @@ def test_a_fragment_over_64_mib_syncs(tmp_path: Path, record_property: Any) -> N
         # the push frames (> 64 MiB) were held whole, chunk by chunk, and never more than the caps
         held = merged["in_flight"]
         record_property("syncer_in_flight", held)
-        # two fragment frames, or one whole offer (every fragment's version) if larger
+        # two fragment frames (a request, a push or an offer of one version, is about one)
         assert held["cap_bytes"] >= max(2 * 64 * MiB, held["per_peer_cap_bytes"]), held
         assert 64 * MiB < held["peak_bytes"] <= held["cap_bytes"], held
         assert held["peak_per_peer_bytes"] <= held["per_peer_cap_bytes"], held

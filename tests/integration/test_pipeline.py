@@ -229,7 +229,17 @@ def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: 
     assert len(survivor_applied) == len(set(survivor_applied))  # never twice on one replica
     assert recovered_ids <= set(survivor_applied)  # the stage-0 part of each recovered microbatch ran there
     last_stage = [node.status()["applied_recent"] for node in swarm.stages[2:]]
-    assert not set(last_stage[0]) & set(last_stage[1])  # and each microbatch reached one last-stage replica
+    # and each microbatch reached one last-stage replica, but one whose answer there timed out or was lost twice
+    # and that moved on to the other (at-least-once: the driver counts it in maybe_applied_twice)
+    moved_on = {
+        e["microbatch"]
+        for e in read_events(swarm.verifier_state)
+        if e["event"] in ("microbatch_recovered", "microbatch_abandoned")
+        and any(m["stage"] == len(e["replicas"]) - 1 for m in e.get("maybe_twice", []))
+    }
+    twice = set(last_stage[0]) & set(last_stage[1])
+    assert twice <= moved_on, (twice, moved_on)
+    assert status["maybe_applied_twice"] >= len(twice)
     assert all(e["replicas"][0] == survivor.status()["peer_id"] for e in recovered())
 
 

@@ -11,9 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from node.diloco.fragments import plan_fragments
+from node.diloco.sync_client import fragment_limits, offer_limits
 from node.roles.syncer import SyncerConfig
 from node.roles.syncer_rpc import fragment_server_limits
 from protocol import limits
+from protocol.envelope import max_frame_bytes
 from protocol.errors import FrameTooLarge, SizeMismatch
 from protocol.limits import FrameReservation, LimitsConfig, PeerLimiter, RateLimit, Throttled
 from protocol.rpc import Preamble, Reassembler, Route, Status
@@ -219,14 +222,20 @@ def test_the_syncer_holds_at_most_the_configured_number_of_largest_requests(frag
     assert caps.max_bytes_in_flight_total == fragments * big
 
 
-def test_an_offer_of_every_fragment_can_still_pass_alone() -> None:
-    """An offer carries every fragment's signed version in one request: the total cap is never below it (at
-    llama-1b's 17 fragments that is ~17 fragments, not 2: offers sent a version at a time would lift this)."""
-    big = 256 * MiB
+def test_an_offer_carries_one_version_so_it_never_lifts_the_cap_past_two_fragments() -> None:
+    """17 fragments of 64 MiB (llama-1b-like at P = 16): an offer is one version per request, about one fragment's
+    frame, so the total cap stays ~2 fragments (an offer of every version at once had set it at ~17)."""
+    sizes = {f"layer{i}.weight": 16 * MiB for i in range(16)} | {"embed.weight": 16 * MiB}
+    plan = plan_fragments(sizes, 16, ["embed.weight"])
+    assert plan.num_fragments == 17
+    frame = max_frame_bytes(fragment_limits(plan))
+    offer = max_frame_bytes(offer_limits(plan))
+    assert offer_limits(plan).max_tensors == 1 and frame < offer < frame + MiB
     caps = fragment_server_limits(
-        {"push": Route(_noop, big), "offer": Route(_noop, 17 * big)}, fragment_frame_bytes=big
+        {"push": Route(_noop, frame), "offer": Route(_noop, offer)}, fragment_frame_bytes=frame
     )
-    assert caps.max_bytes_in_flight_per_peer == caps.max_bytes_in_flight_total == 17 * big
+    assert caps.max_bytes_in_flight_per_peer == offer
+    assert caps.max_bytes_in_flight_total == 2 * frame < 3 * 64 * MiB
 
 
 def test_small_fragments_keep_the_default_room() -> None:

@@ -23,7 +23,7 @@ from node.pipeline.routing import ReplicaInfo, ReplicaRouter, RetryPolicy, Routi
 from node.pipeline.transport import DirectTransport
 from node.roles.stage import StageConfig, StageCore, StageService, build_core
 from protocol.envelope import Context, Direction, Kind, StreamingFrame, open_envelope, seal
-from protocol.errors import ProtocolError, RemoteRefused, SignerMismatch
+from protocol.errors import ProtocolError, RemoteRefused, SignerMismatch, StreamClosed
 from protocol.identity import NodeIdentity
 from protocol.manifest import InnerOptimizerSpec, RunManifest, WireSpec
 from protocol.pipeline import (
@@ -374,6 +374,38 @@ def test_a_dead_context_holder_is_replaced_and_nothing_is_applied_twice() -> Non
     applied_on_survivor = pipe.services[survivor].core.counters.microbatches_applied
     assert applied_on_survivor == sum(o.replicas[0] == survivor for o in outcomes)
     assert sum(c.counters.microbatches_applied for c in pipe.cores(1)) == 6
+
+
+class LosesAnswers(DirectTransport):
+    """Every answer `lossy` gives to a forward is lost after the handler ran (it applied the microbatch)."""
+
+    lossy = ""
+
+    async def call(self, peer_id: str, rpc: str, frame, **kwargs):  # noqa: ANN001, ANN003, ANN201
+        answer = await super().call(peer_id, rpc, frame, **kwargs)
+        if peer_id == self.lossy and rpc == FORWARD_RPC:
+            raise StreamClosed("stream ended while reading the answer")
+        return answer
+
+
+def test_a_loss_hop_moved_on_after_lost_answers_is_counted_as_maybe_applied_twice() -> None:
+    pipe = build_pipeline(manifest(batch_size=64), replicas_per_stage=2)
+    transport = LosesAnswers(pipe.transport.caller, pipe.transport.services)
+    pipe.driver.hops.transport = transport
+    last = [p for p, s in pipe.stages.items() if s == 1]
+    outcomes = drive_all(pipe, range(1, 5))
+    assert all(o.completed for o in outcomes) and pipe.driver.stats.maybe_applied_twice == 0  # the control
+
+    transport.lossy = pipe.driver.last_route[1]
+    survivor = next(p for p in last if p != transport.lossy)
+    outcome = run(pipe.driver.run_microbatch(9, *batch(9)))
+    assert outcome.completed and outcome.replicas[1] == survivor
+    # it was applied on both last-stage replicas: the driver cannot tell, so it says it may have been
+    applied = [9 in pipe.services[p].core.recent_applied(64) for p in last]
+    assert applied == [True, True]
+    assert pipe.driver.stats.maybe_applied_twice == 1
+    assert outcome.maybe_twice == [{"stage": 1, "replica": transport.lossy, "moved_to": survivor}]
+    assert pipe.driver.stats.double_applied == 0  # one acknowledgement reached the driver
 
 
 def test_a_reply_signed_by_another_key_is_rejected_and_retried_elsewhere() -> None:
