@@ -11,10 +11,13 @@ Then, live (`benchmarks.bandwidth_live`): one failure-free swarm per codec (fp32
 and a syncer on the built-in corpus, the same seeds), the held-out loss at equal merged tokens and the bytes the
 learners' pushes actually carried.
 
-Activations (issue 20 part 2, `benchmarks.bandwidth_activations`): one in-process pipeline per boundary codec, the
-same seeds, bytes per microbatch of every frame and held-out loss at equal tokens against fp32 (`activation_*`
-headline keys). `--activations-only` measures just these and rewrites them (and `activations`) into the existing
-results file, keeping every other key as it was measured (`activations_measured_at` dates them).
+Activations (issue 20 part 2, `benchmarks.bandwidth_activations`): one in-process pipeline per boundary codec
+(`--activation-codecs`, default all), under seeds 0, 1 and 2, bytes per microbatch of every frame and held-out loss
+at equal tokens against fp32 (mean and spread over the seeds). The headline's `activation_compression` /
+`activation_loss_gap` are the recommended codec's: one meeting the goal (>= 8x at a mean gap <= 0.5 %) if any,
+else int8 (`activation_goal_met` says which); every other codec keeps `activation_<codec>_*` keys.
+`--activations-only` measures just these and rewrites them (and `activations`) into the existing results file,
+keeping every other key as it was measured (`activations_measured_at` dates them).
 
 Over a WAN (`benchmarks.bandwidth_live.WAN_LINK`): the same two live arms with every syncer and learner behind a
 50 Mbit/s, 100 ms round-trip link of the WAN proxy: tokens/s and merge efficiency with and without compression
@@ -37,7 +40,7 @@ replaces are kept as `outer_*_default_step`). The plot gets a panel per live run
 
 Run: `python -m benchmarks.bandwidth [--numel 4194304] [--ef-numel 1048576] [--steps 20] [--live-s 90 | --live-s 0]
 [--wan-s 90 | --wan-s 0 | --wan-only | --live-only | --live-tuned [--outer ...]] [--activation-microbatches 600 |
---activations-only]`.
+--activations-only] [--activation-codecs fp32,int8,int4,a4g2,a3g3,rot4g2]`.
 """
 
 from __future__ import annotations
