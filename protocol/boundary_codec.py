@@ -8,7 +8,7 @@ Codecs (`[activation_codec]` in run.toml; every peer of a run uses the one its s
 - ``int4``: the same with q in [-7, 7], two values per byte (low nibble first), stored as q + 8; ~8x smaller.
 - ``a4g2``, ``a3g3``, ``rot4g2``: fewer than 4 bits per value on average (`protocol.boundary_lowbit`): activations
   per channel asymmetric, gradients per position with stochastic (unbiased) rounding, bits (activations/gradients)
-  4/2 and 3/3; ``rot4g2`` rotates every position's vector by a fixed Hadamard-based orthogonal matrix first
+  4/2 and 3/3 (``a4g2b``: 4/2 with gradient scales per 16 values instead of per position); ``rot4g2`` rotates every position's vector by a fixed Hadamard-based orthogonal matrix first
   (QuaRot-style) and quantizes per position, 4/2. The frame's kind (activation or gradient) says which bits apply.
 
 Payload, the frame's "" tensor (1-D uint8)::
@@ -51,8 +51,8 @@ from protocol.compress import (
 from protocol.envelope import Kind, MetaScalar, MetaValue, Opened
 from protocol.errors import CompressionError, TensorPolicyError
 
-BoundaryCodecName = Literal["fp32", "int8", "int4", "a4g2", "a3g3", "rot4g2"]
-BOUNDARY_CODECS: tuple[BoundaryCodecName, ...] = ("fp32", "int8", "int4", "a4g2", "a3g3", "rot4g2")
+BoundaryCodecName = Literal["fp32", "int8", "int4", "a4g2", "a4g2b", "a3g3", "rot4g2"]
+BOUNDARY_CODECS: tuple[BoundaryCodecName, ...] = ("fp32", "int8", "int4", "a4g2", "a4g2b", "a3g3", "rot4g2")
 META_PREFIX = "b_"  # the header's keys in a pipeline frame's meta
 _QMAX = {"int8": 127, "int4": 7}
 _SCALE_BYTES = 4  # float32 scales: a channel's absmax may be anywhere an activation's range goes

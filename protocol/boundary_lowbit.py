@@ -1,5 +1,5 @@
 """Boundary codecs below 4 bits on average (issue 20 part 2): the quantizers behind `protocol.boundary_codec`'s
-``a4g2``, ``a3g3`` and ``rot4g2``.
+``a4g2``, ``a4g2b``, ``a3g3`` and ``rot4g2``.
 
 A codec picks a scheme and a bit width b for activations and another for gradients (`LOWBIT`); the frame's kind says
 which applies, so the header carries neither. All use every one of the 2^b codes, k in [0, 2^b), and the grid's
@@ -15,6 +15,7 @@ activation and gradient between two stages) gets the same codes back, so a relay
   S x 2^(-e_r / 16) with one float32 S per tensor and one uint8 e_r per row, rounded so that the stored step is at
   most 4.4 % smaller than that (the row's largest values clip to the outermost level, which keeps a relay exact). Boundary gradients differ by position (row norms vary 4x) far more
   than by channel.
+- ``block`` (gradients): ``row`` with one scale per BLOCK = 16 consecutive values of a row instead of per row.
 - ``row_rot``: ``row`` after a fixed orthogonal rotation R of each row (QuaRot-style): random signs, then a
   normalized Walsh-Hadamard transform over blocks of the largest power of two dividing the width; the signs come
   from SHA-256 of the width, so both sides know R and it costs no bytes; decoding multiplies by R^T (R is its own
@@ -45,13 +46,15 @@ import torch
 from protocol.compress import BAD_SCALE, MAX_SCALE, _read_scales
 from protocol.errors import CompressionError
 
-Scheme = Literal["channel", "row", "row_rot"]
+Scheme = Literal["channel", "row", "row_rot", "block"]
 # codec -> ((scheme, bits) of activations, (scheme, bits) of gradients)
 LOWBIT: dict[str, tuple[tuple[Scheme, int], tuple[Scheme, int]]] = {
     "a4g2": (("channel", 4), ("row", 2)),
     "a3g3": (("channel", 3), ("row", 3)),
     "rot4g2": (("row_rot", 4), ("row_rot", 2)),
+    "a4g2b": (("channel", 4), ("block", 2)),
 }
+BLOCK = 16  # values per scale of the "block" scheme (consecutive channels of a row; the row if the width is not a multiple)
 MAX_LO = 256 * MAX_SCALE  # a channel's min beyond this travels as fp32
 _EXPONENT_STEPS = 16  # a row's step is S x 2^(-e/16): steps of 4.4 %, rows down to 2^-16 of the largest
 _ROTATION_DOMAIN = b"hivenode/boundary-rotation/v1/"
@@ -71,7 +74,7 @@ def scheme_of(codec: str, gradient: bool) -> tuple[Scheme, int]:
 
 def payload_size(scheme: Scheme, bits: int, shape: tuple[int, ...]) -> int:
     numel, width = math.prod(shape), shape[-1]
-    scales = 2 * _F32 * width if scheme == "channel" else _F32 + numel // width
+    scales = 2 * _F32 * width if scheme == "channel" else _F32 + numel // _group(scheme, width)
     return scales + -(-numel // 8) * bits
 
 
@@ -89,7 +92,7 @@ def encode_rows(rows: torch.Tensor, scheme: Scheme, bits: int, *, stochastic: bo
             return None
         codes = _quantize(rows - lo, step, bits, stochastic)
         return torch.cat([lo.view(torch.uint8), step.view(torch.uint8), _pack_bits(codes, bits)])
-    data = rotate(rows) if scheme == "row_rot" else rows
+    data = (rotate(rows) if scheme == "row_rot" else rows).reshape(-1, _group(scheme, rows.shape[-1]))
     half = 1 << (bits - 1)
     needed = data.abs().amax(dim=1) / (half - 0.5)  # the row's max is the outermost level
     top = float(needed.max())
@@ -127,13 +130,18 @@ def decode_rows(data: torch.Tensor, shape: tuple[int, ...], scheme: Scheme, bits
         step = _read_scales(data[_F32 * width :], width, 8 * _F32)
         codes = _unpack_bits(data[2 * _F32 * width :], bits, positions * width)
         return codes.to(torch.float32).view(positions, width).mul_(step).add_(lo).view(shape)
+    group = _group(scheme, width)
+    groups = math.prod(shape) // group
     big = _read_scales(data, 1, 8 * _F32)  # finite, >= 0 and <= MAX_SCALE, or refused
-    step = big * torch.exp2(-data[_F32 : _F32 + positions].to(torch.float32) / _EXPONENT_STEPS)
-    codes = _unpack_bits(data[_F32 + positions :], bits, positions * width)
-    levels = (
-        codes.to(torch.float32).add_(0.5 - (1 << (bits - 1))).view(positions, width).mul_(step.unsqueeze(1))
-    )
-    return (unrotate(levels) if scheme == "row_rot" else levels).view(shape)
+    step = big * torch.exp2(-data[_F32 : _F32 + groups].to(torch.float32) / _EXPONENT_STEPS)
+    codes = _unpack_bits(data[_F32 + groups :], bits, groups * group)
+    levels = codes.to(torch.float32).add_(0.5 - (1 << (bits - 1))).view(groups, group).mul_(step.unsqueeze(1))
+    return (unrotate(levels.view(-1, width)) if scheme == "row_rot" else levels).view(shape)
+
+
+def _group(scheme: Scheme, width: int) -> int:
+    """Values per scale of a per-row or per-block scheme."""
+    return BLOCK if scheme == "block" and width % BLOCK == 0 else width
 
 
 @functools.lru_cache(maxsize=16)
