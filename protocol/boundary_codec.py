@@ -6,17 +6,23 @@ Codecs (`[activation_codec]` in run.toml; every peer of a run uses the one its s
 - ``int8``: per channel (the last dimension, the model width): scale_c = absmax_c / 127 over every other position,
   q = round(x / scale_c) in [-127, 127]; ~4x smaller.
 - ``int4``: the same with q in [-7, 7], two values per byte (low nibble first), stored as q + 8; ~8x smaller.
+- ``a4g2``, ``a3g3``, ``rot4g2``: fewer than 4 bits per value on average (`protocol.boundary_lowbit`): activations
+  per channel asymmetric, gradients per position with stochastic (unbiased) rounding, bits (activations/gradients)
+  4/2 and 3/3 (``a4g2b``: 4/2 with gradient scales per 16 values instead of per position); ``rot4g2`` rotates every position's vector by a fixed Hadamard-based orthogonal matrix first
+  (QuaRot-style) and quantizes per position, 4/2. The frame's kind (activation or gradient) says which bits apply.
 
 Payload, the frame's "" tensor (1-D uint8)::
 
     channels x float32 scale | numel x int8   (int4: ceil(numel / 2) bytes of nibbles)
+    a4g2, a3g3, rot4g2: see `protocol.boundary_lowbit`
 
 with the header, ``{"codec", "shape"}``, in the frame's meta under `META_PREFIX`. The sender encodes after its stage
 computed (`encode`); the receiver decodes right after `open_envelope` and before the tensor is used or checked
 (`decode_opened`), so SENTINEL and the spot checks see decoded tensors. The header is untrusted: `decode_opened`
 checks its schema, the codec against the manifest's, the declared shape against the receiver's `TensorLimits` for
 the float32 tensor it would build (the cap, before anything is allocated), the payload's exact length, and the
-scales (finite, >= 0, <= `compress.MAX_SCALE`); each refusal is a `CompressionError` with a reason tag.
+scales (finite, >= 0, <= `compress.MAX_SCALE`; the low-bit codecs' offsets finite and bounded too); each
+refusal is a `CompressionError` with a reason tag.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import Literal, cast
 
 import torch
 
+from protocol import boundary_lowbit as lowbit
+from protocol.boundary_lowbit import LOWBIT
 from protocol.codec import TensorLimits, check_spec
 from protocol.compress import (
     BAD_HEADER,
@@ -40,11 +48,11 @@ from protocol.compress import (
     _scales,
     header_from_meta,
 )
-from protocol.envelope import MetaScalar, MetaValue, Opened
+from protocol.envelope import Kind, MetaScalar, MetaValue, Opened
 from protocol.errors import CompressionError, TensorPolicyError
 
-BoundaryCodecName = Literal["fp32", "int8", "int4"]
-BOUNDARY_CODECS: tuple[BoundaryCodecName, ...] = ("fp32", "int8", "int4")
+BoundaryCodecName = Literal["fp32", "int8", "int4", "a4g2", "a4g2b", "a3g3", "rot4g2"]
+BOUNDARY_CODECS: tuple[BoundaryCodecName, ...] = ("fp32", "int8", "int4", "a4g2", "a4g2b", "a3g3", "rot4g2")
 META_PREFIX = "b_"  # the header's keys in a pipeline frame's meta
 _QMAX = {"int8": 127, "int4": 7}
 _SCALE_BYTES = 4  # float32 scales: a channel's absmax may be anywhere an activation's range goes
@@ -65,21 +73,40 @@ class BoundaryCodecSpec:
         return self.codec != "fp32"
 
 
-def payload_size(codec: BoundaryCodecName, shape: tuple[int, ...]) -> int:
+def value_bits(codec: BoundaryCodecName, gradient: bool) -> int:
+    """Bits per value of `codec` for an activation, or a gradient (`gradient`)."""
+    if codec in LOWBIT:
+        return lowbit.scheme_of(codec, gradient)[1]
+    return {"fp32": 32, "int8": 8, "int4": 4}[codec]
+
+
+def payload_size(codec: BoundaryCodecName, shape: tuple[int, ...], gradient: bool = False) -> int:
     """Bytes of the payload for a tensor of `shape` (float32 bytes for fp32)."""
     numel = math.prod(shape)
     if codec == "fp32":
         return 4 * numel
+    if codec in LOWBIT:
+        return lowbit.payload_size(*lowbit.scheme_of(codec, gradient), shape)
     values = numel if codec == "int8" else -(-numel // 2)
     return shape[-1] * _SCALE_BYTES + values
 
 
-def compression_ratio(codec: BoundaryCodecName, shape: tuple[int, ...]) -> float:
-    return 4 * math.prod(shape) / payload_size(codec, shape)
+def compression_ratio(
+    codec: BoundaryCodecName, shape: tuple[int, ...], gradient: bool | None = None
+) -> float:
+    """fp32 bytes over payload bytes; `gradient` None: activations and gradients alike (one of each)."""
+    if gradient is None:
+        both = payload_size(codec, shape, False) + payload_size(codec, shape, True)
+        return 8 * math.prod(shape) / both
+    return 4 * math.prod(shape) / payload_size(codec, shape, gradient)
 
 
-def encode(tensor: torch.Tensor, spec: BoundaryCodecSpec) -> tuple[torch.Tensor, dict[str, MetaValue]]:
+def encode(
+    tensor: torch.Tensor, spec: BoundaryCodecSpec, *, gradient: bool = False
+) -> tuple[torch.Tensor, dict[str, MetaValue]]:
     """(the tensor to seal, the meta to add): `tensor` itself and no meta for fp32, else the uint8 payload.
+    `gradient`: the tensor is a boundary gradient (a low-bit codec's bits and rounding differ; the receiver reads which
+    from the frame's kind).
 
     A tensor the codec cannot carry (an empty dimension, NaN or Inf, a channel max above 127 x `MAX_SCALE`) travels
     as it is, in fp32: the receiver's finite-value policy and the verifier's checks then judge it as they would
@@ -89,6 +116,12 @@ def encode(tensor: torch.Tensor, spec: BoundaryCodecSpec) -> tuple[torch.Tensor,
     if not spec.enabled or not shape or any(d <= 0 for d in shape):
         return tensor, {}
     rows = tensor.detach().to("cpu", torch.float32).reshape(-1, shape[-1])
+    if spec.codec in LOWBIT:
+        scheme, bits = lowbit.scheme_of(spec.codec, gradient)
+        payload = lowbit.encode_rows(rows, scheme, bits, stochastic=gradient)
+        if payload is None:
+            return tensor, {}
+        return payload, _meta(spec.codec, shape)
     absmax = rows.abs().amax(dim=0)
     qmax = _QMAX[spec.codec]
     if not bool(torch.isfinite(absmax).all()) or float(absmax.max()) > qmax * MAX_SCALE:
@@ -98,11 +131,11 @@ def encode(tensor: torch.Tensor, spec: BoundaryCodecSpec) -> tuple[torch.Tensor,
     q = torch.round(rows / safe).clamp_(-qmax, qmax).to(torch.int8).reshape(-1)
     values = q.view(torch.uint8) if spec.codec == "int8" else _pack_nibbles(q)
     payload = torch.cat([stored.contiguous().view(torch.uint8), values])
-    meta: dict[str, MetaValue] = {
-        META_PREFIX + "codec": spec.codec,
-        META_PREFIX + "shape": cast("list[MetaScalar]", list(shape)),
-    }
-    return payload, meta
+    return payload, _meta(spec.codec, shape)
+
+
+def _meta(codec: str, shape: tuple[int, ...]) -> dict[str, MetaValue]:
+    return {META_PREFIX + "codec": codec, META_PREFIX + "shape": cast("list[MetaScalar]", list(shape))}
 
 
 def decode_opened(opened: Opened, spec: BoundaryCodecSpec, limits: TensorLimits) -> Opened:
@@ -116,11 +149,15 @@ def decode_opened(opened: Opened, spec: BoundaryCodecSpec, limits: TensorLimits)
     data = opened.tensors.get("")
     if data is None or data.dtype != torch.uint8 or data.dim() != 1:
         raise CompressionError("an encoded boundary tensor is a 1-D uint8 payload", reason=BAD_HEADER)
-    expected = payload_size(codec, shape)
+    gradient = opened.header.kind is Kind.GRADIENT
+    expected = payload_size(codec, shape, gradient)
     if data.numel() != expected:
         raise CompressionError(
             f"{data.numel()} payload bytes, the header implies {expected}", reason=WRONG_LENGTH
         )
+    if codec in LOWBIT:
+        decoded = lowbit.decode_rows(data, shape, *lowbit.scheme_of(codec, gradient))
+        return Opened(opened.header, {**opened.tensors, "": decoded})
     channels = shape[-1]
     scales = _read_scales(data, channels, 8 * _SCALE_BYTES)
     values = data[channels * _SCALE_BYTES :]
@@ -141,7 +178,7 @@ def _parse_header(
     if set(header) != {"codec", "shape"}:
         raise CompressionError("a boundary header has exactly the fields codec and shape", reason=BAD_HEADER)
     codec = header["codec"]
-    if type(codec) is not str or codec not in _QMAX:
+    if type(codec) is not str or codec not in BOUNDARY_CODECS or codec == "fp32":
         raise CompressionError(f"unknown boundary codec {str(codec)[:16]!r}", reason=BAD_HEADER)
     if codec != spec.codec:
         raise CompressionError(f"got {codec}, the run's manifest says {spec.codec}", reason=WRONG_CODEC)

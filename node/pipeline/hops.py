@@ -147,7 +147,7 @@ class HopClient:
         """A boundary activation or gradient as the run's codec sends it (the input "" only)."""
         if kind not in (Kind.ACTIVATION, Kind.GRADIENT) or "" not in tensors or not self.codec.enabled:
             return tensors, meta
-        encoded, extra = boundary_codec.encode(tensors[""], self.codec)
+        encoded, extra = boundary_codec.encode(tensors[""], self.codec, gradient=kind is Kind.GRADIENT)
         return {**tensors, "": encoded}, {**(meta or {}), **extra}
 
     def pop_signed(self, microbatch: int, stage: int, direction: Direction) -> SignedBoundaryHeader | None:

@@ -791,7 +791,9 @@ class StageService:
             Kind.ACTIVATION,
             Kind.GRADIENT,
         ):  # encoded after the stage computed
-            tensor, extra = boundary_codec.encode(tensor, self.core.shape.codec)
+            tensor, extra = boundary_codec.encode(
+                tensor, self.core.shape.codec, gradient=kind is Kind.GRADIENT
+            )
         # Binding the request's digest makes "one payload per (microbatch, input)" checkable: an honest replica
         # that gets a new input for a microbatch (the verifier rerouted upstream) is never mistaken for a liar.
         frame = seal_streaming(  # signed while it streams: hashed as sent, head signed last

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from protocol import boundary_codec
+from protocol import boundary_lowbit as lowbit
 from protocol.boundary_codec import META_PREFIX, BoundaryCodecSpec, compression_ratio, decode_opened, encode
 from protocol.codec import TensorLimits
 from protocol.compress import BAD_HEADER, BAD_SCALE, TOO_LARGE, WRONG_CODEC, WRONG_LENGTH
@@ -41,11 +42,12 @@ def through_frame(
     meta: dict[str, Any],
     spec: BoundaryCodecSpec = INT8,
     limits: TensorLimits | None = None,
+    context: Context = CTX,
 ) -> Opened:
     limits = limits or dataclasses.replace(SHAPE, codec=spec).limits
-    frame = seal(ALICE, CTX, microbatch=1, step=1, now=NOW, tensor=payload, meta=meta)
+    frame = seal(ALICE, context, microbatch=1, step=1, now=NOW, tensor=payload, meta=meta)
     opened = open_envelope(
-        frame, remote_peer=ALICE.peer_id, expect=CTX, limits=limits, replay=ReplayGuard(), now=NOW
+        frame, remote_peer=ALICE.peer_id, expect=context, limits=limits, replay=ReplayGuard(), now=NOW
     )
     return decode_opened(opened, spec, limits)
 
@@ -84,6 +86,8 @@ def test_the_manifest_negotiates_the_codec() -> None:
     run = RunManifest.from_dict({"activation_codec": {"codec": "int4"}, "wire": {"max_batch": 8}})
     assert run.activation_codec == INT4 and BoundaryShape.from_manifest(run).codec == INT4
     assert RunManifest.from_canonical_bytes(run.to_canonical_bytes()) == run
+    low = RunManifest.from_dict({"activation_codec": {"codec": "a4g2"}})
+    assert BoundaryShape.from_manifest(low).codec == BoundaryCodecSpec(codec="a4g2")
     with pytest.raises(ValueError, match="activation codec"):
         RunManifest.from_dict({"activation_codec": {"codec": "int2"}})
     with pytest.raises(ValueError, match="unknown"):
@@ -176,7 +180,7 @@ class CountingTransport:
         return answer
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "a4g2"])
 def test_the_pipeline_trains_with_the_codec_on_and_sends_fewer_bytes(codec: str) -> None:
     losses, sent = {}, {}
     for name in ("fp32", codec):
@@ -190,5 +194,166 @@ def test_the_pipeline_trains_with_the_codec_on_and_sends_fewer_bytes(codec: str)
         assert all(o.completed for o in outcomes)
         losses[name] = sum(o.loss for o in outcomes) / len(outcomes)
         sent[name] = counter.bytes
-    assert sent[codec] < sent["fp32"] / (2.5 if codec == "int8" else 4.0)  # tokens and headers do not shrink
+    assert (
+        sent[codec] < sent["fp32"] / {"int8": 2.5, "int4": 4.0, "a4g2": 4.5}[codec]
+    )  # tokens and headers do not shrink
     assert abs(losses[codec] - losses["fp32"]) / losses["fp32"] < 0.01  # the same first steps, within noise
+
+
+# ------------------------------------------------------------------------------------------------ low-bit codecs
+
+GRAD_CTX = dataclasses.replace(CTX, kind=Kind.GRADIENT, direction=Direction.BACKWARD)
+A4G2 = BoundaryCodecSpec(codec="a4g2")
+LOWBIT_CODECS = ["a4g2", "a4g2b", "a3g3", "rot4g2"]
+
+
+def outliers(seed: int = 0) -> torch.Tensor:
+    """Activations with two outlier channels 30x the rest: what the rotation is for."""
+    x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(seed))
+    x[..., 5] *= 30
+    x[..., 40] *= 30
+    return x
+
+
+def offsets(seed: int = 0) -> torch.Tensor:
+    """Activations whose channels sit around offsets of their own (the harness model's, |mean| / std ~ 0.7)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(4, 32, 64, generator=g) + 2.0 * torch.randn(64, generator=g)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def round_trip(x: torch.Tensor, spec: BoundaryCodecSpec, gradient: bool = False) -> torch.Tensor:
+    payload, meta = encode(x, spec, gradient=gradient)
+    return through_frame(payload, meta, spec, context=GRAD_CTX if gradient else CTX).tensors[""]
+
+
+@pytest.mark.parametrize("width", [64, 48, 7])  # a power of two, blocks of 16, no Hadamard block (signs only)
+def test_the_rotation_is_orthogonal_and_its_own_inverse(width: int) -> None:
+    rows = torch.randn(10, width)
+    turned = lowbit.rotate(rows)
+    assert torch.allclose(turned.norm(dim=1), rows.norm(dim=1), rtol=1e-5)
+    assert torch.allclose(lowbit.unrotate(turned), rows, atol=1e-5)
+    assert not torch.allclose(turned, rows)
+
+
+@pytest.mark.parametrize("codec", LOWBIT_CODECS)
+@pytest.mark.parametrize("gradient", [False, True])
+def test_low_bit_round_trip_sizes_and_errors(codec: Any, gradient: bool) -> None:
+    x = offsets()
+    spec = BoundaryCodecSpec(codec=codec)
+    payload, _ = encode(x, spec, gradient=gradient)
+    bits = boundary_codec.value_bits(codec, gradient)
+    assert payload.numel() == boundary_codec.payload_size(codec, (4, 32, 64), gradient)
+    assert (
+        payload.numel() < x.numel() * bits // 8 + 520
+    )  # scales: 2 x 64 float32, or a byte per 16 values + 4
+    back = round_trip(x, spec, gradient)
+    # Gaussian-like values on 2^b levels; stochastic rounding (gradients) adds up to about sqrt(2)x that
+    bound = {4: 0.12, 3: 0.25, 2: 0.75}[bits] * (1.5 if gradient else 1.0)
+    assert back.shape == x.shape and relative_error(back, x) < bound
+    # fewer than 3.6 bits per value over one activation and one gradient
+    assert compression_ratio(codec, (8, 32, 64)) > 9.0
+
+
+def test_per_channel_offsets_beat_symmetric_int4_and_rotation_on_offset_channels() -> None:
+    x = offsets()
+    ours = relative_error(round_trip(x, A4G2), x)
+    # negative controls on the same 4-bit activations: symmetric per channel, and rotated per position
+    assert ours < 0.8 * relative_error(round_trip(x, INT4), x)
+    assert ours < 0.8 * relative_error(round_trip(x, BoundaryCodecSpec(codec="rot4g2")), x)
+
+
+def test_the_rotation_helps_on_outlier_channels() -> None:
+    x = (
+        outliers()[..., 0:1].expand(4, 32, 64).clone()
+    )  # every channel the same: per position, one outlier-free row
+    x[..., 5] *= 30  # one outlier channel: unrotated per-position scales would spend the grid on it
+    rot = relative_error(round_trip(x, BoundaryCodecSpec(codec="rot4g2"), gradient=True), x)
+    plain = relative_error(
+        round_trip(x, A4G2, gradient=True), x
+    )  # negative control: the same bits, no rotation
+    assert rot < 0.75 * plain
+
+
+def test_stochastic_rounding_of_gradients_is_unbiased() -> None:
+    x = offsets(1)
+    lowbit.reseed_rounding(0)
+    mean = torch.stack([round_trip(x, A4G2, gradient=True) for _ in range(64)]).mean(dim=0)
+    one = round_trip(x, A4G2, gradient=True)
+    assert relative_error(mean, x) < 2.0 * relative_error(one, x) / 64**0.5  # the noise averages out
+    # negative control: nearest rounding to the same 2-bit grid is biased: its average is its one error
+    payload = lowbit.encode_rows(x.reshape(-1, 64), "row", 2, stochastic=False)
+    assert payload is not None
+    nearest = lowbit.decode_rows(payload, (4, 32, 64), "row", 2)
+    assert relative_error(nearest, x) > 4.0 * relative_error(mean, x)
+
+
+def test_block_scales_lose_less_than_row_scales_on_gradients() -> None:
+    x = offsets() * torch.linspace(0.05, 3.0, 64)  # values whose size changes along the row
+    lowbit.reseed_rounding(0)
+    block = relative_error(round_trip(x, BoundaryCodecSpec(codec="a4g2b"), gradient=True), x)
+    lowbit.reseed_rounding(0)
+    row = relative_error(round_trip(x, A4G2, gradient=True), x)  # negative control: one scale per row
+    assert block < 0.8 * row
+
+
+@pytest.mark.parametrize("codec", LOWBIT_CODECS)
+@pytest.mark.parametrize("gradient", [False, True])
+def test_a_relayed_tensor_encodes_to_the_same_codes(codec: Any, gradient: bool) -> None:
+    """The driver decodes a stage's answer and encodes it again for the next stage: nothing more is lost."""
+    spec = BoundaryCodecSpec(codec=codec)
+    payload, meta = encode(offsets(), spec, gradient=gradient)
+    decoded = through_frame(payload, meta, spec, context=GRAD_CTX if gradient else CTX).tensors[""]
+    again, _ = encode(decoded, spec, gradient=gradient)
+    assert float((again == payload).float().mean()) > 0.995
+
+
+@pytest.mark.parametrize("codec", LOWBIT_CODECS)
+def test_low_bit_decode_bombs_are_refused(codec: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = BoundaryCodecSpec(codec=codec)
+    payload, meta = encode(offsets(), spec)
+    assert through_frame(payload, meta, spec).tensors[""].shape == (4, 32, 64)  # control: the honest frame
+    # an activation's payload declared as a gradient: the length no longer matches (a3g3 aside: 3 bits both)
+    if codec != "a3g3":
+        assert refused(payload, meta, spec, context=GRAD_CTX) == WRONG_LENGTH
+    assert refused(payload[:-1], meta, spec) == WRONG_LENGTH
+    assert refused(payload, {**meta, META_PREFIX + "shape": [8, 32, 64 * 1024 * 1024]}, spec) == TOO_LARGE
+    assert refused(payload, meta, INT4) == WRONG_CODEC
+    scale_at = 4 * 64 if codec.startswith("a") else 0  # the first channel's step, or the tensor's S
+    for bad in (float("nan"), float("inf"), -1.0, 1e6):
+        poisoned = payload.clone()
+        poisoned[scale_at : scale_at + 4].view(torch.float32)[0] = bad
+        assert refused(poisoned, meta, spec) == BAD_SCALE
+    if codec.startswith("a"):  # a channel offset: NaN or beyond MAX_LO
+        for bad in (float("nan"), float("-inf"), 1e30):
+            poisoned = payload.clone()
+            poisoned[:4].view(torch.float32)[0] = bad
+            assert refused(poisoned, meta, spec) == BAD_SCALE
+    # negative control: with the scale check off, a NaN scale reaches the decoded tensor
+    poisoned = payload.clone()
+    poisoned[scale_at : scale_at + 4].view(torch.float32)[0] = float("nan")
+    monkeypatch.setattr(lowbit, "_read_scales", lambda data, n, bits: data[: n * 4].view(torch.float32))
+    assert bool(through_frame(poisoned, meta, spec).tensors[""].isnan().any())
+
+
+def test_any_row_exponent_decodes_to_finite_values() -> None:
+    payload, meta = encode(offsets(), A4G2, gradient=True)
+    extreme = payload.clone()
+    extreme[4:132] = 255  # every row's exponent: it only shrinks S
+    assert bool(through_frame(extreme, meta, A4G2, context=GRAD_CTX).tensors[""].isfinite().all())
+
+
+@pytest.mark.parametrize("gradient", [False, True])
+def test_a_tensor_the_low_bit_codec_cannot_carry_travels_as_fp32(gradient: bool) -> None:
+    for bad in (float("nan"), 1e9):  # non-finite; a range past what the scales may hold
+        x = offsets()
+        x[0, 0, 0] = bad
+        same, meta = encode(x, A4G2, gradient=gradient)
+        assert same is x and meta == {}
+    zeros, meta = encode(torch.zeros(4, 32, 64), A4G2, gradient=gradient)  # step 0: decodes to zeros
+    assert bool(
+        (through_frame(zeros, meta, A4G2, context=GRAD_CTX if gradient else CTX).tensors[""] == 0).all()
+    )
