@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -64,8 +64,10 @@ class HeldVersions:
         self._offered: set[tuple[str, int, int]] = set()  # (syncer, fragment, version) already offered
 
     def keep(self, index: int, version: FragmentVersion) -> None:
+        """Keep `version`'s signed frame (not its tensors: they are in the model now, and the frame holds them
+        too: kept both, a learner held the model twice more beside its own)."""
         if version.envelope is not None:
-            self._held[index] = version
+            self._held[index] = replace(version, params={})
 
     def to_offer(self, view: VersionsView, fragments: Sequence[tuple[int, int]]) -> list[FragmentVersion]:
         """For each (global id, local index) in `fragments`, the version we hold, if another syncer (or

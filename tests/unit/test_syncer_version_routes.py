@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from node.diloco.fragment_ledger import HeldVersions
 from node.diloco.sync_client import OFFER_PREFIX, FramedSyncTransport, open_version_envelope
-from node.diloco.sync_types import FragmentVersion
+from node.diloco.sync_types import FragmentVersion, VersionsView
 from node.roles import syncer_rpc
 from protocol.envelope import Context, Kind, StreamingFrame, seal
 from protocol.errors import ProtocolError
@@ -127,3 +128,17 @@ def test_a_fetch_streams_the_published_version_and_a_later_merge_does_not_tear_i
     assert opened.header.step == 0 and opened.header.microbatch == 1
     for name, tensor in sent.items():
         torch.testing.assert_close(opened.tensors[name], tensor)
+
+
+def test_a_held_version_keeps_its_signed_frame_for_offers_but_not_its_tensors() -> None:
+    held = HeldVersions()
+    tensors = {"w": torch.ones(1024)}
+    held.keep(
+        0, FragmentVersion(fragment=3, version=7, params=tensors, term=1, signer="old", envelope=b"frame")
+    )
+    held.keep(1, FragmentVersion(fragment=4, version=2, params=tensors, envelope=None))  # nothing to offer
+    view = VersionsView(versions=(0,) * 5, term=2, syncer="new")
+    (offer,) = held.to_offer(view, [(3, 0), (4, 1)])
+    assert (offer.fragment, offer.version, offer.envelope, offer.signer) == (3, 7, b"frame", "old")
+    assert offer.params == {}  # the tensors are in the model; the frame holds them once more
+    assert held.to_offer(view, [(3, 0)]) == []  # offered once per syncer
