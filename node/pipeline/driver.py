@@ -164,6 +164,10 @@ class PipelineDriver:
         """Training microbatches in flight whose context `peer_id` holds: their backward is due there."""
         return sum(holders.count(peer_id) for holders in self._holders.values())
 
+    def context_holders(self, microbatch: int) -> list[str]:
+        """The replicas holding `microbatch`'s stage contexts so far, stage 0 first (empty once it ended)."""
+        return list(self._holders.get(microbatch, ()))
+
     def missing_stages(self, now: float | None = None) -> list[int]:
         """Stages with no usable replica right now (nothing can be driven until each has one)."""
         return self.picker.missing_stages(now)

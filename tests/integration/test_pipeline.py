@@ -147,28 +147,40 @@ def test_a_sigkilled_replica_microbatches_complete_on_the_other_one_once(swarm: 
     peer_ids = [node.status()["peer_id"] for node in replicas]
     before = swarm.verifier.status()["microbatches_completed"]
 
+    seen: list[str] = []  # the last stage-0 view, for the failure message
+
     def busy() -> Node | None:
         # The victim holds the context of a training microbatch in flight (`holding`): its backward is due
         # there, so it fails and is recomputed on the other replica. Not a replica whose only hop in flight is a
         # spot-check recomputation (its failure ends no microbatch, so nothing would be recovered), nor one
         # holding stage contexts, which may be of microbatches dropped later on. And only while neither replica
-        # sits out a routing cooldown (30 s here, after a failed hop) or has SENTINEL flags in its window: a
-        # survivor that sat one out, or was the odd one of the two, trained while the victim wrote the history,
-        # so SENTINEL would drop the recomputations on it for a while (the lock-out rule, docs/sentinel.md).
+        # sits out a routing cooldown (30 s here, after a failed hop) and the survivor has no SENTINEL flags in
+        # its window: a survivor that sat one out, or was the odd one of the two, trained while the victim wrote
+        # the history, so SENTINEL would drop the recomputations on it for a while (the lock-out rule,
+        # docs/sentinel.md). A flagged victim is fine (it is killed). Waiting for both to be unflagged timed out
+        # after 120 s once in a fresh-clone CI run (2 loaded cores).
         status = swarm.verifier.status()
         stage0, sentinel = status["replicas"]["0"], status["sentinel"]
         suspect = set(sentinel["quarantined"]) | set(sentinel["flags_in_window"])
-        if len(stage0) != 2 or any(r["blocked"] or r["peer_id"] in suspect for r in stage0):
+        by_peer = {r["peer_id"]: r for r in stage0}
+        seen[:] = [repr({p[-6:]: (r["holding"], r["blocked"], p in suspect) for p, r in by_peer.items()})]
+        if len(stage0) != 2 or any(r["blocked"] for r in stage0):
             return None
-        holding = {r["peer_id"] for r in stage0 if r["holding"] > 0}
-        return next((node for node, peer in zip(replicas, peer_ids, strict=True) if peer in holding), None)
+        for node, peer in zip(replicas, peer_ids, strict=True):
+            other = next(p for p in peer_ids if p != peer)
+            if peer in by_peer and by_peer[peer]["holding"] > 0 and other in by_peer and other not in suspect:
+                return node
+        return None
 
-    victim = wait_until(  # 60 s timed out once in a fresh-clone CI run (2 loaded cores): honest flags leave the window
-        busy,  # only as checks go on, and a cooldown lasts 30 s
-        120,
-        what="a stage-0 replica holding a microbatch in flight, neither suspect nor cooling down",
-        interval_s=0.02,
-    )
+    try:
+        victim = wait_until(
+            busy,
+            120,
+            what="a stage-0 replica holding a microbatch in flight, neither cooling down, the other unflagged",
+            interval_s=0.02,
+        )
+    except AssertionError as e:
+        raise AssertionError(f"{e}; stage 0 (holding, blocked, suspect): {seen}") from None
     index = 0 if victim is replicas[0] else 1
     survivor, victim_id = replicas[1 - index], peer_ids[index]
     victim.signal(signal.SIGKILL)

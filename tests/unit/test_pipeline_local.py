@@ -149,6 +149,7 @@ def assemble(pipe: Pipeline, cfg: ModelConfig) -> torch.nn.Module:
 # ---------------------------------------------------------------------------------------------------- training
 
 
+@pytest.mark.timeout(300)  # 20 s alone; it timed out at 120 s beside a loaded integration module
 def test_pipeline_training_matches_one_learner_at_equal_tokens() -> None:
     run_manifest = manifest(batch_size=8, lr=3e-3)
     cfg = ModelConfig.from_dict(run_manifest.model)
@@ -355,7 +356,9 @@ def test_a_dead_context_holder_is_replaced_and_nothing_is_applied_twice() -> Non
 
         def check(self, stage, direction, replica, microbatch_id, tensor, header, **_):  # noqa: ANN001, ANN201
             if stage == 1 and direction is Direction.BACKWARD and not victim_and_kill:
-                holder = pipe.driver.last_route[0]
+                # this microbatch's own holder: `last_route` is whichever replica the latest of the six
+                # concurrent forwards chose, which varies with the router's measured times (a loaded CI run)
+                holder = pipe.driver.context_holders(microbatch_id)[0]
                 held.append(pipe.driver.holding(holder))  # its backward is due there (status "holding")
                 victim_and_kill[holder] = lambda: None
                 pipe.services.pop(holder)
