@@ -9,7 +9,7 @@ frame each way (requests and answers: activations, gradients, tokens and targets
 The held-out loss is measured through the pipeline on the same held-out batches after the last microbatch. A last
 fp32 arm with another batch order (same init) gives the noise floor: the loss gap a harmless change makes. One seed
 cannot resolve a gap of 0.5 % (the noise floor's gap is about 1 %), so every arm runs under several seeds (init, batch
-order and stochastic rounding; `--seeds`) and each codec's gap is summarized by its mean and spread over them.
+order and every owner's stochastic-rounding stream, `tools.pipeline_harness.build_arm`; `--seeds`) and each codec's gap is summarized by its mean and spread over them.
 
 Called by `benchmarks.bandwidth` (its `activation_*` headline keys); alone: `python -m benchmarks.bandwidth_activations`.
 """
@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from protocol.boundary_codec import BOUNDARY_CODECS, BoundaryCodecName, compression_ratio
-from protocol.boundary_lowbit import reseed_rounding
 from tools.pipeline_harness import HarnessConfig, build_arm, drive
 
 NOISE_ARM = "fp32 other batches"
@@ -61,7 +60,6 @@ def run_arm(
     config = HarnessConfig(
         replicas=(1, 1, 1), attackers=0, lr=lr, concurrency=1, activation_codec=codec, held_out_batches=8
     )
-    reseed_rounding(seed)
     arm = build_arm(config, attack=None, verify=False, seed=seed)
     counter = CountingTransport(arm.driver.hops.transport)
     arm.driver.hops.transport = counter

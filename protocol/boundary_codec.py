@@ -28,6 +28,7 @@ refusal is a `CompressionError` with a reason tag.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, cast
@@ -73,11 +74,18 @@ class BoundaryCodecSpec:
         return self.codec != "fp32"
 
 
-def value_bits(codec: BoundaryCodecName, gradient: bool) -> int:
-    """Bits per value of `codec` for an activation, or a gradient (`gradient`)."""
-    if codec in LOWBIT:
-        return lowbit.scheme_of(codec, gradient)[1]
-    return {"fp32": 32, "int8": 8, "int4": 4}[codec]
+def rounding_generator(seed: int | None = None) -> torch.Generator:
+    """A generator of stochastic rounding's noise for one encoder (`encode`'s `rounding`), seeded with `seed`
+    (benchmarks and tests: reproducible streams), else from os.urandom.
+
+    One per owner (a stage service, a driver's hop client), never shared: torch serializes the draws of a CPU
+    generator, so sharing one would not corrupt it, but the draws of owners encoding on different threads would
+    interleave in whatever order the threads ran: no owner's noise reproducible from its seed, and each owner's
+    traffic shifting every other's. Owning one also keeps encoding off torch's global RNG, which training's
+    determinism depends on."""
+    generator = torch.Generator()
+    generator.manual_seed(int.from_bytes(os.urandom(8), "little") if seed is None else seed)
+    return generator
 
 
 def payload_size(codec: BoundaryCodecName, shape: tuple[int, ...], gradient: bool = False) -> int:
@@ -102,11 +110,12 @@ def compression_ratio(
 
 
 def encode(
-    tensor: torch.Tensor, spec: BoundaryCodecSpec, *, gradient: bool = False
+    tensor: torch.Tensor, spec: BoundaryCodecSpec, *, rounding: torch.Generator, gradient: bool = False
 ) -> tuple[torch.Tensor, dict[str, MetaValue]]:
     """(the tensor to seal, the meta to add): `tensor` itself and no meta for fp32, else the uint8 payload.
     `gradient`: the tensor is a boundary gradient (a low-bit codec's bits and rounding differ; the receiver reads which
-    from the frame's kind).
+    from the frame's kind). `rounding`: the caller's own generator (`rounding_generator`), the noise of a low-bit
+    gradient's stochastic rounding.
 
     A tensor the codec cannot carry (an empty dimension, NaN or Inf, a channel max above 127 x `MAX_SCALE`) travels
     as it is, in fp32: the receiver's finite-value policy and the verifier's checks then judge it as they would
@@ -118,7 +127,7 @@ def encode(
     rows = tensor.detach().to("cpu", torch.float32).reshape(-1, shape[-1])
     if spec.codec in LOWBIT:
         scheme, bits = lowbit.scheme_of(spec.codec, gradient)
-        payload = lowbit.encode_rows(rows, scheme, bits, stochastic=gradient)
+        payload = lowbit.encode_rows(rows, scheme, bits, rounding=rounding if gradient else None)
         if payload is None:
             return tensor, {}
         return payload, _meta(spec.codec, shape)

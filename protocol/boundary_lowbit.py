@@ -24,11 +24,14 @@ activation and gradient between two stages) gets the same codes back, so a relay
 
 Gradients are rounded stochastically (k = floor(x' + u), u ~ U[0, 1), x' the value in steps from the lowest level):
 E[decoded] = the gradient, so the error averages out over steps instead of biasing every step the same way; activations are rounded to nearest.
+The noise u comes from a `torch.Generator` the encoder passes in (`encode_rows`'s `rounding`), never from torch's
+global RNG, which training's determinism (init, dropout, data order) depends on.
 
-Payloads (1-D uint8), codes packed 8 to b bytes, little-endian::
+Payloads (1-D uint8), codes b bits each, packed by `protocol.bitpack` (least significant bit first, the last byte
+padded with zero bits)::
 
-    channel:        channels x float32 lo | channels x float32 step | ceil(numel / 8) x b bytes of codes
-    row, row_rot:   float32 S | rows x uint8 e | ceil(numel / 8) x b bytes of codes
+    channel:        channels x float32 lo | channels x float32 step | ceil(numel x b / 8) bytes of codes
+    row, row_rot:   float32 S | rows x uint8 e | ceil(numel x b / 8) bytes of codes
 
 Decoding refuses (CompressionError, BAD_SCALE) a step or S that is NaN, Inf, negative or above `MAX_SCALE`, and a lo
 that is not finite or beyond `MAX_LO`; a row exponent may be any byte (it only shrinks S).
@@ -43,6 +46,7 @@ from typing import Literal
 
 import torch
 
+from protocol.bitpack import pack_bits, packed_size, unpack_bits
 from protocol.compress import BAD_SCALE, MAX_SCALE, _read_scales
 from protocol.errors import CompressionError
 
@@ -59,13 +63,6 @@ MAX_LO = 256 * MAX_SCALE  # a channel's min beyond this travels as fp32
 _EXPONENT_STEPS = 16  # a row's step is S x 2^(-e/16): steps of 4.4 %, rows down to 2^-16 of the largest
 _ROTATION_DOMAIN = b"hivenode/boundary-rotation/v1/"
 _F32 = 4
-# Stochastic rounding's noise: private, so that encoding never moves the training RNG (`reseed_rounding`).
-_ROUNDING = torch.Generator().manual_seed(0)
-
-
-def reseed_rounding(seed: int) -> None:
-    """Restart the stochastic rounding's random stream (benchmarks: each arm starts from the same one)."""
-    _ROUNDING.manual_seed(seed)
 
 
 def scheme_of(codec: str, gradient: bool) -> tuple[Scheme, int]:
@@ -75,12 +72,15 @@ def scheme_of(codec: str, gradient: bool) -> tuple[Scheme, int]:
 def payload_size(scheme: Scheme, bits: int, shape: tuple[int, ...]) -> int:
     numel, width = math.prod(shape), shape[-1]
     scales = 2 * _F32 * width if scheme == "channel" else _F32 + numel // _group(scheme, width)
-    return scales + -(-numel // 8) * bits
+    return scales + packed_size(numel, bits)
 
 
-def encode_rows(rows: torch.Tensor, scheme: Scheme, bits: int, *, stochastic: bool) -> torch.Tensor | None:
+def encode_rows(
+    rows: torch.Tensor, scheme: Scheme, bits: int, *, rounding: torch.Generator | None
+) -> torch.Tensor | None:
     """The payload of `rows` ((positions, width) float32), or None when the scheme cannot carry it (non-finite
-    values, a range beyond what the stored scales may hold)."""
+    values, a range beyond what the stored scales may hold). `rounding`: round stochastically with noise drawn from
+    this generator (gradients); None: round to nearest (activations)."""
     if scheme == "channel":
         lo, hi = rows.amin(dim=0), rows.amax(dim=0)
         step = (hi - lo) / ((1 << bits) - 1)
@@ -90,8 +90,8 @@ def encode_rows(rows: torch.Tensor, scheme: Scheme, bits: int, *, stochastic: bo
             or float(lo.abs().max()) > MAX_LO
         ):
             return None
-        codes = _quantize(rows - lo, step, bits, stochastic)
-        return torch.cat([lo.view(torch.uint8), step.view(torch.uint8), _pack_bits(codes, bits)])
+        codes = _quantize(rows - lo, step, bits, rounding)
+        return torch.cat([lo.view(torch.uint8), step.view(torch.uint8), pack_bits(codes, bits)])
     data = (rotate(rows) if scheme == "row_rot" else rows).reshape(-1, _group(scheme, rows.shape[-1]))
     half = 1 << (bits - 1)
     needed = data.abs().amax(dim=1) / (half - 0.5)  # the row's max is the outermost level
@@ -106,16 +106,19 @@ def encode_rows(rows: torch.Tensor, scheme: Scheme, bits: int, *, stochastic: bo
     ratio = needed / top if top > 0 else torch.zeros_like(needed)
     exponent = torch.ceil(-_EXPONENT_STEPS * torch.log2(ratio) - 1e-4).clamp_(0, 255)
     step = big * torch.exp2(-exponent / _EXPONENT_STEPS)
-    codes = _quantize(data + ((half - 0.5) * step).unsqueeze(1), step.unsqueeze(1), bits, stochastic)
-    return torch.cat([big.view(torch.uint8), exponent.to(torch.uint8), _pack_bits(codes, bits)])
+    codes = _quantize(data + ((half - 0.5) * step).unsqueeze(1), step.unsqueeze(1), bits, rounding)
+    return torch.cat([big.view(torch.uint8), exponent.to(torch.uint8), pack_bits(codes, bits)])
 
 
-def _quantize(shifted: torch.Tensor, step: torch.Tensor, bits: int, stochastic: bool) -> torch.Tensor:
+def _quantize(
+    shifted: torch.Tensor, step: torch.Tensor, bits: int, rounding: torch.Generator | None
+) -> torch.Tensor:
     """Codes k of `shifted` (in [0, (2^b - 1) x step] up to float error) on the grid k x step, k in [0, 2^b)."""
     safe = torch.where(step > 0, step, torch.ones_like(step))  # an all-equal channel or all-zero row: step 0
     x = shifted / safe
     # stochastic: floor(x + u), u ~ U[0, 1): k or k + 1 with the probabilities that make it unbiased
-    k = torch.floor(x + torch.rand(x.shape, generator=_ROUNDING)) if stochastic else torch.round(x)
+    noise = None if rounding is None else torch.rand(x.shape, generator=rounding)
+    k = torch.round(x) if noise is None else torch.floor(x + noise)
     return k.clamp_(0, (1 << bits) - 1).to(torch.uint8).reshape(-1)
 
 
@@ -128,13 +131,13 @@ def decode_rows(data: torch.Tensor, shape: tuple[int, ...], scheme: Scheme, bits
         if not bool((lo.abs() <= MAX_LO).all()):  # NaN fails the comparison too
             raise CompressionError(f"a channel offset is NaN, Inf or beyond {MAX_LO}", reason=BAD_SCALE)
         step = _read_scales(data[_F32 * width :], width, 8 * _F32)
-        codes = _unpack_bits(data[2 * _F32 * width :], bits, positions * width)
+        codes = unpack_bits(data[2 * _F32 * width :], positions * width, bits)
         return codes.to(torch.float32).view(positions, width).mul_(step).add_(lo).view(shape)
     group = _group(scheme, width)
     groups = math.prod(shape) // group
     big = _read_scales(data, 1, 8 * _F32)  # finite, >= 0 and <= MAX_SCALE, or refused
     step = big * torch.exp2(-data[_F32 : _F32 + groups].to(torch.float32) / _EXPONENT_STEPS)
-    codes = _unpack_bits(data[_F32 + groups :], bits, groups * group)
+    codes = unpack_bits(data[_F32 + groups :], groups * group, bits)
     levels = codes.to(torch.float32).add_(0.5 - (1 << (bits - 1))).view(groups, group).mul_(step.unsqueeze(1))
     return (unrotate(levels.view(-1, width)) if scheme == "row_rot" else levels).view(shape)
 
@@ -180,18 +183,3 @@ def unrotate(rows: torch.Tensor) -> torch.Tensor:
     """R^T x each row: `rotate`'s inverse."""
     signs, block = _rotation(rows.shape[-1])
     return _hadamard(rows, block) * signs
-
-
-def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes (uint8, each < 2^bits) packed 8 to `bits` bytes, little-endian; the last group padded with zeros."""
-    padded = torch.nn.functional.pad(codes.to(torch.int64), (0, (-codes.numel()) % 8)).view(-1, 8)
-    word = (padded << (bits * torch.arange(8, dtype=torch.int64))).sum(dim=1, keepdim=True)
-    return ((word >> (8 * torch.arange(bits, dtype=torch.int64))) & 0xFF).to(torch.uint8).reshape(-1)
-
-
-def _unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """`_pack_bits`'s inverse: the first `count` codes (int64)."""
-    groups = packed.to(torch.int64).view(-1, bits)
-    word = (groups << (8 * torch.arange(bits, dtype=torch.int64))).sum(dim=1, keepdim=True)
-    codes = (word >> (bits * torch.arange(8, dtype=torch.int64))) & ((1 << bits) - 1)
-    return codes.reshape(-1)[:count]

@@ -14,7 +14,7 @@ Payload layouts (every scale first, so the scale bytes start at offset 0 and can
 
     fp32:       numel x float32
     int8/int4:  num_blocks x scale | numel x int8 (int4: ceil(numel / 2) bytes of nibbles)
-    topk:       num_chunks x scale | bit-packed local indices | bit-packed values   (each bitstream byte-padded)
+    topk:       num_chunks x scale | bit-packed local indices | bit-packed values   (`protocol.bitpack`)
 
 An `Encoded` is a small header (codec name and integer fields, for an envelope's meta) and the payload bytes (for a
 uint8 payload tensor). `decode` reads the header from a peer as untrusted: it checks the schema, the declared size
@@ -33,6 +33,7 @@ from typing import Literal, cast
 
 import torch
 
+from protocol.bitpack import pack_bits, packed_size, unpack_bits
 from protocol.codec import TensorLimits, check_spec
 from protocol.envelope import MetaScalar, MetaValue
 from protocol.errors import CompressionError, TensorPolicyError
@@ -153,7 +154,7 @@ def payload_size(spec: CodecSpec, numel: int) -> int:
         return -(-numel // spec.block) * scale_bytes + values
     num_chunks = -(-numel // spec.chunk)
     kept = topk_kept(spec, numel)
-    return num_chunks * scale_bytes + _bit_bytes(kept, index_bits(spec.chunk)) + _bit_bytes(kept, spec.bits)
+    return num_chunks * scale_bytes + packed_size(kept, index_bits(spec.chunk)) + packed_size(kept, spec.bits)
 
 
 def topk_kept(spec: CodecSpec, numel: int) -> int:
@@ -165,10 +166,6 @@ def topk_kept(spec: CodecSpec, numel: int) -> int:
 def compression_ratio(spec: CodecSpec, numel: int) -> float:
     """fp32 bytes over encoded bytes, from the exact payload size."""
     return 4 * numel / payload_size(spec, numel)
-
-
-def _bit_bytes(count: int, width: int) -> int:
-    return -(-count * width // 8)
 
 
 # ---------------------------------------------------------------------------------------------------- encoding
@@ -244,23 +241,7 @@ def _encode_topk(flat: torch.Tensor, spec: CodecSpec) -> bytes:
         values.append(q.reshape(-1))
     packed_idx = pack_bits(torch.cat(indices), index_bits(spec.chunk))
     packed_val = pack_bits(torch.cat(values), spec.bits)
-    return torch.cat(scales).numpy().tobytes() + packed_idx + packed_val
-
-
-def pack_bits(values: torch.Tensor, width: int) -> bytes:
-    """Non-negative ints < 2**width, `width` bits each, least significant bit first, padded to a byte."""
-    shifts = torch.arange(width, dtype=torch.int64)
-    bits = ((values.to(torch.int64).unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
-    bits = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8))
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
-    return (bits.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8).numpy().tobytes()
-
-
-def unpack_bits(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
-    """Inverse of `pack_bits`: `count` ints of `width` bits from the uint8 tensor `data` (int64 result)."""
-    shifts = torch.arange(8, dtype=torch.uint8)
-    bits = ((data.unsqueeze(1) >> shifts) & 1).reshape(-1)[: count * width].to(torch.int64)
-    return (bits.view(count, width) << torch.arange(width, dtype=torch.int64)).sum(dim=1)
+    return torch.cat([torch.cat(scales).view(torch.uint8), packed_idx, packed_val]).numpy().tobytes()
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
@@ -375,7 +356,7 @@ def _decode_topk(data: torch.Tensor, spec: CodecSpec, numel: int) -> torch.Tenso
     num_chunks, kept = -(-numel // spec.chunk), topk_kept(spec, numel)
     scales = _read_scales(data, num_chunks, spec.scale_bits)
     start = num_chunks * spec.scale_bits // 8
-    idx_end = start + _bit_bytes(kept, index_bits(spec.chunk))
+    idx_end = start + packed_size(kept, index_bits(spec.chunk))
     local = unpack_bits(data[start:idx_end], kept, index_bits(spec.chunk))
     chunk_of = torch.arange(kept, dtype=torch.int64) // spec.k  # k entries per chunk, the short last one too
     _check_indices(local, chunk_of, spec, numel)

@@ -40,7 +40,7 @@ from node.pipeline.routing import ReplicaInfo, ReplicaRouter, RoutingConfig
 from node.pipeline.transport import DirectTransport
 from node.roles.stage import StageConfig, StageService, build_core
 from node.swarm.bans import BanWatchConfig, BanWatcher
-from protocol.boundary_codec import BoundaryCodecName, BoundaryCodecSpec
+from protocol.boundary_codec import BoundaryCodecName, BoundaryCodecSpec, rounding_generator
 from protocol.envelope import Direction, Header
 from protocol.identity import NodeIdentity
 from protocol.manifest import InnerOptimizerSpec, RunManifest, WireSpec
@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 MODEL: dict[str, int] = {"vocab_size": 256, "context_len": 32, "num_layers": 3, "width": 64, "num_heads": 2}
 RUN_ID = "0" * 40
 EVAL_FIRST_ID = 10**6  # microbatch ids of held-out evaluations (never collide with training ids)
+# every arm's stochastic-rounding streams (each replica's and the driver's own, `rounding_generator`) are seeded
+# _ROUNDING_SEEDS x seed + i: reproducible from the arm's seed, distinct between owners and between arms
+_ROUNDING_SEEDS = 1000
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -331,12 +334,7 @@ def build_arm(
         outbox=tap.pending,
         clock=lambda: clock["t"],
     )
-    services = {
-        identity.peer_id: stage_service(
-            run, identity, stage, attack_obj, weights, watcher, inline=config.inline_compute
-        )
-        for identity, stage, attack_obj in replicas
-    }
+    services = stage_services(run, replicas, weights, watcher, inline=config.inline_compute, seed=seed)
     stages = {identity.peer_id: stage for identity, stage, _ in replicas}
     tap.stage_replicas = lambda s: [p for p, st in stages.items() if st == s]
     driver = PipelineDriver(
@@ -352,6 +350,7 @@ def build_arm(
         rng=random.Random(seed),
         clock=lambda: clock["t"],
     )
+    driver.hops.rounding = rounding_generator(_ROUNDING_SEEDS * seed + _ROUNDING_SEEDS - 1)
     return Arm(config, driver, services, stages, tap, watcher, attacks, clock)
 
 
@@ -368,6 +367,31 @@ def plan_replicas(config: HarnessConfig, spec: AttackConfig | None, seed: int = 
     return replicas
 
 
+def stage_services(
+    run: RunManifest,
+    replicas: list[ReplicaPlan],
+    weights: Mapping[str, torch.Tensor] | None,
+    watcher: BanWatcher,
+    *,
+    inline: bool,
+    seed: int,
+) -> dict[str, StageService]:
+    """Every replica's service (`stage_service`), replica i's rounding noise seeded _ROUNDING_SEEDS x seed + i."""
+    return {
+        identity.peer_id: stage_service(
+            run,
+            identity,
+            stage,
+            attack,
+            weights,
+            watcher,
+            inline=inline,
+            rounding=rounding_generator(_ROUNDING_SEEDS * seed + index),
+        )
+        for index, (identity, stage, attack) in enumerate(replicas)
+    }
+
+
 def stage_service(
     run: RunManifest,
     identity: NodeIdentity,
@@ -377,6 +401,7 @@ def stage_service(
     watcher: BanWatcher,
     *,
     inline: bool = True,
+    rounding: torch.Generator | None = None,
 ) -> StageService:
     """One replica: the production stage core and service, from `weights` if given, enforcing `watcher`'s bans."""
     core = build_core(run, RUN_ID, stage, StageConfig())
@@ -392,6 +417,7 @@ def stage_service(
         is_banned=watcher.is_banned,
         attack=attack,
         executor=InlineExecutor() if inline else None,
+        rounding=rounding,
     )
 
 

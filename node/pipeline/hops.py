@@ -60,9 +60,13 @@ class HopClient:
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
         codec: BoundaryCodecSpec | None = None,
+        rounding: torch.Generator | None = None,
     ) -> None:
         self.identity = identity
         self.codec = codec or BoundaryCodecSpec()  # the manifest's: requests encoded with it, answers decoded
+        # this client's own noise for the codec's stochastic rounding of gradients (`rounding_generator`: why one
+        # per owner); default seeded from os.urandom
+        self.rounding = rounding or boundary_codec.rounding_generator()
         self.run_id = run_id
         self.limits = limits
         self.transport = transport
@@ -147,7 +151,9 @@ class HopClient:
         """A boundary activation or gradient as the run's codec sends it (the input "" only)."""
         if kind not in (Kind.ACTIVATION, Kind.GRADIENT) or "" not in tensors or not self.codec.enabled:
             return tensors, meta
-        encoded, extra = boundary_codec.encode(tensors[""], self.codec, gradient=kind is Kind.GRADIENT)
+        encoded, extra = boundary_codec.encode(
+            tensors[""], self.codec, gradient=kind is Kind.GRADIENT, rounding=self.rounding
+        )
         return {**tensors, "": encoded}, {**(meta or {}), **extra}
 
     def pop_signed(self, microbatch: int, stage: int, direction: Direction) -> SignedBoundaryHeader | None:

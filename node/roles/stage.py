@@ -586,10 +586,13 @@ class StageService:
         max_receipts: int = 64,
         is_banned: Callable[[str], bool] = lambda _peer: False,
         attack: Attack | None = None,
+        rounding: torch.Generator | None = None,
     ) -> None:
         """`is_banned`: swarm-wide SENTINEL bans (callers that are banned are refused). `attack`: a
         `verification.attacks.Attack` applied to this replica's outputs; only ever set through the loudly
-        named `HIVENODE_UNSAFE_ATTACK` option (tests and benchmarks)."""
+        named `HIVENODE_UNSAFE_ATTACK` option (tests and benchmarks). `rounding`: this replica's own noise for the
+        activation codec's stochastic rounding of gradients (`boundary_codec.rounding_generator`: why one per
+        owner); default seeded from os.urandom."""
         self.identity = identity
         self.is_banned = is_banned
         self.attack = attack
@@ -607,6 +610,7 @@ class StageService:
         self.queued = 0  # requests waiting for or on the compute thread
         self.moved_at: float | None = None  # wall time of the last stage move (late requests are not blamed)
         self.timings = {"open_s": 0.0, "compute_s": 0.0, "seal_s": 0.0, "requests": 0}
+        self.rounding = rounding or boundary_codec.rounding_generator()
 
     @property
     def stage(self) -> int:
@@ -792,7 +796,7 @@ class StageService:
             Kind.GRADIENT,
         ):  # encoded after the stage computed
             tensor, extra = boundary_codec.encode(
-                tensor, self.core.shape.codec, gradient=kind is Kind.GRADIENT
+                tensor, self.core.shape.codec, gradient=kind is Kind.GRADIENT, rounding=self.rounding
             )
         # Binding the request's digest makes "one payload per (microbatch, input)" checkable: an honest replica
         # that gets a new input for a microbatch (the verifier rerouted upstream) is never mistaken for a liar.

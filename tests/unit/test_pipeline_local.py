@@ -22,6 +22,7 @@ from node.pipeline.driver import PipelineDriver
 from node.pipeline.routing import ReplicaInfo, ReplicaRouter, RetryPolicy, RoutingConfig
 from node.pipeline.transport import DirectTransport
 from node.roles.stage import StageConfig, StageCore, StageService, build_core
+from protocol.boundary_codec import rounding_generator
 from protocol.envelope import Context, Direction, Kind, StreamingFrame, open_envelope, seal
 from protocol.errors import ProtocolError, RemoteRefused, SignerMismatch, StreamClosed
 from protocol.identity import NodeIdentity
@@ -93,8 +94,14 @@ def build_pipeline(
         for _ in range(replicas_per_stage):
             identity = NodeIdentity.generate()
             core = build_core(run, RUN_ID, stage, config or StageConfig())
-            services[identity.peer_id] = StageService(
-                identity, RUN_ID, core, authorized=run.authorized_verifiers
+            services[identity.peer_id] = (
+                StageService(  # seeded rounding noise: a low-bit codec's run reproduces
+                    identity,
+                    RUN_ID,
+                    core,
+                    authorized=run.authorized_verifiers,
+                    rounding=rounding_generator(len(services)),
+                )
             )
             stages[identity.peer_id] = stage
     transport = DirectTransport(VERIFIER.peer_id, services)
@@ -114,6 +121,7 @@ def build_pipeline(
         tap=tap,
         rng=random.Random(0),
     )
+    driver.hops.rounding = rounding_generator(len(services))
     return Pipeline(driver, services, stages, transport)
 
 
