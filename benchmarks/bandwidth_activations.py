@@ -9,7 +9,8 @@ frame each way (requests and answers: activations, gradients, tokens and targets
 The held-out loss is measured through the pipeline on the same held-out batches after the last microbatch. A last
 fp32 arm with another batch order (same init) gives the noise floor: the loss gap a harmless change makes. One seed
 cannot resolve a gap of 0.5 % (the noise floor's gap is about 1 %), so every arm runs under several seeds (init, batch
-order and every owner's stochastic-rounding stream, `tools.pipeline_harness.build_arm`; `--seeds`) and each codec's gap is summarized by its mean and spread over them.
+order and every owner's stochastic-rounding stream, `tools.pipeline_harness.build_arm`; `--seeds`) and each codec's
+gap is summarized by its mean and spread over them.
 
 Called by `benchmarks.bandwidth` (its `activation_*` headline keys); alone: `python -m benchmarks.bandwidth_activations`.
 """
