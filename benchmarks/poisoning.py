@@ -10,6 +10,11 @@ seniority cap) and `[admission] mode = "open"`: the negative control, where the 
 runs ask a 12-bit proof-of-work of every learner (the default mode at a difficulty the machine solves in ms).
 `sybil_late`: 5 fresh identities join 30 s after 4 honest learners train, so the honest ones are senior
 (node.diloco.seniority) and the Sybils' summed share of any merge is capped (`attacker_weight_share_max`).
+`copycat`: 4 honest learners, the first of them also leaving each contribution the syncer took in a directory
+(`HIVENODE_UNSAFE_COPY_SOURCE`, the colluders' or eavesdropper's channel), and 1 attacker that pushes those
+contributions again (+1 % noise) with claims of its own; `freeride`: 1 attacker that pushes the current published
+version (+1 % of its honest delta's norm as noise) with honest claims. Their `--undefended` run keeps the screening
+on and turns only the copy check off (`copy_tolerance = 0.0`), the defence they test.
 
 Per arm, from the syncer's events and status after `--duration` seconds:
 
@@ -28,6 +33,10 @@ Per arm, from the syncer's events and status after `--duration` seconds:
 
     python -m benchmarks.poisoning                                   # every arm, 90 s each (~25 min)
     python -m benchmarks.poisoning --arms clean,signflip --duration 40 --undefended signflip
+    python -m benchmarks.poisoning --arms clean,copycat,freeride --undefended copycat,freeride --merge
+
+`--merge` keeps the results file's other arms (each with its loss gaps against its own run's control, named in
+`control_final_loss`, and its `measured_at`) and recomputes the headline over all arms present.
 
 Writes benchmarks/results/poisoning.json (headline: max_loss_gap, max_attacker_weight_share, honest_banned,
 max_check_cost_share, arms) and poisoning.png (held-out loss over time per arm).

@@ -20,10 +20,13 @@ Kinds (`delta` is the learner's honest progress, base - params, on the base vers
   `HIVENODE_UNSAFE_COPY_SOURCE=1`) plus gaussian noise at F (default 0.01) x that contribution's delta norm, with
   its own claims. The channel is a directory both name in `HIVENODE_UNSAFE_COPY_DIR` (node.diloco.copy_channel):
   the source writes each contribution there once the syncer took it, so the copycat never pushes before the
-  source (the source is never the one refused as a copy). A copycat whose source has no contribution on the same
-  fragment and base version polls the channel for up to `COPY_WAIT_S`, then pushes nothing: it raises
-  `SyncDeferred` (the learner keeps the snapshot and tries again; a newer snapshot replaces it). It never pushes
-  its own honest work.
+  source (the source is never the one refused as a copy). Once it pushed a fragment, a watcher copies the
+  source's contribution on the newest version of it the learner fetched as soon as the source wrote it (with the
+  learner's latest claims for it): waiting for the copycat's own schedule, its copies came after the round had
+  merged and were refused as a missed round, not as copies. A learner's push whose copy the watcher sent returns
+  that push's answer; otherwise it polls the channel for the source's contribution on the same fragment and base
+  version for up to `COPY_WAIT_S`, then pushes nothing: it raises `SyncDeferred` (the learner keeps the snapshot
+  and tries again; a newer snapshot replaces it). It never pushes its own honest work.
 
 The base is the syncer's own copy of the version (one fetch per push when the learner's base is not the current
 one: then the contribution goes honest; `freeride` and `copycat` also keep the versions the learner fetched, for
@@ -51,6 +54,7 @@ from node.diloco.sync_types import (
     PushReceipt,
     SyncDeferred,
     SyncTransport,
+    SyncUnavailable,
     VersionsView,
 )
 
@@ -133,6 +137,9 @@ class AttackingTransport:
         self._fetched: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # fragment -> version -> tensors
         self.poisoned = 0
         self.copy_waits = 0  # copycat pushes deferred: nothing of the source's to copy yet
+        self._template: dict[int, OutgoingContribution] = {}  # copycat: its latest snapshot per fragment
+        self._copies: dict[tuple[int, int], asyncio.Future[PushReceipt]] = {}  # (fragment, base) -> its push
+        self._watch: asyncio.Future[None] | None = None
         if kind == "no_admission" and hasattr(inner, "admission"):
             inner.admission = None  # the framed transport sends no proof
 
@@ -148,8 +155,10 @@ class AttackingTransport:
             first = self._first.setdefault(c.fragment, {n: t.clone() for n, t in c.params.items()})
             current = await self.inner.fetch(c.fragment)
             c = dataclasses.replace(c, params=first, base_version=current.version)
-        elif self.kind in ("freeride", "copycat"):
-            c = await (self._free_ride(c) if self.kind == "freeride" else self._copy(c))
+        elif self.kind == "copycat":
+            return await self._copy_push(c)
+        elif self.kind == "freeride":
+            c = await self._free_ride(c)
         elif c.base is None:
             current = await self.inner.fetch(c.fragment)
             if current.version == c.base_version:
@@ -182,25 +191,69 @@ class AttackingTransport:
         norm = self.strength * delta_norm(c.params, base) if base is not None else 0.0
         return dataclasses.replace(c, params=perturbed(current.params, norm, self.gen))
 
-    async def _copy(self, c: OutgoingContribution) -> OutgoingContribution:
-        """The source's contribution on the same fragment and base plus noise at `strength` x its delta norm (none
-        if the base is unknown); raises SyncDeferred when the source has none within `copy_wait_s`."""
+    async def _copy_push(self, c: OutgoingContribution) -> PushReceipt:
+        """The copycat's push: the copy of the source's contribution on (fragment, base), pushed once (by the
+        watcher as soon as the source wrote it, or now); raises SyncDeferred while the source has none."""
         if c.codec_meta:
-            return c
-        assert self.channel is not None
+            return await self.inner.push(c)  # an encoded payload: sent as it is (the benchmark runs no codec)
+        self._template[c.fragment] = c
+        if self._watch is None:
+            self._watch = asyncio.ensure_future(self._watch_source())
+        key = (c.fragment, c.base_version)
+        if key not in self._copies:
+            source = await self._wait_for_source(c)
+            if key not in self._copies:  # the watcher may have pushed it meanwhile
+                self._copies[key] = asyncio.ensure_future(self._push_copy(c, source))
+        return await asyncio.shield(self._copies[key])
+
+    async def _wait_for_source(self, c: OutgoingContribution) -> dict[str, torch.Tensor]:
         deadline = time.monotonic() + self.copy_wait_s
-        while (
-            source := await asyncio.to_thread(self.channel.read, c.fragment, c.base_version, c.params)
-        ) is None:
+        while (source := await asyncio.to_thread(self._read, c.fragment, c.base_version, c.params)) is None:
             if time.monotonic() >= deadline:
                 self.copy_waits += 1
                 raise SyncDeferred(
                     f"{COPY_WAITING} on fragment {c.fragment} version {c.base_version}", reason=COPY_WAITING
                 )
             await asyncio.sleep(COPY_POLL_S)
+        return source
+
+    def _read(
+        self, fragment: int, version: int, expected: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
+        assert self.channel is not None
+        return self.channel.read(fragment, version, expected)
+
+    async def _watch_source(self) -> None:
+        """Copy the source's contribution on the newest version the learner fetched of each fragment it pushed as
+        soon as the source wrote it (with the learner's last claims for that fragment): a copy that waited for the
+        copycat's own schedule came after the round had merged (refused as a missed round, not as a copy)."""
+        while True:
+            await asyncio.sleep(COPY_POLL_S)
+            for fragment, template in list(self._template.items()):
+                if not (kept := self._fetched.get(fragment)):
+                    continue
+                key = (fragment, max(kept))
+                if key in self._copies:
+                    continue
+                source = await asyncio.to_thread(self._read, fragment, key[1], template.params)
+                if source is not None and key not in self._copies:
+                    c = dataclasses.replace(template, base_version=key[1])
+                    task = self._copies[key] = asyncio.ensure_future(self._push_copy(c, source))
+                    task.add_done_callback(_retrieved)
+                for old in [k for k in self._copies if k[0] == fragment and k[1] < key[1] - KEEP_FETCHED]:
+                    del self._copies[old]
+
+    async def _push_copy(self, c: OutgoingContribution, source: dict[str, torch.Tensor]) -> PushReceipt:
+        """`source` plus noise at `strength` x its delta norm (none if the base is unknown), with `c`'s claims."""
         base = await self._base_of(c)
         norm = self.strength * delta_norm(source, base) if base is not None else 0.0
-        return dataclasses.replace(c, params=perturbed(source, norm, self.gen))
+        self.poisoned += 1
+        logger.info("copycat: copied fragment %d on version %d", c.fragment, c.base_version)
+        try:
+            return await self.inner.push(dataclasses.replace(c, params=perturbed(source, norm, self.gen)))
+        except SyncUnavailable:
+            self._copies.pop((c.fragment, c.base_version), None)  # not taken: copy it again
+            raise
 
     async def versions(self, known: Sequence[int], wait_s: float) -> VersionsView:
         return await self.inner.versions(known, wait_s)
@@ -251,6 +304,12 @@ class CopySourceTransport:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def _retrieved(task: asyncio.Future[PushReceipt]) -> None:
+    """A watcher's copy nobody awaits: its failure is logged, not left to the loop's unretrieved warning."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        logger.info("copycat: a copy was not taken: %s", error)
 
 
 def _banner(what: str) -> None:

@@ -212,3 +212,24 @@ def test_the_copy_roles_come_only_from_the_unsafe_variables(tmp_path: Path) -> N
         learner_attack_from_env(inner, {UNSAFE_LEARNER_ATTACK_ENV: "copycat"})
     with pytest.raises(ValueError):
         learner_attack_from_env(inner, {UNSAFE_COPY_SOURCE_ENV: "1"})
+
+
+def test_the_copycats_watcher_copies_as_soon_as_the_source_wrote_and_pushes_each_copy_once(
+    tmp_path: Path,
+) -> None:
+    async def scenario() -> None:
+        channel, syncer = CopyChannel(tmp_path), Inner()
+        copycat = AttackingTransport(syncer, "copycat", 0.01, channel=channel, copy_wait_s=0.05)
+        await copycat.fetch(0)  # the learner holds version 3
+        with pytest.raises(SyncDeferred):  # its snapshot on version 3: nothing to copy yet
+            await copycat.push(contribution(work(CURRENT, seed=9)))
+        await CopySourceTransport(syncer, channel).push(contribution(work(CURRENT, seed=10)))
+        for _ in range(100):  # the watcher, without a push of the learner's
+            if len(syncer.pushed) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert len(syncer.pushed) == 2 and syncer.pushed[-1].base_version == 3
+        receipt = await copycat.push(contribution(work(CURRENT, seed=11)))  # the learner's retry
+        assert receipt.target_version == 4 and len(syncer.pushed) == 2  # answered by the watcher's push
+
+    asyncio.run(scenario())
