@@ -10,6 +10,11 @@ seniority cap) and `[admission] mode = "open"`: the negative control, where the 
 runs ask a 12-bit proof-of-work of every learner (the default mode at a difficulty the machine solves in ms).
 `sybil_late`: 5 fresh identities join 30 s after 4 honest learners train, so the honest ones are senior
 (node.diloco.seniority) and the Sybils' summed share of any merge is capped (`attacker_weight_share_max`).
+`copycat`: 4 honest learners, the first of them also leaving each contribution the syncer took in a directory
+(`HIVENODE_UNSAFE_COPY_SOURCE`, the colluders' or eavesdropper's channel), and 1 attacker that pushes those
+contributions again (+1 % noise) with claims of its own; `freeride`: 1 attacker that pushes the current published
+version (+1 % of its honest delta's norm as noise) with honest claims. Their `--undefended` run keeps the screening
+on and turns only the copy check off (`copy_tolerance = 0.0`), the defence they test.
 
 Per arm, from the syncer's events and status after `--duration` seconds:
 
@@ -28,6 +33,10 @@ Per arm, from the syncer's events and status after `--duration` seconds:
 
     python -m benchmarks.poisoning                                   # every arm, 90 s each (~25 min)
     python -m benchmarks.poisoning --arms clean,signflip --duration 40 --undefended signflip
+    python -m benchmarks.poisoning --arms clean,copycat,freeride --undefended copycat,freeride --merge
+
+`--merge` keeps the results file's other arms (each with its loss gaps against its own run's control, named in
+`control_final_loss`, and its `measured_at`) and recomputes the headline over all arms present.
 
 Writes benchmarks/results/poisoning.json (headline: max_loss_gap, max_attacker_weight_share, honest_banned,
 max_check_cost_share, arms) and poisoning.png (held-out loss over time per arm).
@@ -50,8 +59,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import plot_path, write_result
+from benchmarks.common import RESULTS_DIR, plot_path, write_result
 from benchmarks.goodput import interpolate, try_json, wait_for
+from node.diloco.attack_transport import (
+    UNSAFE_COPY_DIR_ENV,
+    UNSAFE_COPY_SOURCE_ENV,
+    UNSAFE_LEARNER_ATTACK_ENV,
+)
 from protocol.identity import NodeIdentity
 from tools.chaos import ProcessGroup
 
@@ -98,7 +112,11 @@ eval_batch_size = 8
 checkpoint_every_merges = 1000
 [syncer.screening]
 enabled = {defended}
+{screening_extra}
 """
+
+
+COPY_CHECK_OFF = "copy_tolerance = 0.0"  # node.diloco.screening: 0 turns the copycat / free-rider check off
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,6 +128,11 @@ class Arm:
     control: str = "clean"
     admission: str = "pow"  # the run's [admission] mode when defended (undefended: open)
     late_s: float = 0.0  # the attackers join this long after the honest learners train (seniority)
+    # the first honest learner also leaves its contributions in the copycat's channel (HIVENODE_UNSAFE_COPY_SOURCE)
+    copy_source: bool = False
+    # the undefended run keeps the screening on with these `[syncer.screening]` lines instead of turning it off
+    # (e.g. only the copy check off: "copy_tolerance = 0.0"); "": the whole screening off
+    undefended_screening: str = ""
 
 
 ARMS = {
@@ -125,6 +148,15 @@ ARMS = {
         Arm(name="signflip", attack="signflip", attackers=1),
         Arm(name="noise", attack="noise", attackers=1),
         Arm(name="stale_replay", attack="replay", attackers=1),
+        # 4 honest learners, the first of them the copycat's source; undefended: only the copy check off
+        Arm(
+            name="copycat",
+            attack="copycat",
+            attackers=1,
+            copy_source=True,
+            undefended_screening=COPY_CHECK_OFF,
+        ),
+        Arm(name="freeride", attack="freeride", attackers=1, undefended_screening=COPY_CHECK_OFF),
         Arm(name="inflated_claims", attack="inflate:20", attackers=1),
         Arm(name="lone_k1", attack="signflip", attackers=1, honest=1, control="clean_k1"),
         Arm(name="sybil_majority", attack="signflip", attackers=5),
@@ -146,7 +178,8 @@ class Swarm:
             HIVENODE_STATE_DIR=str(root / "state-default"),
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
         )
-        env.pop("HIVENODE_UNSAFE_LEARNER_ATTACK", None)
+        for name in (UNSAFE_LEARNER_ATTACK_ENV, UNSAFE_COPY_DIR_ENV, UNSAFE_COPY_SOURCE_ENV):
+            env.pop(name, None)
         self.group = ProcessGroup(root / "logs", env=env, cwd=REPO_ROOT)
         self.syncer_key = root / "syncer.key"
         syncer_id = NodeIdentity.load_or_create(self.syncer_key).peer_id
@@ -154,8 +187,17 @@ class Swarm:
         admission = arm.admission if defended else "open"
         self.run_path.write_text(RUN_TOML.format(arm=arm.name, syncer=syncer_id, admission=admission))
         self.node_toml = root / "node.toml"
-        defended_text = "true" if defended else "false"
-        self.node_toml.write_text(NODE_TOML.format(min_step_s=min_step_s, defended=defended_text))
+        screening_on = defended or bool(arm.undefended_screening)
+        self.node_toml.write_text(
+            NODE_TOML.format(
+                min_step_s=min_step_s,
+                defended="true" if screening_on else "false",
+                screening_extra="" if defended else arm.undefended_screening,
+            )
+        )
+        self.copy_dir = (
+            root / "copy-channel"
+        )  # the copycat's eavesdropping channel (node.diloco.copy_channel)
         self.honest = [f"honest{i}" for i in range(arm.honest)]
         self.attackers = [f"attacker{i}" for i in range(arm.attackers)]
         self._urls: dict[str, str] = {}
@@ -207,15 +249,29 @@ class Swarm:
         for name in names:
             if name in self._started:
                 continue
-            prefix = (
-                ["env", f"HIVENODE_UNSAFE_LEARNER_ATTACK={self.arm.attack}"] if name in self.attackers else []
-            )
-            argv = [*prefix, *node, "--state-dir", str(self.root / name), "--role", "learner", *common]
+            argv = [
+                *self._unsafe_env(name),
+                *node,
+                "--state-dir",
+                str(self.root / name),
+                "--role",
+                "learner",
+                *common,
+            ]
             self.group.start(name, argv)
             self._started.add(name)
         wait_for(
             lambda: all((self.status(n) or {}).get("state") == "training" for n in names), 120, "learners"
         )
+
+    def _unsafe_env(self, name: str) -> list[str]:
+        """`env VAR=...` for an attacker (its attack) or the copycat's source; [] for the other learners."""
+        channel = f"{UNSAFE_COPY_DIR_ENV}={self.copy_dir}"
+        if name in self.attackers:
+            return ["env", f"{UNSAFE_LEARNER_ATTACK_ENV}={self.arm.attack}", channel]
+        if self.arm.copy_source and name == self.honest[0]:
+            return ["env", f"{UNSAFE_COPY_SOURCE_ENV}=1", channel]
+        return []
 
     def url(self, name: str) -> str | None:
         found = re.findall(r"^status: (http://\S+)$", self.group.log(name), re.MULTILINE)
@@ -364,19 +420,36 @@ def merge_interval(merges: list[dict[str, Any]]) -> float | None:
     return sum(gaps) / len(gaps) if gaps else None
 
 
-def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Each arm's loss gap against its control (at the end of equal windows, and at equal merged tokens: the
-    attackers' processes take CPU from the honest ones on a small machine), and the headline."""
+def with_gaps(results: dict[str, dict[str, Any]]) -> None:
+    """Each arm's loss gap against its control in `results` (at the end of equal windows, and at equal merged
+    tokens: the attackers' processes take CPU from the honest ones on a small machine); an arm whose control is
+    not in `results` keeps the gaps it has (from its own run, `--merge`)."""
     for key, result in results.items():
-        control = results.get(ARMS[key.split("@")[0]].control) or {}
+        control = results.get(ARMS[key.split("@")[0]].control)
+        if control is None:
+            continue
         base, final = control.get("final_loss"), result.get("final_loss")
+        result["control_final_loss"] = base
         result["loss_gap"] = round((final - base) / base, 4) if base and final is not None else None
         curve, reference = result["loss_curve"], control.get("loss_curve") or []
         at = interpolate([(c[2], c[1]) for c in reference], curve[-1][2]) if curve and reference else None
         result["loss_gap_at_tokens"] = round((curve[-1][1] - at) / at, 4) if at else None
+
+
+def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`with_gaps`, then the headline over every arm in `results`."""
+    with_gaps(results)
+    return headline(results)
+
+
+def headline(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The worst arm of each figure (the issue's goals: loss gap within 2 %, attackers' share < 5 %, no honest
+    learner banned)."""
     defended = {k: r for k, r in results.items() if r["defended"] and r["attackers"]}
-    gaps = [r["loss_gap"] for r in defended.values() if r["loss_gap"] is not None]
-    token_gaps = [r["loss_gap_at_tokens"] for r in defended.values() if r["loss_gap_at_tokens"] is not None]
+    gaps = [r["loss_gap"] for r in defended.values() if r.get("loss_gap") is not None]
+    token_gaps = [
+        r["loss_gap_at_tokens"] for r in defended.values() if r.get("loss_gap_at_tokens") is not None
+    ]
     costs = [
         r["check_cost_share"] for r in results.values() if r["defended"] and r["check_cost_share"] is not None
     ]
@@ -401,6 +474,27 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "max_check_cost_share": max(costs) if costs else None,
         "arms": sorted(results),
     }
+
+
+def merged_with(
+    path: Path, results: dict[str, dict[str, Any]]
+) -> tuple[dict[str, dict[str, Any]], list[Any]]:
+    """`--merge`: the arms of the results file at `path` (if any) that this run did not measure, with this run's
+    (each keeps its loss gaps against the control of its own run: `with_gaps` has run on both), and the earlier
+    runs' configs."""
+    if not path.exists():
+        return results, []
+    earlier = json.loads(path.read_text())
+    arms: dict[str, dict[str, Any]] = earlier.get("arms") or {}
+    for key, record in arms.items():
+        record.setdefault("measured_at", earlier.get("measured_at"))
+        control = arms.get(ARMS[key.split("@")[0]].control) if key.split("@")[0] in ARMS else None
+        record.setdefault("control_final_loss", (control or {}).get("final_loss"))
+    runs = earlier.get("runs") or [
+        {**(earlier.get("config") or {}), "measured_at": earlier.get("measured_at")}
+    ]
+    kept = {k: r for k, r in arms.items() if k not in results}
+    return {**kept, **results}, runs
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
@@ -460,11 +554,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arm names")
     parser.add_argument(
-        "--undefended", default="", help="arms also run with screening off (negative controls)"
+        "--undefended",
+        default="",
+        help="arms also run with screening off (negative controls; copycat, freeride: only the copy check off)",
     )
     parser.add_argument("--duration", type=float, default=90.0, help="seconds measured per arm")
     parser.add_argument("--min-step-s", type=float, default=0.2)
     parser.add_argument("--name", default="poisoning", help="results name (benchmarks/results/<name>.json)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the results file's other arms (each with the gaps against its own run's control) and"
+        " recompute the headline over all of them",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     names = [n for n in args.arms.split(",") if n]
@@ -473,11 +575,19 @@ def main(argv: list[str] | None = None) -> int:
         if name not in ARMS:
             parser.error(f"unknown arm {name!r}; known: {', '.join(ARMS)}")
     results = run_all(names, undefended, args.duration, args.min_step_s)
-    headline = compare(results)
-    plot(results, plot_path(args.name))
+    with_gaps(results)
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for record in results.values():
+        record["measured_at"] = now
     config = {"duration_s": args.duration, "min_step_s": args.min_step_s, "command": " ".join(sys.argv)}
-    path = write_result(args.name, headline, {"config": config, "arms": results})
-    print(json.dumps(headline))
+    runs: list[Any] = []
+    if args.merge:
+        results, runs = merged_with(RESULTS_DIR / f"{args.name}.json", results)
+    summary = headline(results)
+    plot(results, plot_path(args.name))
+    detail = {"config": config, "runs": [*runs, {**config, "measured_at": now}], "arms": results}
+    path = write_result(args.name, summary, detail)
+    print(json.dumps(summary))
     print(f"wrote {path}")
     return 0
 

@@ -11,42 +11,85 @@ Kinds (`delta` is the learner's honest progress, base - params, on the base vers
 * `noise` sends base - (gaussian noise at the honest delta's norm);
 * `replay` sends its first contribution of each fragment again and again, on whatever base is current (stale);
 * `inflate:F` sends honest parameters but claims F x the steps and tokens;
-* `no_admission` sends honest contributions without the admission proof (a Sybil that did not pay).
+* `no_admission` sends honest contributions without the admission proof (a Sybil that did not pay);
+* `freeride[:F]` (a free-rider) sends the syncer's current version of the fragment (fetched at push time) plus
+  gaussian noise at F (default 0.01) x the honest delta's norm, on its honest base version and with its honest
+  step and token claims: work it did not do. When no round merged since its base (the usual case in decoupled
+  mode) the delta it sends is that noise alone;
+* `copycat[:F]` sends another learner's contribution (the "source": an honest learner started with
+  `HIVENODE_UNSAFE_COPY_SOURCE=1`) plus gaussian noise at F (default 0.01) x that contribution's delta norm, with
+  its own claims. The channel is a directory both name in `HIVENODE_UNSAFE_COPY_DIR` (node.diloco.copy_channel):
+  the source writes each contribution there once the syncer took it, so the copycat never pushes before the
+  source (the source is never the one refused as a copy). Once it pushed a fragment, a watcher copies the
+  source's contribution on the newest version of it the learner fetched as soon as the source wrote it (with the
+  learner's latest claims for it): waiting for the copycat's own schedule, its copies came after the round had
+  merged and were refused as a missed round, not as copies. A learner's push whose copy the watcher sent returns
+  that push's answer; otherwise it polls the channel for the source's contribution on the same fragment and base
+  version for up to `COPY_WAIT_S`, then pushes nothing: it raises `SyncDeferred` (the learner keeps the snapshot
+  and tries again; a newer snapshot replaces it). It never pushes its own honest work.
 
 The base is the syncer's own copy of the version (one fetch per push when the learner's base is not the current
-one: then the contribution goes honest). Only the syncer's checks stand between these and the model.
+one: then the contribution goes honest; `freeride` and `copycat` also keep the versions the learner fetched, for
+the norm of a delta on an older base). Only the syncer's checks stand between these and the model.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from node.diloco.copy_channel import CopyChannel
 from node.diloco.sync_types import (
     FragmentVersion,
     OutgoingContribution,
     PushReceipt,
+    SyncDeferred,
     SyncTransport,
+    SyncUnavailable,
     VersionsView,
 )
 
 logger = logging.getLogger(__name__)
 
 UNSAFE_LEARNER_ATTACK_ENV = "HIVENODE_UNSAFE_LEARNER_ATTACK"
-KINDS = ("scale", "value", "signflip", "noise", "replay", "inflate", "no_admission")
+UNSAFE_COPY_DIR_ENV = "HIVENODE_UNSAFE_COPY_DIR"  # the copycat's channel (see the module docstring)
+UNSAFE_COPY_SOURCE_ENV = "HIVENODE_UNSAFE_COPY_SOURCE"  # "1": an honest learner that writes to the channel
+KINDS = ("scale", "value", "signflip", "noise", "replay", "inflate", "no_admission", "freeride", "copycat")
+DEFAULT_STRENGTH = {"freeride": 0.01, "copycat": 0.01}  # the perturbation, relative to a delta norm
+COPY_WAIT_S = 5.0  # how long a copycat's push polls the channel for its source's contribution
+COPY_POLL_S = 0.05
+KEEP_FETCHED = 2  # versions per fragment a free-rider or copycat keeps (the bases of its pushes)
+COPY_WAITING = "copycat: no source contribution yet"
 
 
 def parse_learner_attack(spec: str) -> tuple[str, float]:
     kind, _, strength = spec.partition(":")
     if kind not in KINDS:
         raise ValueError(f"unknown learner attack {kind!r}; known: {KINDS}")
-    return kind, float(strength) if strength else 1.0
+    return kind, float(strength) if strength else DEFAULT_STRENGTH.get(kind, 1.0)
+
+
+def delta_norm(params: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float((base[n].double() - t.double()).pow(2).sum()) for n, t in params.items()))
+
+
+def perturbed(
+    params: Mapping[str, torch.Tensor], norm: float, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """`params` plus gaussian noise of norm `norm` (as float32; `params` unchanged at norm 0)."""
+    noise = {n: torch.randn(t.shape, generator=gen) for n, t in params.items()}
+    total = math.sqrt(sum(float(x.double().pow(2).sum()) for x in noise.values()))
+    scale = norm / total if total > 0 else 0.0
+    return {n: t.detach().float() + scale * noise[n] for n, t in params.items()}
 
 
 def poisoned(
@@ -75,11 +118,28 @@ def poisoned(
 class AttackingTransport:
     """`SyncTransport` that poisons every push (see the module docstring); the other calls pass through."""
 
-    def __init__(self, inner: SyncTransport, kind: str, strength: float, seed: int = 0) -> None:
+    def __init__(
+        self,
+        inner: SyncTransport,
+        kind: str,
+        strength: float,
+        seed: int = 0,
+        *,
+        channel: CopyChannel | None = None,
+        copy_wait_s: float = COPY_WAIT_S,
+    ) -> None:
+        if kind == "copycat" and channel is None:
+            raise ValueError(f"a copycat needs its channel ({UNSAFE_COPY_DIR_ENV})")
         self.inner, self.kind, self.strength = inner, kind, strength
+        self.channel, self.copy_wait_s = channel, copy_wait_s
         self.gen = torch.Generator().manual_seed(seed)
         self._first: dict[int, dict[str, torch.Tensor]] = {}  # replay: the first contribution per fragment
+        self._fetched: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # fragment -> version -> tensors
         self.poisoned = 0
+        self.copy_waits = 0  # copycat pushes deferred: nothing of the source's to copy yet
+        self._template: dict[int, OutgoingContribution] = {}  # copycat: its latest snapshot per fragment
+        self._copies: dict[tuple[int, int], asyncio.Future[PushReceipt]] = {}  # (fragment, base) -> its push
+        self._watch: asyncio.Future[None] | None = None
         if kind == "no_admission" and hasattr(inner, "admission"):
             inner.admission = None  # the framed transport sends no proof
 
@@ -95,6 +155,10 @@ class AttackingTransport:
             first = self._first.setdefault(c.fragment, {n: t.clone() for n, t in c.params.items()})
             current = await self.inner.fetch(c.fragment)
             c = dataclasses.replace(c, params=first, base_version=current.version)
+        elif self.kind == "copycat":
+            return await self._copy_push(c)
+        elif self.kind == "freeride":
+            c = await self._free_ride(c)
         elif c.base is None:
             current = await self.inner.fetch(c.fragment)
             if current.version == c.base_version:
@@ -106,6 +170,129 @@ class AttackingTransport:
         self.poisoned += c is not contribution
         return await self.inner.push(c)
 
+    async def _base_of(
+        self, c: OutgoingContribution, current: FragmentVersion | None = None
+    ) -> Mapping[str, torch.Tensor] | None:
+        """The tensors of the version `c` built on: its own (a lossy codec's), one the learner fetched through us,
+        or the syncer's current one (`current`, else fetched) if that is it; None if none of these."""
+        if c.base is not None:
+            return c.base
+        if (kept := self._fetched.get(c.fragment, {}).get(c.base_version)) is not None:
+            return kept
+        current = current if current is not None else await self.fetch(c.fragment)
+        return current.params if current.version == c.base_version else None
+
+    async def _free_ride(self, c: OutgoingContribution) -> OutgoingContribution:
+        """The current version plus noise at `strength` x the honest delta's norm (none if its base is unknown)."""
+        if c.codec_meta:
+            return c  # an encoded payload: sent as it is (the benchmark runs no lossy codec)
+        current = await self.fetch(c.fragment)
+        base = await self._base_of(c, current)
+        norm = self.strength * delta_norm(c.params, base) if base is not None else 0.0
+        return dataclasses.replace(c, params=perturbed(current.params, norm, self.gen))
+
+    async def _copy_push(self, c: OutgoingContribution) -> PushReceipt:
+        """The copycat's push: the copy of the source's contribution on (fragment, base), pushed once (by the
+        watcher as soon as the source wrote it, or now); raises SyncDeferred while the source has none."""
+        if c.codec_meta:
+            return await self.inner.push(c)  # an encoded payload: sent as it is (the benchmark runs no codec)
+        self._template[c.fragment] = c
+        if self._watch is None:
+            self._watch = asyncio.ensure_future(self._watch_source())
+        key = (c.fragment, c.base_version)
+        if key not in self._copies:
+            source = await self._wait_for_source(c)
+            if key not in self._copies:  # the watcher may have pushed it meanwhile
+                self._copies[key] = asyncio.ensure_future(self._push_copy(c, source))
+        return await asyncio.shield(self._copies[key])
+
+    async def _wait_for_source(self, c: OutgoingContribution) -> dict[str, torch.Tensor]:
+        deadline = time.monotonic() + self.copy_wait_s
+        while (source := await asyncio.to_thread(self._read, c.fragment, c.base_version, c.params)) is None:
+            if time.monotonic() >= deadline:
+                self.copy_waits += 1
+                raise SyncDeferred(
+                    f"{COPY_WAITING} on fragment {c.fragment} version {c.base_version}", reason=COPY_WAITING
+                )
+            await asyncio.sleep(COPY_POLL_S)
+        return source
+
+    def _read(
+        self, fragment: int, version: int, expected: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor] | None:
+        assert self.channel is not None
+        return self.channel.read(fragment, version, expected)
+
+    async def _watch_source(self) -> None:
+        """Copy the source's contribution on the newest version the learner fetched of each fragment it pushed as
+        soon as the source wrote it (with the learner's last claims for that fragment): a copy that waited for the
+        copycat's own schedule came after the round had merged (refused as a missed round, not as a copy)."""
+        while True:
+            await asyncio.sleep(COPY_POLL_S)
+            for fragment, template in list(self._template.items()):
+                if not (kept := self._fetched.get(fragment)):
+                    continue
+                key = (fragment, max(kept))
+                if key in self._copies:
+                    continue
+                source = await asyncio.to_thread(self._read, fragment, key[1], template.params)
+                if source is not None and key not in self._copies:
+                    c = dataclasses.replace(template, base_version=key[1])
+                    task = self._copies[key] = asyncio.ensure_future(self._push_copy(c, source))
+                    task.add_done_callback(_retrieved)
+                for old in [k for k in self._copies if k[0] == fragment and k[1] < key[1] - KEEP_FETCHED]:
+                    del self._copies[old]
+
+    async def _push_copy(self, c: OutgoingContribution, source: dict[str, torch.Tensor]) -> PushReceipt:
+        """`source` plus noise at `strength` x its delta norm (none if the base is unknown), with `c`'s claims."""
+        base = await self._base_of(c)
+        norm = self.strength * delta_norm(source, base) if base is not None else 0.0
+        self.poisoned += 1
+        logger.info("copycat: copied fragment %d on version %d", c.fragment, c.base_version)
+        try:
+            return await self.inner.push(dataclasses.replace(c, params=perturbed(source, norm, self.gen)))
+        except SyncUnavailable:
+            self._copies.pop((c.fragment, c.base_version), None)  # not taken: copy it again
+            raise
+
+    async def versions(self, known: Sequence[int], wait_s: float) -> VersionsView:
+        return await self.inner.versions(known, wait_s)
+
+    async def fetch(self, fragment: int) -> FragmentVersion:
+        version = await self.inner.fetch(fragment)
+        if self.kind in ("freeride", "copycat"):  # the bases of later pushes (see `_base_of`)
+            kept = self._fetched.setdefault(fragment, {})
+            kept[version.version] = version.params
+            for old in sorted(kept)[:-KEEP_FETCHED]:
+                del kept[old]
+        return version
+
+    async def offer(self, held: Sequence[FragmentVersion]) -> int:
+        return await self.inner.offer(held)
+
+    def __getattr__(self, name: str) -> Any:  # current_syncer, forget_syncer, ... of the framed transport
+        return getattr(self.inner, name)
+
+
+class CopySourceTransport:
+    """An honest learner's transport that also leaves every contribution the syncer took in the copycat's channel
+    (`HIVENODE_UNSAFE_COPY_SOURCE`); what it pushes is untouched."""
+
+    def __init__(self, inner: SyncTransport, channel: CopyChannel) -> None:
+        self.inner, self.channel = inner, channel
+        self.written = 0
+
+    async def push(self, contribution: OutgoingContribution) -> PushReceipt:
+        receipt = await self.inner.push(contribution)  # first: the copycat must never push before the source
+        if not contribution.codec_meta:
+            try:
+                c = contribution
+                await asyncio.to_thread(self.channel.write, c.fragment, c.base_version, c.params)
+                self.written += 1
+            except OSError as e:  # the channel is the benchmark's, not the run's: the push stands
+                logger.warning("copy channel: cannot write: %s", e)
+        return receipt
+
     async def versions(self, known: Sequence[int], wait_s: float) -> VersionsView:
         return await self.inner.versions(known, wait_s)
 
@@ -115,22 +302,35 @@ class AttackingTransport:
     async def offer(self, held: Sequence[FragmentVersion]) -> int:
         return await self.inner.offer(held)
 
-    def __getattr__(self, name: str) -> Any:  # current_syncer, forget_syncer, ... of the framed transport
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
+def _retrieved(task: asyncio.Future[PushReceipt]) -> None:
+    """A watcher's copy nobody awaits: its failure is logged, not left to the loop's unretrieved warning."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        logger.info("copycat: a copy was not taken: %s", error)
+
+
+def _banner(what: str) -> None:
+    banner = "!" * 78
+    logger.warning("%s\nUNSAFE: %s. Tests and benchmarks only.\n%s", banner, what, banner)
+
+
 def learner_attack_from_env(inner: SyncTransport, environ: Mapping[str, str] | None = None) -> SyncTransport:
-    """`inner`, wrapped in an AttackingTransport only when `HIVENODE_UNSAFE_LEARNER_ATTACK` names an attack."""
-    spec = (os.environ if environ is None else environ).get(UNSAFE_LEARNER_ATTACK_ENV, "").strip()
+    """`inner`, wrapped in an AttackingTransport only when `HIVENODE_UNSAFE_LEARNER_ATTACK` names an attack, or
+    in a CopySourceTransport when `HIVENODE_UNSAFE_COPY_SOURCE` is 1 (both need `HIVENODE_UNSAFE_COPY_DIR`)."""
+    env = os.environ if environ is None else environ
+    spec = env.get(UNSAFE_LEARNER_ATTACK_ENV, "").strip()
+    copy_dir = env.get(UNSAFE_COPY_DIR_ENV, "").strip()
+    channel = CopyChannel(Path(copy_dir)) if copy_dir else None
+    if env.get(UNSAFE_COPY_SOURCE_ENV, "").strip() == "1":
+        if spec or channel is None:
+            raise ValueError(f"{UNSAFE_COPY_SOURCE_ENV} needs {UNSAFE_COPY_DIR_ENV} and no attack")
+        _banner(f"this learner's contributions are written to {copy_dir} for a copycat to copy")
+        return CopySourceTransport(inner, channel)
     if not spec:
         return inner
     kind, strength = parse_learner_attack(spec)
-    banner = "!" * 78
-    logger.warning(
-        "%s\nUNSAFE: this learner POISONS the run (%s=%s). Tests and benchmarks only.\n%s",
-        banner,
-        UNSAFE_LEARNER_ATTACK_ENV,
-        spec,
-        banner,
-    )
-    return AttackingTransport(inner, kind, strength)
+    _banner(f"this learner POISONS the run ({UNSAFE_LEARNER_ATTACK_ENV}={spec})")
+    return AttackingTransport(inner, kind, strength, channel=channel)

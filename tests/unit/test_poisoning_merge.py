@@ -1,0 +1,66 @@
+"""benchmarks/poisoning.py's bookkeeping, without a swarm: each arm's loss gap is against the control of its own
+run, `--merge` keeps the results file's other arms (with their gaps) and the headline is over all arms present."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.poisoning import ARMS, COPY_CHECK_OFF, headline, merged_with, with_gaps
+
+
+def arm(
+    final_loss: float, *, attackers: int = 1, defended: bool = True, share: float = 0.0
+) -> dict[str, Any]:
+    return {
+        "defended": defended,
+        "attackers": attackers,
+        "final_loss": final_loss,
+        "loss_curve": [(1.0, final_loss + 0.5, 100), (30.0, final_loss, 1000)],
+        "attacker_weight_share": share,
+        "attacker_weight_share_max": share,
+        "honest_banned": 0,
+        "check_cost_share": 0.01,
+    }
+
+
+def test_the_copy_arms_exist_and_their_negative_control_turns_only_the_copy_check_off() -> None:
+    assert ARMS["copycat"].copy_source and ARMS["copycat"].attackers == 1 and ARMS["copycat"].honest == 4
+    assert ARMS["freeride"].attack == "freeride" and not ARMS["freeride"].copy_source
+    assert ARMS["copycat"].undefended_screening == ARMS["freeride"].undefended_screening == COPY_CHECK_OFF
+    assert ARMS["signflip"].undefended_screening == ""  # the others: the whole screening off
+
+
+def test_merge_keeps_the_other_arms_with_their_own_controls_gaps(tmp_path: Path) -> None:
+    old = {"clean": arm(2.0, attackers=0), "signflip": arm(2.2, share=0.03)}
+    with_gaps(old)
+    assert old["signflip"]["loss_gap"] == pytest.approx(0.1)
+    path = tmp_path / "poisoning.json"
+    path.write_text(json.dumps({"measured_at": "then", "config": {"command": "old"}, "arms": old}))
+
+    new = {"clean": arm(1.0, attackers=0), "copycat": arm(1.01, share=0.0), "copycat@undefended": arm(1.0)}
+    new["copycat@undefended"].update(defended=False, attacker_weight_share_max=0.2)
+    with_gaps(new)
+    merged, runs = merged_with(path, new)
+    assert sorted(merged) == ["clean", "copycat", "copycat@undefended", "signflip"]
+    assert merged["clean"]["final_loss"] == 1.0  # this run's control replaces the old one
+    # the old arm keeps its gap against its own run's control (2.0), which it now names
+    assert merged["signflip"]["loss_gap"] == pytest.approx(0.1)
+    assert merged["signflip"]["control_final_loss"] == 2.0 and merged["signflip"]["measured_at"] == "then"
+    assert (
+        merged["copycat"]["loss_gap"] == pytest.approx(0.01)
+        and merged["copycat"]["control_final_loss"] == 1.0
+    )
+    assert runs == [{"command": "old", "measured_at": "then"}]
+    top = headline(merged)
+    assert top["max_loss_gap"] == pytest.approx(0.1) and top["max_attacker_weight_share"] == 0.03
+    assert top["honest_banned"] == 0 and top["max_attacker_merge_share_undefended"] == 0.2
+    assert top["arms"] == sorted(merged)
+
+
+def test_merge_without_a_results_file_is_this_run(tmp_path: Path) -> None:
+    new = {"clean": arm(1.0, attackers=0)}
+    assert merged_with(tmp_path / "absent.json", new) == (new, [])
