@@ -113,16 +113,26 @@ def copy_of(
     published: Iterable[tuple[int, Mapping[str, torch.Tensor]]],
     others: Iterable[tuple[str, Mapping[str, torch.Tensor]]],
     tolerance: float,
+    *,
+    work_norm: float | None = None,
 ) -> tuple[str, str] | None:
     """(tag, reason) if the contribution `params` built on `base` is a free-rider (within `tolerance` x its delta
-    norm of a `published` (version, tensors)) or a copycat (its delta within that of another peer's delta in
-    `others`: (peer, delta)); None if it is its own work."""
+    norm, or x `work_norm` where that is larger, of a `published` (version, tensors)) or a copycat (its delta
+    within `tolerance` x its norm of another peer's delta in `others`: (peer, delta)); None if it is its own work.
+
+    `work_norm` is the norm of a round's honest work on this fragment (the screen's median merged norm; None in
+    warm-up). Without it a free-rider that returns its own current base plus noise passes: its delta is the noise,
+    so its gap to the base equals its norm. The copycat test keeps its own norm: two small honest deltas (a few
+    steps each) are close in absolute terms without being copies."""
     delta = chunked.Delta(base, params)  # a chunk at a time: no fragment-sized temporary (issue 17)
     norm = chunked.norm(delta)
     bound = tolerance * norm
+    ride_bound = tolerance * max(norm, work_norm or 0.0)
     for version, tensors in published:
-        if (gap := chunked.distance(params, tensors)) <= bound:
-            return FREE_RIDER, f"within {gap:.3g} of published version {version} (delta norm {norm:.3g})"
+        if (gap := chunked.distance(params, tensors)) <= ride_bound:
+            reason = f"within {gap:.3g} of published version {version} (delta norm {norm:.3g}"
+            reason += f", a round's work {work_norm:.3g})" if work_norm else ")"
+            return FREE_RIDER, reason
     for peer, theirs in others:
         if (gap := chunked.distance(delta, theirs)) <= bound:
             return COPYCAT, f"delta within {gap:.3g} of {peer[-8:]}'s in this round (norm {norm:.3g})"

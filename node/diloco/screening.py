@@ -96,7 +96,9 @@ class ScreeningConfig:
     # capped; 0: off). Above the hardware spread of honest learners: a peer that much faster is banned after
     # ban_after such claims within the forgiveness
     claim_violation_factor: float = 5.0
-    copy_tolerance: float = 0.05  # a delta within this x its norm of a peer's (copycat) or a published version (free-rider) is refused (0: off)
+    # a delta within this x its norm of a peer's (copycat), or parameters within this x the larger of its norm and
+    # the median merged norm of a published version (free-rider: a round's work is missing), are refused (0: off)
+    copy_tolerance: float = 0.05
     # robust aggregation: with >= 3 contributions, each coordinate is clamped to the range left after dropping
     # this fraction (at least one) of the highest and of the lowest values (winsorized), then merged as before
     trim_fraction: float = 0.25
@@ -281,13 +283,17 @@ class ContributionScreen:
         reason = f"norm {norm:.3g} clipped to {clip_at:.3g} ({basis})"
         return Verdict(tag=CLIPPED, reason=reason, params=clipped, norm=clip_at, cosine=cosine)
 
+    def median_norm(self, fragment: int) -> float | None:
+        """The lower median of `fragment`'s merged delta norms (a round's honest work); None in warm-up."""
+        norms = sorted(self._norms.get(fragment, ()))
+        return norms[(len(norms) - 1) // 2] if len(norms) >= self.config.min_history else None
+
     def bounds(self, fragment: int, param_norm: float) -> tuple[float, float, str]:
         """(clip above, reject above, what set them) for a delta to `fragment` whose parameters have that norm."""
         ceiling = self.config.max_relative_norm * max(param_norm, 1.0)
-        norms = sorted(self._norms.get(fragment, ()))
-        if len(norms) < self.config.min_history:
+        median = self.median_norm(fragment)  # lower median: half the window cannot raise it
+        if median is None:
             return ceiling, ceiling, f"warm-up: {self.config.max_relative_norm:g} x parameter norm"
-        median = norms[(len(norms) - 1) // 2]  # lower median: half the window cannot raise it
         reject_at = min(ceiling, self.config.reject_factor * median)
         clip_at = min(reject_at, self.config.clip_factor * median)
         return clip_at, reject_at, f"median merged norm {median:.3g}"

@@ -844,7 +844,10 @@ class SyncerCore(CoreState):
                 their_base = self.history.at(fragment, c.base_version) or current  # read once (maybe a file)
                 others.append((other, chunked.Delta(their_base, c.params)))  # a chunk at a time
         published = self.history.of(fragment).items()  # read one at a time
-        return copy_of(params, base if base is not None else current, published, others, tolerance)
+        work = self.screen.median_norm(fragment)
+        return copy_of(
+            params, base if base is not None else current, published, others, tolerance, work_norm=work
+        )
 
     def _enter(self, fragment: int, entry: _Entry, now: float) -> None:
         """Into the fragment's round, unless the peer's contribution there is on a newer base or has more steps."""

@@ -270,6 +270,30 @@ def test_free_riders_returning_the_base_or_replaying_a_published_version_are_ref
     swarm.push("idle", swarm.c.fragment_tensors(0), steps=0)  # no claim, no strike: it weighs nothing anyway
 
 
+def test_a_free_rider_adding_noise_to_the_current_version_is_refused_after_warm_up() -> None:
+    def rider(swarm: Swarm) -> Tensors:
+        current = swarm.c.fragment_tensors(0)  # the current version plus 1 % of a round's work, as noise
+        return {n: t + 1e-4 * torch.randn(t.shape, generator=swarm.gen) for n, t in current.items()}
+
+    swarm = Swarm(core())
+    for _ in range(ScreeningConfig().min_history):
+        swarm.round()
+    swarm.now += 10.0
+    with pytest.raises(Refusal) as caught:
+        swarm.push("rider", rider(swarm))
+    assert caught.value.reason == FREE_RIDER and "a round's work" in str(caught.value)
+    swarm.push("honest0", swarm.honest())  # false-positive control: honest work on the same base passes
+    # negative control: with the copy check off the rider is merged and earns a share of the round
+    off = Swarm(core(OFF))
+    for _ in range(ScreeningConfig().min_history):
+        off.round()
+    off.now += 10.0
+    off.push("rider", rider(off))
+    off.push("honest0", off.honest())
+    record = off.c.merge_now(0, 2, off.now)
+    assert record is not None and record.weights["rider"] > 0.2
+
+
 def test_negative_control_without_the_copy_check_a_stale_replay_is_merged_and_undoes_a_round() -> None:
     swarm = Swarm(core(OFF))
     swarm.round()

@@ -109,17 +109,18 @@ def test_a_free_rider_on_an_older_base_is_refused_by_the_copy_check() -> None:
     assert copy_of(work(OLD, seed=2), OLD, [(2, OLD), (3, CURRENT)], [], TOLERANCE) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="copy_of measures a free-rider's gap to a published version against its own delta's norm: a"
-    " free-rider that returns its own (current) base plus noise sends a delta that is that noise alone, so the"
-    " gap equals the norm and it passes (benchmarks/results/poisoning.json, arm freeride)",
-)
-def test_a_free_rider_on_the_current_base_is_refused_by_the_copy_check() -> None:
+def test_a_free_rider_on_the_current_base_is_refused_once_a_rounds_work_is_known() -> None:
     inner = Inner()
-    asyncio.run(AttackingTransport(inner, "freeride", 0.01).push(contribution(work(CURRENT, seed=3))))
-    found = copy_of(inner.pushed[-1].params, CURRENT, [(3, CURRENT)], [], TOLERANCE)
+    honest = work(CURRENT, seed=3)
+    asyncio.run(AttackingTransport(inner, "freeride", 0.01).push(contribution(honest)))
+    sent = inner.pushed[-1].params
+    work_norm = float(sum((CURRENT[n] - honest[n]).pow(2).sum() for n in CURRENT).sqrt())
+    found = copy_of(sent, CURRENT, [(3, CURRENT)], [], TOLERANCE, work_norm=work_norm)
     assert found is not None and found[0] == FREE_RIDER
+    # negative control: measured against its own delta (the noise) alone, as in warm-up, it passes
+    assert copy_of(sent, CURRENT, [(3, CURRENT)], [], TOLERANCE, work_norm=None) is None
+    # false-positive control: the honest work itself, on the same base, against the same norm
+    assert copy_of(honest, CURRENT, [(3, CURRENT)], [], TOLERANCE, work_norm=work_norm) is None
 
 
 # ---- the copycat and its channel ----
