@@ -68,6 +68,17 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def current_rss_bytes() -> int:
+    """This process's resident set size now (VmRSS of /proc/self/status; 0 if unknown)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def available_bytes() -> int:
     """MemAvailable of /proc/meminfo (0 if unknown)."""
     try:
@@ -330,10 +341,12 @@ async def learner_main(preset: str, info: dict[str, Any], queue: Any, max_steps:
         )
         stop = asyncio.Event()
         tasks = [asyncio.create_task(sync.run_sender(stop)), asyncio.create_task(sync.run_watcher(stop))]
-        started, step, losses = time.perf_counter(), 0, []
+        started, step, losses, first_step_peak = time.perf_counter(), 0, [], 0
         while step < max_steps and min(sync.versions().values()) < 1:
             step += 1
             losses.append(await asyncio.to_thread(inner_step, model, opt, cfg.vocab_size, step))
+            if step == 1:  # the model, its AdamW moments, the process: before any version arrived
+                first_step_peak = peak_rss_bytes()
             sync.after_inner_step(step, SEQ)
             await asyncio.sleep(0.2)  # the loops' turn: pushes and fetches of ~100 MB frames
         stop.set()
@@ -343,6 +356,8 @@ async def learner_main(preset: str, info: dict[str, Any], queue: Any, max_steps:
             {
                 "party": "learner",
                 "peak_rss": peak_rss_bytes(),
+                "rss_end": current_rss_bytes(),
+                "peak_rss_first_step": first_step_peak,
                 "steps": step,
                 "round_s": round(time.perf_counter() - started, 2),
                 "versions": {str(f): v for f, v in sync.versions().items()},
@@ -363,9 +378,11 @@ async def joiner_main(preset: str, info: dict[str, Any], queue: Any) -> None:
         model = build_model(ModelConfig.from_dict(run.model), run.seed)
         transport = loopback_transport(p2p, identity, run, info["peer_id"])
         sync = FragmentSync.create(dict(model.named_parameters()), transport.plan, run.diloco, transport)
+        before = peak_rss_bytes()  # the process and its model from the seed
         started = time.perf_counter()
         joined = await sync.join_global(asyncio.Event(), timeout_s=120.0)
         elapsed = time.perf_counter() - started
+        after = current_rss_bytes()  # the model and the signed frames it keeps to offer a successor syncer
         await p2p.shutdown()
         queue.put(
             {
@@ -374,6 +391,8 @@ async def joiner_main(preset: str, info: dict[str, Any], queue: Any) -> None:
                 "state_transfer_s": round(elapsed, 3),
                 "versions": {str(f): v for f, v in sync.versions().items()},
                 "peak_rss": peak_rss_bytes(),
+                "peak_rss_before_join": before,
+                "rss_after_join": after,
             }
         )
 

@@ -118,7 +118,7 @@ if TYPE_CHECKING:
 
     from protocol.codec import TensorLimits
     from protocol.dht_io import SwarmRecords
-    from protocol.envelope import Opened
+    from protocol.envelope import Opened, StreamingFrame
     from protocol.identity import NodeIdentity
     from protocol.manifest import DilocoSpec, RunManifest
     from protocol.records import SyncerRecord
@@ -481,7 +481,7 @@ class FramedSyncTransport:
     async def _call(
         self,
         route: str,
-        frame: bytes | bytearray,
+        frame: bytes | bytearray | StreamingFrame,
         max_response_bytes: int,
         timeout_s: float | None = None,
         *,
@@ -536,13 +536,16 @@ class FramedSyncTransport:
             raise SyncUnavailable(f"answer of {peer[-8:]} rejected: {e.reason}: {e}") from None
 
     async def push(self, contribution: OutgoingContribution) -> PushReceipt:
-        from protocol.envelope import Kind, max_frame_bytes
+        from protocol.envelope import Context, Kind, max_frame_bytes, seal_streaming
         from protocol.errors import RemoteRefused
 
         peer, term = await self.current_syncer()
-        frame = self._seal(
-            Kind.FRAGMENT,
-            peer,
+        # signed while it streams, straight from the snapshot's tensors (never written again): sealed into one
+        # buffer, each push held a copy of its fragment beside the snapshot while it was sent
+        frame = seal_streaming(
+            self.identity,
+            Context(run_id=self.run_id, kind=Kind.FRAGMENT, receiver=peer),
+            now=self.wall_clock(),
             microbatch=contribution.fragment,
             step=contribution.base_version,
             tensors=contribution.params,
@@ -600,7 +603,9 @@ class FramedSyncTransport:
         except RemoteRefused as e:
             raise SyncUnavailable(f"fetch refused: {e.reason}") from None
         opened = self._open(answer, peer, Kind.VERSION, self.limits)
-        return version_from_opened(opened, self.plan, envelope=bytes(answer))
+        # the answer itself is the signed frame kept to offer: a copy of it (`bytes(answer)`) held a third
+        # fragment-sized buffer beside the frame and its decoded tensors at every fetch
+        return version_from_opened(opened, self.plan, envelope=answer)
 
     async def offer(self, held: Sequence[FragmentVersion]) -> int:
         """Offer each held version (one request each, see `offer_limits`); how many the syncer adopted."""
@@ -610,7 +615,7 @@ class FramedSyncTransport:
                 adopted += await self._offer_one(version.fragment, version.envelope)
         return adopted
 
-    async def _offer_one(self, fragment: int, envelope: bytes) -> int:
+    async def _offer_one(self, fragment: int, envelope: bytes | bytearray) -> int:
         from protocol.envelope import Kind, max_frame_bytes
         from protocol.errors import RemoteRefused
 
@@ -710,7 +715,9 @@ def parse_versions_meta(meta: Mapping[str, Any], *, syncer: str, num_fragments: 
     )
 
 
-def version_from_opened(opened: Opened, plan: FragmentPlan, *, envelope: bytes | None) -> FragmentVersion:
+def version_from_opened(
+    opened: Opened, plan: FragmentPlan, *, envelope: bytes | bytearray | None
+) -> FragmentVersion:
     """A FragmentVersion from a verified Kind.VERSION frame; SyncUnavailable if it does not fit the plan."""
     header = opened.header
     fragment = header.microbatch
