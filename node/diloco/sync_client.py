@@ -118,7 +118,7 @@ if TYPE_CHECKING:
 
     from protocol.codec import TensorLimits
     from protocol.dht_io import SwarmRecords
-    from protocol.envelope import Opened, StreamingFrame
+    from protocol.envelope import Opened
     from protocol.identity import NodeIdentity
     from protocol.manifest import DilocoSpec, RunManifest
     from protocol.records import SyncerRecord
@@ -481,7 +481,7 @@ class FramedSyncTransport:
     async def _call(
         self,
         route: str,
-        frame: bytes | bytearray | StreamingFrame,
+        frame: bytes | bytearray,
         max_response_bytes: int,
         timeout_s: float | None = None,
         *,
@@ -536,16 +536,13 @@ class FramedSyncTransport:
             raise SyncUnavailable(f"answer of {peer[-8:]} rejected: {e.reason}: {e}") from None
 
     async def push(self, contribution: OutgoingContribution) -> PushReceipt:
-        from protocol.envelope import Context, Kind, max_frame_bytes, seal_streaming
+        from protocol.envelope import Kind, max_frame_bytes
         from protocol.errors import RemoteRefused
 
         peer, term = await self.current_syncer()
-        # signed while it streams, straight from the snapshot's tensors (never written again): sealed into one
-        # buffer, each push held a copy of its fragment beside the snapshot while it was sent
-        frame = seal_streaming(
-            self.identity,
-            Context(run_id=self.run_id, kind=Kind.FRAGMENT, receiver=peer),
-            now=self.wall_clock(),
+        frame = self._seal(
+            Kind.FRAGMENT,
+            peer,
             microbatch=contribution.fragment,
             step=contribution.base_version,
             tensors=contribution.params,
