@@ -411,6 +411,19 @@ def _child(kind: str, preset: str, queue: Any, extra: Any) -> None:
         queue.put(core_round(preset, *extra))
 
 
+def result_of(queue: Any, child: Any, timeout_s: float) -> dict[str, Any]:
+    """The child's result; RuntimeError as soon as it died without one (killed for memory: the round waited its
+    whole timeout for it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(queue_module.Empty):
+            got: dict[str, Any] = queue.get(timeout=1.0)
+            return got
+        if not child.is_alive() and queue.empty():
+            raise RuntimeError(f"the {child.name} child died (exit code {child.exitcode}) without a result")
+    raise TimeoutError(f"no result from {child.name} within {timeout_s:.0f} s")
+
+
 def merge_round(preset: str, max_steps: int, timeout_s: float) -> dict[str, Any]:
     """The llama-124m round: syncer, learner, then the late joiner, each its own process."""
     ctx = mp.get_context("spawn")
@@ -423,7 +436,7 @@ def merge_round(preset: str, max_steps: int, timeout_s: float) -> dict[str, Any]
         for kind, extra in (("learner", (info, max_steps)), ("joiner", info)):
             child = ctx.Process(target=_child, args=(kind, preset, queue, extra))
             child.start()
-            got = queue.get(timeout=timeout_s)
+            got = result_of(queue, child, timeout_s)
             results[got.pop("party")] = got
             child.join(30)
         stop.set()
