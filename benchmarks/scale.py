@@ -324,6 +324,7 @@ def inner_step(model: Any, opt: Any, vocab: int, seed: int) -> float:
 async def learner_main(preset: str, info: dict[str, Any], queue: Any, max_steps: int) -> None:
     import torch
 
+    from node.diloco.spill import release_freed_memory
     from node.diloco.sync_client import FragmentSync
     from node.diloco.sync_types import SyncClientConfig
     from node.ml.model import ModelConfig, build_model
@@ -352,11 +353,14 @@ async def learner_main(preset: str, info: dict[str, Any], queue: Any, max_steps:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await p2p.shutdown()
+        rss_end = current_rss_bytes()
+        release_freed_memory()  # what of `rss_end` is freed memory glibc kept in the heap, not held by the learner
         queue.put(
             {
                 "party": "learner",
                 "peak_rss": peak_rss_bytes(),
-                "rss_end": current_rss_bytes(),
+                "rss_end": rss_end,
+                "rss_end_trimmed": current_rss_bytes(),
                 "peak_rss_first_step": first_step_peak,
                 "steps": step,
                 "round_s": round(time.perf_counter() - started, 2),
