@@ -68,6 +68,17 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def current_rss_bytes() -> int:
+    """This process's resident set size now (VmRSS of /proc/self/status; 0 if unknown)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def available_bytes() -> int:
     """MemAvailable of /proc/meminfo (0 if unknown)."""
     try:
@@ -313,6 +324,7 @@ def inner_step(model: Any, opt: Any, vocab: int, seed: int) -> float:
 async def learner_main(preset: str, info: dict[str, Any], queue: Any, max_steps: int) -> None:
     import torch
 
+    from node.diloco.spill import release_freed_memory
     from node.diloco.sync_client import FragmentSync
     from node.diloco.sync_types import SyncClientConfig
     from node.ml.model import ModelConfig, build_model
@@ -330,19 +342,26 @@ async def learner_main(preset: str, info: dict[str, Any], queue: Any, max_steps:
         )
         stop = asyncio.Event()
         tasks = [asyncio.create_task(sync.run_sender(stop)), asyncio.create_task(sync.run_watcher(stop))]
-        started, step, losses = time.perf_counter(), 0, []
+        started, step, losses, first_step_peak = time.perf_counter(), 0, [], 0
         while step < max_steps and min(sync.versions().values()) < 1:
             step += 1
             losses.append(await asyncio.to_thread(inner_step, model, opt, cfg.vocab_size, step))
+            if step == 1:  # the model, its AdamW moments, the process: before any version arrived
+                first_step_peak = peak_rss_bytes()
             sync.after_inner_step(step, SEQ)
             await asyncio.sleep(0.2)  # the loops' turn: pushes and fetches of ~100 MB frames
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await p2p.shutdown()
+        rss_end = current_rss_bytes()
+        release_freed_memory()  # what of `rss_end` is freed memory glibc kept in the heap, not held by the learner
         queue.put(
             {
                 "party": "learner",
                 "peak_rss": peak_rss_bytes(),
+                "rss_end": rss_end,
+                "rss_end_trimmed": current_rss_bytes(),
+                "peak_rss_first_step": first_step_peak,
                 "steps": step,
                 "round_s": round(time.perf_counter() - started, 2),
                 "versions": {str(f): v for f, v in sync.versions().items()},
@@ -363,9 +382,11 @@ async def joiner_main(preset: str, info: dict[str, Any], queue: Any) -> None:
         model = build_model(ModelConfig.from_dict(run.model), run.seed)
         transport = loopback_transport(p2p, identity, run, info["peer_id"])
         sync = FragmentSync.create(dict(model.named_parameters()), transport.plan, run.diloco, transport)
+        before = peak_rss_bytes()  # the process and its model from the seed
         started = time.perf_counter()
         joined = await sync.join_global(asyncio.Event(), timeout_s=120.0)
         elapsed = time.perf_counter() - started
+        after = current_rss_bytes()  # the model and the signed frames it keeps to offer a successor syncer
         await p2p.shutdown()
         queue.put(
             {
@@ -374,6 +395,8 @@ async def joiner_main(preset: str, info: dict[str, Any], queue: Any) -> None:
                 "state_transfer_s": round(elapsed, 3),
                 "versions": {str(f): v for f, v in sync.versions().items()},
                 "peak_rss": peak_rss_bytes(),
+                "peak_rss_before_join": before,
+                "rss_after_join": after,
             }
         )
 
@@ -392,6 +415,19 @@ def _child(kind: str, preset: str, queue: Any, extra: Any) -> None:
         queue.put(core_round(preset, *extra))
 
 
+def result_of(queue: Any, child: Any, timeout_s: float) -> dict[str, Any]:
+    """The child's result; RuntimeError as soon as it died without one (killed for memory: the round waited its
+    whole timeout for it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(queue_module.Empty):
+            got: dict[str, Any] = queue.get(timeout=1.0)
+            return got
+        if not child.is_alive() and queue.empty():
+            raise RuntimeError(f"the {child.name} child died (exit code {child.exitcode}) without a result")
+    raise TimeoutError(f"no result from {child.name} within {timeout_s:.0f} s")
+
+
 def merge_round(preset: str, max_steps: int, timeout_s: float) -> dict[str, Any]:
     """The llama-124m round: syncer, learner, then the late joiner, each its own process."""
     ctx = mp.get_context("spawn")
@@ -404,7 +440,7 @@ def merge_round(preset: str, max_steps: int, timeout_s: float) -> dict[str, Any]
         for kind, extra in (("learner", (info, max_steps)), ("joiner", info)):
             child = ctx.Process(target=_child, args=(kind, preset, queue, extra))
             child.start()
-            got = queue.get(timeout=timeout_s)
+            got = result_of(queue, child, timeout_s)
             results[got.pop("party")] = got
             child.join(30)
         stop.set()

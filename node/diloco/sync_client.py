@@ -600,7 +600,9 @@ class FramedSyncTransport:
         except RemoteRefused as e:
             raise SyncUnavailable(f"fetch refused: {e.reason}") from None
         opened = self._open(answer, peer, Kind.VERSION, self.limits)
-        return version_from_opened(opened, self.plan, envelope=bytes(answer))
+        # the answer itself is the signed frame kept to offer: a copy of it (`bytes(answer)`) held a third
+        # fragment-sized buffer beside the frame and its decoded tensors at every fetch
+        return version_from_opened(opened, self.plan, envelope=answer)
 
     async def offer(self, held: Sequence[FragmentVersion]) -> int:
         """Offer each held version (one request each, see `offer_limits`); how many the syncer adopted."""
@@ -610,7 +612,7 @@ class FramedSyncTransport:
                 adopted += await self._offer_one(version.fragment, version.envelope)
         return adopted
 
-    async def _offer_one(self, fragment: int, envelope: bytes) -> int:
+    async def _offer_one(self, fragment: int, envelope: bytes | bytearray) -> int:
         from protocol.envelope import Kind, max_frame_bytes
         from protocol.errors import RemoteRefused
 
@@ -710,7 +712,9 @@ def parse_versions_meta(meta: Mapping[str, Any], *, syncer: str, num_fragments: 
     )
 
 
-def version_from_opened(opened: Opened, plan: FragmentPlan, *, envelope: bytes | None) -> FragmentVersion:
+def version_from_opened(
+    opened: Opened, plan: FragmentPlan, *, envelope: bytes | bytearray | None
+) -> FragmentVersion:
     """A FragmentVersion from a verified Kind.VERSION frame; SyncUnavailable if it does not fit the plan."""
     header = opened.header
     fragment = header.microbatch

@@ -54,7 +54,8 @@ class FragmentVersion:
     params: dict[str, torch.Tensor]
     term: int = 0  # the lease term of the syncer that published it
     signer: str = ""  # that syncer's peer id
-    envelope: bytes | None = None  # the signed frame, kept to offer a successor syncer after a failover
+    # the signed frame, kept to offer a successor syncer after a failover (as received: never written to)
+    envelope: bytes | bytearray | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

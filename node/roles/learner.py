@@ -168,11 +168,14 @@ class LearnerRole:
             codec=ctx.manifest.outer_codec,
         )
         if ctx.manifest.authorized_syncers:
+            # the join first: a watcher started beside it fetched every version the join fetched, into its inbox
+            # (each version's tensors and frame, dropped at the first step as not newer): 2 models more at the
+            # start of a late joiner
+            self.joined_from_syncer = await self.sync.join_global(stop)
             ctx.supervisor.spawn("diloco-sender", partial(self.sync.run_sender, stop), policy=RestartPolicy())
             ctx.supervisor.spawn(
                 "diloco-watcher", partial(self.sync.run_watcher, stop), policy=RestartPolicy()
             )
-            self.joined_from_syncer = await self.sync.join_global(stop)
         else:  # no syncer can ever exist in this run: nothing to wait for
             logger.warning(
                 "run %r authorizes no syncer: training locally, nothing is merged", ctx.manifest.name

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
+import weakref
 from collections.abc import Sequence
 
 import pytest
@@ -318,6 +319,72 @@ def test_late_joiner_loads_the_global_fragments_before_its_first_step() -> None:
         )
         other = sync.fragment_ids[1]
         assert sync.versions()[other] == 0
+
+    asyncio.run(scenario())
+
+
+class CountingSyncer(FakeSyncer):
+    """Answers every fetch with a fresh copy of its version (as the wire does: a frame decoded anew) and, at each
+    fetch, counts the tensors of earlier answers still alive somewhere in the learner; `fail_at`: that fetch
+    (1-based, counted over all tries) fails once, as if the syncer went away half-way."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.answered: list[weakref.ref[torch.Tensor]] = []
+        self.alive_at_fetch: list[int] = []
+        self.fetched: list[int] = []
+        self.fail_at: int | None = None
+
+    async def fetch(self, fragment: int) -> FragmentVersion:
+        self._check()
+        self.alive_at_fetch.append(sum(ref() is not None for ref in self.answered))
+        self.fetched.append(fragment)
+        if len(self.fetched) == self.fail_at:
+            raise SyncUnavailable("went away")
+        stored = self.store[fragment]
+        params = {k: v.clone() for k, v in stored.params.items()}
+        self.answered.extend(weakref.ref(t) for t in params.values())
+        return dataclasses.replace(stored, params=params)
+
+
+def publish_all(sync: FragmentSync, model: torch.nn.Module, syncer: FakeSyncer, value: float) -> None:
+    params = dict(model.named_parameters())
+    for fid in sync.fragment_ids:
+        syncer.publish(fid, {n: torch.full_like(params[n], value) for n in sync.plan.fragments[fid].names})
+
+
+def test_a_joiner_loads_each_version_as_it_arrives_and_holds_no_earlier_one() -> None:
+    """The join streams: when a fragment is fetched, no earlier fetched version's tensors are held any more (they
+    were copied into the model). Gathered first (the rejoin's `_fetch_current`, the join before), every earlier
+    version is alive at each fetch: the negative control that the count sees what is held."""
+
+    async def scenario() -> None:
+        sync, model, syncer = learner_sync(CountingSyncer(run_fragment_plan(manifest()).num_fragments))
+        assert isinstance(syncer, CountingSyncer)
+        publish_all(sync, model, syncer, 3.0)
+        assert await sync.join_global(asyncio.Event())
+        assert syncer.alive_at_fetch == [0] * len(sync.fragment_ids)
+        assert all(bool((p.detach() == 3.0).all()) for p in model.parameters())
+        assert set(sync.versions().values()) == {1}
+        syncer.alive_at_fetch.clear()
+        _, gathered = await sync.watcher._fetch_current()  # noqa: SLF001 - the negative control
+        assert syncer.alive_at_fetch[1:] and all(n > 0 for n in syncer.alive_at_fetch[1:])
+        del gathered
+
+    asyncio.run(scenario())
+
+
+def test_a_join_retried_after_the_syncer_went_away_fetches_only_what_it_had_not_loaded() -> None:
+    async def scenario() -> None:
+        sync, model, syncer = learner_sync(CountingSyncer(run_fragment_plan(manifest()).num_fragments))
+        assert isinstance(syncer, CountingSyncer)
+        publish_all(sync, model, syncer, 2.0)
+        syncer.fail_at = 3
+        assert await sync.join_global(asyncio.Event())
+        ids = sync.fragment_ids
+        assert syncer.fetched == ids[:3] + ids[2:]  # the third failed; the retry starts there
+        assert all(bool((p.detach() == 2.0).all()) for p in model.parameters())
+        assert set(sync.versions().values()) == {1}
 
     asyncio.run(scenario())
 
