@@ -115,7 +115,25 @@ def poisoned(
     return {n: t.detach().clone() for n, t in params.items()}
 
 
-class AttackingTransport:
+class _Wrapping:
+    """Passes every `SyncTransport` call but `push` (the subclass's) through to `inner`."""
+
+    inner: SyncTransport
+
+    async def versions(self, known: Sequence[int], wait_s: float) -> VersionsView:
+        return await self.inner.versions(known, wait_s)
+
+    async def fetch(self, fragment: int) -> FragmentVersion:
+        return await self.inner.fetch(fragment)
+
+    async def offer(self, held: Sequence[FragmentVersion]) -> int:
+        return await self.inner.offer(held)
+
+    def __getattr__(self, name: str) -> Any:  # current_syncer, forget_syncer, ... of the framed transport
+        return getattr(self.inner, name)
+
+
+class AttackingTransport(_Wrapping):
     """`SyncTransport` that poisons every push (see the module docstring); the other calls pass through."""
 
     def __init__(
@@ -255,9 +273,6 @@ class AttackingTransport:
             self._copies.pop((c.fragment, c.base_version), None)  # not taken: copy it again
             raise
 
-    async def versions(self, known: Sequence[int], wait_s: float) -> VersionsView:
-        return await self.inner.versions(known, wait_s)
-
     async def fetch(self, fragment: int) -> FragmentVersion:
         version = await self.inner.fetch(fragment)
         if self.kind in ("freeride", "copycat"):  # the bases of later pushes (see `_base_of`)
@@ -267,14 +282,8 @@ class AttackingTransport:
                 del kept[old]
         return version
 
-    async def offer(self, held: Sequence[FragmentVersion]) -> int:
-        return await self.inner.offer(held)
 
-    def __getattr__(self, name: str) -> Any:  # current_syncer, forget_syncer, ... of the framed transport
-        return getattr(self.inner, name)
-
-
-class CopySourceTransport:
+class CopySourceTransport(_Wrapping):
     """An honest learner's transport that also leaves every contribution the syncer took in the copycat's channel
     (`HIVENODE_UNSAFE_COPY_SOURCE`); what it pushes is untouched."""
 
@@ -292,18 +301,6 @@ class CopySourceTransport:
             except OSError as e:  # the channel is the benchmark's, not the run's: the push stands
                 logger.warning("copy channel: cannot write: %s", e)
         return receipt
-
-    async def versions(self, known: Sequence[int], wait_s: float) -> VersionsView:
-        return await self.inner.versions(known, wait_s)
-
-    async def fetch(self, fragment: int) -> FragmentVersion:
-        return await self.inner.fetch(fragment)
-
-    async def offer(self, held: Sequence[FragmentVersion]) -> int:
-        return await self.inner.offer(held)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
 
 def _retrieved(task: asyncio.Future[PushReceipt]) -> None:

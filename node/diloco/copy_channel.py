@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import safe_open, save_file
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +63,9 @@ class CopyChannel:
         if not path.exists():
             return None
         try:
-            with safe_open(str(path), framework="pt") as handle:
+            with safe_open(str(path), framework="pt") as handle:  # one read: metadata and tensors
                 meta = handle.metadata() or {}
-            tensors = load_file(str(path))
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             logger.warning("copy channel: %s does not read: %s", path.name, e)
             return None

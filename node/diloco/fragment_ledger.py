@@ -178,11 +178,10 @@ class FragmentLedger:
 
     # ---- the watcher's side ----
 
-    def join(self, view: VersionsView, fetched: Sequence[FragmentVersion]) -> int:
-        """Load the run's current versions and put the schedule in phase with it; returns the clock used."""
+    def join(self, view: VersionsView) -> int:
+        """Put the schedule in phase with the run's versions (loaded first, `load`); returns the clock used."""
         with self.lock:
             self.view = view
-        self.load(fetched)
         clock = self.open_round() if view.barrier else view.clock
         with self.lock:
             self.timer.offset = max(0, clock - self.step)

@@ -342,7 +342,7 @@ class SyncWatcher:
                     await asyncio.wait_for(stop.wait(), backoff)
                 backoff = min(backoff * 2, self.config.retry_max_s)
                 continue
-            clock = self.ledger.join(view, ())
+            clock = self.ledger.join(view)
             logger.info(
                 "loaded %d global fragments from syncer %s (term %d), schedule clock %d",
                 len(loaded),

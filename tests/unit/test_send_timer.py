@@ -166,7 +166,8 @@ def test_a_rejoin_on_versions_fetched_before_our_send_does_not_send_that_fragmen
     book = ledger(now, barrier=True)
     current = [merged(0, 5, 1.0), merged(1, 5, 1.0)]  # rounds 1..5 of both fragments merged
     view = VersionsView(versions=(5, 5), term=1, syncer="s", barrier=True)
-    assert book.join(view, current) == 21  # fragment 0's round 6 (step 22) is the earliest open one
+    book.load(current)
+    assert book.join(view) == 21  # fragment 0's round 6 (step 22) is the earliest open one
     assert book.after_inner_step(1, tokens=1)
     sent = book.outbox[0]
     assert (sent.fragment, sent.base_version, sent.sched_step) == (0, 5, 22)
