@@ -217,6 +217,7 @@ class AttackingTransport(_Wrapping):
         self._template[c.fragment] = c
         if self._watch is None:
             self._watch = asyncio.ensure_future(self._watch_source())
+            self._watch.add_done_callback(_watcher_done)
         key = (c.fragment, c.base_version)
         if key not in self._copies:
             source = await self._wait_for_source(c)
@@ -273,6 +274,15 @@ class AttackingTransport(_Wrapping):
             self._copies.pop((c.fragment, c.base_version), None)  # not taken: copy it again
             raise
 
+    async def aclose(self) -> None:
+        """Cancel the copycat's watcher and the copies it is pushing (the learner role calls this when it stops)."""
+        pending = [t for t in (self._watch, *self._copies.values()) if t is not None and not t.done()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        self._watch = None
+        self._copies.clear()
+
     async def fetch(self, fragment: int) -> FragmentVersion:
         version = await self.inner.fetch(fragment)
         if self.kind in ("freeride", "copycat"):  # the bases of later pushes (see `_base_of`)
@@ -307,6 +317,12 @@ def _retrieved(task: asyncio.Future[PushReceipt]) -> None:
     """A watcher's copy nobody awaits: its failure is logged, not left to the loop's unretrieved warning."""
     if not task.cancelled() and (error := task.exception()) is not None:
         logger.info("copycat: a copy was not taken: %s", error)
+
+
+def _watcher_done(task: asyncio.Future[None]) -> None:
+    """The copy watcher ends only when cancelled (`aclose`); anything else it died of is logged."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        logger.error("copycat: the source watcher died: %r", error)
 
 
 def _banner(what: str) -> None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from node.config import component_config
-from node.diloco.attack_transport import learner_attack_from_env
+from node.diloco.attack_transport import AttackingTransport, learner_attack_from_env
 from node.diloco.sync_client import FragmentSync, FramedSyncTransport, run_fragment_plan
 from node.diloco.sync_types import SyncClientConfig
 from node.ml.device import autocast
@@ -183,7 +183,11 @@ class LearnerRole:
             self.joined_from_syncer = False
         ctx.events.emit("learner_joined", from_syncer=self.joined_from_syncer, versions=self.sync.versions())
         self.state = "training"
-        await self._train(stop, held_out)
+        try:
+            await self._train(stop, held_out)
+        finally:
+            if isinstance(transport, AttackingTransport):
+                await transport.aclose()  # its copy watcher and pushes (benchmarks only)
 
     def _prepare(self, train: Any = None, held: Any = None) -> list[Any]:
         """Model, optimizer, data, held-out batches (in a worker thread: torch and file I/O). `train`/`held`:

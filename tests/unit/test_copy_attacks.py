@@ -234,3 +234,20 @@ def test_the_copycats_watcher_copies_as_soon_as_the_source_wrote_and_pushes_each
         assert receipt.target_version == 4 and len(syncer.pushed) == 2  # answered by the watcher's push
 
     asyncio.run(scenario())
+
+
+def test_a_closed_copycat_stops_its_watcher_and_copies_nothing_more(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        channel, syncer = CopyChannel(tmp_path), Inner()
+        copycat = AttackingTransport(syncer, "copycat", 0.01, channel=channel, copy_wait_s=0.05)
+        await copycat.fetch(0)
+        with pytest.raises(SyncDeferred):  # starts the watcher
+            await copycat.push(contribution(work(CURRENT, seed=9)))
+        before = {t for t in asyncio.all_tasks() if not t.done()}
+        await copycat.aclose()
+        assert not {t for t in asyncio.all_tasks() if not t.done()} & before - {asyncio.current_task()}
+        await CopySourceTransport(syncer, channel).push(contribution(work(CURRENT, seed=10)))
+        await asyncio.sleep(0.2)  # several of the watcher's polls, had it still run
+        assert len(syncer.pushed) == 1  # the source's push only: no copy
+
+    asyncio.run(scenario())
