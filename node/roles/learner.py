@@ -33,7 +33,7 @@ import torch
 from node.config import component_config
 from node.diloco.attack_transport import AttackingTransport, learner_attack_from_env
 from node.diloco.sync_client import FragmentSync, FramedSyncTransport, run_fragment_plan
-from node.diloco.sync_types import SyncClientConfig
+from node.diloco.sync_types import SyncClientConfig, SyncTransport
 from node.ml.device import autocast
 
 if TYPE_CHECKING:
@@ -138,22 +138,7 @@ class LearnerRole:
         if self._shards is not None:
             ctx.supervisor.spawn("data-rebalance", partial(self._rebalance, stop), policy=RestartPolicy())
         plan = run_fragment_plan(ctx.manifest)
-        p2p = await ctx.dht.replicate_p2p()
-        from node.swarm.admission import admission_meta
-
-        # the run's admission cost, paid once per identity (cached); nothing to pay where no syncer can exist
-        admission = await admission_meta(ctx) if ctx.manifest.authorized_syncers else None
-        transport = learner_attack_from_env(  # only ever through HIVENODE_UNSAFE_LEARNER_ATTACK (benchmarks)
-            FramedSyncTransport(
-                p2p,
-                ctx.identity,
-                ctx.records,
-                plan,
-                authorized_syncers=ctx.manifest.authorized_syncers,
-                lookup_period_s=ctx.manifest.heartbeat_period_s,
-                admission=admission,
-            )
-        )
+        transport = await self._transport(ctx, plan)
         assert self._model is not None
         barrier = getattr(ctx.manifest.diloco, "mode", "decoupled") != "decoupled"
         sync_config = SyncClientConfig(
@@ -188,6 +173,25 @@ class LearnerRole:
         finally:
             if isinstance(transport, AttackingTransport):
                 await transport.aclose()  # its copy watcher and pushes (benchmarks only)
+
+    async def _transport(self, ctx: NodeContext, plan: Any) -> SyncTransport:
+        """The framed transport to the run's syncers, wrapped by a poisoning one only through
+        HIVENODE_UNSAFE_LEARNER_ATTACK (benchmarks)."""
+        p2p = await ctx.dht.replicate_p2p()
+        from node.swarm.admission import admission_meta
+
+        # the run's admission cost, paid once per identity (cached); nothing to pay where no syncer can exist
+        admission = await admission_meta(ctx) if ctx.manifest.authorized_syncers else None
+        framed = FramedSyncTransport(
+            p2p,
+            ctx.identity,
+            ctx.records,
+            plan,
+            authorized_syncers=ctx.manifest.authorized_syncers,
+            lookup_period_s=ctx.manifest.heartbeat_period_s,
+            admission=admission,
+        )
+        return learner_attack_from_env(framed)
 
     def _prepare(self, train: Any = None, held: Any = None) -> list[Any]:
         """Model, optimizer, data, held-out batches (in a worker thread: torch and file I/O). `train`/`held`:
