@@ -258,6 +258,64 @@ class ReceiverCrypto:
         return spent
 
 
+def _daemon_pid(p2p: P2P) -> int:
+    return int(p2p._child.pid)  # type: ignore[attr-defined]  # hivemind keeps its p2pd process private
+
+
+_CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all its threads (Linux /proc; 0 where unreadable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS_PER_S
+
+
+@dataclasses.dataclass
+class CpuMeter:
+    """The processes of a transfer in two groups: the Python ends (event loop plus hashing thread) and the daemons."""
+
+    python: list[int]
+    p2pd: list[int]
+
+    def read(self) -> dict[str, float]:
+        return {
+            group: sum(map(process_cpu_s, pids))
+            for group, pids in (("python", self.python), ("p2pd", self.p2pd))
+        }
+
+
+class CpuTally:
+    """CPU seconds per path and group over the turns. /proc counts in clock ticks (10 ms), so only the mean over
+    many turns means anything: it tells where the wall time the crypto adds goes (its CPU, or waiting)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, dict[str, float]] = {}
+        self._counts: dict[str, int] = {}
+
+    def add(self, path: str, cpu_s: dict[str, float]) -> None:
+        sums = self._sums.setdefault(path, {})
+        for group, seconds in cpu_s.items():
+            sums[group] = sums.get(group, 0.0) + seconds
+        self._counts[path] = self._counts.get(path, 0) + 1
+
+    def summary(self) -> dict[str, float]:
+        means = {
+            f"cpu_{path}_{group}_s": total / self._counts[path]
+            for path, sums in self._sums.items()
+            for group, total in sums.items()
+            if path in ("transfer", "streamed", "streamed_nocrypto")
+        }
+        if "cpu_streamed_python_s" in means:
+            means["crypto_cpu_added_s"] = (
+                means["cpu_streamed_python_s"] - means["cpu_streamed_nocrypto_python_s"]
+            )
+        return means
+
+
 def _context(receiver: str) -> Context:
     return Context(
         run_id="bench", kind=Kind.ACTIVATION, receiver=receiver, stage=0, direction=Direction.FORWARD
@@ -305,7 +363,10 @@ async def serve_receiver(key_path: str) -> None:
     with switch.installed():
         await server.start()
         try:
-            print(json.dumps({"maddrs": [str(a) for a in await p2p.get_visible_maddrs()]}), flush=True)
+            maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
+            print(
+                json.dumps({"maddrs": maddrs, "pid": os.getpid(), "p2pd_pid": _daemon_pid(p2p)}), flush=True
+            )
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the sender is done
         finally:
             await server.stop()
@@ -313,8 +374,8 @@ async def serve_receiver(key_path: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _receiver_process(key_path: Path, keep_freed: bool) -> AsyncIterator[list[str]]:
-    """`serve_receiver` in a child process (this checkout's code); yields its addresses."""
+async def _receiver_process(key_path: Path, keep_freed: bool) -> AsyncIterator[dict[str, Any]]:
+    """`serve_receiver` in a child process (this checkout's code); yields its hello (addresses and pids)."""
     args = [sys.executable, "-m", "benchmarks.protocol", "--serve", str(key_path)]
     child = await asyncio.create_subprocess_exec(
         *args,
@@ -328,7 +389,7 @@ async def _receiver_process(key_path: Path, keep_freed: bool) -> AsyncIterator[l
         line = await asyncio.wait_for(child.stdout.readline(), 60)
         if not line:
             raise RuntimeError(f"receiver process exited with {await child.wait()}")
-        yield json.loads(line)["maddrs"]
+        yield json.loads(line)
     finally:
         child.stdin.close()
         try:
@@ -346,9 +407,9 @@ async def measure_wire(reps: int, *, separate: bool, keep_freed: bool) -> dict[i
         client_id = NodeIdentity.load_or_create(Path(tmp) / "client.key")
         async with contextlib.AsyncExitStack() as stack:
             if separate:
-                maddrs: list[Any] = await stack.enter_async_context(
-                    _receiver_process(server_id.path, keep_freed)
-                )
+                hello = await stack.enter_async_context(_receiver_process(server_id.path, keep_freed))
+                maddrs: list[Any] = hello["maddrs"]
+                meter = CpuMeter(python=[os.getpid(), hello["pid"]], p2pd=[hello["p2pd_pid"]])
             else:
                 server_p2p = await P2P.create(identity_path=str(server_id.path), check_if_identity_free=False)
                 stack.push_async_callback(server_p2p.shutdown)
@@ -356,12 +417,16 @@ async def measure_wire(reps: int, *, separate: bool, keep_freed: bool) -> dict[i
                 await server.start()
                 stack.push_async_callback(server.stop)
                 maddrs = await server_p2p.get_visible_maddrs()
+                meter = CpuMeter(python=[os.getpid()], p2pd=[_daemon_pid(server_p2p)])
             client_p2p = await P2P.create(
                 initial_peers=maddrs, identity_path=str(client_id.path), check_if_identity_free=False
             )
             stack.push_async_callback(client_p2p.shutdown)
+            meter.p2pd.append(_daemon_pid(client_p2p))
             return {
-                mib: await _measure_size(client_p2p, server_id, client_id, mib, reps, separate=separate)
+                mib: await _measure_size(
+                    client_p2p, server_id, client_id, mib, reps, separate=separate, meter=meter
+                )
                 for mib in SIZES_MIB
             }
 
@@ -407,7 +472,14 @@ def _paths(
 
 
 async def _measure_size(
-    client_p2p: P2P, server_id: NodeIdentity, client_id: NodeIdentity, mib: int, reps: int, *, separate: bool
+    client_p2p: P2P,
+    server_id: NodeIdentity,
+    client_id: NodeIdentity,
+    mib: int,
+    reps: int,
+    *,
+    separate: bool,
+    meter: CpuMeter,
 ) -> dict[str, float]:
     reps = max(9, reps * 4 // (mib + 3))  # fewer repetitions for the big sizes
     tensor = torch.randn(mib * MIB // 4)
@@ -435,37 +507,41 @@ async def _measure_size(
         codec.tensor_bytes(tensor),
     )
     times: dict[str, list[float]] = {name: [] for name in paths}
-    crypto_samples, failed_turns = [], 0
+    crypto_samples, failed_turns, cpu = [], 0, CpuTally()
     for _ in range(reps):  # in turns, so that every path sees the same background load
         try:
-            turn = await _turn(paths, in_path, receiver_crypto)
-        except (
-            ProtocolError
-        ) as e:  # a stream the daemons dropped (seen on this shared box): the turn is not counted
+            turn = await _turn(paths, in_path, receiver_crypto, meter)
+        # a stream the daemons dropped (seen on this shared box): the turn is not counted
+        except ProtocolError as e:
             failed_turns += 1
             print(f"  {mib} MiB: a turn failed ({e!r}), not counted", file=sys.stderr)
             if failed_turns > reps // 10:
                 raise
             continue
-        for name, elapsed in turn.items():
+        for name, (elapsed, cpu_s) in turn.items():
             times[name].append(elapsed)
+            cpu.add(name, cpu_s)
         crypto_samples.append(crypto_costs_s(client_id, frame, payload))
     crypto = {key: statistics.median(sample[key] for sample in crypto_samples) for key in crypto_samples[0]}
-    return _summary(mib, reps, times, in_path, crypto) | {"failed_turns": failed_turns}
+    return _summary(mib, reps, times, in_path, crypto) | cpu.summary() | {"failed_turns": failed_turns}
 
 
 async def _turn(
     paths: dict[str, Callable[[], Awaitable[None]]],
     in_path: dict[str, list[float]],
     receiver_crypto: Callable[[bool], Awaitable[float]],
-) -> dict[str, float]:
-    """One round trip on every path, in order; the wall time of each."""
+    meter: CpuMeter,
+) -> dict[str, tuple[float, dict[str, float]]]:
+    """One round trip on every path, in order; the wall time of each and the CPU time each group of processes
+    spent meanwhile."""
     times = {}
     for name, once in paths.items():
         await receiver_crypto(name.endswith("nocrypto"))
+        cpu_before = meter.read()
         start = time.perf_counter()
         await once()
-        times[name] = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        times[name] = elapsed, {group: t - cpu_before[group] for group, t in meter.read().items()}
         if name in in_path:  # the receiver's share of this call's crypto time
             in_path[name][-1] += await receiver_crypto(False)
     return times
@@ -621,7 +697,11 @@ def _print(headline: dict[str, float], runs: dict[str, dict[str, Any]]) -> None:
                     f"old path {f['old_signing_share']:.2%}; in path {f['crypto_in_path_share']:.2%}, "
                     f"old {f['old_crypto_in_path_share']:.2%}; alone {f['crypto_cpu_share']:.2%}), "
                     f"end-to-end overhead {f['end_to_end_overhead']:+.1%}; share 95% interval "
-                    f"[{f['signing_share_ci95_low']:.2%}, {f['signing_share_ci95_high']:.2%}]"
+                    f"[{f['signing_share_ci95_low']:.2%}, {f['signing_share_ci95_high']:.2%}]; CPU per call (python, p2pd) "
+                    f"transfer {f['cpu_transfer_python_s'] * 1e3:.1f}, {f['cpu_transfer_p2pd_s'] * 1e3:.1f} ms, "
+                    f"signed {f['cpu_streamed_python_s'] * 1e3:.1f}, {f['cpu_streamed_p2pd_s'] * 1e3:.1f} ms, "
+                    f"crypto off {f['cpu_streamed_nocrypto_python_s'] * 1e3:.1f}, "
+                    f"{f['cpu_streamed_nocrypto_p2pd_s'] * 1e3:.1f} ms"
                 )
 
 
