@@ -1,6 +1,6 @@
 """Cost of the signed wire protocol next to the transfer it protects, and of the tensor codec next to a clone.
 
-Two hivemind P2P daemons on loopback in one process; requests go through our bounded framed streams
+Two hivemind P2P daemons on loopback, a sender and a receiver; requests go through our bounded framed streams
 (`protocol.rpc`, raw libp2p streams through p2pd). For 1, 4 and 16 MiB float32 activations (plus 64 MiB for
 throughput), sampled in turns so that every path sees the same background load, it measures:
 
@@ -9,7 +9,8 @@ throughput), sampled in turns so that every path sees the same background load, 
 - `signing_share` (the headline, goal < 3 %): the wall time the crypto adds to the streaming path
   (`seal_streaming`: payload sent first straight from the tensor and hashed piece by piece as it is written, head
   signed and sent last; the receiver hashes each chunk as it lands), as the median over turns of (signed round trip -
-  the same path with every digest, signature and verification switched off, see `crypto_off`) / `transfer_s`;
+  the same path with every digest, signature and verification switched off, see `crypto_off`) / `transfer_s`, with
+  a 95 % bootstrap interval over turns (`signing_share_ci95_low`/`_high`): the noise of this shared box;
 - `old_signing_share`: the same for the previous path, measured in the same turns: `seal` copies the tensor into the
   frame and hashes it before a byte is sent, then the frame streams (the receiver side is the same);
 - `crypto_in_path_share` / `old_crypto_in_path_share`: the time spent inside the crypto calls of both ends (every
@@ -20,19 +21,30 @@ throughput), sampled in turns so that every path sees the same background load, 
 - `end_to_end_overhead` = median(signed, streaming) / median(transfer) - 1: crypto plus header and finite check
   (`old_end_to_end_overhead`: the previous path, which also copies the tensor into the frame).
 
-Sender and receiver live in one process here (one event loop thread for both ends, plus two p2pd daemons), on a
-2-core machine shared with other work: read the figures with the load average recorded beside them.
+Every figure is measured twice, in two layouts:
+
+- `wire_separate` (the headline): the receiver runs in a process of its own (`serve_receiver`, started by this one),
+  as on a real pair of nodes. Each end then has its own event loop, GIL and hashing thread, so one end's hashing
+  overlaps the other end's I/O as it does between two machines; the sender switches the receiver's crypto per path
+  over a `mode` route (`ReceiverCrypto`), outside the timed call, and that answer carries the receiver's time in
+  crypto calls for `crypto_in_path_share`.
+- `wire` (secondary, the figure before): both ends in this process, on one event loop thread and one hashing
+  thread, so both ends' hashing serializes with all the I/O, which no real transfer does.
+
+Both layouts still share this machine's 2 cores with two p2pd daemons and other work: the crypto can hide behind
+the transfer only where a core is idle, so read the figures with the load average recorded beside them. A turn in
+which the daemons dropped a stream is not counted (`failed_turns`; the run stops past a tenth of the turns).
 
 Codec: `codec_vs_clone` = throughput of the codec round trip (tensor -> wire bytes -> checked tensor, i.e. two copies
 and a finite-value scan) divided by the throughput of `tensor.clone()` of the same 16 MiB tensor (one copy).
 
-Everything is measured twice: with glibc's default allocator (the headline: what a node gets today), then after
+Everything is measured again under two allocators: with glibc's default allocator (the headline: what a node gets today), then after
 `mallopt` tells glibc to keep freed memory (see `keep_freed_memory`), which removes the page faults of fresh
 multi-MiB buffers that otherwise dominate the codec and part of the signed path.
 
 Torch runs with one intra-op thread (see `main`). BLAKE3 hashes on one thread on the stream and in `seal` (pieces hot
 in cache), and with its own threads from 1 MiB in the timed-alone digest.
-Run: `python -m benchmarks.protocol [--reps N]`.
+Run: `python -m benchmarks.protocol [--reps N] [--default-malloc-only]`.
 """
 
 from __future__ import annotations
@@ -42,12 +54,15 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import json
 import os
+import random
 import statistics
+import struct
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +83,7 @@ from protocol.envelope import (
     seal,
     seal_streaming,
 )
+from protocol.errors import ProtocolError
 from protocol.identity import NodeIdentity, verify_signature
 from protocol.replay import ReplayGuard
 from protocol.rpc import FramedServer, Route, StreamConfig, call_framed, route_limits
@@ -214,61 +230,209 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_trim_threshold, 1 << 30) and libc.mallopt(m_mmap_threshold, 256 << 20))
 
 
-async def measure_wire(reps: int) -> dict[int, dict[str, float]]:
+class ReceiverCrypto:
+    """The receiver's crypto when it runs in a process of its own (`serve_receiver`): the sender switches it per
+    path over the `mode` route, off (as `crypto_off`) or timed (as `crypto_timed`); each switch answers the time
+    the receiver spent inside its crypto calls since the last one."""
+
+    def __init__(self) -> None:
+        self.off = False
+        self.clock = [0.0]
+
+    def installed(self) -> contextlib.AbstractContextManager[None]:
+        new_hasher, verify, sign = envelope._new_hasher, envelope.verify_signature, NodeIdentity.sign
+        timed_verify = _timed(verify, self.clock)
+
+        def hasher(num_bytes: int, parallel: bool = False) -> Any:
+            return (
+                _NoHash() if self.off else _TimedHasher(new_hasher(num_bytes, parallel=parallel), self.clock)
+            )
+
+        def check(peer_id: str, data: bytes, signature: bytes) -> bool:
+            return True if self.off else bool(timed_verify(peer_id, data, signature))
+
+        return _crypto_replaced(hasher, check, sign)
+
+    def switch(self, off: bool) -> float:
+        spent, self.clock[0], self.off = self.clock[0], 0.0, off
+        return spent
+
+
+def _daemon_pid(p2p: P2P) -> int:
+    return int(p2p._child.pid)  # type: ignore[attr-defined]  # hivemind keeps its p2pd process private
+
+
+_CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all its threads (Linux /proc; 0 where unreadable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS_PER_S
+
+
+@dataclasses.dataclass
+class CpuMeter:
+    """The processes of a transfer in two groups: the Python ends (event loop plus hashing thread) and the daemons."""
+
+    python: list[int]
+    p2pd: list[int]
+
+    def read(self) -> dict[str, float]:
+        return {
+            group: sum(map(process_cpu_s, pids))
+            for group, pids in (("python", self.python), ("p2pd", self.p2pd))
+        }
+
+
+class CpuTally:
+    """CPU seconds per path and group over the turns. /proc counts in clock ticks (10 ms), so only the mean over
+    many turns means anything: it tells where the wall time the crypto adds goes (its CPU, or waiting)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, dict[str, float]] = {}
+        self._counts: dict[str, int] = {}
+
+    def add(self, path: str, cpu_s: dict[str, float]) -> None:
+        sums = self._sums.setdefault(path, {})
+        for group, seconds in cpu_s.items():
+            sums[group] = sums.get(group, 0.0) + seconds
+        self._counts[path] = self._counts.get(path, 0) + 1
+
+    def summary(self) -> dict[str, float]:
+        means = {
+            f"cpu_{path}_{group}_s": total / self._counts[path]
+            for path, sums in self._sums.items()
+            for group, total in sums.items()
+            if path in ("transfer", "streamed", "streamed_nocrypto")
+        }
+        if "cpu_streamed_python_s" in means:
+            means["crypto_cpu_added_s"] = (
+                means["cpu_streamed_python_s"] - means["cpu_streamed_nocrypto_python_s"]
+            )
+        return means
+
+
+def _context(receiver: str) -> Context:
+    return Context(
+        run_id="bench", kind=Kind.ACTIVATION, receiver=receiver, stage=0, direction=Direction.FORWARD
+    )
+
+
+def _server(p2p: P2P, receiver: str, switch: ReceiverCrypto | None) -> FramedServer:
+    """The receiving end: an unsigned route, a signed one (the payload digest runs while the chunks arrive) and,
+    when the receiver has a process of its own, the `mode` route that switches its crypto."""
+    ctx, guard = _context(receiver), ReplayGuard()
+
+    async def raw(frame: bytearray, remote_peer: str) -> bytes:
+        tensor = torch.frombuffer(frame, dtype=torch.float32)  # the unsigned baseline: no checks at all
+        return tensor[:8].numpy().tobytes()
+
+    async def signed(frame: bytearray, remote_peer: str) -> bytes:
+        _, tensor = open_frame(
+            frame, remote_peer=remote_peer, expect=ctx, limits=LIMITS, replay=guard, now=time.time()
+        )
+        return tensor[:8].numpy().tobytes()
+
+    cap = max_frame_bytes(LIMITS)
+    routes = {"raw": Route(raw, cap, digest_payload=False), "signed": Route(signed, cap)}
+    if switch is not None:
+
+        async def mode(body: bytearray, remote_peer: str) -> bytes:
+            return struct.pack(">d", switch.switch(off=bytes(body) == b"off"))
+
+        routes["mode"] = Route(mode, 8, digest_payload=False)
+    # One 64 MiB frame is over the default bytes-in-flight cap of a peer; the benchmark measures the path, not it.
+    limits = dataclasses.replace(
+        route_limits(routes, StreamConfig()),
+        max_bytes_in_flight_per_peer=2 * cap,
+        max_bytes_in_flight_total=4 * cap,
+    )
+    return FramedServer(p2p, routes, limits=limits)
+
+
+async def serve_receiver(key_path: str) -> None:
+    """The receiving end in a process of its own: prints its addresses as one JSON line, serves until stdin closes."""
+    identity = NodeIdentity.load_or_create(Path(key_path))
+    p2p = await P2P.create(identity_path=str(identity.path), check_if_identity_free=False)
+    switch = ReceiverCrypto()
+    server = _server(p2p, identity.peer_id, switch)
+    with switch.installed():
+        await server.start()
+        try:
+            maddrs = [str(a) for a in await p2p.get_visible_maddrs()]
+            print(
+                json.dumps({"maddrs": maddrs, "pid": os.getpid(), "p2pd_pid": _daemon_pid(p2p)}), flush=True
+            )
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the sender is done
+        finally:
+            await server.stop()
+            await p2p.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def _receiver_process(key_path: Path, keep_freed: bool) -> AsyncIterator[dict[str, Any]]:
+    """`serve_receiver` in a child process (this checkout's code); yields its hello (addresses and pids)."""
+    args = [sys.executable, "-m", "benchmarks.protocol", "--serve", str(key_path)]
+    child = await asyncio.create_subprocess_exec(
+        *args,
+        *(["--keep-freed-memory"] if keep_freed else []),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        line = await asyncio.wait_for(child.stdout.readline(), 60)
+        if not line:
+            raise RuntimeError(f"receiver process exited with {await child.wait()}")
+        yield json.loads(line)
+    finally:
+        child.stdin.close()
+        try:
+            await asyncio.wait_for(child.wait(), 30)
+        except asyncio.TimeoutError:
+            child.kill()
+            await child.wait()
+
+
+async def measure_wire(reps: int, *, separate: bool, keep_freed: bool) -> dict[int, dict[str, float]]:
+    """The wire figures, with the receiver in this process (`separate` False: one event loop for both ends) or in a
+    process of its own (then its crypto is switched per path over the `mode` route)."""
     with tempfile.TemporaryDirectory() as tmp:
         server_id = NodeIdentity.load_or_create(Path(tmp) / "server.key")
         client_id = NodeIdentity.load_or_create(Path(tmp) / "client.key")
-        server_p2p = await P2P.create(identity_path=str(server_id.path), check_if_identity_free=False)
-        client_p2p = await P2P.create(
-            initial_peers=await server_p2p.get_visible_maddrs(),
-            identity_path=str(client_id.path),
-            check_if_identity_free=False,
-        )
-        ctx = Context(
-            run_id="bench",
-            kind=Kind.ACTIVATION,
-            receiver=server_id.peer_id,
-            stage=0,
-            direction=Direction.FORWARD,
-        )
-        guard = ReplayGuard()
-
-        async def raw(frame: bytearray, remote_peer: str) -> bytes:
-            tensor = torch.frombuffer(frame, dtype=torch.float32)  # the unsigned baseline: no checks at all
-            return tensor[:8].numpy().tobytes()
-
-        async def signed(frame: bytearray, remote_peer: str) -> bytes:
-            _, tensor = open_frame(
-                frame, remote_peer=remote_peer, expect=ctx, limits=LIMITS, replay=guard, now=time.time()
+        async with contextlib.AsyncExitStack() as stack:
+            if separate:
+                hello = await stack.enter_async_context(_receiver_process(server_id.path, keep_freed))
+                maddrs: list[Any] = hello["maddrs"]
+                meter = CpuMeter(python=[os.getpid(), hello["pid"]], p2pd=[hello["p2pd_pid"]])
+            else:
+                server_p2p = await P2P.create(identity_path=str(server_id.path), check_if_identity_free=False)
+                stack.push_async_callback(server_p2p.shutdown)
+                server = _server(server_p2p, server_id.peer_id, None)
+                await server.start()
+                stack.push_async_callback(server.stop)
+                maddrs = await server_p2p.get_visible_maddrs()
+                meter = CpuMeter(python=[os.getpid()], p2pd=[_daemon_pid(server_p2p)])
+            client_p2p = await P2P.create(
+                initial_peers=maddrs, identity_path=str(client_id.path), check_if_identity_free=False
             )
-            return tensor[:8].numpy().tobytes()
-
-        cap = max_frame_bytes(LIMITS)
-        routes = {
-            "raw": Route(raw, cap, digest_payload=False),
-            "signed": Route(signed, cap),  # the payload digest runs while the chunks arrive
-        }
-        # One 64 MiB frame is over the default bytes-in-flight cap of a peer; the benchmark measures the path, not it.
-        limits = dataclasses.replace(
-            route_limits(routes, StreamConfig()),
-            max_bytes_in_flight_per_peer=2 * cap,
-            max_bytes_in_flight_total=4 * cap,
-        )
-        server = FramedServer(server_p2p, routes, limits=limits)
-        await server.start()
-        try:
+            stack.push_async_callback(client_p2p.shutdown)
+            meter.p2pd.append(_daemon_pid(client_p2p))
             return {
-                mib: await _measure_size(client_p2p, server_id, client_id, ctx, mib, reps)
+                mib: await _measure_size(
+                    client_p2p, server_id, client_id, mib, reps, separate=separate, meter=meter
+                )
                 for mib in SIZES_MIB
             }
-        finally:
-            await server.stop()
-            await client_p2p.shutdown()
-            await server_p2p.shutdown()
 
 
 def _paths(
-    call: Callable[[str, Any], Awaitable[None]], client_id: NodeIdentity, ctx: Context, tensor: torch.Tensor
+    call: Callable[[str, Any], Awaitable[bytes]], client_id: NodeIdentity, ctx: Context, tensor: torch.Tensor
 ) -> tuple[dict[str, Callable[[], Awaitable[None]]], dict[str, list[float]]]:
     """The round trips measured in turns, and the crypto time each signed one spends in the path."""
     counter = iter(range(1 << 30))
@@ -308,33 +472,93 @@ def _paths(
 
 
 async def _measure_size(
-    client_p2p: P2P, server_id: NodeIdentity, client_id: NodeIdentity, ctx: Context, mib: int, reps: int
+    client_p2p: P2P,
+    server_id: NodeIdentity,
+    client_id: NodeIdentity,
+    mib: int,
+    reps: int,
+    *,
+    separate: bool,
+    meter: CpuMeter,
 ) -> dict[str, float]:
     reps = max(9, reps * 4 // (mib + 3))  # fewer repetitions for the big sizes
     tensor = torch.randn(mib * MIB // 4)
 
-    async def call(name: str, frame: Any) -> None:
-        await call_framed(client_p2p, server_id.peer_id, name, frame, max_response_bytes=64, timeout_s=60)
+    async def call(name: str, frame: Any) -> bytes:
+        return await call_framed(
+            client_p2p, server_id.peer_id, name, frame, max_response_bytes=64, timeout_s=60
+        )
 
-    paths, in_path = _paths(call, client_id, ctx, tensor)
-    for once in paths.values():  # warm the connection and every path
+    async def receiver_crypto(off: bool) -> float:
+        """Switch the receiver's crypto (its own process only); the time it spent in crypto calls until now."""
+        if not separate:
+            return 0.0  # one process: the sender's switches cover both ends
+        return float(struct.unpack(">d", await call("mode", b"off" if off else b"on"))[0])
+
+    paths, in_path = _paths(call, client_id, _context(server_id.peer_id), tensor)
+    for name, once in paths.items():  # warm the connection and every path
+        await receiver_crypto(off=name.endswith("nocrypto"))
         await once()
+    await receiver_crypto(off=False)
     for clocks in in_path.values():
         clocks.clear()
     frame, payload = (
-        seal(client_id, ctx, microbatch=0, step=1, now=time.time(), tensor=tensor),
+        seal(client_id, _context(server_id.peer_id), microbatch=0, step=1, now=time.time(), tensor=tensor),
         codec.tensor_bytes(tensor),
     )
     times: dict[str, list[float]] = {name: [] for name in paths}
-    crypto_samples = []
+    crypto_samples, failed_turns, cpu = [], 0, CpuTally()
     for _ in range(reps):  # in turns, so that every path sees the same background load
-        for name, once in paths.items():
-            start = time.perf_counter()
-            await once()
-            times[name].append(time.perf_counter() - start)
+        try:
+            turn = await _turn(paths, in_path, receiver_crypto, meter)
+        # a stream the daemons dropped (seen on this shared box): the turn is not counted
+        except ProtocolError as e:
+            failed_turns += 1
+            print(f"  {mib} MiB: a turn failed ({e!r}), not counted", file=sys.stderr)
+            if failed_turns > reps // 10:
+                raise
+            continue
+        for name, (elapsed, cpu_s) in turn.items():
+            times[name].append(elapsed)
+            cpu.add(name, cpu_s)
         crypto_samples.append(crypto_costs_s(client_id, frame, payload))
     crypto = {key: statistics.median(sample[key] for sample in crypto_samples) for key in crypto_samples[0]}
-    return _summary(mib, reps, times, in_path, crypto)
+    return _summary(mib, reps, times, in_path, crypto) | cpu.summary() | {"failed_turns": failed_turns}
+
+
+async def _turn(
+    paths: dict[str, Callable[[], Awaitable[None]]],
+    in_path: dict[str, list[float]],
+    receiver_crypto: Callable[[bool], Awaitable[float]],
+    meter: CpuMeter,
+) -> dict[str, tuple[float, dict[str, float]]]:
+    """One round trip on every path, in order; the wall time of each and the CPU time each group of processes
+    spent meanwhile."""
+    times = {}
+    for name, once in paths.items():
+        await receiver_crypto(name.endswith("nocrypto"))
+        cpu_before = meter.read()
+        start = time.perf_counter()
+        await once()
+        elapsed = time.perf_counter() - start
+        times[name] = elapsed, {group: t - cpu_before[group] for group, t in meter.read().items()}
+        if name in in_path:  # the receiver's share of this call's crypto time
+            in_path[name][-1] += await receiver_crypto(False)
+    return times
+
+
+def _share_interval(times: dict[str, list[float]], resamples: int = 2000) -> tuple[float, float]:
+    """A 95 % bootstrap interval of `signing_share` (turns resampled whole): how far the noise of this shared box
+    leaves the figure open."""
+    rng = random.Random(0)
+    turns = list(zip(times["transfer"], times["streamed"], times["streamed_nocrypto"], strict=True))
+    shares = []
+    for _ in range(resamples):
+        sample = rng.choices(turns, k=len(turns))
+        wall_s = statistics.median(s - n for _, s, n in sample)
+        shares.append(wall_s / statistics.median(t for t, _, _ in sample))
+    shares.sort()
+    return shares[int(0.025 * resamples)], shares[int(0.975 * resamples) - 1]
 
 
 def _summary(
@@ -352,7 +576,10 @@ def _summary(
         for name in ("streamed", "sealed")
     )
     crypto_s, old_crypto_s = (statistics.median(in_path[name]) for name in ("streamed", "sealed"))
+    low, high = _share_interval(times)
     return {
+        "signing_share_ci95_low": low,
+        "signing_share_ci95_high": high,
         "reps": reps,
         "transfer_s": transfer_s,
         **{f"{name}_transfer_s": median[name] for name in times if name != "transfer"},
@@ -373,37 +600,41 @@ def _summary(
     }
 
 
+def _wire_bars(ax: Any, wire: dict[int, dict[str, float]], title: str) -> None:
+    x = range(len(SIZES_MIB))
+    floor_ms = 1e-3  # the log axis needs a positive bar
+    series = (
+        ("transfer (unsigned)", "transfer_s", None),
+        ("crypto adds, previous (hash in seal, then send)", "old_crypto_wall_s", "old_signing_share"),
+        ("crypto adds, now (hashed while streaming)", "crypto_wall_s", "signing_share"),
+    )
+    for k, (label, key, share_key) in enumerate(series):
+        xs = [i + (k - 1) * 0.27 for i in x]
+        heights = [max(wire[m][key] * 1e3, floor_ms) for m in SIZES_MIB]  # a negative difference: noise
+        ax.bar(xs, heights, 0.27, label=label)
+        if share_key is not None:
+            for xi, h, mib in zip(xs, heights, SIZES_MIB, strict=True):
+                ax.annotate(f"{wire[mib][share_key]:.1%}", (xi, h), ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xticks(list(x), [f"{mib} MiB" for mib in SIZES_MIB])
+    ax.set_ylabel("ms (median)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+
+
 def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    wire, codec_default = runs["default_malloc"]["wire"], runs["default_malloc"]["codec"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
-    x = range(len(SIZES_MIB))
-    floor_ms = 1e-3  # the log axis needs a positive bar
-    series = (
-        ("transfer (unsigned)", "transfer_s", None),
-        (
-            "wall time the crypto adds, previous (hash in seal, then send)",
-            "old_crypto_wall_s",
-            "old_signing_share",
-        ),
-        ("wall time the crypto adds, now (hashed while streaming)", "crypto_wall_s", "signing_share"),
+    default = runs["default_malloc"]
+    codec_default = default["codec"]
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(17, 4.4))
+    _wire_bars(
+        ax0, default["wire_separate"], "Signing vs loopback transfer (p2pd), sender and receiver processes"
     )
-    for k, (label, key, share_key) in enumerate(series):
-        xs = [i + (k - 1) * 0.27 for i in x]
-        heights = [max(wire[m][key] * 1e3, floor_ms) for m in SIZES_MIB]  # a negative difference: noise
-        ax1.bar(xs, heights, 0.27, label=label)
-        if share_key is not None:
-            for xi, h, mib in zip(xs, heights, SIZES_MIB, strict=True):
-                ax1.annotate(f"{wire[mib][share_key]:.1%}", (xi, h), ha="center", va="bottom", fontsize=7)
-    ax1.set_yscale("log")
-    ax1.set_xticks(list(x), [f"{mib} MiB" for mib in SIZES_MIB])
-    ax1.set_ylabel("ms (median)")
-    ax1.set_title("Signing cost vs loopback transfer (hivemind p2pd)")
-    ax1.legend()
+    _wire_bars(ax1, default["wire"], "The same, both ends on one event loop (one process)")
     bars = {"tensor.clone()": codec_default["clone_mib_s"], "codec round trip": codec_default["codec_mib_s"]}
     if "keep_freed_memory" in runs:
         bars["codec round trip,\nglibc keeps freed memory"] = runs["keep_freed_memory"]["codec"][
@@ -411,14 +642,67 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
         ]
     ax2.bar(list(bars), list(bars.values()))
     ax2.set_ylabel("MiB/s (16 MiB float32)")
-    ax2.set_title(f"Codec at {codec_default['codec_vs_clone']:.2f}x clone throughput (default malloc)")
+    ax2.set_title(
+        f"Codec at {codec_default['codec_vs_clone']:.2f}x clone throughput (default malloc)", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def measure(reps: int) -> dict[str, Any]:
-    return {"wire": asyncio.run(measure_wire(reps)), "codec": codec_vs_clone(16 * MIB, reps=max(9, reps))}
+def measure(reps: int, *, keep_freed: bool) -> dict[str, Any]:
+    return {
+        "wire_separate": asyncio.run(measure_wire(reps, separate=True, keep_freed=keep_freed)),
+        "wire": asyncio.run(measure_wire(reps, separate=False, keep_freed=keep_freed)),
+        "codec": codec_vs_clone(16 * MIB, reps=max(9, reps)),
+    }
+
+
+DEFINITIONS = {
+    "signing_share": "median per turn of (streaming signed round trip - the same with digests, signature and "
+    "verification off) / median unsigned transfer round trip: the wall time the crypto adds",
+    "old_signing_share": "the same for the previous path (seal hashes the payload before it is sent), "
+    "measured in the same turns",
+    "crypto_in_path_share": "median time inside the crypto calls of a streaming signed round trip (BLAKE3 on "
+    "both ends, sign, verify; no credit for overlap) / median unsigned transfer round trip",
+    "crypto_cpu_share": "(sign + verify + one-pass BLAKE3 digest of the payload twice, each timed alone) / "
+    "median unsigned transfer round trip",
+    "end_to_end_overhead": "median signed round trip (seal+call+open) / median unsigned round trip - 1",
+    "codec_vs_clone": "clone time / codec round-trip time (encode + checked decode) for 16 MiB float32",
+    "wire_separate": "sender and receiver in processes of their own (the headline); wire: both in one process",
+}
+
+
+def _headline(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
+    run = runs["default_malloc"]
+    headline: dict[str, float] = {}
+    for prefix, wire in (("", run["wire_separate"]), ("one_process_", run["wire"])):
+        for key in ("signing_share", "old_signing_share"):
+            headline |= {f"{prefix}{key}_{mib}mib": round(wire[mib][key], 4) for mib in SHARE_SIZES_MIB}
+    headline["codec_vs_clone"] = round(run["codec"]["codec_vs_clone"], 3)
+    return headline
+
+
+def _print(headline: dict[str, float], runs: dict[str, dict[str, Any]]) -> None:
+    for key, value in headline.items():
+        print(f"  {key}: {value}")
+    for mode, run in runs.items():
+        print(f"  {mode}: codec_vs_clone {run['codec']['codec_vs_clone']:.3f}")
+        for where in ("wire_separate", "wire"):
+            print(f"   {where}")
+            for mib, f in run[where].items():
+                print(
+                    f"    {mib:>2} MiB: transfer {f['transfer_s'] * 1e3:7.1f} ms ({f['throughput_mib_s']:.0f} MiB/s), "
+                    f"crypto adds {f['crypto_wall_s'] * 1e3:5.2f} ms ({f['signing_share']:.2%}; "
+                    f"old path {f['old_signing_share']:.2%}; in path {f['crypto_in_path_share']:.2%}, "
+                    f"old {f['old_crypto_in_path_share']:.2%}; alone {f['crypto_cpu_share']:.2%}), "
+                    f"end-to-end overhead {f['end_to_end_overhead']:+.1%}; share 95% interval "
+                    f"[{f['signing_share_ci95_low']:.2%}, {f['signing_share_ci95_high']:.2%}]; CPU per call (python, p2pd) "
+                    f"transfer {f['cpu_transfer_python_s'] * 1e3:.1f}, {f['cpu_transfer_p2pd_s'] * 1e3:.1f} ms, "
+                    f"signed {f['cpu_streamed_python_s'] * 1e3:.1f}, {f['cpu_streamed_p2pd_s'] * 1e3:.1f} ms, "
+                    f"crypto off {f['cpu_streamed_nocrypto_python_s'] * 1e3:.1f}, "
+                    f"{f['cpu_streamed_nocrypto_p2pd_s'] * 1e3:.1f} ms"
+                )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -426,56 +710,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reps", type=int, default=100, help="repetitions of a 1 MiB transfer (fewer for larger)"
     )
+    parser.add_argument(
+        "--default-malloc-only",
+        action="store_true",
+        help="skip the second pass with glibc keeping freed memory",
+    )
+    parser.add_argument("--serve", metavar="KEY", help=argparse.SUPPRESS)  # the receiver process
+    parser.add_argument("--keep-freed-memory", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # One intra-op thread: on a shared 2-core machine, OpenMP with 2 threads made every torch op here ~10x slower
     # (a sum of 16 MiB: 11 ms against 0.8 ms) whenever another process held a core, and p2pd always does here.
     torch.set_num_threads(1)
+    if args.serve:
+        if args.keep_freed_memory:
+            keep_freed_memory()
+        asyncio.run(serve_receiver(args.serve))
+        return 0
     load_before = os.getloadavg()[0]
-    runs = {"default_malloc": measure(args.reps)}
-    if keep_freed_memory():
-        runs["keep_freed_memory"] = measure(args.reps)
-    wire, codec_figures = runs["default_malloc"]["wire"], runs["default_malloc"]["codec"]
-    headline = {f"signing_share_{mib}mib": round(wire[mib]["signing_share"], 4) for mib in SHARE_SIZES_MIB}
-    headline |= {
-        f"old_signing_share_{mib}mib": round(wire[mib]["old_signing_share"], 4) for mib in SHARE_SIZES_MIB
-    }
-    headline["codec_vs_clone"] = round(codec_figures["codec_vs_clone"], 3)
+    runs = {"default_malloc": measure(args.reps, keep_freed=False)}
+    if not args.default_malloc_only and keep_freed_memory():
+        runs["keep_freed_memory"] = measure(args.reps, keep_freed=True)
+    headline = _headline(runs)
     detail = {
         # other processes share these 2 cores: read the figures with the load around them
         "load_average_1min": os.getloadavg()[0],
         "load_average_1min_at_start": load_before,
-        "definitions": {
-            "signing_share": "median per turn of (streaming signed round trip - the same with digests, signature and "
-            "verification off) / median unsigned transfer round trip: the wall time the crypto adds",
-            "old_signing_share": "the same for the previous path (seal hashes the payload before it is sent), "
-            "measured in the same turns",
-            "crypto_in_path_share": "median time inside the crypto calls of a streaming signed round trip (BLAKE3 on "
-            "both ends, sign, verify; no credit for overlap) / median unsigned transfer round trip",
-            "crypto_cpu_share": "(sign + verify + one-pass BLAKE3 digest of the payload twice, each timed alone) / "
-            "median unsigned transfer round trip",
-            "end_to_end_overhead": "median signed round trip (seal+call+open) / median unsigned round trip - 1",
-            "codec_vs_clone": "clone time / codec round-trip time (encode + checked decode) for 16 MiB float32",
-        },
+        "definitions": DEFINITIONS,
         "runs": {
-            mode: {"wire": {f"{mib}mib": f for mib, f in run["wire"].items()}, "codec": run["codec"]}
+            mode: {
+                **{
+                    where: {f"{mib}mib": f for mib, f in run[where].items()}
+                    for where in ("wire_separate", "wire")
+                },
+                "codec": run["codec"],
+            }
             for mode, run in runs.items()
         },
     }
     path = write_result(NAME, headline, detail)
     plot(runs, plot_path(NAME))
     print(f"wrote {path}")
-    for key, value in headline.items():
-        print(f"  {key}: {value}")
-    for mode, run in runs.items():
-        print(f"  {mode}: codec_vs_clone {run['codec']['codec_vs_clone']:.3f}")
-        for mib, f in run["wire"].items():
-            print(
-                f"    {mib:>2} MiB: transfer {f['transfer_s'] * 1e3:7.1f} ms ({f['throughput_mib_s']:.0f} MiB/s), "
-                f"crypto adds {f['crypto_wall_s'] * 1e3:5.2f} ms ({f['signing_share']:.2%}; "
-                f"old path {f['old_signing_share']:.2%}; in path {f['crypto_in_path_share']:.2%}, "
-                f"old {f['old_crypto_in_path_share']:.2%}; alone {f['crypto_cpu_share']:.2%}), "
-                f"end-to-end overhead {f['end_to_end_overhead']:+.1%}"
-            )
+    _print(headline, runs)
     return 0
 
 
