@@ -14,7 +14,8 @@ runs ask a 12-bit proof-of-work of every learner (the default mode at a difficul
 (`HIVENODE_UNSAFE_COPY_SOURCE`, the colluders' or eavesdropper's channel), and 1 attacker that pushes those
 contributions again (+1 % noise) with claims of its own; `freeride`: 1 attacker that pushes the current published
 version (+1 % of its honest delta's norm as noise) with honest claims. Their `--undefended` run keeps the screening
-on and turns only the copy check off (`copy_tolerance = 0.0`), the defence they test.
+on and turns only the copy check off (`copy_tolerance = 0.0`), the defence they test; `noise`'s turns only the
+evidence weighting off (`evidence_weighting = false`, node.diloco.evidence).
 
 Per arm, from the syncer's events and status after `--duration` seconds:
 
@@ -28,6 +29,7 @@ Per arm, from the syncer's events and status after `--duration` seconds:
   control's share, not diluted by the merges before its first push);
 * time_to_ban_s: from the window's start to the first `learner_banned` of an attacker (None: not banned);
 * honest_banned: honest identities the syncer banned;
+* evidence: per side, the evidence weighting's factors and the held-out slopes and cosines they came from;
 * check cost: the held-out loss probe's mean seconds per contribution over the mean interval between merges of
   one fragment (the goal: <= 10 %).
 
