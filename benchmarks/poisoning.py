@@ -14,7 +14,8 @@ runs ask a 12-bit proof-of-work of every learner (the default mode at a difficul
 (`HIVENODE_UNSAFE_COPY_SOURCE`, the colluders' or eavesdropper's channel), and 1 attacker that pushes those
 contributions again (+1 % noise) with claims of its own; `freeride`: 1 attacker that pushes the current published
 version (+1 % of its honest delta's norm as noise) with honest claims. Their `--undefended` run keeps the screening
-on and turns only the copy check off (`copy_tolerance = 0.0`), the defence they test.
+on and turns only the copy check off (`copy_tolerance = 0.0`), the defence they test; `noise`'s turns only the
+evidence weighting off (`evidence_weighting = false`, node.diloco.evidence).
 
 Per arm, from the syncer's events and status after `--duration` seconds:
 
@@ -28,6 +29,7 @@ Per arm, from the syncer's events and status after `--duration` seconds:
   control's share, not diluted by the merges before its first push);
 * time_to_ban_s: from the window's start to the first `learner_banned` of an attacker (None: not banned);
 * honest_banned: honest identities the syncer banned;
+* evidence: per side, the evidence weighting's factors and the held-out slopes and cosines they came from;
 * check cost: the held-out loss probe's mean seconds per contribution over the mean interval between merges of
   one fragment (the goal: <= 10 %).
 
@@ -117,6 +119,8 @@ enabled = {defended}
 
 
 COPY_CHECK_OFF = "copy_tolerance = 0.0"  # node.diloco.screening: 0 turns the copycat / free-rider check off
+# node.diloco.evidence: the merge weight kept whatever the held-out slope
+EVIDENCE_OFF = "evidence_weighting = false"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,7 +150,8 @@ ARMS = {
         Arm(name="nan", attack="value:nan", attackers=1),
         Arm(name="inf", attack="value:inf", attackers=1),
         Arm(name="signflip", attack="signflip", attackers=1),
-        Arm(name="noise", attack="noise", attackers=1),
+        # undefended: only the evidence weighting off (noise passes every other screen)
+        Arm(name="noise", attack="noise", attackers=1, undefended_screening=EVIDENCE_OFF),
         Arm(name="stale_replay", attack="replay", attackers=1),
         # 4 honest learners, the first of them the copycat's source; undefended: only the copy check off
         Arm(
@@ -404,11 +409,39 @@ def summarize(
         "refusals": status.get("refusals", {}),
         "screening": status.get("screening", {}),
         "seniority": status.get("seniority", {}),  # identities, young ones, demotions, capped merges
+        "evidence": evidence_summary(merges, honest=honest, attackers=attackers),
         "probe_mean_cost_s": cost,
         "probe_max_cost_s": probe.get("max_cost_s"),
         "merge_interval_s": round(interval, 3) if interval else None,
         "check_cost_share": round(cost / interval, 4) if cost and interval else None,
     }
+
+
+def evidence_summary(
+    merges: list[dict[str, Any]], *, honest: set[str], attackers: set[str]
+) -> dict[str, Any]:
+    """The evidence weighting (node.diloco.evidence) per side, from the merge events' [slope, cosine, factor]:
+    contributions scored, the mean factor their weight was scaled by, how many were scaled below 1 and to 0, the
+    quartiles of their held-out slopes (nats per unit norm) and of their cosines with the recent merged direction."""
+    out: dict[str, Any] = {}
+    for side, peers in (("honest", honest), ("attackers", attackers)):
+        rows = [row for m in merges for p, row in (m.get("evidence") or {}).items() if p in peers]
+        factors = [row[-1] for row in rows]
+        out[side] = {
+            "scored": len(rows),
+            "factor_mean": round(sum(factors) / len(factors), 4) if factors else None,
+            "scaled": sum(1 for f in factors if f < 1.0),
+            "zeroed": sum(1 for f in factors if f <= 0.0),
+            "slope_quartiles": _quartiles([row[0] for row in rows]),
+            "cosine_quartiles": _quartiles([row[1] for row in rows if row[1] is not None]),
+        }
+    return out
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    """min, lower quartile, median, upper quartile, max (lower ones; [] for none)."""
+    ordered = sorted(values)
+    return [ordered[(len(ordered) - 1) * q // 4] for q in range(5)] if ordered else []
 
 
 def merge_interval(merges: list[dict[str, Any]]) -> float | None:

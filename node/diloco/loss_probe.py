@@ -46,6 +46,7 @@ class LossScore:
     cost_s: float  # seconds the measurement took (the clock passed to `measure`)
     # the loss with the contribution's delta reversed (measured only for a rise over the bound; None: not measured)
     opposite: float | None = None
+    norm: float = math.nan  # the norm of the contribution's delta (base - params) that was applied
 
     @property
     def delta(self) -> float:
@@ -57,6 +58,15 @@ class LossScore:
         second-order term of a step, the overshoot, is the same both ways and cancels: what is left is twice the
         first-order term, positive for a step down the held-out gradient whatever its size."""
         return None if self.opposite is None else self.opposite - self.after
+
+    @property
+    def slope(self) -> float | None:
+        """The held-out loss's descent along the delta per unit of its norm (nats): `descent` / (2 x norm), the
+        directional derivative; None when not measured or the delta is zero (node.diloco.evidence)."""
+        descent = self.descent
+        if descent is None or not (self.norm > 0 and math.isfinite(self.norm)):
+            return None
+        return descent / (2.0 * self.norm)
 
 
 class LossProbe:
@@ -83,9 +93,10 @@ class LossProbe:
         `versions`). None when the contribution or a loss is not finite (the screen rejects those anyway).
         `reverse`: measure the loss with the delta reversed too (`LossScore.opposite`, one more forward pass)."""
         started = clock()
-        applied = _applied(current, base, params)
-        if applied is None:
+        found = _applied(current, base, params)
+        if found is None:
             return None
+        applied, norm = found
         if self._before is None or self._before[0] != versions:
             self._before = (versions, self.loss(current))
         before = self._before[1]
@@ -102,7 +113,7 @@ class LossProbe:
         if not (math.isfinite(before) and math.isfinite(after)):
             return None
         opposite = opposite if opposite is not None and math.isfinite(opposite) else None
-        return LossScore(before=before, after=after, cost_s=cost, opposite=opposite)
+        return LossScore(before=before, after=after, cost_s=cost, opposite=opposite, norm=norm)
 
     def status(self) -> dict[str, float | int]:
         mean = self.total_cost_s / self.measured if self.measured else 0.0
@@ -115,11 +126,12 @@ class LossProbe:
 
 def _applied(
     current: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor] | None:
+) -> tuple[dict[str, torch.Tensor], float] | None:
     """current - (base - params) per tensor of `params`, written a chunk at a time into one new tensor each (a
-    spilled base is read a chunk at a time: no fragment-sized temporary, issue 17); None if a value is not
-    finite."""
+    spilled base is read a chunk at a time: no fragment-sized temporary, issue 17), and the delta's norm; None if
+    a value is not finite."""
     applied: dict[str, torch.Tensor] = {}
+    squares: list[float] = []
     for name in params:
         tensor = applied[name] = torch.empty(chunked.shape(params, name), dtype=torch.float32)
         flat = tensor.view(-1)
@@ -128,7 +140,8 @@ def _applied(
             flat[start:stop] = chunked.piece(current, name, start, stop) - delta
             if not bool(torch.isfinite(flat[start:stop]).all()):
                 return None
-    return applied
+            squares.append(chunked.squared(delta))
+    return applied, math.sqrt(math.fsum(squares))
 
 
 class LossBound:

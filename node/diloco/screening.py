@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from node.diloco import chunked, norms
+from node.diloco.evidence import EvidenceConfig, EvidenceWeight
 from node.diloco.loss_probe import LOSS, LossBound, LossScore
 from node.diloco.merge import MergeResult, NothingToMerge
 from node.diloco.spill import SpillDir
@@ -89,6 +90,12 @@ class ScreeningConfig:
     # bound (an overshoot down the gradient). inf: off. Honest llama-20m work was at worst 0.0036 x the loss above
     loss_reverse_tolerance: float = 0.005
     loss_mad_factor: float = 3.0  # after warm-up, the bound is also median + this x MAD of merged scores
+    # evidence of work (node.diloco.evidence): a contribution's weight x a factor from its held-out slope (descent
+    # per unit norm) relative to the lower median of recent full-weight slopes: 0 at or below the zero fraction, 1
+    # at or above the full fraction, linear between (noise at an honest norm shows none). false: off
+    evidence_weighting: bool = True
+    evidence_zero_fraction: float = 0.1  # of the median merged slope: at or below it, weight 0
+    evidence_full_fraction: float = 0.3  # of the median merged slope: at or above it, the whole weight
     # claims and copies (node.diloco.claims)
     claim_rate_factor: float = 2.0  # steps claimed are capped at this x the peers' median measured step rate
     claim_min_peers: int = 2  # peers with a measured rate before that cap applies
@@ -142,6 +149,18 @@ class ScreeningConfig:
             raise ValueError("screening.loss_tolerance and loss_mad_factor must be finite numbers >= 0")
         if not self.loss_reverse_tolerance >= 0.0:
             raise ValueError("screening.loss_reverse_tolerance must be a number >= 0 (inf: off)")
+        if not 0.0 <= self.evidence_zero_fraction < self.evidence_full_fraction < math.inf:
+            raise ValueError("screening needs 0 <= evidence_zero_fraction < evidence_full_fraction (finite)")
+
+    def evidence(self) -> EvidenceConfig:
+        """The evidence weighting's config (off when the screening is)."""
+        return EvidenceConfig(
+            enabled=self.enabled and self.evidence_weighting,
+            zero_fraction=self.evidence_zero_fraction,
+            full_fraction=self.evidence_full_fraction,
+            history=self.history,
+            min_history=self.min_history,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,6 +187,10 @@ class ScreenUpdate:
     # the fragment's next recent merged direction (None: unchanged), or the key of its file when spilled
     direction: dict[str, torch.Tensor] | str | None
     losses: tuple[float, ...] = ()  # the merged participants' held-out loss-delta scores (those measured)
+    slopes: tuple[float, ...] = ()  # the held-out slopes of those merged at full evidence weight
+    cosines: tuple[
+        float, ...
+    ] = ()  # and their cosines with the recent merged direction (node.diloco.evidence)
 
 
 def _norm(tensors: Iterable[torch.Tensor]) -> float:
@@ -224,6 +247,7 @@ class ContributionScreen:
             history=c.history,
             min_history=c.min_history,
         )
+        self.evidence = EvidenceWeight(c.evidence())
 
     def check_loss(
         self, fragment: int, score: LossScore | None, peer: str = "", *, outage: bool = False
@@ -327,16 +351,21 @@ class ContributionScreen:
         fragment: int,
         result: MergeResult,
         losses: Mapping[str, float] | None = None,
+        slopes: Mapping[str, float] | None = None,
+        cosines: Mapping[str, float] | None = None,
     ) -> ScreenUpdate | None:
         """The state a merge adds (heavy part, off the event loop): its participants' norms and held-out scores
-        (`losses`: peer -> score, those measured) and the next recent direction from the merged pseudo-gradient."""
+        (`losses`: peer -> score, those measured), the slopes of those merged at full evidence weight (`slopes`,
+        `cosines`: node.diloco.evidence) and the next recent direction from the merged pseudo-gradient."""
         if not self.config.enabled:
             return None
         norms = tuple(result.delta_norms[p] for p in result.participants if p in result.delta_norms)
         scores = tuple((losses or {})[p] for p in result.participants if p in (losses or {}))
+        kept = tuple((slopes or {})[p] for p in result.participants if p in (slopes or {}))
+        agreed = tuple((cosines or {})[p] for p in result.participants if p in (cosines or {}))
         length = _norm(result.outer_grad.values())
         if length <= 0 or not math.isfinite(length):
-            return ScreenUpdate(norms, None, scores)
+            return ScreenUpdate(norms, None, scores, kept, agreed)
         previous, keep = self.direction(fragment), self.config.direction_decay
         if self.spill is None:
             direction = {
@@ -344,7 +373,7 @@ class ContributionScreen:
                 + (previous[n] * keep if previous is not None and n in previous else 0.0)
                 for n, g in result.outer_grad.items()
             }
-            return ScreenUpdate(norms, direction, scores)
+            return ScreenUpdate(norms, direction, scores, kept, agreed)
 
         def chunks() -> Iterator[torch.Tensor]:  # the same values, a chunk at a time (off the event loop)
             for n, g in result.outer_grad.items():
@@ -359,7 +388,7 @@ class ContributionScreen:
         key = self.spill.new_key(f"direction-{fragment}")
         layout = [(n, tuple(g.shape)) for n, g in result.outer_grad.items()]
         self.spill.write_stream(key, layout, chunks())
-        return ScreenUpdate(norms, key, scores)
+        return ScreenUpdate(norms, key, scores, kept, agreed)
 
     def direction(self, fragment: int) -> Mapping[str, torch.Tensor] | None:
         """The fragment's recent merged direction (read from its file when spilled), None before its first merge."""
@@ -382,6 +411,7 @@ class ContributionScreen:
         # a zero norm (a learner without progress) says nothing about the size of a step
         window.extend(n for n in update.norms if n > 0 and math.isfinite(n))
         self.loss.commit(fragment, list(update.losses))
+        self.evidence.commit(fragment, update.slopes, update.cosines)
         if update.direction is not None:
             old = self._direction.get(fragment)
             self._direction[fragment] = update.direction
@@ -397,8 +427,9 @@ class ContributionScreen:
         return NothingToMerge(f"fragment {fragment}: {ROLLBACK}, round rolled back", rejected)
 
     def status(self) -> dict[str, int]:
-        """Verdicts by tag, for /api/status."""
-        return dict(self.counts)
+        """Verdicts by tag and the evidence weighting's counts, for /api/status."""
+        evidence = {f"evidence: {k}": v for k, v in self.evidence.status().items() if v}
+        return {**self.counts, **evidence}
 
 
 def _float32(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

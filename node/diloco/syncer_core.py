@@ -64,6 +64,8 @@ class _Entry:
     # (verifier, session) -> verified tokens its receipts showed (stage replicas; committed once merged)
     receipt_counts: dict[tuple[str, str], int] = field(default_factory=dict)
     loss_delta: float | None = None  # its held-out loss-delta score, if measured (node.diloco.loss_probe)
+    slope: float | None = None  # its held-out descent per unit norm, if measured (node.diloco.evidence)
+    cosine: float | None = None  # with the recent merged direction, if the screen measured it (same)
 
 
 @dataclass(slots=True)
@@ -103,6 +105,9 @@ class PreparedMerge:
     screened: ScreenUpdate | None = None  # what the merge adds to the contribution screen's history
     # per young peer the seniority cap scaled down, the fraction of a round the merge ages it by
     seniority_credit: dict[str, float] = field(default_factory=dict)
+    # per peer with a measured slope: (slope, cosine or None, the evidence factor its weight was scaled by;
+    # node.diloco.evidence)
+    evidence: dict[str, tuple[float, float | None, float]] = field(default_factory=dict)
     spilled: str | None = None  # the replaced version's file (VersionHistory.spill_now), if spilled
 
 
@@ -127,6 +132,9 @@ class MergeRecord:
     late: int = 0  # contributions on an older base merged (only the synchronous modes take them)
     # per participant, one [steps, tokens, seconds from its arrival to the merge, base version] per contribution
     contributed: dict[str, list[list[float]]] = field(default_factory=dict)
+    # per scored contribution (weighted or not): [its held-out slope, its cosine with the recent merged direction
+    # (None: not measured), the evidence factor its weight was scaled by]
+    evidence: dict[str, list[float | None]] = field(default_factory=dict)
 
     def to_event(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -193,11 +201,11 @@ def combine_round(
     return merged, sources
 
 
-def _loss_scores(sources: Mapping[str, list[_Entry]]) -> dict[str, float]:
-    """Per peer, the mean held-out loss-delta score of its contributions that were scored."""
+def _loss_scores(sources: Mapping[str, list[_Entry]], attribute: str = "loss_delta") -> dict[str, float]:
+    """Per peer, the mean held-out loss-delta score (or `attribute`: "slope") of its contributions scored."""
     scores: dict[str, float] = {}
     for peer, entries in sources.items():
-        measured = [e.loss_delta for e in entries if e.loss_delta is not None]
+        measured = [v for e in entries if (v := getattr(e, attribute)) is not None]
         if measured:
             scores[peer] = math.fsum(measured) / len(measured)
     return scores
@@ -276,6 +284,10 @@ def merge_record(prepared: PreparedMerge, version: int, now: float) -> MergeReco
         duration_s=round(now - started, 4),
         late=late,
         contributed=contributed,
+        evidence={
+            p: [round(s, 6), None if c is None else round(c, 4), round(f, 4)]
+            for p, (s, c, f) in prepared.evidence.items()
+        },
     )
 
 
@@ -803,7 +815,8 @@ class SyncerCore(CoreState):
             check_base(self, fragment, base_version, key)
             base = self.history.at(fragment, base_version)  # None: unknown, taken as current
             try:
-                params = held(self, fragment, screened(self, peer, fragment, params, base, loss, steps))
+                params, cosine = screened(self, peer, fragment, params, base, loss, steps)
+                params = held(self, fragment, params)
             except Refusal:
                 refused_in_round(self, peer, fragment, base_version)
                 raise
@@ -818,7 +831,10 @@ class SyncerCore(CoreState):
                     tokens, receipt_capped = verified, True
             tokens = math.floor(tokens * min(1.0, max(0.0, trust)))
             contribution = Contribution(peer, params, base_version, steps, tokens)
-            self._enter(fragment, _Entry(contribution, key, now, counts, loss.delta if loss else None), now)
+            entry = _Entry(contribution, key, now, counts, cosine=cosine)
+            if loss is not None:
+                entry.loss_delta, entry.slope = loss.delta, loss.slope
+            self._enter(fragment, entry, now)
             if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
                 self.policy.observe_step(step_time_s)
             self._schedule.report(peer, sched_step, now)
@@ -897,9 +913,19 @@ class SyncerCore(CoreState):
             self.versions[fragment],
             self.max_staleness,
         )
-        result, credit = merge_capped(self, fragment, global_params, merged, started_at)
+        slopes, cosines = _loss_scores(sources, "slope"), _loss_scores(sources, "cosine")
+        result, credit, factors = merge_capped(
+            self, fragment, global_params, merged, started_at, slopes, cosines
+        )
         # the screen's update first: with the momentum on disk the outer step turns the gradient into the new params
-        screened_update = self.screen.prepare_commit(fragment, result, _loss_scores(sources))
+        full = {p for p in result.participants if factors.get(p, 1.0) >= 1.0}
+        screened_update = self.screen.prepare_commit(
+            fragment,
+            result,
+            _loss_scores(sources),
+            {p: s for p, s in slopes.items() if p in full},
+            {p: c for p, c in cosines.items() if p in full},
+        )
         try:
             new_params = self._outer_step(fragment, global_params, result.outer_grad)
         except NonFiniteStep as e:  # nothing published, momentum untouched: the round is rolled back
@@ -920,6 +946,7 @@ class SyncerCore(CoreState):
             started_at=started_at,
             screened=screened_update,
             seniority_credit=credit,
+            evidence={p: (s, cosines.get(p), factors.get(p, 1.0)) for p, s in slopes.items()},
             spilled=self.history.spill_now(fragment, global_params),
         )
 
@@ -1087,16 +1114,17 @@ def screened(
     base: Mapping[str, torch.Tensor] | None,
     loss: LossScore | None,
     steps: int,
-) -> Mapping[str, torch.Tensor]:
-    """What `accept` takes of `peer`'s push once screened (clipped, maybe), or raise the Refusal: the screen's
-    verdict (blamed as a rule: the sender built it, the strikes count it per peer), or no work of its own."""
+) -> tuple[Mapping[str, torch.Tensor], float | None]:
+    """What `accept` takes of `peer`'s push once screened (clipped, maybe) and its cosine with the recent merged
+    direction (None: not measured), or raise the Refusal: the screen's verdict (blamed as a rule: the sender built
+    it, the strikes count it per peer), or no work of its own."""
     current = core.fragment_tensors(fragment)
     verdict = core.screen.check(fragment, params, base, current, loss, peer, outage=is_outage(core, fragment))
     if verdict.params is None:
         raise refuse(verdict.tag, verdict.reason, blame=verdict.blame)
     if steps > 0 and (copied := core._copied(peer, fragment, verdict.params, base)) is not None:
         raise refuse(*copied, blame=True)  # it earns nothing
-    return verdict.params
+    return verdict.params, verdict.cosine
 
 
 def refused_in_round(core: SyncerCore, peer: str, fragment: int, base_version: int) -> None:
@@ -1212,13 +1240,20 @@ def merge_capped(
     global_params: Mapping[str, torch.Tensor],
     merged: Mapping[str, Contribution],
     now: float,
-) -> tuple[MergeResult, dict[str, float]]:
-    """`merge_fragment` with the seniority cap on young identities' weights (node.diloco.seniority); also the
-    fraction of a round each young peer it scaled down ages by (`CappedWeights.credit`)."""
+    slopes: Mapping[str, float] | None = None,
+    cosines: Mapping[str, float] | None = None,
+) -> tuple[MergeResult, dict[str, float], dict[str, float]]:
+    """`merge_fragment` with each weight scaled by its evidence of work (`slopes`: peer -> held-out slope, those
+    measured; `cosines`: with the recent merged direction; node.diloco.evidence), then the seniority cap on young identities' weights (node.diloco.seniority);
+    also the fraction of a round each young peer the cap scaled down ages by (`CappedWeights.credit`) and the
+    evidence factor of each peer with a slope."""
     capped: list[CappedWeights] = []
+    scored = {p: s for p, s in (slopes or {}).items() if p in merged}
+    factors = core.screen.evidence.factors(fragment, scored, cosines or {})
 
     def reweight(weights: Mapping[str, float]) -> Mapping[str, float]:
-        capped.append(core.seniority.cap(weights, now))
+        evidenced = {p: w * factors.get(p, 1.0) for p, w in weights.items()}
+        capped.append(core.seniority.cap(evidenced, now))
         return capped[-1].weights
 
     result = merge_fragment(
@@ -1239,4 +1274,4 @@ def merge_capped(
             g.mul_(scale)  # in place: the merge's own buffers (a copy was one fragment more)
         weights = {peer: w * scale for peer, w in result.weights.items()}
         result = dataclasses.replace(result, weights=weights)
-    return result, dict(capped[-1].credit) if capped else {}
+    return result, dict(capped[-1].credit) if capped else {}, factors

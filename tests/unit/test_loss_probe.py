@@ -271,7 +271,7 @@ def test_the_loss_before_is_measured_once_per_version_vector_and_the_cost_is_rec
     ticks = iter([0.0, 0.25, 1.0, 1.5])
     first = probe.measure({"a": t}, (0,), {"a": t}, {"a": t}, lambda: next(ticks))
     second = probe.measure({"a": t}, (0,), {"a": t}, {"a": t}, lambda: next(ticks))
-    assert first == LossScore(before=2.0, after=1.5, cost_s=0.25) and second is not None
+    assert first == LossScore(before=2.0, after=1.5, cost_s=0.25, norm=0.0) and second is not None
     assert len(calls) == 3  # before once, after twice
     assert probe.status() == {"measured": 2, "mean_cost_s": 0.375, "max_cost_s": 0.5}
     nan = probe.measure({"a": t}, (0,), {"a": t}, {"a": torch.full((3,), math.nan)}, lambda: 0.0)
@@ -360,10 +360,11 @@ def test_the_reverse_is_measured_when_asked_and_judged() -> None:
     probe = LossProbe(loss)
     current, base = {"a": torch.zeros(2)}, {"a": torch.ones(2)}
     up = probe.measure(current, (0,), base, {"a": torch.full((2,), 2.0)}, lambda: 0.0, reverse=True)
-    assert up == LossScore(before=0.0, after=2.0, cost_s=0.0, opposite=-2.0) and up.descent == -4.0
+    assert up == LossScore(before=0.0, after=2.0, cost_s=0.0, opposite=-2.0, norm=math.sqrt(2.0))
+    assert up.descent == -4.0 and up.slope == pytest.approx(-4.0 / (2.0 * math.sqrt(2.0)))  # per unit norm
     assert seen == [0.0, 2.0, -2.0]
     plain = probe.measure(current, (0,), base, {"a": torch.zeros(2)}, lambda: 0.0)
-    assert plain is not None and plain.opposite is None and plain.descent is None
+    assert plain is not None and plain.opposite is None and plain.descent is None and plain.slope is None
     assert len(seen) == 4  # after only (before is cached per version vector)
     bound = LossBound(tolerance=0.02, mad_factor=3.0, history=4, min_history=4, reverse_tolerance=0.005)
     over = LossScore(before=3.0, after=3.3, cost_s=0.0)

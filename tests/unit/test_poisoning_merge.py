@@ -9,7 +9,15 @@ from typing import Any
 
 import pytest
 
-from benchmarks.poisoning import ARMS, COPY_CHECK_OFF, headline, merged_with, with_gaps
+from benchmarks.poisoning import (
+    ARMS,
+    COPY_CHECK_OFF,
+    EVIDENCE_OFF,
+    evidence_summary,
+    headline,
+    merged_with,
+    with_gaps,
+)
 
 
 def arm(
@@ -32,6 +40,28 @@ def test_the_copy_arms_exist_and_their_negative_control_turns_only_the_copy_chec
     assert ARMS["freeride"].attack == "freeride" and not ARMS["freeride"].copy_source
     assert ARMS["copycat"].undefended_screening == ARMS["freeride"].undefended_screening == COPY_CHECK_OFF
     assert ARMS["signflip"].undefended_screening == ""  # the others: the whole screening off
+
+
+def test_the_noise_arms_negative_control_turns_only_the_evidence_weighting_off() -> None:
+    assert ARMS["noise"].undefended_screening == EVIDENCE_OFF == "evidence_weighting = false"
+
+
+def test_the_evidence_summary_splits_the_merge_events_factors_by_side() -> None:
+    merges = [
+        {"evidence": {"h1": [0.05, 0.3, 1.0], "n": [0.0, None, 0.0]}},
+        {"evidence": {"h1": [0.01, 0.2, 0.5], "n": [0.002, 0.01, 0.25]}},
+        {"weights": {}},  # a merge event without scores (probe off, or an older syncer)
+    ]
+    summary = evidence_summary(merges, honest={"h1"}, attackers={"n"})
+    assert summary["honest"] == {
+        "scored": 2,
+        "factor_mean": 0.75,
+        "scaled": 1,
+        "zeroed": 0,
+        "slope_quartiles": [0.01, 0.01, 0.01, 0.01, 0.05],
+        "cosine_quartiles": [0.2, 0.2, 0.2, 0.2, 0.3],
+    }
+    assert summary["attackers"]["zeroed"] == 1 and summary["attackers"]["cosine_quartiles"] == [0.01] * 5
 
 
 def test_merge_keeps_the_other_arms_with_their_own_controls_gaps(tmp_path: Path) -> None:
