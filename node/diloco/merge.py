@@ -194,20 +194,17 @@ def _merge_tensors(
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Per tensor: the weighted mean for embeddings, RDA otherwise; also the tensors where RDA fell back. The
     outer gradient is the only fragment-sized buffer: the deltas are recomputed a chunk at a time for each pass."""
-    # Allocated together before any pass: made one by one between the passes' chunk temporaries, the freed
-    # temporaries left holes between them that the next tensor did not fit, and the heap grew past the fragment
-    # (a llama-1b fragment of 25 tensors, 0.24 GiB: 0.09-0.10 GiB of holes at the merge's peak, docs/scale.md).
-    outer_grad = {
-        n: torch.empty(tuple(global_params[n].shape), dtype=torch.float32) for n in sorted(global_params)
-    }
+    outer_grad: dict[str, torch.Tensor] = {}
     fallback: list[str] = []
-    for name, out in outer_grad.items():
+    for name in sorted(global_params):
         parts = _Parts(global_params, weighted, name, trim, sparse)
         alphas = [weights[a.peer_id] for a in weighted]
         if name in embedding_names:
-            parts.accumulate(alphas, out=out)
+            outer_grad[name] = parts.accumulate(alphas)
             continue
-        if _rda(parts, alphas, degenerate_tol, out):
+        merged, degenerate = _rda(parts, alphas, degenerate_tol)
+        outer_grad[name] = merged
+        if degenerate:
             fallback.append(name)
     return outer_grad, fallback
 
@@ -371,8 +368,8 @@ def _sparse_bounds(stacked: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return torch.where(few, -inf, low), torch.where(few, inf, high)
 
 
-def _rda(parts: _Parts, weights: Sequence[float], tol: float, out: torch.Tensor) -> bool:
-    """Weighted RDA of one tensor into `out`; returns whether it fell back to the mean. Weights sum to 1."""
+def _rda(parts: _Parts, weights: Sequence[float], tol: float) -> tuple[torch.Tensor, bool]:
+    """Weighted RDA of one tensor; returns (merged, fell_back). Weights sum to 1."""
     lengths = parts.norms()
     alphas: list[float | None] = []
     radial = reach = 0.0  # reach: the norm the direction would have if all unit vectors agreed
@@ -381,12 +378,10 @@ def _rda(parts: _Parts, weights: Sequence[float], tol: float, out: torch.Tensor)
         if norm != 0.0:
             radial += weight * norm
             reach += weight
-    direction = parts.accumulate(alphas, out=out)
+    direction = parts.accumulate(alphas)
     if reach == 0.0:
-        return False  # every delta is zero; so is the merge
+        return direction, False  # every delta is zero; so is the merge
     length = float(direction.norm())
     if length <= tol * reach:
-        parts.accumulate(list(weights), out=direction)
-        return True
-    direction.mul_(radial / length)
-    return False
+        return parts.accumulate(list(weights), out=direction), True
+    return direction.mul_(radial / length), False

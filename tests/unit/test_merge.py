@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -229,38 +228,3 @@ def test_a_merge_a_chunk_at_a_time_equals_the_whole_tensor_merge(
     for name, grad in whole.outer_grad.items():
         torch.testing.assert_close(split.outer_grad[name], grad, rtol=1e-5, atol=1e-6)
     assert split.delta_norms == pytest.approx(whole.delta_norms, rel=1e-9)
-
-
-def test_the_outer_gradient_is_allocated_whole_before_its_passes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 17: the outer gradient's tensors are made together before the first pass over any tensor, so the passes'
-    chunk temporaries never sit between them in the heap (made one by one, the holes the freed temporaries left grew
-    a llama-1b merge by 0.1 GiB, docs/scale.md). Control: every gradient tensor is one of those allocations, and the
-    values are those of the merge (the other tests)."""
-    import node.diloco.merge as merge
-
-    made: list[torch.Tensor] = []
-    at_first_read: list[int] = []
-    empty, chunks = torch.empty, merge._Parts.chunks
-
-    def tracked_empty(*args: object, **kwargs: object) -> torch.Tensor:
-        made.append(empty(*args, **kwargs))  # type: ignore[arg-type]
-        return made[-1]
-
-    def tracked_chunks(parts: merge._Parts) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
-        if not at_first_read:
-            at_first_read.append(len(made))
-        return chunks(parts)
-
-    monkeypatch.setattr(merge.torch, "empty", tracked_empty)
-    monkeypatch.setattr(merge._Parts, "chunks", tracked_chunks)
-    names = ["emb", "a", "b", "c"]
-    global_params = {n: torch.randn(8, 4) for n in names}
-    contributions = [
-        Contribution(f"p{i}", {n: t + 0.01 * torch.randn(8, 4) for n, t in global_params.items()}, 0, 4, 64)
-        for i in range(3)
-    ]
-    made.clear()  # the fixtures' own tensors
-    result = merge_fragment(global_params, contributions, embedding_names={"emb"}, clip_factor=3.0)
-    assert len(made) == len(names)  # one allocation per tensor, none later
-    assert at_first_read == [len(names)]  # all of them before the first pass
-    assert all(any(g is m for m in made) for g in result.outer_grad.values())
