@@ -1,7 +1,6 @@
 """The syncer's push route gives the freed heap back to the kernel once an accepted push's decoded tensors are
 dropped (`SyncerService._handle_push` -> `release_freed_memory`): without it, glibc kept up to 0.17 GiB of a llama-1b
-push's freed tensors resident until the next merge's trim, under that merge's fragment-sized buffer
-(docs/scale.md). The trim must come after the tensors are gone (trimmed while they are alive, it frees nothing of
+push's freed tensors resident until the next merge's trim, under the next push (docs/scale.md). The trim must come after the tensors are gone (trimmed while they are alive, it frees nothing of
 theirs): each test tracks the decoded tensors by weak reference."""
 
 from __future__ import annotations
