@@ -70,13 +70,62 @@ def peak_rss_bytes() -> int:
 
 def current_rss_bytes() -> int:
     """This process's resident set size now (VmRSS of /proc/self/status; 0 if unknown)."""
+    return status_bytes("VmRSS")
+
+
+def status_bytes(field: str) -> int:
+    """A `/proc/self/status` figure in bytes (VmHWM, VmRSS, ...; 0 if unknown)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
     return 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's high-water mark of this process's RSS (`/proc/self/clear_refs` 5, Linux >= 4.0); False if it
+    could not. It resets `ru_maxrss` too: a caller that resets reads its peaks from `PhasePeaks`."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+class PhasePeaks:
+    """Peak RSS per phase of a run (what holds the memory at the peak: the push being accepted, the merge, ...): the
+    kernel's high-water mark read at the end of each phase and reset for the next, and the RSS right after it. The
+    whole run's peak is the largest phase peak (`ru_maxrss` no longer is once the mark was reset). If the mark cannot
+    be reset, every phase reads the peak so far (`resettable` False says so)."""
+
+    def __init__(
+        self,
+        read: Any = status_bytes,
+        reset: Any = reset_peak_rss,
+    ) -> None:
+        self._read, self._reset = read, reset
+        self.peaks: dict[str, int] = {}  # phase -> its highest peak over every time it ran
+        self.after: dict[str, int] = {}  # phase -> the highest RSS right after it ended
+        self.overall = 0
+        self.resettable = bool(reset())  # the phases start here
+
+    def end(self, phase: str) -> int:
+        """The phase that started at the last `end` (or at construction) ended: its peak, recorded."""
+        peak, now = self._read("VmHWM"), self._read("VmRSS")
+        self.resettable = bool(self._reset()) and self.resettable
+        self.peaks[phase] = max(self.peaks.get(phase, 0), peak)
+        self.after[phase] = max(self.after.get(phase, 0), now)
+        self.overall = max(self.overall, peak)
+        return peak
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "phase_peak_rss": dict(self.peaks),
+            "rss_after_phase": dict(self.after),
+            "resettable": self.resettable,
+        }
 
 
 def available_bytes() -> int:
@@ -503,17 +552,44 @@ def probe_score(scorer: Any, core: Any, fragment: int, params: dict[str, Any]) -
     return scorer.measure(dict(core.params), tuple(core.versions), base, params, time.perf_counter)
 
 
+def push_and_accept(
+    core: Any, scorer: Any, fragment: int, peer: int, gen: Any, meter: PhasePeaks
+) -> str | None:
+    """One synthetic contribution built (and scored by the probe, when on: phase `push`) and accepted by the core
+    (phase `accept`); the refusal's reason, if refused."""
+    from node.diloco.spill import release_freed_memory
+    from node.diloco.syncer_core import Refusal
+
+    params = synthetic(core, fragment, gen)
+    score = probe_score(scorer, core, fragment, params)
+    meter.end("push")
+    try:
+        core.accept(
+            f"peer-{peer}", fragment, params, base_version=0, steps=4, tokens=4 * SEQ, sched_step=4,
+            step_time_s=1.0, nonce=bytes([peer]) * 16, now=time.monotonic() + 60.0, loss=score,
+        )  # fmt: skip
+    except Refusal as e:
+        return e.reason
+    finally:
+        del params  # the caller's reference: the push goes once accepted (the core holds it on disk)
+        meter.end("accept")
+    release_freed_memory()  # as the syncer's push route does once the push is dropped
+    return None
+
+
 def core_round(preset: str, contributors: int, probe: bool, num_fragments: int = 4) -> dict[str, Any]:
     """A syncer core merging every fragment of `preset` from synthetic contributions, each scored by the held-out
     loss probe first (`probe`), in this process; then a checkpoint written from its snapshot. Peak RSS after
-    building (`setup`) and after the round."""
+    building (`setup`), after the round and per phase (`PhasePeaks`: `push`, `accept`, `merge`, `checkpoint`; the
+    RSS right after each, `merge`'s being what the core holds between rounds), and the process before the model
+    (`process_rss`: the interpreter and its imports)."""
     import torch
 
     from node.diloco.screening import ScreeningConfig
-    from node.diloco.syncer_core import Refusal
     from node.ml.checkpoint import CheckpointStore
     from node.ml.model import ModelConfig, build_model
 
+    process_rss = current_rss_bytes()
     run = manifest(preset, num_fragments=num_fragments)
     model = build_model(ModelConfig.from_dict(run.model), run.seed)
     spill = tempfile.TemporaryDirectory(dir=os.environ.get("SCALE_CKPT_DIR"))
@@ -524,30 +600,27 @@ def core_round(preset: str, contributors: int, probe: bool, num_fragments: int =
     except ImportError:
         scorer = copying_probe(run)
     setup_peak, started, merged, refused = peak_rss_bytes(), time.perf_counter(), 0, []
+    meter = PhasePeaks()  # resets the high-water mark: peaks from here are the meter's
     gen = torch.Generator().manual_seed(0)
     for fragment in range(core.plan.num_fragments):
         for peer in range(contributors):
-            params = synthetic(core, fragment, gen)
-            score = probe_score(scorer, core, fragment, params)
-            try:
-                core.accept(
-                    f"peer-{peer}", fragment, params, base_version=0, steps=4, tokens=4 * SEQ, sched_step=4,
-                    step_time_s=1.0, nonce=bytes([peer]) * 16, now=time.monotonic() + 60.0, loss=score,
-                )  # fmt: skip
-            except Refusal as e:
-                refused.append(e.reason)
-            del params
+            if (reason := push_and_accept(core, scorer, fragment, peer, gen, meter)) is not None:
+                refused.append(reason)
         merged += core.merge_now(fragment, contributors, time.monotonic() + 60.0) is not None
-    round_s, round_peak = time.perf_counter() - started, peak_rss_bytes()
+        meter.end("merge")
+    round_s, round_peak = time.perf_counter() - started, max(setup_peak, meter.overall)
     with tempfile.TemporaryDirectory(dir=os.environ.get("SCALE_CKPT_DIR")) as tmp:
         saved = time.perf_counter()
         CheckpointStore(Path(tmp), RUN_ID, keep=1).save(core.snapshot(RUN_ID, 1))
         checkpoint_s = time.perf_counter() - saved
+    meter.end("checkpoint")
     spill.cleanup()
     return {
+        "process_rss": process_rss,
         "setup_peak_rss": setup_peak,
         "round_peak_rss": round_peak,
-        "peak_rss": peak_rss_bytes(),
+        "peak_rss": max(setup_peak, meter.overall),
+        **meter.report(),
         "fragments_merged": merged,
         "num_fragments": core.plan.num_fragments,
         "refused": refused,
@@ -576,14 +649,15 @@ def run_core(
     queue = ctx.Queue()
     child = ctx.Process(target=_child, args=("core", preset, queue, (contributors, probe, num_fragments)))
     child.start()
-    deadline, lowest = time.monotonic() + timeout_s, available_bytes()
+    deadline, lowest, reached = time.monotonic() + timeout_s, available_bytes(), 0
     try:
         while time.monotonic() < deadline:
             with contextlib.suppress(queue_module.Empty):
                 return {**queue.get(timeout=0.5), "lowest_available_bytes": lowest}
             lowest = min(lowest, available_bytes() or lowest)
+            # the child resets its high-water mark per phase (`PhasePeaks`): the highest of the polled ones
+            reached = max(reached, child_peak_rss(child.pid) or 0)
             if lowest < MIN_FREE:
-                reached = child_peak_rss(child.pid)
                 child.kill()
                 why = f"killed: the machine's available memory fell under {MIN_FREE / GiB:.0f} GiB"
                 return {"skipped": why, "peak_rss_when_killed": reached, "lowest_available_bytes": lowest}
@@ -655,7 +729,17 @@ def headline_1b(big: dict[str, Any]) -> dict[str, Any]:
         # killed for memory: the ratio it had reached by then, a lower bound of the peak's
         "syncer_rss_ratio_1b_at_least": ratio(killed, big) if killed else None,
         "syncer_goal_met_1b": ratio_1b is not None and ratio_1b <= 1.0,
+        "syncer_peak_phase_1b": peak_phase(big),
     }
+
+
+def peak_phase(core: dict[str, Any]) -> str | None:
+    """The phase of a core round (`PhasePeaks`) whose peak was the round's (`setup` if none was higher)."""
+    peaks = core.get("phase_peak_rss") or {}
+    if not peaks or "peak_rss" not in core:
+        return None
+    phase = max(peaks, key=peaks.__getitem__)
+    return str(phase) if peaks[phase] >= core["peak_rss"] else "setup"
 
 
 def headline(model: str, rnd: dict[str, Any], big: dict[str, Any], stage: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from node.diloco.learner_ledger import (
     frame_digest,
 )
 from node.diloco.seniority import seniority_chunks
+from node.diloco.spill import release_freed_memory
 from node.diloco.sync_client import (
     FETCH_ROUTE,
     OFFER_PREFIX,
@@ -309,6 +310,13 @@ class SyncerService:
             raise refuse("standby", "this syncer is on standby")
 
     async def _handle_push(self, frame: bytearray, remote: str) -> bytes:
+        answer = await self._accept_push(frame, remote)
+        # its decoded tensors went with that frame: freed heap back to the kernel, else resident under the next merge
+        # (docs/scale.md). A refused push is held by its traceback here: the next accept or merge trims it
+        release_freed_memory()
+        return answer
+
+    async def _accept_push(self, frame: bytearray, remote: str) -> bytes:
         if (why := self.ledger.banned(remote, time.time())) is not None:  # before decoding anything of it
             raise refuse("banned", f"{remote[-8:]} is banned: {why}")
         opened = self._open_push(frame, remote)

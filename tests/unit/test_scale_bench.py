@@ -36,3 +36,7 @@ def test_quick_mode_writes_the_headline_and_the_plot(tmp_path: Path) -> None:
     assert head["syncer_peak_gib"] > 0 and head["learner_peak_gib"] > 0
     assert head["stage_slice_gib_1b"] > 0.5  # a quarter of a 1.1B model
     assert (tmp_path / "scale.png").stat().st_size > 0
+    core = result["core"]  # the syncer core's round, peak RSS per phase (what holds the memory at its peak)
+    assert set(core["phase_peak_rss"]) == {"push", "accept", "merge", "checkpoint"}
+    assert core["peak_rss"] >= max(core["phase_peak_rss"].values())
+    assert 0 < core["process_rss"] < core["setup_peak_rss"]

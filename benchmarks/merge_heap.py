@@ -1,0 +1,66 @@
+"""The peak RSS of merging one llama-1b fragment alone (issue 17, docs/scale.md "The llama-1b syncer core at P = 16"):
+`merge_fragment` over two contributions held in spill files, as the syncer core holds them, measured from the RSS
+before it (the kernel's high-water mark reset first, benchmarks.scale `PhasePeaks`). Seconds and ~1 GiB, not the
+model: to see what a merge holds over its outer gradient (chunk temporaries, freed heap) without the 1B core run.
+
+Run: `python -m benchmarks.merge_heap --fragment 13` (a fragment of 25 tensors at P = 16; 3 has 11, 0 is one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+GiB = 1 << 30
+
+
+def merge_peak(fragment: int, num_fragments: int) -> dict[str, float | int]:
+    import torch
+
+    from benchmarks.scale import PhasePeaks, manifest, status_bytes
+    from node.diloco.merge import Contribution, merge_fragment
+    from node.diloco.spill import SpillDir, release_freed_memory
+    from node.diloco.sync_client import run_fragment_plan
+    from node.ml.model import CausalLM, ModelConfig
+
+    torch.set_num_threads(1)
+    run = manifest("llama-1b", num_fragments=num_fragments)
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in CausalLM(ModelConfig.from_dict(run.model)).named_parameters()}
+    names = run_fragment_plan(run).fragments[fragment].names
+    gen = torch.Generator().manual_seed(0)
+    global_params = {n: torch.randn(shapes[n], generator=gen) for n in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        spill, contributions = SpillDir(Path(tmp) / "spill"), []
+        for peer in range(2):
+            noise = {n: t + 1e-3 * torch.randn(t.shape, generator=gen) for n, t in global_params.items()}
+            spill.write(f"c{peer}", noise)
+            del noise
+            contributions.append(Contribution(f"p{peer}", spill.tensors(f"c{peer}"), 0, 4, 256))
+        release_freed_memory()
+        meter, before = PhasePeaks(), status_bytes("VmRSS")
+        result = merge_fragment(global_params, contributions, embedding_names=(), clip_factor=3.0)
+        meter.end("merge")
+        grad = sum(t.numel() * 4 for t in result.outer_grad.values())
+    return {
+        "fragment": fragment,
+        "tensors": len(names),
+        "outer_grad_gib": round(grad / GiB, 3),
+        "peak_over_before_gib": round((meter.peaks["merge"] - before) / GiB, 3),
+        "resettable": meter.resettable,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fragment", type=int, default=13)
+    parser.add_argument("--fragments-per-stage", type=int, default=16)
+    args = parser.parse_args(argv)
+    print(json.dumps(merge_peak(args.fragment, args.fragments_per_stage)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
