@@ -9,7 +9,9 @@ from the current defaults: (1) on the elastic_dp row and every learner row (M = 
 return time of failed chips, the elastic downscale and upscale times (apart: the paper names both, and they cost
 differently, since every failure of a running job pauses it while a return that lands in a pause joins it) and the
 slice size (the small learners pin it); (2) on dp, the non-elastic restart's fixed part and its restore work
-(chip-seconds the job's chips share). The dp row depends on stage 1 only through the return mean. Each stage
+(chip-seconds the job's chips share). The dp row depends on stage 1 only through the return mean, which it
+bounds: its cost per failure is return + restart, so a return mean above `dp_return_bound_s` would need a
+negative restart, and stage 1 stays under it. Each stage
 simulates its rows exactly as the reported grid does (same failure targets and seed). The defaults of
 `tools.simulate.FailureModel` are the result, rounded; docs/simulator.md has the table.
 Why every learner row: by the paper's rule ("M learners on N chips ~ elastic DP on N/M chips", which our model
