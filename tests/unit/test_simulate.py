@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
-from dataclasses import replace
+from dataclasses import asdict, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
+from benchmarks import simulate_table
 from benchmarks.simulate_table import _elastic_model, nelder_mead
 from protocol.compress import CodecSpec, encode
 from tools.sim_links import LinkModel, PeerLink
@@ -291,3 +296,63 @@ def test_a_downscale_costs_more_than_an_upscale_of_the_same_length() -> None:
     assert up_only - down_only > 0.05  # 9 points here, the noise 0.3: a different cost, not a noise-sized gap
     fitted = _elastic_model([60.0, 10.0, 5.0, 9_000.4], FailureModel())
     assert (fitted.downscale_s, fitted.upscale_s, fitted.slice_chips) == (10.0, 5.0, 9_000)  # apart, not tied
+
+
+def test_cross_validation_never_fits_the_row_it_predicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Stage 1 fits every learner row; the held-out figure is honest only if each row's refit never saw that row.
+    fitted_on: list[tuple[str, ...]] = []
+
+    def fake_calibrate(
+        base: FailureModel, seed: int, rows: tuple[str, ...], max_evals: int
+    ) -> tuple[FailureModel, dict[str, float]]:
+        fitted_on.append(tuple(rows))
+        return replace(base, return_mean_s=base.return_mean_s + len(fitted_on)), {"stage1_l4_points": 1.0}
+
+    def fake_grid(grid: GridConfig, systems: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+        # every cell 1 point above the paper per refit so far: the errors must come from this grid, not the fit's
+        bump = grid.failures.return_mean_s - FailureModel().return_mean_s
+        return {
+            s: {c: SimpleNamespace(goodput=v + bump / 100) for c, v in simulate_table.PAPER_TABLE1[s].items()}
+            for s in systems
+        }
+
+    monkeypatch.setattr(simulate_table, "calibrate", fake_calibrate)
+    monkeypatch.setattr(simulate_table, "run_grid", fake_grid)
+    out = simulate_table.cross_validate(FailureModel(), seed=0)
+    assert list(out) == list(simulate_table.HELD_OUT_ROWS)
+    for (row, result), rows in zip(out.items(), fitted_on, strict=True):
+        assert row not in rows and set(rows) | {row} == set(simulate_table.ELASTIC_FIT_ROWS)
+        assert result["fitted_on"] == list(rows)
+    assert [o["held_out_max_abs_error_points"] for o in out.values()] == pytest.approx([1.0, 2.0, 3.0, 4.0])
+
+
+def test_table_reports_held_out_errors_only_for_its_own_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(simulate_table, "RESULTS_DIR", tmp_path)
+    model = FailureModel()
+    assert simulate_table._held_out(model)["source"].startswith("none")
+    cv = {
+        "measured_at": "then",
+        "headline": {"max_abs_error_points": 2.5},
+        "base_failure_model": asdict(model),
+    }
+    (tmp_path / f"{simulate_table.CV_NAME}.json").write_text(json.dumps(cv))
+    assert simulate_table._held_out(model)["max_abs_error_points"] == 2.5
+    # a refit since: the stored figures are not its own
+    other = replace(model, upscale_s=model.upscale_s + 1.0)
+    stale = simulate_table._held_out(other)
+    assert stale["source"].startswith("stale") and "max_abs_error_points" not in stale
+
+
+def test_the_dp_row_bounds_the_return_mean() -> None:
+    # The dp row's cost per failure is return + restart: a return mean above the bound leaves its best fit no
+    # restart to give (it would need a negative one), so the row's error grows; at or below it, it does not.
+    base = FailureModel()
+    bound = simulate_table.dp_return_bound_s(base)
+    below, below_err = simulate_table.fit_restart(replace(base, return_mean_s=bound - 5.0))
+    at, at_err = simulate_table.fit_restart(replace(base, return_mean_s=bound))
+    _, above_err = simulate_table.fit_restart(replace(base, return_mean_s=bound + 2.0))
+    assert below.restart_s == pytest.approx(5.0, abs=0.01) and at.restart_s == pytest.approx(0.0, abs=0.01)
+    assert below_err == pytest.approx(at_err, abs=1e-3) and at_err < 3.0
+    assert above_err > at_err + 0.05  # the control: past the bound the dp row pays for it
