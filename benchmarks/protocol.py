@@ -87,6 +87,7 @@ from protocol.errors import ProtocolError
 from protocol.identity import NodeIdentity, verify_signature
 from protocol.replay import ReplayGuard
 from protocol.rpc import FramedServer, Route, StreamConfig, call_framed, route_limits
+from tools.proctree import cpu_seconds
 
 NAME = "protocol"
 MIB = 1 << 20
@@ -262,18 +263,6 @@ def _daemon_pid(p2p: P2P) -> int:
     return int(p2p._child.pid)  # type: ignore[attr-defined]  # hivemind keeps its p2pd process private
 
 
-_CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid`, all its threads (Linux /proc; 0 where unreadable)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS_PER_S
-
-
 @dataclasses.dataclass
 class CpuMeter:
     """The processes of a transfer in two groups: the Python ends (event loop plus hashing thread) and the daemons."""
@@ -283,7 +272,7 @@ class CpuMeter:
 
     def read(self) -> dict[str, float]:
         return {
-            group: sum(map(process_cpu_s, pids))
+            group: sum(map(cpu_seconds, pids))
             for group, pids in (("python", self.python), ("p2pd", self.p2pd))
         }
 

@@ -43,6 +43,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from tools.proctree import status_bytes
+
 GiB = 1 << 30
 NAME = "scale"
 SEQ = 64  # tokens per training sequence (short: the round measures memory, not throughput)
@@ -71,17 +73,6 @@ def peak_rss_bytes() -> int:
 def current_rss_bytes() -> int:
     """This process's resident set size now (VmRSS of /proc/self/status; 0 if unknown)."""
     return status_bytes("VmRSS")
-
-
-def status_bytes(field: str) -> int:
-    """A `/proc/self/status` figure in bytes (VmHWM, VmRSS, ...; 0 if unknown)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
 
 
 def reset_peak_rss() -> bool:
@@ -632,13 +623,7 @@ def core_round(preset: str, contributors: int, probe: bool, num_fragments: int =
 
 def child_peak_rss(pid: int | None) -> int | None:
     """VmHWM (peak RSS) of a live child, from /proc (None if unreadable)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return None
+    return (status_bytes("VmHWM", pid) or None) if pid is not None else None
 
 
 def run_core(

@@ -44,7 +44,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -67,6 +66,7 @@ from protocol.rpc import (
     encode_preamble,
     protocol_name,
 )
+from tools.proctree import cpu_seconds, status_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -109,25 +109,11 @@ def _limits(defended: bool) -> LimitsConfig:
 # ---- the children ----------------------------------------------------------------------------------------------
 
 
-def _cpu_s(pid: int | str) -> float:
-    """User + system CPU seconds of one process, from /proc."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _children_cpu_s() -> float:
     total = 0.0
     for child in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split():
-        with contextlib.suppress(OSError):  # the daemon may be exiting
-            total += _cpu_s(child)
+        total += cpu_seconds(child)  # 0 for a daemon that exited meanwhile
     return total
-
-
-def _status_kib(pid: int | str, field_name: str) -> int:
-    text = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(rf"^{field_name}:\s+(\d+) kB", text, re.M)
-    return int(match.group(1)) if match else 0
 
 
 async def _start_p2p(initial_peers: list[str] | None = None) -> Any:
@@ -177,8 +163,8 @@ def _victim_main(defended: bool) -> None:
         def stats() -> dict[str, Any]:
             limiter = server.limiter.stats()
             return {
-                "rss_kib": _status_kib("self", "VmRSS"),
-                "hwm_kib": _status_kib("self", "VmHWM"),
+                "rss_kib": status_bytes("VmRSS") // 1024,
+                "hwm_kib": status_bytes("VmHWM") // 1024,
                 "handled": dict(handled),
                 "admitted": limiter.num_admitted,
                 "throttled": {p: dict(s.throttled_by_reason) for p, s in limiter.peers.items()},
@@ -187,7 +173,7 @@ def _victim_main(defended: bool) -> None:
                 "floods_logged": dict(server.floods),
                 "strikes": server.strikes.snapshot(),
                 "tasks": len(asyncio.all_tasks()),
-                "cpu_s": _cpu_s("self"),
+                "cpu_s": cpu_seconds("self"),
                 "daemon_cpu_s": _children_cpu_s(),
             }
 

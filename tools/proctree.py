@@ -45,6 +45,27 @@ def proc_table() -> dict[int, ProcInfo]:
     return table
 
 
+def cpu_seconds(pid: int | str) -> float:
+    """User + system CPU seconds of process `pid` ("self": this one), all its threads; 0 where unreadable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, as in `proc_table`
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def status_bytes(field: str, pid: int | str = "self") -> int:
+    """A `/proc/<pid>/status` figure in bytes (VmRSS, VmHWM, ...); 0 if unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def descendants(root: int, table: dict[int, ProcInfo] | None = None) -> list[int]:
     """Live (non-zombie) descendants of `root`, parents before children."""
     table = table if table is not None else proc_table()

@@ -188,9 +188,8 @@ class ScreenUpdate:
     direction: dict[str, torch.Tensor] | str | None
     losses: tuple[float, ...] = ()  # the merged participants' held-out loss-delta scores (those measured)
     slopes: tuple[float, ...] = ()  # the held-out slopes of those merged at full evidence weight
-    cosines: tuple[
-        float, ...
-    ] = ()  # and their cosines with the recent merged direction (node.diloco.evidence)
+    # and their cosines with the recent merged direction (node.diloco.evidence)
+    cosines: tuple[float, ...] = ()
 
 
 def _norm(tensors: Iterable[torch.Tensor]) -> float:

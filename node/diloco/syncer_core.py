@@ -201,11 +201,13 @@ def combine_round(
     return merged, sources
 
 
-def _loss_scores(sources: Mapping[str, list[_Entry]], attribute: str = "loss_delta") -> dict[str, float]:
-    """Per peer, the mean held-out loss-delta score (or `attribute`: "slope") of its contributions scored."""
+def _mean_per_peer(
+    sources: Mapping[str, list[_Entry]], value: Callable[[_Entry], float | None]
+) -> dict[str, float]:
+    """Per peer, the mean of `value` (a held-out score, slope or cosine) over its contributions that have one."""
     scores: dict[str, float] = {}
     for peer, entries in sources.items():
-        measured = [v for e in entries if (v := getattr(e, attribute)) is not None]
+        measured = [v for e in entries if (v := value(e)) is not None]
         if measured:
             scores[peer] = math.fsum(measured) / len(measured)
     return scores
@@ -913,7 +915,8 @@ class SyncerCore(CoreState):
             self.versions[fragment],
             self.max_staleness,
         )
-        slopes, cosines = _loss_scores(sources, "slope"), _loss_scores(sources, "cosine")
+        slopes = _mean_per_peer(sources, lambda e: e.slope)
+        cosines = _mean_per_peer(sources, lambda e: e.cosine)
         result, credit, factors = merge_capped(
             self, fragment, global_params, merged, started_at, slopes, cosines
         )
@@ -922,7 +925,7 @@ class SyncerCore(CoreState):
         screened_update = self.screen.prepare_commit(
             fragment,
             result,
-            _loss_scores(sources),
+            _mean_per_peer(sources, lambda e: e.loss_delta),
             {p: s for p, s in slopes.items() if p in full},
             {p: c for p, c in cosines.items() if p in full},
         )
@@ -1244,9 +1247,9 @@ def merge_capped(
     cosines: Mapping[str, float] | None = None,
 ) -> tuple[MergeResult, dict[str, float], dict[str, float]]:
     """`merge_fragment` with each weight scaled by its evidence of work (`slopes`: peer -> held-out slope, those
-    measured; `cosines`: with the recent merged direction; node.diloco.evidence), then the seniority cap on young identities' weights (node.diloco.seniority);
-    also the fraction of a round each young peer the cap scaled down ages by (`CappedWeights.credit`) and the
-    evidence factor of each peer with a slope."""
+    measured; `cosines`: with the recent merged direction; node.diloco.evidence), then the seniority cap on young
+    identities' weights (node.diloco.seniority); also the fraction of a round each young peer the cap scaled down
+    ages by (`CappedWeights.credit`) and the evidence factor of each peer with a slope."""
     capped: list[CappedWeights] = []
     scored = {p: s for p, s in (slopes or {}).items() if p in merged}
     factors = core.screen.evidence.factors(fragment, scored, cosines or {})
