@@ -22,10 +22,11 @@ values, negative counters, stale base version) are rejected with a reason, not r
 data. If no contribution carries weight, `NothingToMerge` is raised; the syncer must then skip the outer
 step (a zero outer gradient would still move the parameters through Nesterov momentum).
 
-Memory (issue 17): the outer gradient is the merge's only fragment-sized buffer. The deltas are never held: each
-pass over a tensor (norms, then the weighted sum) recomputes them from the contributions a chunk at a time
-(node.diloco.chunked; a contribution may be a spill file), clipped by a scale and winsorized chunk by chunk, which
-needs the K contributions' values of one chunk at once, not K deltas.
+Memory (issue 17): the deltas are never held: each pass over a tensor (norms, then the weighted sum) recomputes them
+from the contributions a chunk at a time (node.diloco.chunked; a contribution may be a spill file), clipped by a
+scale and winsorized chunk by chunk, which needs the K contributions' values of one chunk at once, not K deltas. The
+outer gradient is put together a chunk at a time too: in memory (one fragment), or with a spill directory in a file
+whose RDA factor is applied as it is read, so that a syncer with its state on disk holds nothing fragment-sized.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 
 from node.diloco import chunked
 from node.diloco.counters import token_weight
+from node.diloco.spill import ScaledTensors, SpillDir, SpilledTensors
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,8 @@ class Contribution:
 class MergeResult:
     """What the merge did, for the outer step and for the event tape."""
 
-    outer_grad: dict[str, torch.Tensor]  # float32 pseudo-gradient per tensor, to feed OuterNesterov
+    # float32 pseudo-gradient per tensor, to feed OuterNesterov: tensors, or a spill file read a chunk at a time
+    outer_grad: Mapping[str, torch.Tensor]
     weights: dict[str, float]  # normalised weight per accepted peer (0.0 for no progress)
     clipped: dict[str, float]  # peer -> scale applied to its delta (< 1)
     fallback_tensors: tuple[str, ...]  # non-embedding tensors merged by plain mean (degenerate direction)
@@ -110,6 +113,7 @@ def merge_fragment(
     trim_fraction: float = 0.0,
     reweight: Callable[[Mapping[str, float]], Mapping[str, float]] | None = None,
     sparse: bool = False,
+    spill: SpillDir | None = None,
 ) -> MergeResult:
     """Merge `contributions` to one fragment into an outer gradient (see the module docstring).
 
@@ -122,7 +126,7 @@ def merge_fragment(
     lowest (a winsorized merge: one or a few contributions cannot pull any coordinate past the honest ones'),
     among the contributions that sent it with `sparse` (a top-k codec's, `_winsorized`). `reweight` maps the raw
     token weights to the ones used (the seniority cap, node.diloco.seniority); a weight it leaves out is kept.
-    Raises NothingToMerge if no accepted contribution has positive weight, ValueError on bad arguments
+    `spill`: the outer gradient goes to a file there (`_Grad`), no fragment-sized buffer. Raises NothingToMerge if no accepted contribution has positive weight, ValueError on bad arguments
     (duplicate peer ids, bad clip_factor or tolerance, empty fragment)."""
     _check_arguments(global_params, contributions, clip_factor, degenerate_tol)
     accepted, rejected = _screen(global_params, contributions, current_version, max_staleness)
@@ -140,9 +144,8 @@ def merge_fragment(
     clipped = _clip(weighted, clip_factor)
     trimmed = _trim_count(len(weighted), trim_fraction)
     weights = {a.peer_id: a.weight / total for a in accepted}
-    outer_grad, fallback = _merge_tensors(
-        global_params, weighted, weights, embedding_names, degenerate_tol, trimmed, sparse
-    )
+    args = (embedding_names, degenerate_tol, trimmed, sparse, spill)
+    outer_grad, fallback = _merge_tensors(global_params, weighted, weights, *args)
     reason = (
         f"merged {len(weighted)}/{len(contributions)} contributions"
         f"; {len(rejected)} rejected, {len(accepted) - len(weighted)} without progress"
@@ -191,22 +194,53 @@ def _merge_tensors(
     degenerate_tol: float,
     trim: int,
     sparse: bool = False,
-) -> tuple[dict[str, torch.Tensor], list[str]]:
+    spill: SpillDir | None = None,
+) -> tuple[Mapping[str, torch.Tensor], list[str]]:
     """Per tensor: the weighted mean for embeddings, RDA otherwise; also the tensors where RDA fell back. The
-    outer gradient is the only fragment-sized buffer: the deltas are recomputed a chunk at a time for each pass."""
-    outer_grad: dict[str, torch.Tensor] = {}
+    deltas are recomputed a chunk at a time for each pass; the outer gradient is in memory (one fragment), or with
+    `spill` in a file written a chunk at a time (`_Grad`): no fragment-sized buffer at all."""
+    names = sorted(global_params)
+    grad = _Grad(global_params, names, spill)
     fallback: list[str] = []
-    for name in sorted(global_params):
+    for name in names:
         parts = _Parts(global_params, weighted, name, trim, sparse)
         alphas = [weights[a.peer_id] for a in weighted]
         if name in embedding_names:
-            outer_grad[name] = parts.accumulate(alphas)
+            parts.accumulate(alphas, grad, name)
             continue
-        merged, degenerate = _rda(parts, alphas, degenerate_tol)
-        outer_grad[name] = merged
-        if degenerate:
+        if _rda(parts, alphas, degenerate_tol, grad, name):
             fallback.append(name)
-    return outer_grad, fallback
+    return grad.tensors, fallback
+
+
+class _Grad:
+    """Where the outer gradient goes, a chunk at a time: in-memory tensors, or a spill file
+    (node.diloco.spill `SpillDir.create`) read through `ScaledTensors`, which applies a tensor's factors as it is read
+    (`scale`); the values are the same either way."""
+
+    def __init__(
+        self, global_params: Mapping[str, torch.Tensor], names: Sequence[str], spill: SpillDir | None
+    ) -> None:
+        layout = [(n, tuple(global_params[n].shape)) for n in names]
+        self.file: SpilledTensors | None = None
+        self.tensors: Mapping[str, torch.Tensor]
+        if spill is None:
+            self.tensors = {n: torch.empty(shape, dtype=torch.float32) for n, shape in layout}
+        else:
+            self.file = spill.create(spill.new_key("outer-grad"), layout)
+            self.tensors = ScaledTensors(self.file)
+
+    def put(self, name: str, start: int, values: torch.Tensor) -> None:
+        if self.file is not None:
+            self.file.put(name, start, values)
+        else:
+            self.tensors[name].view(-1)[start : start + values.numel()].copy_(values)
+
+    def scale(self, name: str, factor: float) -> None:
+        if isinstance(self.tensors, ScaledTensors):
+            self.tensors.scale(name, factor)
+        else:
+            self.tensors[name].mul_(factor)
 
 
 class _Parts:
@@ -233,15 +267,18 @@ class _Parts:
                 deltas.append(delta.mul_(a.scale) if a.scale != 1.0 else delta)
             yield start, stop, _winsorized(deltas, self.trim, sparse=self.sparse)
 
-    def accumulate(self, alphas: Sequence[float | None], out: torch.Tensor | None = None) -> torch.Tensor:
-        """sum_m alphas[m] x delta_m, added in contribution order (a zero alpha skips that delta)."""
-        out = torch.zeros(self.shape, dtype=torch.float32) if out is None else out.zero_()
-        flat = out.view(-1)
+    def accumulate(self, alphas: Sequence[float | None], grad: _Grad, name: str) -> float:
+        """sum_m alphas[m] x delta_m, added in contribution order (a zero alpha skips that delta) into a zeroed
+        chunk, put into `grad` chunk by chunk; returns the norm of the sum (float64 chunk sums)."""
+        terms: list[float] = []
         for start, stop, deltas in self.chunks():
+            out = torch.zeros(stop - start, dtype=torch.float32)
             for alpha, delta in zip(alphas, deltas, strict=True):
                 if alpha is not None:
-                    flat[start:stop].add_(delta, alpha=alpha)
-        return out
+                    out.add_(delta, alpha=alpha)
+            terms.append(chunked.squared(out))
+            grad.put(name, start, out)
+        return math.sqrt(math.fsum(terms))
 
     def norms(self) -> list[float]:
         """Each contribution's delta norm over the whole tensor (float64 chunk sums)."""
@@ -368,8 +405,10 @@ def _sparse_bounds(stacked: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return torch.where(few, -inf, low), torch.where(few, inf, high)
 
 
-def _rda(parts: _Parts, weights: Sequence[float], tol: float) -> tuple[torch.Tensor, bool]:
-    """Weighted RDA of one tensor; returns (merged, fell_back). Weights sum to 1."""
+def _rda(parts: _Parts, weights: Sequence[float], tol: float, grad: _Grad, name: str) -> bool:
+    """Weighted RDA of one tensor into `grad`; returns whether it fell back to the plain mean. Weights sum to 1.
+    The direction's length is summed a chunk at a time in float64 (it was a float32 norm of the whole tensor,
+    which a chunked merge does not hold: the two differ by rounding)."""
     lengths = parts.norms()
     alphas: list[float | None] = []
     radial = reach = 0.0  # reach: the norm the direction would have if all unit vectors agreed
@@ -378,10 +417,11 @@ def _rda(parts: _Parts, weights: Sequence[float], tol: float) -> tuple[torch.Ten
         if norm != 0.0:
             radial += weight * norm
             reach += weight
-    direction = parts.accumulate(alphas)
+    length = parts.accumulate(alphas, grad, name)
     if reach == 0.0:
-        return direction, False  # every delta is zero; so is the merge
-    length = float(direction.norm())
+        return False  # every delta is zero; so is the merge
     if length <= tol * reach:
-        return parts.accumulate(list(weights), out=direction), True
-    return direction.mul_(radial / length), False
+        parts.accumulate(list(weights), grad, name)
+        return True
+    grad.scale(name, radial / length)
+    return False

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -107,26 +107,23 @@ class OuterNesterov:
         outer_grad: Mapping[str, torch.Tensor],
         *,
         require_finite: bool = False,
+        put: Callable[[str, int, torch.Tensor], None] | None = None,
     ) -> Iterator[torch.Tensor]:
         """`step_from` a chunk at a time (node.diloco.chunked) for a syncer that keeps its momentum on disk: each
         chunk of `outer_grad` (float32, owned by the caller) is overwritten with the new parameter values there,
         and the new momentum buffers are yielded chunk by chunk, in `outer_grad`'s order, to be written to a file.
-        Fragment-sized memory: none beyond `outer_grad` itself (`momentum`, e.g. a spill file, is read a chunk at a
-        time). The values are those of `step_from`; with `require_finite`, NonFiniteStep is raised after the last
-        chunk (the caller drops what it wrote, and `outer_grad` holds no gradient any more)."""
+        `put(name, start, values)`: where the new values go instead (`outer_grad` then may be a spill file read a
+        chunk at a time, node.diloco.spill, and nothing fragment-sized is held). Fragment-sized memory: none beyond
+        `outer_grad` itself (`momentum`, e.g. a spill file, is read a chunk at a time). The values are those of
+        `step_from`; with `require_finite`, NonFiniteStep is raised after the last chunk (the caller drops what it
+        wrote, and `outer_grad` holds no gradient any more)."""
         checked = momentum or {}
-        for name, grad in outer_grad.items():
-            if name not in global_params or tuple(grad.shape) != tuple(global_params[name].shape):
-                raise ValueError(f"outer_grad {name!r} is not a parameter of this shape")
-            if grad.dtype != torch.float32 or not grad.is_contiguous():
-                raise ValueError(f"{name}: outer_grad must be contiguous float32 to be stepped in place")
-            if name in checked and chunked.shape(checked, name) != tuple(grad.shape):
-                raise ValueError(f"{name}: momentum buffer shape != {tuple(grad.shape)}")
+        self._check_in_place(checked, global_params, outer_grad, in_memory=put is None)
         bad: list[str] = []
-        for name, grad in outer_grad.items():
+        for name in outer_grad:
             finite = True
-            for start, stop in chunked.ranges(grad.numel()):
-                g = grad.view(-1)[start:stop]
+            for start, stop in chunked.ranges(chunked.numel(outer_grad, name)):
+                g = chunked.piece(outer_grad, name, start, stop)
                 buf = (
                     g.clone()
                     if name not in checked
@@ -142,12 +139,33 @@ class OuterNesterov:
                     .sub(direction, alpha=self.lr)
                 )
                 finite = finite and (not require_finite or (_finite(new) and _finite(buf)))
-                g.copy_(new)
+                if put is None:
+                    g.copy_(new)
+                else:
+                    put(name, start, new)
                 yield buf
             if not finite:
                 bad.append(name)
         if bad:
             raise NonFiniteStep(f"outer step non-finite in {len(bad)} tensors, e.g. {bad[0]}")
+
+    @staticmethod
+    def _check_in_place(
+        momentum: Mapping[str, torch.Tensor],
+        global_params: Mapping[str, torch.Tensor],
+        outer_grad: Mapping[str, torch.Tensor],
+        *,
+        in_memory: bool,
+    ) -> None:
+        for name in outer_grad:
+            shape = chunked.shape(outer_grad, name)
+            if name not in global_params or shape != tuple(global_params[name].shape):
+                raise ValueError(f"outer_grad {name!r} is not a parameter of this shape")
+            grad = outer_grad[name] if in_memory else None
+            if grad is not None and (grad.dtype != torch.float32 or not grad.is_contiguous()):
+                raise ValueError(f"{name}: outer_grad must be contiguous float32 to be stepped in place")
+            if name in momentum and chunked.shape(momentum, name) != shape:
+                raise ValueError(f"{name}: momentum buffer shape != {shape}")
 
     def state_dict(self, *, share: bool = False) -> dict[str, torch.Tensor]:
         """Flat copy of the momentum buffers, keys prefixed with STATE_PREFIX. With `share`, the buffers themselves

@@ -362,7 +362,7 @@ class ContributionScreen:
         scores = tuple((losses or {})[p] for p in result.participants if p in (losses or {}))
         kept = tuple((slopes or {})[p] for p in result.participants if p in (slopes or {}))
         agreed = tuple((cosines or {})[p] for p in result.participants if p in (cosines or {}))
-        length = _norm(result.outer_grad.values())
+        length = chunked.norm(result.outer_grad)  # (a spilled one read a chunk at a time: the same terms)
         if length <= 0 or not math.isfinite(length):
             return ScreenUpdate(norms, None, scores, kept, agreed)
         previous, keep = self.direction(fragment), self.config.direction_decay
@@ -375,8 +375,8 @@ class ContributionScreen:
             return ScreenUpdate(norms, direction, scores, kept, agreed)
 
         def chunks() -> Iterator[torch.Tensor]:  # the same values, a chunk at a time (off the event loop)
-            for n, g in result.outer_grad.items():
-                for a, b in chunked.ranges(g.numel()):
+            for n in result.outer_grad:  # (names: a spilled gradient's items() would read each tensor whole)
+                for a, b in chunked.ranges(chunked.numel(result.outer_grad, n)):
                     new = chunked.piece(result.outer_grad, n, a, b).to(torch.float32) * (
                         (1.0 - keep) / length
                     )
@@ -385,7 +385,7 @@ class ContributionScreen:
                     yield new
 
         key = self.spill.new_key(f"direction-{fragment}")
-        layout = [(n, tuple(g.shape)) for n, g in result.outer_grad.items()]
+        layout = [(n, chunked.shape(result.outer_grad, n)) for n in result.outer_grad]
         self.spill.write_stream(key, layout, chunks())
         return ScreenUpdate(norms, key, scores, kept, agreed)
 

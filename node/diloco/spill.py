@@ -87,6 +87,18 @@ class SpillDir:
             raise
         os.replace(tmp, self.directory / key)
 
+    def create(self, key: str, layout: Sequence[tuple[str, tuple[int, ...]]]) -> SpilledTensors:
+        """A new file under `key` for tensors of `layout` (name, shape), made at its size (zeros) and filled a chunk at
+        a time anywhere (`SpilledTensors.put`) while it is read: the merge's outer gradient, computed a chunk at a
+        time, then overwritten by the outer step with the new parameters (issue 17: no fragment-sized buffer in a
+        merge). Owned: deleted once the returned mapping is unreferenced. The key is new: nobody reads it half made."""
+        header = json.dumps([[name, list(shape)] for name, shape in layout]).encode()
+        total = _HEADER.size + len(header) + 4 * sum(math.prod(shape) for _, shape in layout)
+        with open(self.directory / key, "wb") as handle:
+            handle.write(_HEADER.pack(len(header)) + header)
+            handle.truncate(total)
+        return SpilledTensors(self, key, owned=True)
+
     def tensors(self, key: str, *, owned: bool = False) -> SpilledTensors:
         """The tensors under `key`, read a tensor or a chunk at a time when asked for; `owned`: the file is
         deleted once the returned mapping is no longer referenced (a contribution held on disk)."""
@@ -131,6 +143,17 @@ class SpilledTensors(Mapping[str, torch.Tensor]):
     def shape_of(self, name: str) -> tuple[int, ...]:
         return self._where[name][1]
 
+    def put(self, name: str, start: int, values: torch.Tensor) -> None:
+        """Overwrite values [start, start + numel) of tensor `name`, flattened, with `values` (float32): a file of
+        `SpillDir.create` being filled (a file others may be reading is never written: keys are written once)."""
+        offset, shape = self._where[name]
+        if values.dtype != torch.float32 or start < 0 or start + values.numel() > math.prod(shape):
+            raise ValueError(f"{name}: {values.numel()} {values.dtype} values do not fit at {start}")
+        data = values.detach().to("cpu").contiguous().reshape(-1).numpy().data.cast("B")
+        with open(self.spill.directory / self.key, "r+b") as handle:
+            handle.seek(offset + 4 * start)
+            handle.write(data)
+
     def chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Values [start, stop) of tensor `name`, flattened, read into a new tensor."""
         offset, shape = self._where[name]
@@ -152,6 +175,42 @@ class SpilledTensors(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+class ScaledTensors(Mapping[str, torch.Tensor]):
+    """The tensors of a spill file, each multiplied by its factors in order as it is read (`chunk`, `[name]`): the
+    merge's RDA factor and the seniority cap's scale, applied as the in-memory path applies them to its tensors
+    (`mul_` after `mul_`: the same float32 values), without rewriting the file."""
+
+    def __init__(self, file: SpilledTensors) -> None:
+        self.file = file
+        self.factors: dict[str, list[float]] = {name: [] for name in file}
+
+    def scale(self, name: str, factor: float) -> None:
+        self.factors[name].append(factor)
+
+    def scale_all(self, factor: float) -> None:
+        for name in self.factors:
+            self.scale(name, factor)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.file.shape_of(name)
+
+    def chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
+        values = self.file.chunk(name, start, stop)
+        for factor in self.factors[name]:
+            values.mul_(factor)
+        return values
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shape_of(name)
+        return self.chunk(name, 0, math.prod(shape)).reshape(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.factors)
+
+    def __len__(self) -> int:
+        return len(self.factors)
 
 
 class SpilledMomentum:

@@ -32,7 +32,13 @@ from node.diloco.quorum import QuorumConfig, QuorumPolicy
 from node.diloco.receipts import ReceiptLedger
 from node.diloco.screening import ContributionScreen, ScreeningConfig, ScreenUpdate
 from node.diloco.seniority import CappedWeights, Seniority, SeniorityConfig
-from node.diloco.spill import SpillDir, SpilledMomentum, release_freed_memory
+from node.diloco.spill import (
+    ScaledTensors,
+    SpillDir,
+    SpilledMomentum,
+    SpilledTensors,
+    release_freed_memory,
+)
 from node.ml.checkpoint import SyncerSnapshot
 from protocol.admission import AdmissionRefused, AdmissionSpec, verify_admission
 from protocol.compress import CodecSpec
@@ -96,7 +102,7 @@ class PreparedMerge:
     base_version: int
     round: _Round
     result: MergeResult
-    new_params: dict[str, torch.Tensor]
+    new_params: Mapping[str, torch.Tensor]  # tensors, or their file (a merge with its state on disk)
     merged: dict[str, Contribution]  # per peer, what went into merge_fragment (its entries combined)
     sources: dict[str, list[_Entry]]  # per peer, the contributions combined
     required: int
@@ -392,6 +398,15 @@ class VersionHistory:
             self.discard(spilled)
         if self.spill is not None:
             self._spill_older(history, version)
+
+    def retire(self, fragment: int, version: int, spilled: str) -> None:
+        """The fragment's current `version` is about to be replaced in place: from now on it is its file `spilled`
+        (`spill_now`), so that its tensors can go before the new ones are read (`SyncerCore._swap_in`)."""
+        history = self.tensors.setdefault(fragment, {})
+        if isinstance(history.get(version), dict):
+            history[version] = spilled
+        else:
+            self.discard(spilled)
 
     def _spill_older(self, history: dict[int, dict[str, torch.Tensor] | str], version: int) -> None:
         """Older versions still in memory go to files, unless they are the current tensors (a void round)."""
@@ -955,21 +970,26 @@ class SyncerCore(CoreState):
 
     def _outer_step(
         self, fragment: int, global_params: Mapping[str, torch.Tensor], outer_grad: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
+    ) -> Mapping[str, torch.Tensor]:
         """The outer step of one fragment (NonFiniteStep: nothing changed); with the momentum on disk, the
         fragment's buffers are read and stepped a chunk at a time and written as a new generation, and the new
-        parameters are written over `outer_grad` (`OuterNesterov.step_in_place`): the merge's one fragment-sized
-        buffer becomes the published version (issue 17)."""
+        parameters are written over `outer_grad` (`OuterNesterov.step_in_place`), a chunk at a time into its file
+        when the merge wrote it to one (then the new version is that file, read in at the commit: issue 17)."""
         require_finite = self.screen.config.rollback
         if self.spilled is None:
             return self.outer.step(global_params, outer_grad, require_finite=require_finite)
         # a merge steps every tensor of the fragment, so the new generation holds all of its buffers
-        layout = [(name, tuple(grad.shape)) for name, grad in outer_grad.items()]
+        layout = [(name, chunked.shape(outer_grad, name)) for name in outer_grad]
+        spilled = outer_grad.file if isinstance(outer_grad, ScaledTensors) else None
         chunks = self.outer.step_in_place(
-            self.spilled.current(fragment), global_params, outer_grad, require_finite=require_finite
+            self.spilled.current(fragment),
+            global_params,
+            outer_grad,
+            require_finite=require_finite,
+            put=spilled.put if spilled is not None else None,
         )
         self.spilled.store_stream(fragment, layout, chunks)
-        return dict(outer_grad)
+        return spilled if spilled is not None else dict(outer_grad)
 
     def void_merge(
         self,
@@ -1025,10 +1045,35 @@ class SyncerCore(CoreState):
         self, fragment: int, new_params: Mapping[str, torch.Tensor], now: float, *, spilled: str | None = None
     ) -> int:
         """Our merge's parameters become the fragment's next version (kept while contributions may build on it)."""
+        if isinstance(new_params, SpilledTensors):
+            assert spilled is not None  # a merge writes its new version to a file only with a spill directory
+            new_params, spilled = self._swap_in(fragment, new_params, spilled), None
         self.params.update(new_params)
         version = self.versions[fragment] = self.versions[fragment] + 1
         self.history.publish(fragment, version, new_params, now, spilled=spilled)
         return version
+
+    def _swap_in(self, fragment: int, new: SpilledTensors, spilled: str) -> dict[str, torch.Tensor]:
+        """The new version read from its file, each tensor only after the core dropped the one it replaces (the
+        replaced version goes to its file `spilled` in the history first): the commit adds no fragment-sized buffer
+        to the core (issue 17; a snapshot or a probe still holding the old tensors keeps them alive, unchanged).
+        A failed read puts the replaced version back from its file and raises."""
+        names = self.plan.fragments[fragment].names
+        self.history.retire(fragment, self.versions[fragment], spilled)
+        fresh: dict[str, torch.Tensor] = {}
+        try:
+            for name in names:
+                del self.params[name]  # (the history's reference went with `retire`)
+                fresh[name] = self.params[name] = new[name]
+        except BaseException:
+            old = self.history.at(fragment, self.versions[fragment])
+            assert old is not None
+            for name in names:
+                self.params.pop(name, None)
+                self.params[name] = old[name]
+            self.history.tensors[fragment][self.versions[fragment]] = self.fragment_tensors(fragment)
+            raise
+        return fresh
 
     def _drop_missed(self, fragment: int) -> None:
         """After a merge, contributions that arrived during it on the version it replaced missed that round:
@@ -1269,12 +1314,17 @@ def merge_capped(
         trim_fraction=core.screen.config.trim_fraction if core.screen.config.enabled else 0.0,
         reweight=reweight,
         sparse=core.sparse_merge,
+        # with the momentum on disk the outer gradient goes there too (a file the outer step overwrites)
+        spill=core.history.spill if core.spilled is not None else None,
     )
     if capped and capped[-1].grad_scale < 1.0:  # young identities alone while seniors are active
         # the step and the recorded weights both shrink, as if seniors without progress held the rest
         scale = capped[-1].grad_scale
-        for g in result.outer_grad.values():
-            g.mul_(scale)  # in place: the merge's own buffers (a copy was one fragment more)
+        if isinstance(result.outer_grad, ScaledTensors):
+            result.outer_grad.scale_all(scale)  # applied as it is read, as `mul_` would
+        else:
+            for g in result.outer_grad.values():
+                g.mul_(scale)  # in place: the merge's own buffers (a copy was one fragment more)
         weights = {peer: w * scale for peer, w in result.weights.items()}
         result = dataclasses.replace(result, weights=weights)
     return result, dict(capped[-1].credit) if capped else {}, factors

@@ -1,0 +1,220 @@
+"""The merge with its outer gradient in a spill file (issue 17: no fragment-sized buffer in a syncer's merge): the same
+values as the in-memory merge at any chunk size, within float rounding of the whole-tensor RDA it replaced, the new
+version swapped in a tensor at a time after the old one is dropped, and no fragment-sized allocation in the merge
+(control: the in-memory outer gradient is one)."""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from node.diloco import chunked
+from node.diloco.merge import Contribution, MergeResult, merge_fragment
+from node.diloco.screening import ContributionScreen, ScreeningConfig
+from node.diloco.spill import ScaledTensors, SpillDir, SpilledTensors
+from node.diloco.syncer_core import SyncerCore
+from tests.unit.test_syncer_core import PLAN
+from tests.unit.test_syncer_spill import contribute, momentum_of, synchronous
+
+pytestmark = pytest.mark.timeout(120)
+SHAPES = {"emb": (50, 6), "w": (13, 11), "b": (5,), "d": (4, 4)}
+
+
+def inputs(seed: int = 0) -> tuple[dict[str, torch.Tensor], list[Contribution]]:
+    """Four contributions (one of them large, to be clipped and winsorized) to a fragment of an embedding, two
+    RDA tensors and one (`d`) whose deltas cancel (RDA falls back to the mean there: the reweighting in `merged`
+    balances p0 + p2 against p1 + p3)."""
+    gen = torch.Generator().manual_seed(seed)
+    global_params = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+    opposite = 0.01 * torch.randn(SHAPES["d"], generator=gen)
+    contributions = []
+    for peer in range(4):
+        scale = 0.05 if peer == 3 else 0.01
+        params = {n: t - scale * torch.randn(t.shape, generator=gen) for n, t in global_params.items()}
+        params["d"] = global_params["d"] - (opposite if peer % 2 else -opposite)
+        contributions.append(Contribution(f"p{peer}", params, 0, 4, 256))
+    return global_params, contributions
+
+
+def merged(spill: SpillDir | None, trim: float = 0.3) -> MergeResult:
+    global_params, contributions = inputs()
+    return merge_fragment(
+        global_params,
+        contributions,
+        embedding_names={"emb"},
+        clip_factor=1.5,
+        trim_fraction=trim,
+        reweight=lambda w: {p: v * (0.5 if p in ("p1", "p2") else 1.0) for p, v in w.items()},
+        spill=spill,
+    )
+
+
+def values(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: tensors[n].clone() for n in tensors}
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
+def test_the_outer_gradient_in_a_file_equals_the_in_memory_one_at_any_chunk_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """7 divides no tensor here; 64 splits the embedding; 1 << 20 holds every tensor in one chunk."""
+    monkeypatch.setattr(chunked, "CHUNK", chunk)
+    memory, spilled = merged(None), merged(SpillDir(tmp_path / "spill"))
+    assert isinstance(spilled.outer_grad, ScaledTensors) and isinstance(memory.outer_grad, dict)
+    assert spilled.fallback_tensors == memory.fallback_tensors == ("d",)  # the degenerate case is covered
+    assert spilled.clipped == memory.clipped and spilled.clipped  # so is clipping
+    ours, theirs = values(spilled.outer_grad), values(memory.outer_grad)
+    assert ours.keys() == theirs.keys() == SHAPES.keys()
+    assert all(torch.equal(ours[n], t) for n, t in theirs.items())
+    spilled.outer_grad.scale_all(0.25)  # the seniority cap's scale: applied as read, as mul_ applies it
+    assert all(torch.equal(spilled.outer_grad[n], theirs[n].mul_(0.25)) for n in SHAPES)
+
+
+def whole_tensor_rda(trim_free: MergeResult) -> dict[str, torch.Tensor]:
+    """The merge as it was (no winsorizing here): each tensor's deltas whole, the direction's length a float32
+    norm of the whole tensor."""
+    global_params, contributions = inputs()
+    total = math.fsum(trim_free.weights.values())
+    out = {}
+    for name, base in global_params.items():
+        deltas = [
+            (base - c.params[name]) * trim_free.clipped.get(c.peer_id, 1.0)
+            for c in contributions
+            if trim_free.weights[c.peer_id] > 0
+        ]
+        weights = [
+            trim_free.weights[c.peer_id] / total for c in contributions if trim_free.weights[c.peer_id] > 0
+        ]
+        mean = sum(w * d for w, d in zip(weights, deltas, strict=True))
+        if name == "emb" or name in trim_free.fallback_tensors:
+            out[name] = mean
+            continue
+        direction = sum(w * d / float(d.norm()) for w, d in zip(weights, deltas, strict=True))
+        radial = sum(w * float(d.norm()) for w, d in zip(weights, deltas, strict=True))
+        out[name] = direction * (radial / float(direction.norm()))
+    return out
+
+
+def test_the_streamed_merge_is_the_whole_tensor_merge_within_float_rounding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(chunked, "CHUNK", 7)
+    result = merged(SpillDir(tmp_path / "spill"), trim=0.0)
+    reference = whole_tensor_rda(result)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(result.outer_grad[name], tensor, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 20])
+def test_a_core_merging_through_a_file_lands_where_the_in_memory_core_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """Four rounds per fragment with momentum, on current and older bases: the same parameters and momentum, bit
+    for bit, and no outer-gradient file left behind."""
+    monkeypatch.setattr(chunked, "CHUNK", chunk)
+    from tests.unit.test_syncer_spill import script
+
+    memory, spilled = synchronous(None), synchronous(tmp_path / "spill")
+    script(memory)
+    script(spilled)
+    assert all(torch.equal(spilled.params[n], t) for n, t in memory.params.items())
+    ours, theirs = momentum_of(spilled), momentum_of(memory)
+    assert all(torch.equal(ours[k], t) for k, t in theirs.items())
+    gc.collect()
+    assert not [p for p in (tmp_path / "spill").iterdir() if p.name.startswith("outer-grad")]
+
+
+def test_the_new_version_is_read_in_a_tensor_at_a_time_after_the_old_one_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At each read of a new tensor, the core's replaced tensor of that name is gone (nobody else held it): the
+    commit never holds a tensor twice. Control: the replaced tensors are alive before the commit."""
+    core = synchronous(tmp_path / "spill")
+    # fragment 2: the embedding alone (a 1B llama's is a whole fragment too)
+    contribute(core, "a", 2, 0, seed=1, now=1.0)
+    names = PLAN.fragments[2].names
+    old = {n: weakref.ref(core.params[n]) for n in names}
+    alive_at_read: list[bool] = []
+    read = SpilledTensors.__getitem__
+
+    def watched(self: SpilledTensors, name: str) -> torch.Tensor:
+        if self.key.startswith("outer-grad"):
+            gc.collect()
+            alive_at_read.append(old[name]() is not None)
+        return read(self, name)
+
+    monkeypatch.setattr(SpilledTensors, "__getitem__", watched)
+    taken = core.take_round(2, 1, 2.0)
+    assert taken is not None
+    prepared = core.compute_merge(2, taken[0], expected=1, required=1, started_at=2.0)
+    assert all(ref() is not None for ref in old.values())  # control: the merge itself replaced nothing
+    core.commit_merge(prepared, 2.0)
+    assert alive_at_read == [False] * len(names)
+    assert core.versions[2] == 1 and isinstance(core.history.tensors[2][0], str)
+    base = core.history.at(2, 0)
+    assert base is not None and not torch.equal(base[names[0]], core.params[names[0]])
+
+
+def largest_allocation(run: Any) -> int:
+    """The largest CPU allocation any one torch op made while `run()` ran (the profiler's memory accounting)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    return max((e.cpu_memory_usage for e in prof.events()), default=0)
+
+
+def embedding_merge(core: SyncerCore) -> Iterator[None]:
+    contribute(core, "a", 2, 0, seed=1, now=1.0)
+    contribute(core, "b", 2, 0, seed=2, now=1.0)
+    taken = core.take_round(2, 2, 2.0)
+    assert taken is not None
+    yield None
+    core.compute_merge(2, taken[0], expected=2, required=2, started_at=2.0)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_no_fragment_sized_allocation_in_a_merge_through_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, streamed: bool
+) -> None:
+    """The embedding fragment (4096 values, 16 KiB) merged 64 values a chunk: the largest allocation of the merge is
+    chunk-sized. Control (`streamed` False: the outer gradient in memory, the path before this change): one
+    allocation of the whole fragment."""
+    monkeypatch.setattr(chunked, "CHUNK", 64)
+    core = synchronous(tmp_path / "spill")
+    if not streamed:
+        import node.diloco.syncer_core as syncer_core
+
+        whole = syncer_core.merge_fragment
+        monkeypatch.setattr(syncer_core, "merge_fragment", lambda *a, **k: whole(*a, **{**k, "spill": None}))
+    steps = embedding_merge(core)
+    next(steps)
+    fragment_bytes = 4 * sum(core.params[n].numel() for n in PLAN.fragments[2].names)
+    largest = largest_allocation(lambda: next(steps, None))
+    if streamed:
+        assert largest <= fragment_bytes // 8
+    else:
+        assert largest >= fragment_bytes
+
+
+def test_a_push_screened_from_a_spill_file_gets_the_in_memory_verdict(tmp_path: Path) -> None:
+    """The screen reads a contribution a chunk at a time: held in a file, the same norm, cosine and verdict."""
+    gen = torch.Generator().manual_seed(3)
+    current = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+    params = {n: t - 0.01 * torch.randn(t.shape, generator=gen) for n, t in current.items()}
+    spill = SpillDir(tmp_path / "spill")
+    spill.write("push", params)
+    verdicts = []
+    for held in (params, spill.tensors("push")):
+        screen = ContributionScreen(ScreeningConfig(min_history=1), spill=spill)
+        screen.commit(0, screen.prepare_commit(0, merged(None)))  # a recent direction to measure a cosine on
+        verdicts.append(screen.check(0, held, None, current, peer="p"))
+    memory, spilled = verdicts
+    assert spilled.tag == memory.tag and spilled.norm == memory.norm
+    assert spilled.cosine == memory.cosine and memory.cosine is not None
