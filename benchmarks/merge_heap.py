@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import tempfile
+import time
 from pathlib import Path
 
 GiB = 1 << 30
@@ -44,7 +45,7 @@ def merge_peak(
             del noise
             contributions.append(Contribution(f"p{peer}", spill.tensors(f"c{peer}"), 0, 4, 256))
         release_freed_memory()
-        meter, before = PhasePeaks(), status_bytes("VmRSS")
+        meter, before, started = PhasePeaks(), status_bytes("VmRSS"), time.perf_counter()
         result = merge_fragment(
             global_params,
             contributions,
@@ -52,6 +53,7 @@ def merge_peak(
             clip_factor=3.0,
             spill=None if in_memory else spill,  # the syncer's: the outer gradient in a file of the spill
         )
+        merge_s = time.perf_counter() - started
         meter.end("merge")
         grad = sum(4 * math.prod(chunked.shape(result.outer_grad, n)) for n in result.outer_grad)
     return {
@@ -60,6 +62,7 @@ def merge_peak(
         "tensors": len(names),
         "outer_grad_gib": round(grad / GiB, 3),
         "peak_over_before_gib": round((meter.peaks["merge"] - before) / GiB, 3),
+        "merge_s": round(merge_s, 2),
         "resettable": meter.resettable,
     }
 

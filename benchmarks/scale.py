@@ -20,9 +20,10 @@ The syncer's goal is peak RSS <= model bytes + 2 fragments; `syncer_rss_ratio_*`
 largest fragment's bytes). The core, as the node's syncer builds it, keeps only the global parameters in memory (the
 seed model handed over, not copied); the outer Nesterov momentum, the versions a contribution may still be built on
 (`max_staleness`), the screen's recent direction and the round's accepted contributions are files in a spill
-directory (node.diloco.spill), read a chunk at a time (node.diloco.chunked); a merge's one fragment-sized buffer is
-its outer gradient, which becomes the new version; the checkpoint is streamed. What is left over the goal is the
-process itself (torch and transformers: ~0.4 GiB) and the push being accepted; docs/scale.md has the breakdown.
+directory (node.diloco.spill), read a chunk at a time (node.diloco.chunked); a merge writes its outer gradient to a
+file there a chunk at a time, the outer step overwrites it with the new version, read in a tensor at a time once the
+one it replaces is dropped; the checkpoint is streamed. What is left over the goal is the process itself (torch and
+transformers: ~0.4 GiB) and the push being accepted (one fragment); docs/scale.md has the breakdown.
 
 Run: `python -m benchmarks.scale` (everything; the 1B part needs ~8 GiB free), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs), `--only-round --model llama-350m` (one model's merge round into the existing JSON, keys suffixed by the model unless it is the headline's).
 """
@@ -55,7 +56,7 @@ TOKENIZER: dict[str, str | int | float | bool] = {
 RUN_ID = "5c" * 20
 # The 1B syncer core runs with 16 fragments a stage (a run's `num_fragments`, P), not the default 4: the headline's
 # setting since its merges held ~2K + 5 fragments of temporaries (smaller fragments, a smaller peak); kept so that
-# the figures compare. Now a merge holds one fragment over the model, and `--only-1b --fragments-1b 4` measures the
+# the figures compare. Now a merge holds chunks over the model, and `--only-1b --fragments-1b 4` measures the
 # default P too. Before the spill (older versions and momentum on disk) it held 3 models and was killed on the
 # shared 23 GiB machine (P = 16: at 15.9 GB).
 FRAGMENTS_1B = 16

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
     from protocol.receipts import TokenReceipt
 
 logger = logging.getLogger(__name__)
+_DROPPED = torch.empty(
+    0
+)  # stands in for a tensor of the core's params while its replacement is read (`_swap_in`)
 MAX_STEP_TIME_S = 600.0  # a self-reported step time above this is nonsense; it only feeds the grace EMA
 
 
@@ -1063,15 +1066,17 @@ class SyncerCore(CoreState):
         fresh: dict[str, torch.Tensor] = {}
         try:
             for name in names:
-                del self.params[name]  # (the history's reference went with `retire`)
+                # dropped in place (the history's reference went with `retire`): the dict keeps its order
+                self.params[name] = _DROPPED
                 fresh[name] = self.params[name] = new[name]
         except BaseException:
             old = self.history.at(fragment, self.versions[fragment])
             assert old is not None
             for name in names:
-                self.params.pop(name, None)
+                self.params[name] = _DROPPED
                 self.params[name] = old[name]
             self.history.tensors[fragment][self.versions[fragment]] = self.fragment_tensors(fragment)
+            self.history.discard(spilled)
             raise
         return fresh
 

@@ -152,15 +152,52 @@ def test_the_new_version_is_read_in_a_tensor_at_a_time_after_the_old_one_is_drop
         return read(self, name)
 
     monkeypatch.setattr(SpilledTensors, "__getitem__", watched)
+    order = list(core.params)
     taken = core.take_round(2, 1, 2.0)
     assert taken is not None
     prepared = core.compute_merge(2, taken[0], expected=1, required=1, started_at=2.0)
     assert all(ref() is not None for ref in old.values())  # control: the merge itself replaced nothing
     core.commit_merge(prepared, 2.0)
     assert alive_at_read == [False] * len(names)
+    assert list(core.params) == order  # replaced in place: a checkpoint writes the tensors in the same order
     assert core.versions[2] == 1 and isinstance(core.history.tensors[2][0], str)
     base = core.history.at(2, 0)
     assert base is not None and not torch.equal(base[names[0]], core.params[names[0]])
+
+
+def test_a_failed_read_of_the_new_version_puts_the_old_one_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read error half way through the swap: the core's params are the replaced version again, the version number
+    unchanged and the history's current version in memory (control: without the error the version moves on)."""
+    core = synchronous(tmp_path / "spill")
+    contribute(core, "a", 0, 0, seed=1, now=1.0)
+    names = PLAN.fragments[0].names
+    before = {n: core.params[n].clone() for n in names}
+    read, reads = SpilledTensors.__getitem__, []
+
+    def failing(self: SpilledTensors, name: str) -> torch.Tensor:
+        if self.key.startswith("outer-grad"):
+            reads.append(name)
+            if len(reads) == 3:
+                raise OSError("disk gone")
+        return read(self, name)
+
+    monkeypatch.setattr(SpilledTensors, "__getitem__", failing)
+    taken = core.take_round(0, 1, 2.0)
+    assert taken is not None and len(names) > 3
+    prepared = core.compute_merge(0, taken[0], expected=1, required=1, started_at=2.0)
+    with pytest.raises(OSError, match="disk gone"):
+        core.commit_merge(prepared, 2.0)
+    assert core.versions[0] == 0 and all(torch.equal(core.params[n], t) for n, t in before.items())
+    assert all(core.history.tensors[0][0][n] is core.params[n] for n in names)
+    assert not [
+        p for p in (tmp_path / "spill").iterdir() if p.name.startswith("version")
+    ]  # its file went too
+    monkeypatch.setattr(SpilledTensors, "__getitem__", read)  # control: the same merge commits
+    contribute(core, "a", 0, 0, seed=2, now=3.0)
+    assert core.merge_now(0, 1, 4.0) is not None and core.versions[0] == 1
+    assert not all(torch.equal(core.params[n], t) for n, t in before.items())
 
 
 def largest_allocation(run: Any) -> int:
