@@ -508,6 +508,23 @@ def synthetic(core: Any, fragment: int, gen: Any) -> dict[str, Any]:
     return params
 
 
+def synthetic_on_disk(core: Any, fragment: int, gen: Any) -> Any:
+    """`synthetic`, built a chunk at a time straight into a file of the core's spill directory: a push as a route that
+    streamed its payload to disk would hand it over (not how the syncer's route takes one yet: docs/scale.md)."""
+    import torch
+
+    from node.diloco import chunked
+
+    current = core.fragment_tensors(fragment)
+    spill = core.history.spill
+    out = spill.create(spill.new_key("push"), [(n, tuple(t.shape)) for n, t in current.items()])
+    for name, tensor in current.items():
+        for start, stop in chunked.ranges(tensor.numel()):
+            noise = torch.randn(stop - start, generator=gen).mul_(1e-3)
+            out.put(name, start, noise.add_(tensor.view(-1)[start:stop]))
+    return out
+
+
 def copying_probe(run: Any) -> Any:
     """On a tree before the probe's skeleton (`--core` on an older checkout, to measure the difference): the probe
     as it was, a model of its own the scored parameters are copied into."""
@@ -545,14 +562,14 @@ def probe_score(scorer: Any, core: Any, fragment: int, params: dict[str, Any]) -
 
 
 def push_and_accept(
-    core: Any, scorer: Any, fragment: int, peer: int, gen: Any, meter: PhasePeaks
+    core: Any, scorer: Any, fragment: int, peer: int, gen: Any, meter: PhasePeaks, on_disk: bool = False
 ) -> str | None:
     """One synthetic contribution built (and scored by the probe, when on: phase `push`) and accepted by the core
-    (phase `accept`); the refusal's reason, if refused."""
+    (phase `accept`); the refusal's reason, if refused. `on_disk`: built into a spill file (`synthetic_on_disk`)."""
     from node.diloco.spill import release_freed_memory
     from node.diloco.syncer_core import Refusal
 
-    params = synthetic(core, fragment, gen)
+    params = synthetic_on_disk(core, fragment, gen) if on_disk else synthetic(core, fragment, gen)
     score = probe_score(scorer, core, fragment, params)
     meter.end("push")
     try:
@@ -569,7 +586,9 @@ def push_and_accept(
     return None
 
 
-def core_round(preset: str, contributors: int, probe: bool, num_fragments: int = 4) -> dict[str, Any]:
+def core_round(
+    preset: str, contributors: int, probe: bool, num_fragments: int = 4, push_on_disk: bool = False
+) -> dict[str, Any]:
     """A syncer core merging every fragment of `preset` from synthetic contributions, each scored by the held-out
     loss probe first (`probe`), in this process; then a checkpoint written from its snapshot. Peak RSS after
     building (`setup`), after the round and per phase (`PhasePeaks`: `push`, `accept`, `merge`, `checkpoint`; the
@@ -596,7 +615,9 @@ def core_round(preset: str, contributors: int, probe: bool, num_fragments: int =
     gen = torch.Generator().manual_seed(0)
     for fragment in range(core.plan.num_fragments):
         for peer in range(contributors):
-            if (reason := push_and_accept(core, scorer, fragment, peer, gen, meter)) is not None:
+            if (
+                reason := push_and_accept(core, scorer, fragment, peer, gen, meter, push_on_disk)
+            ) is not None:
                 refused.append(reason)
         merged += core.merge_now(fragment, contributors, time.monotonic() + 60.0) is not None
         meter.end("merge")
@@ -628,12 +649,18 @@ def child_peak_rss(pid: int | None) -> int | None:
 
 
 def run_core(
-    preset: str, contributors: int, probe: bool, timeout_s: float, num_fragments: int = 4
+    preset: str,
+    contributors: int,
+    probe: bool,
+    timeout_s: float,
+    num_fragments: int = 4,
+    push_on_disk: bool = False,
 ) -> dict[str, Any]:
     """`core_round` in a child process, killed if the machine runs short of memory (other work shares it)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    child = ctx.Process(target=_child, args=("core", preset, queue, (contributors, probe, num_fragments)))
+    extra = (contributors, probe, num_fragments, push_on_disk)
+    child = ctx.Process(target=_child, args=("core", preset, queue, extra))
     child.start()
     deadline, lowest, reached = time.monotonic() + timeout_s, available_bytes(), 0
     try:
@@ -857,6 +884,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--core", default=None, help="only a syncer core's round of this preset, printed")
     parser.add_argument("--only-1b", action="store_true", help="rerun the 1B part into the existing JSON")
     parser.add_argument(
+        "--push-on-disk",
+        action="store_true",
+        help="with --core: each push built straight into a spill file (as a route streaming it to disk would)",
+    )
+    parser.add_argument(
         "--fragments-1b", type=int, default=FRAGMENTS_1B, help="fragments a stage of the 1B part"
     )
     parser.add_argument(
@@ -868,7 +900,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.core:  # e.g. on an older checkout, to measure what a change saved
         fragments = args.fragments_1b if args.core == "llama-1b" else 4
-        print(json.dumps(run_core(args.core, 2, args.core != "llama-1b", 3000, fragments), indent=2))
+        result = run_core(args.core, 2, args.core != "llama-1b", 3000, fragments, args.push_on_disk)
+        print(json.dumps(result, indent=2))
         return 0
     from benchmarks.common import RESULTS_DIR, machine_info
 

@@ -169,7 +169,7 @@ class Verdict:
 
     tag: str  # ACCEPTED, CLIPPED, or the rejection's tag (NON_FINITE, NORM, DIRECTION)
     reason: str  # one line for the log, e.g. "norm 3.1e+38 over bound 12.4 (10 x parameter norm)"
-    params: dict[str, torch.Tensor] | None  # float32, clipped if CLIPPED; None when rejected
+    params: Mapping[str, torch.Tensor] | None  # float32, clipped if CLIPPED; None when rejected
     norm: float = math.nan  # the delta's norm as it will be merged (after clipping)
     cosine: float | None = None  # with the recent merged direction, when that was checked
     blame: bool = True  # a rejection the sender answers for (ledger, bans); see LossBound.judge
@@ -431,5 +431,7 @@ class ContributionScreen:
         return {**self.counts, **evidence}
 
 
-def _float32(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _float32(params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    if getattr(params, "chunk", None) is not None:
+        return params  # a spill file (float32): read a chunk at a time by whoever uses it, never here
     return {n: t.detach().to(torch.float32) for n, t in params.items()}

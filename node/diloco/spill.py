@@ -137,6 +137,7 @@ class SpilledTensors(Mapping[str, torch.Tensor]):
         for name, shape in layout:
             self._where[name] = (offset, tuple(shape))
             offset += 4 * math.prod(shape)
+        self.owned = owned
         if owned:
             weakref.finalize(self, path.unlink, missing_ok=True)
 

@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from node.diloco import chunked
+from node.diloco.loss_probe import LossProbe
 from node.diloco.merge import Contribution, MergeResult, merge_fragment
 from node.diloco.screening import ContributionScreen, ScreeningConfig
 from node.diloco.spill import ScaledTensors, SpillDir, SpilledTensors
@@ -241,7 +242,8 @@ def test_no_fragment_sized_allocation_in_a_merge_through_a_file(
 
 
 def test_a_push_screened_from_a_spill_file_gets_the_in_memory_verdict(tmp_path: Path) -> None:
-    """The screen reads a contribution a chunk at a time: held in a file, the same norm, cosine and verdict."""
+    """The screen reads a contribution a chunk at a time: held in a file, the same norm, cosine, verdict and probe
+    score."""
     gen = torch.Generator().manual_seed(3)
     current = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
     params = {n: t - 0.01 * torch.randn(t.shape, generator=gen) for n, t in current.items()}
@@ -255,3 +257,40 @@ def test_a_push_screened_from_a_spill_file_gets_the_in_memory_verdict(tmp_path: 
     memory, spilled = verdicts
     assert spilled.tag == memory.tag and spilled.norm == memory.norm
     assert spilled.cosine == memory.cosine and memory.cosine is not None
+    # the held-out loss probe applies the delta to the model: from the file, the same score
+    scores = []
+    for held in (params, spill.tensors("push")):
+        probe = LossProbe(lambda tensors: math.fsum(float(t.double().pow(2).sum()) for t in tensors.values()))
+        scores.append(probe.measure(current, (0,), current, held, lambda: 0.0, reverse=True))
+    assert scores[0] is not None and scores[0] == scores[1]
+
+
+def test_a_push_already_in_a_spill_file_is_accepted_and_merged_as_the_same_push_in_memory(
+    tmp_path: Path,
+) -> None:
+    """A push handed over as a file of the core's spill (never in memory: what a route streaming its payload to disk
+    would give) is checked, screened, held as it is (not copied) and merged to the same parameters and momentum as
+    the in-memory push. A malformed one is refused the same way without being read whole."""
+    cores = [synchronous(tmp_path / "a"), synchronous(tmp_path / "b")]
+    gen = torch.Generator().manual_seed(5)
+    base = cores[0].fragment_tensors(0)
+    push = {n: t - 0.01 * torch.randn(t.shape, generator=gen) for n, t in base.items()}
+    spill = cores[1].history.spill
+    assert spill is not None
+    on_disk = spill.create(spill.new_key("push"), [(n, tuple(t.shape)) for n, t in push.items()])
+    for name, tensor in push.items():
+        on_disk.put(name, 0, tensor.reshape(-1))
+    for c, params in zip(cores, (push, on_disk), strict=True):
+        c.accept(
+            "a", 0, params, base_version=0, steps=4, tokens=256, sched_step=1, step_time_s=0.1,
+            nonce=b"n" * 16, now=1.0,
+        )  # fmt: skip
+    assert cores[1].rounds[0].entries["a"].contribution.params is on_disk  # held as it is
+    for c in cores:
+        assert c.merge_now(0, 1, 2.0) is not None
+    assert all(torch.equal(cores[1].params[n], t) for n, t in cores[0].params.items())
+    ours, theirs = momentum_of(cores[1]), momentum_of(cores[0])
+    assert all(torch.equal(ours[k], t) for k, t in theirs.items())
+    wrong = spill.create(spill.new_key("push"), [(n, (1,)) for n in push])
+    with pytest.raises(Exception, match="wrong shape"):
+        cores[1].check_contribution(0, wrong)
