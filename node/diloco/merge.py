@@ -126,8 +126,8 @@ def merge_fragment(
     lowest (a winsorized merge: one or a few contributions cannot pull any coordinate past the honest ones'),
     among the contributions that sent it with `sparse` (a top-k codec's, `_winsorized`). `reweight` maps the raw
     token weights to the ones used (the seniority cap, node.diloco.seniority); a weight it leaves out is kept.
-    `spill`: the outer gradient goes to a file there (`_Grad`), no fragment-sized buffer. Raises NothingToMerge if no accepted contribution has positive weight, ValueError on bad arguments
-    (duplicate peer ids, bad clip_factor or tolerance, empty fragment)."""
+    `spill`: the outer gradient goes to a file there (`_Grad`). Raises NothingToMerge if no contribution is weighted,
+    ValueError on bad arguments (duplicate peer ids, bad clip_factor or tolerance, empty fragment)."""
     _check_arguments(global_params, contributions, clip_factor, degenerate_tol)
     accepted, rejected = _screen(global_params, contributions, current_version, max_staleness)
     if reweight is not None:
