@@ -60,6 +60,7 @@ from node.diloco.sync_client import (
 from node.diloco.syncer_core import (
     Admission,
     MergeRecord,
+    PreparedMerge,
     Refusal,
     SyncerCore,
     refuse,
@@ -240,6 +241,10 @@ class SyncerRole:
         self._lease_expiration = 0.0
         self._lease_until = 0.0
         self.merge_lock = asyncio.Lock()
+        # clear while a merge's commit reads its new version in off the loop (`_commit`): the fragment's tensors are
+        # half swapped then, so the routes wait on it before they read the core (SyncerService.core_now)
+        self.core_free = asyncio.Event()
+        self.core_free.set()
         self.wake = asyncio.Event()
         self.published = asyncio.Event()
         self.p2p: Any = None
@@ -526,7 +531,7 @@ class SyncerRole:
                     started_at=started,
                     rejected=e.rejected,
                 )
-            record = core.commit_merge(prepared, time.monotonic())
+            record = await self._commit(core, prepared)
             del (
                 prepared,
                 round_,
@@ -554,6 +559,18 @@ class SyncerRole:
             await self._checkpoint()
         if self.config.eval_every_merges and core.merges % self.config.eval_every_merges == 0:
             await self._evaluate()
+
+    async def _commit(self, core: SyncerCore, prepared: PreparedMerge) -> MergeRecord:
+        """A merge's commit: its new version, when a spill file, read in by a worker thread (0.25-1 GiB at
+        llama-1b: on the loop that stalled every route for the read), the rest of the commit on the loop. Atomic for
+        the routes: they wait on `core_free` before reading the core, and it is set again only once the version is
+        published (or the failed read put the old one back)."""
+        self.core_free.clear()
+        try:
+            prepared = await asyncio.to_thread(core.read_in, prepared)
+            return core.commit_merge(prepared, time.monotonic())
+        finally:
+            self.core_free.set()
 
     async def _checkpoint(self) -> None:
         core = self.core

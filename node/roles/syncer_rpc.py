@@ -115,6 +115,7 @@ class SyncerHost(Protocol):
     live: dict[str, Any]
     adopted: int
     merge_lock: asyncio.Lock
+    core_free: asyncio.Event
     probe: LossProbe | None
     ban_outbox: deque[BanNotice]
     probe_lock: asyncio.Lock
@@ -305,6 +306,15 @@ class SyncerService:
             frame, remote_peer=remote, expect=expect, limits=limits, replay=replay, now=time.time()
         )
 
+    async def core_now(self) -> SyncerCore:
+        """The core once no commit is reading a version in (`SyncerRole._commit`): the caller reads it before its
+        next await, so it never sees a fragment half swapped. A loop: a commit may start again before we resume."""
+        while not self.role.core_free.is_set():
+            await self.role.core_free.wait()
+        core = self.role.core
+        assert core is not None
+        return core
+
     def _require_active(self) -> None:
         if not self.role.active:
             raise refuse("standby", "this syncer is on standby")
@@ -325,8 +335,7 @@ class SyncerService:
         if fields["fragment"] != header.microbatch or fields["base_version"] != header.step:
             raise MalformedFrame("meta disagrees with the signed header", reason="malformed contribution")
         frames = parse_receipts_meta(meta)
-        core = self.role.core
-        assert core is not None
+        core = await self.core_now()
         # an identity that has not paid the run's admission cost: refused before any screening (one hash)
         core.admit_push(remote, meta.get(ADMISSION_META), time.monotonic())
         # malformed or undecodable: refused and counted first
@@ -336,6 +345,7 @@ class SyncerService:
         core.check_contribution(fields["fragment"], params)
         self._require_active()
         await self.role.check_known(remote)
+        await self.core_now()  # (below, up to the next await, the core is read)
         holder = self.role.live.get(remote)
         receipts = None
         if holder is not None and holder.role == "stage":  # verifiers watch stages: weigh them by receipts
@@ -345,6 +355,7 @@ class SyncerService:
         learner = holder is None or holder.role != "stage"
         key = (remote, fields["fragment"], fields["base_version"], header.nonce)
         loss = await self._score(core, *key[1:3], params) if learner and takes_base(core, key) else None
+        await self.core_now()
         try:
             admission = core.accept(
                 remote,
@@ -425,6 +436,7 @@ class SyncerService:
         if base is None:
             return None
         async with self.role.probe_lock:  # the probe's model is one copy
+            await self.core_now()
             current, versions = dict(core.params), tuple(core.versions)
             return await asyncio.to_thread(
                 probe.measure, current, versions, base, params, time.perf_counter, True
@@ -506,10 +518,10 @@ class SyncerService:
     async def _handle_fetch(self, frame: bytearray, remote: str) -> StreamingFrame:
         opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)
         self._require_active()
-        assert self.role.core is not None
+        core = await self.core_now()
         ctx = self.role.ctx
         return version_answer(
-            ctx.identity, ctx.run_id, remote, self.role.core, self._fragment_of(opened.meta), self.role.term
+            ctx.identity, ctx.run_id, remote, core, self._fragment_of(opened.meta), self.role.term
         )
 
     async def _handle_state(self, frame: bytearray, remote: str) -> bytes:

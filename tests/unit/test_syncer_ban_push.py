@@ -79,6 +79,8 @@ class Host:
         self.fresh: set[tuple[str, int]] = set()
         self.adopted = 0
         self.merge_lock, self.probe_lock = asyncio.Lock(), asyncio.Lock()
+        self.core_free = asyncio.Event()
+        self.core_free.set()
         self.probe = None
         self.ban_outbox: deque[Any] = deque()
         self.wake, self.published = asyncio.Event(), asyncio.Event()
