@@ -231,6 +231,8 @@ class Host:
         self.fresh: set[tuple[str, int]] = set()
         self.live: dict[str, Any] = {}
         self.merge_lock, self.probe_lock = asyncio.Lock(), asyncio.Lock()
+        self.core_free = asyncio.Event()  # cleared while a commit reads its version in (SyncerRole._commit)
+        self.core_free.set()
         self.ban_outbox: Any = []
         self.wake, self.published = asyncio.Event(), asyncio.Event()
         self.p2p: Any = None
@@ -259,6 +261,39 @@ def build_probe_for(run: Any) -> Any:
     return LossProbe(partial(skeleton_loss, model_skeleton(cfg), batches=held))
 
 
+async def merge_one(host: Host, fragment: int) -> Any:
+    """`SyncerCore.merge_now` as the syncer role runs it: computed off the loop, committed through
+    `SyncerRole._commit` (the new version read in off the loop while the routes wait); None if nothing merged."""
+    from node.diloco.spill import release_freed_memory
+    from node.diloco.syncer_core import NothingToMerge
+    from node.roles.syncer import SyncerRole
+
+    core = host.core
+    taken = core.take_round(fragment, 1, time.monotonic())
+    if taken is None:
+        return None
+    round_, expected, required = taken
+    try:
+        prepared = await asyncio.to_thread(
+            core.compute_merge,
+            fragment,
+            round_,
+            expected=expected,
+            required=required,
+            started_at=time.monotonic(),
+        )
+    except NothingToMerge:
+        return None
+    record = await SyncerRole._commit(host, core, prepared)  # type: ignore[arg-type]
+    del (
+        prepared,
+        round_,
+        taken,
+    )  # the round's contributions and the merge's temporaries, then back to the kernel
+    release_freed_memory()
+    return record
+
+
 async def merge_until(host: Host, stop: Any, merges: list[Any]) -> None:
     """The merge loop: every round that is due merges at once (K = 1, no grace), then its version is published."""
     core = host.core
@@ -266,7 +301,7 @@ async def merge_until(host: Host, stop: Any, merges: list[Any]) -> None:
         due, _ = core.due(time.monotonic(), lambda f: 1)
         for fragment in due:
             async with host.merge_lock:
-                record = await asyncio.to_thread(core.merge_now, fragment, 1, time.monotonic())
+                record = await merge_one(host, fragment)
             if record is not None:
                 merges.append(record.fragment)
                 host.notify()

@@ -147,10 +147,17 @@ def decode_tensor(
 
 
 def build_tensor(
-    dtype: str, shape: Sequence[int], data: bytes | bytearray | memoryview, limits: TensorLimits
+    dtype: str,
+    shape: Sequence[int],
+    data: bytes | bytearray | memoryview,
+    limits: TensorLimits,
+    *,
+    copy: bool = True,
 ) -> torch.Tensor:
-    """Wrap already-checked bytes (one private copy) and apply the finite-value policy."""
-    tensor = torch.frombuffer(bytearray(data), dtype=WIRE_DTYPES[dtype]).reshape(tuple(shape))
+    """Wrap already-checked bytes (one private copy; with `copy=False` a view over `data`, which must be writable
+    and aligned to the dtype: the caller's buffer is then the tensor's) and apply the finite-value policy."""
+    buffer = bytearray(data) if copy else data
+    tensor = torch.frombuffer(buffer, dtype=WIRE_DTYPES[dtype]).reshape(tuple(shape))
     if limits.nonfinite == "reject" and dtype in FLOAT_DTYPES and not all_finite(tensor):
         raise TensorPolicyError("tensor holds NaN or Inf", reason="non-finite values")
     return tensor

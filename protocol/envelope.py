@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import dataclasses
 import enum
 import math
@@ -80,6 +81,8 @@ MAX_STAGE = (1 << 16) - 1
 _LENGTH = struct.Struct(">I")
 _NUM_HEADER_FIELDS = 14
 _OVERHEAD_BYTES = _LENGTH.size + SIGNATURE_SIZE
+# a received payload viewed in place starts at this alignment: the largest wire dtype's (`_tensor_views`)
+_PAYLOAD_ALIGN = max(dtype.itemsize for dtype in codec.WIRE_DTYPES.values())
 
 MetaScalar = None | bool | int | float | str
 MetaValue = MetaScalar | list[MetaScalar]
@@ -575,10 +578,13 @@ def open_envelope(
     replay: ReplayGuard,
     now: float,
     current_step: int | None = None,
+    views: bool = False,
 ) -> Opened:
     """Check a frame received from `remote_peer` (the Noise-authenticated caller) and build its tensors.
 
     `current_step`, when the receiver knows it (a syncer's version), bounds the frame's step; see `ReplayGuard`.
+    `views`: a bytearray frame's tensors are views over it, not copies (`_tensor_views`; the frame is moved in
+    place and must not be read as the signed frame afterwards unless a check refused it).
 
     Raises:
         FrameTooLarge, MalformedFrame, SignerMismatch, BadSignature, WrongContext, ClockSkew, StaleFrame,
@@ -599,14 +605,49 @@ def open_envelope(
     sizes = _check_sizes(header, len(payload), limits)
     if _digest_of(frame, payload) != header.digest:
         raise DigestMismatch("payload bytes do not match the signed digest")
-    tensors, offset = {}, 0
-    for spec, size in zip(header.tensors, sizes, strict=True):
-        tensors[spec.name] = codec.build_tensor(
-            spec.dtype, spec.shape, payload[offset : offset + size], limits
-        )
-        offset += size
+    if views and isinstance(frame, bytearray):
+        tensors = _tensor_views(frame, len(view) - len(payload), header, sizes, limits)
+    else:
+        tensors, offset = {}, 0
+        for spec, size in zip(header.tensors, sizes, strict=True):
+            tensors[spec.name] = codec.build_tensor(
+                spec.dtype, spec.shape, payload[offset : offset + size], limits
+            )
+            offset += size
     replay.record(frame_id, now=now)
     return Opened(header, tensors)
+
+
+def _tensor_views(
+    frame: bytearray, start: int, header: Header, sizes: list[int], limits: TensorLimits
+) -> dict[str, torch.Tensor]:
+    """The verified payload's tensors as views over `frame` itself, not copies (`open_envelope(views=True)`): the
+    frame is then the only copy of a syncer's push (docs/scale.md, issue 17). The payload starts anywhere (after a
+    header of any length): it is first moved down to an aligned address, in place, over the signature's last bytes
+    (read already). A tensor the policy refuses puts the frame back as it came, so that the evidence digest of a
+    refused frame is the signed frame's; one whose offset still misses its dtype's alignment is copied."""
+    base = ctypes.addressof(ctypes.c_char.from_buffer(frame))
+    length = len(frame) - start
+    shift = (base + start) % _PAYLOAD_ALIGN
+    saved = bytes(frame[start - shift : start])
+    ctypes.memmove(base + start - shift, base + start, length)
+    if isinstance(frame, ReceivedFrame):
+        frame.digester = None  # moved: no longer the frame its stream digest vouches for
+    payload = memoryview(frame)[start - shift : start - shift + length]
+    tensors, offset = {}, 0
+    try:
+        for spec, size in zip(header.tensors, sizes, strict=True):
+            aligned = offset % codec.WIRE_DTYPES[spec.dtype].itemsize == 0
+            tensors[spec.name] = codec.build_tensor(
+                spec.dtype, spec.shape, payload[offset : offset + size], limits, copy=not aligned
+            )
+            offset += size
+    except BaseException:
+        tensors.clear()
+        ctypes.memmove(base + start, base + start - shift, length)
+        frame[start - shift : start] = saved
+        raise
+    return tensors
 
 
 def open_frame(

@@ -189,6 +189,12 @@ def quorum_config(spec: Any, *, max_grace_s: float) -> QuorumConfig:
 # ---------------------------------------------------------------------------------------------- the role
 
 
+def _set_event() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
 class SyncerRole:
     """The networked syncer; see the module docstring. `is_banned` is the hook SENTINEL bans plug into."""
 
@@ -241,10 +247,7 @@ class SyncerRole:
         self._lease_expiration = 0.0
         self._lease_until = 0.0
         self.merge_lock = asyncio.Lock()
-        # clear while a merge's commit reads its new version in off the loop (`_commit`): the fragment's tensors are
-        # half swapped then, so the routes wait on it before they read the core (SyncerService.core_now)
-        self.core_free = asyncio.Event()
-        self.core_free.set()
+        self.core_free = _set_event()  # clear while a commit swaps a version in off the loop (`_commit`)
         self.wake = asyncio.Event()
         self.published = asyncio.Event()
         self.p2p: Any = None

@@ -300,10 +300,18 @@ class SyncerService:
             self.role.ctx.identity, context, microbatch=microbatch, step=step, now=time.time(), **kwargs
         )
 
-    def _open(self, frame: bytearray, remote: str, kind: Any, limits: Any, replay: Any) -> Any:
+    def _open(
+        self, frame: bytearray, remote: str, kind: Any, limits: Any, replay: Any, *, views: bool = False
+    ) -> Any:
         expect = Context(run_id=self.role.ctx.run_id, kind=kind, receiver=self.role.ctx.peer_id)
         return open_envelope(
-            frame, remote_peer=remote, expect=expect, limits=limits, replay=replay, now=time.time()
+            frame,
+            remote_peer=remote,
+            expect=expect,
+            limits=limits,
+            replay=replay,
+            now=time.time(),
+            views=views,
         )
 
     async def core_now(self) -> SyncerCore:
@@ -398,7 +406,8 @@ class SyncerService:
 
     def _open_push(self, frame: bytearray, remote: str) -> Any:
         try:
-            return self._open(frame, remote, Kind.FRAGMENT, self.push_limits, self._push_replay)
+            # its tensors are views over the frame: the frame is the push's only copy in memory (docs/scale.md)
+            return self._open(frame, remote, Kind.FRAGMENT, self.push_limits, self._push_replay, views=True)
         except TensorPolicyError as e:  # the signature verified: the signed frame is the evidence
             raise RefusedFrame(e, frame_digest(frame)) from e
 
