@@ -231,7 +231,9 @@ class Host:
         self.fresh: set[tuple[str, int]] = set()
         self.live: dict[str, Any] = {}
         self.merge_lock, self.probe_lock = asyncio.Lock(), asyncio.Lock()
-        self.core_free = asyncio.Event()  # cleared while a commit reads its version in (SyncerRole._commit)
+        self.core_free = (
+            asyncio.Event()
+        )  # cleared while a commit reads its version in (node.roles.syncer.commit)
         self.core_free.set()
         self.ban_outbox: Any = []
         self.wake, self.published = asyncio.Event(), asyncio.Event()
@@ -263,10 +265,10 @@ def build_probe_for(run: Any) -> Any:
 
 async def merge_one(host: Host, fragment: int) -> Any:
     """`SyncerCore.merge_now` as the syncer role runs it: computed off the loop, committed through
-    `SyncerRole._commit` (the new version read in off the loop while the routes wait); None if nothing merged."""
+    `node.roles.syncer.commit` (the new version read in off the loop while the routes wait); None if nothing merged."""
     from node.diloco.spill import release_freed_memory
     from node.diloco.syncer_core import NothingToMerge
-    from node.roles.syncer import SyncerRole
+    from node.roles.syncer import commit
 
     core = host.core
     taken = core.take_round(fragment, 1, time.monotonic())
@@ -284,7 +286,7 @@ async def merge_one(host: Host, fragment: int) -> Any:
         )
     except NothingToMerge:
         return None
-    record = await SyncerRole._commit(host, core, prepared)  # type: ignore[arg-type]
+    record = await commit(host.core_free, core, prepared)
     del (
         prepared,
         round_,

@@ -1023,32 +1023,9 @@ class SyncerCore(CoreState):
             started_at=started_at,
         )
 
-    def read_in(self, prepared: PreparedMerge) -> PreparedMerge:
-        """The disk half of `commit_merge`: a merge whose new version is a file gets it read in (`_swap_in`), the
-        rest of the commit then publishes a version in memory. A worker thread may run it, so that the read (a
-        fragment: 0.25-1 GiB at llama-1b) does not stall the event loop; while it runs the fragment's tensors are
-        half swapped, so the caller keeps every other user of the core off until `commit_merge` has run
-        (`node.roles.syncer.SyncerRole._commit`)."""
-        if not isinstance(prepared.new_params, SpilledTensors):
-            return prepared
-        self._check_unchanged(prepared)
-        assert (
-            prepared.spilled is not None
-        )  # a merge writes its new version to a file only with a spill directory
-        fresh = self._swap_in(prepared.fragment, prepared.new_params, prepared.spilled)
-        # in the params already, the old version retired to its file: `_publish` takes it as a merge in memory
-        return dataclasses.replace(prepared, new_params=fresh, spilled=None)
-
-    def _check_unchanged(self, prepared: PreparedMerge) -> None:
-        fragment = prepared.fragment
-        if self.versions[fragment] != prepared.base_version:
-            self.history.discard(prepared.spilled)
-            self.screen.discard(prepared.screened)
-            raise RuntimeError(f"fragment {fragment} changed during its merge")
-
     def commit_merge(self, prepared: PreparedMerge, now: float) -> MergeRecord:
         fragment = prepared.fragment
-        self._check_unchanged(prepared)
+        _check_unchanged(self, prepared)
         version = self._publish(fragment, prepared.new_params, now, spilled=prepared.spilled)
         self.screen.commit(fragment, prepared.screened)
         self.seniority.observe_merge(prepared.result.participants, now, prepared.seniority_credit)
@@ -1354,3 +1331,28 @@ def merge_capped(
         weights = {peer: w * scale for peer, w in result.weights.items()}
         result = dataclasses.replace(result, weights=weights)
     return result, dict(capped[-1].credit) if capped else {}, factors
+
+
+def read_in(core: SyncerCore, prepared: PreparedMerge) -> PreparedMerge:
+    """The disk half of `SyncerCore.commit_merge`: a merge whose new version is a file gets it read in (`_swap_in`), the
+    rest of the commit then publishes a version in memory. A worker thread may run it, so that the read (a
+    fragment: 0.25-1 GiB at llama-1b) does not stall the event loop; while it runs the fragment's tensors are
+    half swapped, so the caller keeps every other user of the core off until `commit_merge` has run
+    (`node.roles.syncer.commit`)."""
+    if not isinstance(prepared.new_params, SpilledTensors):
+        return prepared
+    _check_unchanged(core, prepared)
+    assert (
+        prepared.spilled is not None
+    )  # a merge writes its new version to a file only with a spill directory
+    fresh = core._swap_in(prepared.fragment, prepared.new_params, prepared.spilled)
+    # in the params already, the old version retired to its file: `_publish` takes it as a merge in memory
+    return dataclasses.replace(prepared, new_params=fresh, spilled=None)
+
+
+def _check_unchanged(core: SyncerCore, prepared: PreparedMerge) -> None:
+    fragment = prepared.fragment
+    if core.versions[fragment] != prepared.base_version:
+        core.history.discard(prepared.spilled)
+        core.screen.discard(prepared.screened)
+        raise RuntimeError(f"fragment {fragment} changed during its merge")

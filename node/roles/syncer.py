@@ -63,6 +63,7 @@ from node.diloco.syncer_core import (
     PreparedMerge,
     Refusal,
     SyncerCore,
+    read_in,
     refuse,
 )
 from node.ml.checkpoint import CheckpointError, CheckpointStore, SyncerSnapshot
@@ -189,6 +190,19 @@ def quorum_config(spec: Any, *, max_grace_s: float) -> QuorumConfig:
 # ---------------------------------------------------------------------------------------------- the role
 
 
+async def commit(core_free: asyncio.Event, core: SyncerCore, prepared: PreparedMerge) -> MergeRecord:
+    """A merge's commit: its new version, when a spill file, read in by a worker thread (0.25-1 GiB at
+    llama-1b: on the loop that stalled every route for the read), the rest of the commit on the loop. Atomic for
+    the routes: they wait on `core_free` (the role's) before reading the core, and it is set again only once the version is
+    published (or the failed read put the old one back)."""
+    core_free.clear()
+    try:
+        prepared = await asyncio.to_thread(read_in, core, prepared)
+        return core.commit_merge(prepared, time.monotonic())
+    finally:
+        core_free.set()
+
+
 def _set_event() -> asyncio.Event:
     event = asyncio.Event()
     event.set()
@@ -247,7 +261,7 @@ class SyncerRole:
         self._lease_expiration = 0.0
         self._lease_until = 0.0
         self.merge_lock = asyncio.Lock()
-        self.core_free = _set_event()  # clear while a commit swaps a version in off the loop (`_commit`)
+        self.core_free = _set_event()  # clear while a commit swaps a version in off the loop (`commit`)
         self.wake = asyncio.Event()
         self.published = asyncio.Event()
         self.p2p: Any = None
@@ -534,7 +548,7 @@ class SyncerRole:
                     started_at=started,
                     rejected=e.rejected,
                 )
-            record = await self._commit(core, prepared)
+            record = await commit(self.core_free, core, prepared)
             del (
                 prepared,
                 round_,
@@ -562,18 +576,6 @@ class SyncerRole:
             await self._checkpoint()
         if self.config.eval_every_merges and core.merges % self.config.eval_every_merges == 0:
             await self._evaluate()
-
-    async def _commit(self, core: SyncerCore, prepared: PreparedMerge) -> MergeRecord:
-        """A merge's commit: its new version, when a spill file, read in by a worker thread (0.25-1 GiB at
-        llama-1b: on the loop that stalled every route for the read), the rest of the commit on the loop. Atomic for
-        the routes: they wait on `core_free` before reading the core, and it is set again only once the version is
-        published (or the failed read put the old one back)."""
-        self.core_free.clear()
-        try:
-            prepared = await asyncio.to_thread(core.read_in, prepared)
-            return core.commit_merge(prepared, time.monotonic())
-        finally:
-            self.core_free.set()
 
     async def _checkpoint(self) -> None:
         core = self.core

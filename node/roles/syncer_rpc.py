@@ -187,6 +187,16 @@ class RefusedFrame(TensorPolicyError):
         self.digest = digest
 
 
+async def core_now(role: SyncerHost) -> SyncerCore:
+    """The core once no commit is reading a version in (`node.roles.syncer.commit`): the caller reads it before its
+    next await, so it never sees a fragment half swapped. A loop: a commit may start again before we resume."""
+    while not role.core_free.is_set():
+        await role.core_free.wait()
+    core = role.core
+    assert core is not None
+    return core
+
+
 class SyncerService:
     """The routes of one syncer, and what they refused and verified (for /api/status)."""
 
@@ -300,28 +310,11 @@ class SyncerService:
             self.role.ctx.identity, context, microbatch=microbatch, step=step, now=time.time(), **kwargs
         )
 
-    def _open(
-        self, frame: bytearray, remote: str, kind: Any, limits: Any, replay: Any, *, views: bool = False
-    ) -> Any:
+    def _open(self, frame: bytearray, remote: str, kind: Any, limits: Any, replay: Any, **views: bool) -> Any:
         expect = Context(run_id=self.role.ctx.run_id, kind=kind, receiver=self.role.ctx.peer_id)
         return open_envelope(
-            frame,
-            remote_peer=remote,
-            expect=expect,
-            limits=limits,
-            replay=replay,
-            now=time.time(),
-            views=views,
+            frame, remote_peer=remote, expect=expect, limits=limits, replay=replay, now=time.time(), **views
         )
-
-    async def core_now(self) -> SyncerCore:
-        """The core once no commit is reading a version in (`SyncerRole._commit`): the caller reads it before its
-        next await, so it never sees a fragment half swapped. A loop: a commit may start again before we resume."""
-        while not self.role.core_free.is_set():
-            await self.role.core_free.wait()
-        core = self.role.core
-        assert core is not None
-        return core
 
     def _require_active(self) -> None:
         if not self.role.active:
@@ -343,7 +336,7 @@ class SyncerService:
         if fields["fragment"] != header.microbatch or fields["base_version"] != header.step:
             raise MalformedFrame("meta disagrees with the signed header", reason="malformed contribution")
         frames = parse_receipts_meta(meta)
-        core = await self.core_now()
+        core = await core_now(self.role)
         # an identity that has not paid the run's admission cost: refused before any screening (one hash)
         core.admit_push(remote, meta.get(ADMISSION_META), time.monotonic())
         # malformed or undecodable: refused and counted first
@@ -353,7 +346,7 @@ class SyncerService:
         core.check_contribution(fields["fragment"], params)
         self._require_active()
         await self.role.check_known(remote)
-        await self.core_now()  # (below, up to the next await, the core is read)
+        await core_now(self.role)  # (below, up to the next await, the core is read)
         holder = self.role.live.get(remote)
         receipts = None
         if holder is not None and holder.role == "stage":  # verifiers watch stages: weigh them by receipts
@@ -363,7 +356,7 @@ class SyncerService:
         learner = holder is None or holder.role != "stage"
         key = (remote, fields["fragment"], fields["base_version"], header.nonce)
         loss = await self._score(core, *key[1:3], params) if learner and takes_base(core, key) else None
-        await self.core_now()
+        await core_now(self.role)
         try:
             admission = core.accept(
                 remote,
@@ -406,7 +399,6 @@ class SyncerService:
 
     def _open_push(self, frame: bytearray, remote: str) -> Any:
         try:
-            # its tensors are views over the frame: the frame is the push's only copy in memory (docs/scale.md)
             return self._open(frame, remote, Kind.FRAGMENT, self.push_limits, self._push_replay, views=True)
         except TensorPolicyError as e:  # the signature verified: the signed frame is the evidence
             raise RefusedFrame(e, frame_digest(frame)) from e
@@ -445,8 +437,8 @@ class SyncerService:
         if base is None:
             return None
         async with self.role.probe_lock:  # the probe's model is one copy
-            await self.core_now()
-            current, versions = dict(core.params), tuple(core.versions)
+            current = dict((await core_now(self.role)).params)  # (no commit swapping a version in)
+            versions = tuple(core.versions)
             return await asyncio.to_thread(
                 probe.measure, current, versions, base, params, time.perf_counter, True
             )
@@ -527,11 +519,9 @@ class SyncerService:
     async def _handle_fetch(self, frame: bytearray, remote: str) -> StreamingFrame:
         opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)
         self._require_active()
-        core = await self.core_now()
-        ctx = self.role.ctx
-        return version_answer(
-            ctx.identity, ctx.run_id, remote, core, self._fragment_of(opened.meta), self.role.term
-        )
+        fragment, ctx = self._fragment_of(opened.meta), self.role.ctx
+        core = await core_now(self.role)
+        return version_answer(ctx.identity, ctx.run_id, remote, core, fragment, self.role.term)
 
     async def _handle_state(self, frame: bytearray, remote: str) -> bytes:
         opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)

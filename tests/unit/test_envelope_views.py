@@ -136,7 +136,7 @@ def test_a_push_decoded_as_views_is_held_bit_identically_to_the_copy_path(
         host = Host(swarm_banned=set())
         if copy_path:  # control: the push decoded as copies, as before
             monkeypatch.setattr(
-                SyncerService, "_open", lambda self, *a, views=False: real_open(self, *a, views=False)
+                SyncerService, "_open", lambda self, *a, **k: real_open(self, *a, views=False)
             )
         live_learner(host, learner)
         torch.manual_seed(0)

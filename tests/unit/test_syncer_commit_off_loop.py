@@ -1,6 +1,6 @@
 """A merge's commit reads its new version from the spill directory (a fragment: 0.25-1 GiB at llama-1b). The syncer
-role runs that read in a worker thread (`SyncerRole._commit`), so the event loop keeps answering, and its routes wait
-on `core_free` (`SyncerService.core_now`) so that none reads a fragment half swapped. Controls: the commit on the
+role runs that read in a worker thread (`node.roles.syncer.commit`), so the event loop keeps answering, and its routes wait
+on `core_free` (`syncer_rpc.core_now`) so that none reads a fragment half swapped. Controls: the commit on the
 loop (the old placement) stalls it for the whole read; a reader that does not wait sees the swap half done."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 from node.diloco import syncer_core
 from node.diloco.spill import SpilledTensors
 from node.diloco.syncer_core import PreparedMerge, SyncerCore
-from node.roles.syncer import SyncerRole
-from node.roles.syncer_rpc import SyncerService
+from node.roles.syncer import commit
+from node.roles.syncer_rpc import core_now
 from tests.unit.test_syncer_core import PLAN
 from tests.unit.test_syncer_spill import contribute, synchronous
 
@@ -78,20 +78,19 @@ def test_the_commit_reads_the_new_version_off_the_loop_and_routes_see_it_whole(
     core, prepared = prepared_merge(tmp_path, monkeypatch)
     role = SimpleNamespace(core=core, core_free=asyncio.Event())
     role.core_free.set()
-    service = SimpleNamespace(role=role)
     views: dict[str, tuple[int, bool]] = {}
 
     async def gated() -> None:
-        views["gated"] = seen(await SyncerService.core_now(service))  # type: ignore[arg-type]
+        views["gated"] = seen(await core_now(role))  # type: ignore[arg-type]
 
     async def naive() -> None:  # control: reads the core without waiting for the commit
         views["naive"] = seen(core)
 
     async def run() -> float:
-        commit = asyncio.create_task(SyncerRole._commit(role, core, prepared))  # type: ignore[arg-type]
+        committing = asyncio.create_task(commit(role.core_free, core, prepared))
         await asyncio.sleep(READ_S / 2)  # the worker thread is in the read
         readers = [asyncio.create_task(gated()), asyncio.create_task(naive())]
-        lag = await lag_while(commit)
+        lag = await lag_while(committing)
         await asyncio.gather(*readers)
         return lag
 
@@ -131,6 +130,6 @@ def test_a_failed_read_off_the_loop_reopens_the_core_with_the_old_version(
     monkeypatch.setattr(SpilledTensors, "__getitem__", failing)
     role = SimpleNamespace(core_free=asyncio.Event())
     with pytest.raises(OSError):
-        asyncio.run(SyncerRole._commit(role, core, prepared))  # type: ignore[arg-type]
+        asyncio.run(commit(role.core_free, core, prepared))
     assert role.core_free.is_set() and core.versions[FRAGMENT] == 0
     assert all(torch.equal(core.params[n], t) for n, t in before.items())
