@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from node.ml.data import BatchSampler
+from node.pipeline import checks
 from node.pipeline.ids import MicrobatchIds
 from node.roles.stage import StageService
 from protocol.envelope import Header, Opened
@@ -167,6 +168,42 @@ def test_a_disguised_check_is_an_ordinary_training_request(disguised: bool) -> N
     assert core2.counters.microbatches_applied == 1
     credited = arm.driver.receipts.tokens_by_replica()
     assert set(credited) == set(holders.values()) and checker1 not in credited and checker2 not in credited
+
+
+def test_a_disguised_backward_check_waits_the_checked_microbatchs_own_gap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Between its forward and its backward, a middle-stage backward check waits as long as the checked
+    microbatch's backward came after its forward there (here the last stage's forward and its check, each
+    `last_stage_s` of the clock), so a backward one round trip after its forward does not give the check away;
+    capped at MAX_CHECK_GAP_S."""
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(checks.asyncio, "sleep", sleep)
+    for last_stage_s, expected in ((5.0, 10.0), (100.0, checks.MAX_CHECK_GAP_S)):
+        arm = always_checked(harness((1, 2, 2), disguised=True))
+        for peer, stage in arm.stages.items():
+            if stage == 2:
+                service = arm.services[peer]
+                service.core.forward_loss = slow(service.core.forward_loss, arm, last_stage_s)  # type: ignore[method-assign]
+        slept.clear()
+        run(arm, 1)
+        assert slept == [
+            expected
+        ]  # one middle-stage backward check; forward and last-stage checks do not wait
+
+
+def slow(fn: Callable[..., Any], arm: Arm, seconds: float) -> Callable[..., Any]:
+    """`fn`, taking `seconds` of the arm's clock."""
+
+    def slowed(*args: Any) -> Any:
+        arm.clock["t"] += seconds
+        return fn(*args)
+
+    return slowed
 
 
 # ---- colluders
