@@ -77,9 +77,10 @@ class AnswerChecks:
         expected = (x.shape[0], x.shape[1], self.width)
         if out.dtype != torch.float32 or tuple(out.shape) != expected:
             raise HopError(HopFailure.BAD_REPLY, f"activation {tuple(out.shape)} != {expected}")
-        self._forwarded_at[(microbatch, stage)] = self.hops.clock()
-        while len(self._forwarded_at) > _FORWARD_TIMES:  # abandoned microbatches' forwards
-            self._forwarded_at.popitem(last=False)
+        if stage > 0:  # stage 0 answers no gradient, so no backward check there needs the gap
+            self._forwarded_at[(microbatch, stage)] = self.hops.clock()
+            while len(self._forwarded_at) > _FORWARD_TIMES:  # abandoned microbatches' forwards
+                self._forwarded_at.popitem(last=False)
         checked = self._tap_check(
             stage, Direction.FORWARD, replica, microbatch, out, opened, x if stage > 0 else None
         )
