@@ -96,6 +96,12 @@ class ScreeningConfig:
     evidence_weighting: bool = True
     evidence_zero_fraction: float = 0.1  # of the median merged slope: at or below it, weight 0
     evidence_full_fraction: float = 0.3  # of the median merged slope: at or above it, the whole weight
+    # a round's outer gradient x the largest evidence factor among its contributions (a lone contribution at K = 1
+    # otherwise kept the whole step at any factor above 0); false: only the weights are scaled
+    evidence_scales_step: bool = True
+    # this many consecutive scored contributions of a learner at evidence factor 0 are one learner ledger violation
+    # (with their slopes and cosines; forgiven like the others). 0: off
+    evidence_zero_violation_after: int = 5
     # claims and copies (node.diloco.claims)
     claim_rate_factor: float = 2.0  # steps claimed are capped at this x the peers' median measured step rate
     claim_min_peers: int = 2  # peers with a measured rate before that cap applies
@@ -151,6 +157,8 @@ class ScreeningConfig:
             raise ValueError("screening.loss_reverse_tolerance must be a number >= 0 (inf: off)")
         if not 0.0 <= self.evidence_zero_fraction < self.evidence_full_fraction < math.inf:
             raise ValueError("screening needs 0 <= evidence_zero_fraction < evidence_full_fraction (finite)")
+        if self.evidence_zero_violation_after < 0:
+            raise ValueError("screening.evidence_zero_violation_after must be >= 0 (0: off)")
 
     def evidence(self) -> EvidenceConfig:
         """The evidence weighting's config (off when the screening is)."""
@@ -158,6 +166,8 @@ class ScreeningConfig:
             enabled=self.enabled and self.evidence_weighting,
             zero_fraction=self.evidence_zero_fraction,
             full_fraction=self.evidence_full_fraction,
+            scales_step=self.evidence_scales_step,
+            zero_streak=self.evidence_zero_violation_after,
             history=self.history,
             min_history=self.min_history,
         )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from node.diloco.claims import CLAIM
 from node.diloco.compression import push_limits
+from node.diloco.evidence import NO_EVIDENCE, ZeroStreak
 from node.diloco.learner_ledger import (
     LearnerBan,
     LearnerLedger,
@@ -405,6 +406,18 @@ class SyncerService:
         if admission.capped:
             self.role.strikes.record(remote, "counters capped")
         self.receipt_capped += admission.receipt_capped
+
+    def no_evidence(self, streaks: list[ZeroStreak]) -> None:
+        """Runs of a learner's contributions that all earned evidence factor 0 (node.diloco.evidence): one ledger
+        violation each, with their slopes and cosines; repeated within the forgiveness, they ban."""
+        for streak in streaks:
+            n = len(streak.slopes)
+            reason = f"{n} contributions in a row with no evidence of work (evidence factor 0)"
+            self._ban(
+                self.ledger.record(
+                    streak.peer, NO_EVIDENCE, reason, streak.digest, time.time(), streak.scores()
+                )
+            )
 
     def _ban(self, ban: LearnerBan | None) -> None:
         if ban is not None:
