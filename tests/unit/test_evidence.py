@@ -238,8 +238,10 @@ def test_noise_alone_earns_ledger_violations_that_ban_and_honest_work_none() -> 
     assert honest == 0 and len(streaks) >= 2, streaks  # 10 zeroed in a row: 2 runs of 5
     assert all(len(s.slopes) == 5 and s.digest for s in streaks)
     ledger = LearnerLedger(ban_after=2.0, forgive_half_life_s=600.0, ban_s=60.0)
-    bans = [ledger.record(s.peer, NO_EVIDENCE, "none", s.digest, 1.0, s.scores()) for s in streaks]
+    bans = [ledger.no_evidence(s, 1.0) for s in streaks]
     assert any(b is not None and b.offender == "noise" for b in bans)
+    assert ledger.status(1.0)["noise"]["refused_by_tag"] == {NO_EVIDENCE: len(streaks)}
+    assert "slope_4" in ledger.status(1.0)["noise"]["evidence"][-1]  # the run's slopes are the evidence
     assert ledger.banned("noise", 2.0) is not None and ledger.banned("honest", 2.0) is None
 
 
