@@ -101,7 +101,7 @@ class ScreeningConfig:
     evidence_scales_step: bool = True
     # this many consecutive scored contributions of a learner at evidence factor 0 are one learner ledger violation
     # (with their slopes and cosines; forgiven like the others). 0: off
-    evidence_zero_violation_after: int = 5
+    evidence_zero_violation_after: int = 10
     # claims and copies (node.diloco.claims)
     claim_rate_factor: float = 2.0  # steps claimed are capped at this x the peers' median measured step rate
     claim_min_peers: int = 2  # peers with a measured rate before that cap applies
@@ -362,10 +362,14 @@ class ContributionScreen:
         losses: Mapping[str, float] | None = None,
         slopes: Mapping[str, float] | None = None,
         cosines: Mapping[str, float] | None = None,
+        step_scale: float = 1.0,
     ) -> ScreenUpdate | None:
         """The state a merge adds (heavy part, off the event loop): its participants' norms and held-out scores
         (`losses`: peer -> score, those measured), the slopes of those merged at full evidence weight (`slopes`,
-        `cosines`: node.diloco.evidence) and the next recent direction from the merged pseudo-gradient."""
+        `cosines`: node.diloco.evidence) and the next recent direction from the merged pseudo-gradient, which moves
+        it by `step_scale` x its usual share: a round whose step was scaled down (node.diloco.evidence) moved the
+        model that much less, and at full share its direction (the low-evidence contributions') would pull the
+        recent direction, which the evidence's cosines are measured against, away from where the model went."""
         if not self.config.enabled:
             return None
         norms = tuple(result.delta_norms[p] for p in result.participants if p in result.delta_norms)
@@ -376,9 +380,11 @@ class ContributionScreen:
         if length <= 0 or not math.isfinite(length):
             return ScreenUpdate(norms, None, scores, kept, agreed)
         previous, keep = self.direction(fragment), self.config.direction_decay
+        fresh = (1.0 - keep) * step_scale if step_scale < 1.0 else 1.0 - keep  # 1: exactly as before
+        keep = 1.0 - fresh if step_scale < 1.0 else keep
         if self.spill is None:
             direction = {
-                n: g.detach().to(torch.float32) * ((1.0 - keep) / length)
+                n: g.detach().to(torch.float32) * (fresh / length)
                 + (previous[n] * keep if previous is not None and n in previous else 0.0)
                 for n, g in result.outer_grad.items()
             }
@@ -387,9 +393,7 @@ class ContributionScreen:
         def chunks() -> Iterator[torch.Tensor]:  # the same values, a chunk at a time (off the event loop)
             for n, g in result.outer_grad.items():
                 for a, b in chunked.ranges(g.numel()):
-                    new = chunked.piece(result.outer_grad, n, a, b).to(torch.float32) * (
-                        (1.0 - keep) / length
-                    )
+                    new = chunked.piece(result.outer_grad, n, a, b).to(torch.float32) * (fresh / length)
                     if previous is not None and n in previous:
                         new = new + chunked.piece(previous, n, a, b) * keep
                     yield new

@@ -940,6 +940,7 @@ class SyncerCore(CoreState):
             _mean_per_peer(sources, lambda e: e.loss_delta),
             {p: s for p, s in slopes.items() if p in full},
             {p: c for p, c in cosines.items() if p in full},
+            step_scale=step_scale,
         )
         try:
             new_params = self._outer_step(fragment, global_params, result.outer_grad)

@@ -14,7 +14,8 @@ import torch
 from node.diloco.evidence import NO_EVIDENCE, EvidenceConfig, EvidenceWeight, ZeroStreak, ZeroStreaks
 from node.diloco.learner_ledger import LearnerLedger
 from node.diloco.loss_probe import LossScore
-from node.diloco.screening import ScreeningConfig
+from node.diloco.merge import MergeResult
+from node.diloco.screening import ContributionScreen, ScreeningConfig
 from node.diloco.syncer_core import MergeRecord
 from tests.unit.test_loss_probe import Harness, Tensors, trained
 
@@ -153,10 +154,12 @@ def low_evidence(h: Harness, seed: int, honest_part: float = 0.1) -> Tensors:
     return {n: base[n] - (honest_part * (base[n] - honest[n]) + (base[n] - drawn[n])) for n in honest}
 
 
-def lone_round(scales_step: bool, last: Callable[[Harness], Tensors]) -> tuple[MergeRecord, float]:
+def lone_round(
+    scales_step: bool, last: Callable[[Harness], Tensors], young_rounds: int = 16
+) -> tuple[MergeRecord, float]:
     """Six honest rounds at K = 1 (the reference is warm), then a round of `last` alone: its record and how far it
     moved the fragment (outer momentum 0: the move is outer_lr x the outer gradient)."""
-    h = Harness(ScreeningConfig(evidence_scales_step=scales_step))
+    h = Harness(ScreeningConfig(evidence_scales_step=scales_step, young_rounds=young_rounds))
     for seed in range(6):
         h.push("honest", trained(h.c, seed=seed))
         assert h.c.merge_now(0, 1, h.now) is not None
@@ -234,7 +237,7 @@ def lone_noise_streaks(screening: ScreeningConfig, rounds: int = 10) -> tuple[li
 
 
 def test_noise_alone_earns_ledger_violations_that_ban_and_honest_work_none() -> None:
-    streaks, honest = lone_noise_streaks(ScreeningConfig())
+    streaks, honest = lone_noise_streaks(ScreeningConfig(evidence_zero_violation_after=5))
     assert honest == 0 and len(streaks) >= 2, streaks  # 10 zeroed in a row: 2 runs of 5
     assert all(len(s.slopes) == 5 and s.digest for s in streaks)
     ledger = LearnerLedger(ban_after=2.0, forgive_half_life_s=600.0, ban_s=60.0)
@@ -247,3 +250,36 @@ def test_noise_alone_earns_ledger_violations_that_ban_and_honest_work_none() -> 
 
 def test_negative_control_with_the_streak_off_noise_earns_no_violation() -> None:
     assert lone_noise_streaks(ScreeningConfig(evidence_zero_violation_after=0)) == ([], 0)
+
+
+def test_the_step_scale_multiplies_the_seniority_caps_young_only_scale() -> None:
+    # young_rounds 2: the honest learner is senior after its 6 rounds, "lone" is young and alone in its round
+    record, _ = lone_round(True, lambda h: low_evidence(h, seed=50), young_rounds=2)
+    factor = record.evidence["lone"][2]
+    assert factor is not None and 0.0 < factor < 0.5, record.evidence
+    assert record.step_scale == pytest.approx(0.25 * factor, abs=1e-4)  # young_weight_cap x the factor
+    assert record.weights["lone"] == pytest.approx(record.step_scale, abs=1e-6)
+
+
+def test_a_scaled_step_moves_the_recent_direction_by_its_scale_and_a_full_one_as_before() -> None:
+    def direction_after(step_scale: float) -> torch.Tensor:
+        screen = ContributionScreen(ScreeningConfig(direction_decay=0.5))
+        for grad, scale in ((torch.tensor([1.0, 0.0]), 1.0), (torch.tensor([0.0, 3.0]), step_scale)):
+            result = MergeResult(
+                outer_grad={"w": grad * scale},
+                weights={"a": scale},
+                clipped={},
+                fallback_tensors=(),
+                rejected={},
+                delta_norms={"a": 1.0},
+                reason="",
+            )
+            screen.commit(0, screen.prepare_commit(0, result, step_scale=scale))
+        direction = screen.direction(0)
+        assert direction is not None
+        return direction["w"]
+
+    # decay 0.5: the first merge leaves [0.5, 0]; a full second one [0.25, 0.5] (the unit step's half)
+    assert torch.equal(direction_after(1.0), torch.tensor([0.25, 0.5]))
+    # scaled to 0.2, the second merge has 0.2 of that share: [0.5 x 0.9, 0.1]
+    assert torch.allclose(direction_after(0.2), torch.tensor([0.45, 0.1]))
