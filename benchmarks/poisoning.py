@@ -18,7 +18,8 @@ on and turns only the copy check off (`copy_tolerance = 0.0`), the defence they 
 evidence weighting off (`evidence_weighting = false`, node.diloco.evidence). `noise_k1`: 1 attacker pushing noise at
 an honest norm and 1 honest learner at K = 1, each contribution a round of its own; its `--undefended` run keeps
 the evidence weighting on and turns off only the round's step scale (`evidence_scales_step = false`) and the
-ledger violation of a run of factor-0 contributions (`evidence_zero_violation_after = 0`).
+ledger violation of a run of factor-0 contributions (`evidence_zero_violation_after = 0`). `noise_k1_nocap`: the
+same with the seniority cap off in both runs (`young_weight_cap = 1.0`), the step scale alone.
 
 Per arm, from the syncer's events and status after `--duration` seconds:
 
@@ -132,6 +133,7 @@ COPY_CHECK_OFF = "copy_tolerance = 0.0"  # node.diloco.screening: 0 turns the co
 EVIDENCE_OFF = "evidence_weighting = false"
 # node.diloco.evidence, the weighting still on: a round's step not scaled by its best factor (a lone contribution
 # keeps the whole step at any factor above 0) and runs of factor-0 contributions no ledger violation
+SENIORITY_OFF = "young_weight_cap = 1.0"  # node.diloco.seniority: 1.0 caps nothing
 EVIDENCE_STEP_OFF = "evidence_scales_step = false\nevidence_zero_violation_after = 0"
 
 
@@ -149,6 +151,7 @@ class Arm:
     # the undefended run keeps the screening on with these `[syncer.screening]` lines instead of turning it off
     # (e.g. only the copy check off: "copy_tolerance = 0.0"); "": the whole screening off
     undefended_screening: str = ""
+    screening: str = ""  # `[syncer.screening]` lines of both runs (before the undefended ones)
 
 
 ARMS = {
@@ -186,6 +189,17 @@ ARMS = {
             control="clean_k1",
             undefended_screening=EVIDENCE_STEP_OFF,
         ),
+        # the same with the seniority cap off in both runs (it scales a lone young attacker's step to 0.25 once the
+        # honest learner is senior, hiding what the evidence's step scale does)
+        Arm(
+            name="noise_k1_nocap",
+            attack="noise",
+            attackers=1,
+            honest=1,
+            control="clean_k1",
+            screening=SENIORITY_OFF,
+            undefended_screening=EVIDENCE_STEP_OFF,
+        ),
         Arm(name="sybil_majority", attack="signflip", attackers=5),
         # fresh identities (each paid its proof-of-work) join once the honest learners are senior: the seniority
         # cap holds their summed share of any merge to young_weight_cap (0.25)
@@ -219,7 +233,9 @@ class Swarm:
             NODE_TOML.format(
                 min_step_s=min_step_s,
                 defended="true" if screening_on else "false",
-                screening_extra="" if defended else arm.undefended_screening,
+                screening_extra="\n".join(
+                    filter(None, [arm.screening, "" if defended else arm.undefended_screening])
+                ),
             )
         )
         self.copy_dir = (

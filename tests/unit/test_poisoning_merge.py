@@ -15,6 +15,7 @@ from benchmarks.poisoning import (
     COPY_CHECK_OFF,
     EVIDENCE_OFF,
     EVIDENCE_STEP_OFF,
+    SENIORITY_OFF,
     evidence_summary,
     headline,
     merged_with,
@@ -120,3 +121,9 @@ def test_step_and_streaks_counts_scaled_steps_and_each_sides_no_evidence_violati
     learners = {"a": {"refused_by_tag": {NO_EVIDENCE: 2, "screen: norm": 1}}, "h": {"refused_by_tag": {}}}
     summary = step_and_streaks(merges, learners, honest={"h", "h2"}, attackers={"a"})
     assert summary == {"scaled_steps": 1, "no_evidence_violations": {"honest": 0, "attackers": 2}}
+
+
+def test_the_no_cap_lone_noise_arm_turns_the_seniority_cap_off_in_both_runs() -> None:
+    arm = ARMS["noise_k1_nocap"]
+    assert arm.screening == SENIORITY_OFF and tomllib.loads(SENIORITY_OFF) == {"young_weight_cap": 1.0}
+    assert arm.undefended_screening == EVIDENCE_STEP_OFF and arm.control == "clean_k1"
