@@ -4,7 +4,7 @@ One arm per attack, one after another, each a fresh swarm of real processes on l
 (K = 1, decoupled), honest learners stepping at a fixed speed on the built-in standard-library corpus, and
 attacker learners (`HIVENODE_UNSAFE_LEARNER_ATTACK`, node.diloco.attack_transport) that train like the others and
 poison what they push. The `clean` arm (no attacker, same honest learners, same seeds) is the control of every
-arm with 4 honest learners; `clean_k1` (one honest learner) that of `lone_k1`. An arm named with `--undefended`
+arm with 4 honest learners; `clean_k1` (one honest learner) that of `lone_k1` and `noise_k1`. An arm named with `--undefended`
 also runs with the syncer's screening off (`[syncer.screening] enabled = false`, which also turns off the
 seniority cap) and `[admission] mode = "open"`: the negative control, where the attack is seen to win. Defended
 runs ask a 12-bit proof-of-work of every learner (the default mode at a difficulty the machine solves in ms).
@@ -15,7 +15,11 @@ runs ask a 12-bit proof-of-work of every learner (the default mode at a difficul
 contributions again (+1 % noise) with claims of its own; `freeride`: 1 attacker that pushes the current published
 version (+1 % of its honest delta's norm as noise) with honest claims. Their `--undefended` run keeps the screening
 on and turns only the copy check off (`copy_tolerance = 0.0`), the defence they test; `noise`'s turns only the
-evidence weighting off (`evidence_weighting = false`, node.diloco.evidence).
+evidence weighting off (`evidence_weighting = false`, node.diloco.evidence). `noise_k1`: 1 attacker pushing noise at
+an honest norm and 1 honest learner at K = 1, each contribution a round of its own; its `--undefended` run keeps
+the evidence weighting on and turns off only the round's step scale (`evidence_scales_step = false`) and the
+ledger violation of a run of factor-0 contributions (`evidence_zero_violation_after = 0`). `noise_k1_nocap`: the
+same with the seniority cap off in both runs (`young_weight_cap = 1.0`), the step scale alone.
 
 Per arm, from the syncer's events and status after `--duration` seconds:
 
@@ -23,12 +27,17 @@ Per arm, from the syncer's events and status after `--duration` seconds:
   loss_gap_at_tokens: the same against the control's loss interpolated at the arm's merged tokens (the attackers'
   processes take CPU from the honest learners on a small machine, so equal windows merge fewer honest tokens);
 * attacker_weight_share = mean over merges after the attackers' first refusal (all merges when none was
-  refused) of the summed merge weight of attacker identities;
+  refused) of the summed merge weight of attacker identities. The merge event's weights are each contribution's
+  effective share of a full step: normalised weight x the round's `step_scale` (the evidence's largest factor x
+  the seniority cap's young-only scale; the syncer scales both the step and the weights it records), so a lone
+  attacker at K = 1 whose step was scaled to 0.1 counts 0.1, not 1.0;
 * merges_after_detection: how many merges that mean is over (the test runs a fixed count of them);
   attacker_weight_share_since_joined: the mean from the first merge that took attacker weight on (the undefended
   control's share, not diluted by the merges before its first push);
 * time_to_ban_s: from the window's start to the first `learner_banned` of an attacker (None: not banned);
-* honest_banned: honest identities the syncer banned;
+* honest_banned: honest identities the syncer banned; no_evidence_violations: per side, the learner ledger's
+  violations for runs of contributions at evidence factor 0 (`evidence: none`); scaled_steps: merges whose step
+  the evidence or the seniority cap scaled below 1;
 * evidence: per side, the evidence weighting's factors and the held-out slopes and cosines they came from;
 * check cost: the held-out loss probe's mean seconds per contribution over the mean interval between merges of
   one fragment (the goal: <= 10 %).
@@ -68,6 +77,7 @@ from node.diloco.attack_transport import (
     UNSAFE_COPY_SOURCE_ENV,
     UNSAFE_LEARNER_ATTACK_ENV,
 )
+from node.diloco.evidence import NO_EVIDENCE
 from protocol.identity import NodeIdentity
 from tools.chaos import ProcessGroup
 
@@ -121,6 +131,10 @@ enabled = {defended}
 COPY_CHECK_OFF = "copy_tolerance = 0.0"  # node.diloco.screening: 0 turns the copycat / free-rider check off
 # node.diloco.evidence: the merge weight kept whatever the held-out slope
 EVIDENCE_OFF = "evidence_weighting = false"
+# node.diloco.evidence, the weighting still on: a round's step not scaled by its best factor (a lone contribution
+# keeps the whole step at any factor above 0) and runs of factor-0 contributions no ledger violation
+SENIORITY_OFF = "young_weight_cap = 1.0"  # node.diloco.seniority: 1.0 caps nothing
+EVIDENCE_STEP_OFF = "evidence_scales_step = false\nevidence_zero_violation_after = 0"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,6 +151,7 @@ class Arm:
     # the undefended run keeps the screening on with these `[syncer.screening]` lines instead of turning it off
     # (e.g. only the copy check off: "copy_tolerance = 0.0"); "": the whole screening off
     undefended_screening: str = ""
+    screening: str = ""  # `[syncer.screening]` lines of both runs (before the undefended ones)
 
 
 ARMS = {
@@ -164,6 +179,27 @@ ARMS = {
         Arm(name="freeride", attack="freeride", attackers=1, undefended_screening=COPY_CHECK_OFF),
         Arm(name="inflated_claims", attack="inflate:20", attackers=1),
         Arm(name="lone_k1", attack="signflip", attackers=1, honest=1, control="clean_k1"),
+        # noise alone in its rounds (K = 1): normalised, its weight was the whole merge at any factor above 0;
+        # undefended: the weighting on, only the step scale and the zero-evidence violations off
+        Arm(
+            name="noise_k1",
+            attack="noise",
+            attackers=1,
+            honest=1,
+            control="clean_k1",
+            undefended_screening=EVIDENCE_STEP_OFF,
+        ),
+        # the same with the seniority cap off in both runs (it scales a lone young attacker's step to 0.25 once the
+        # honest learner is senior, hiding what the evidence's step scale does)
+        Arm(
+            name="noise_k1_nocap",
+            attack="noise",
+            attackers=1,
+            honest=1,
+            control="clean_k1",
+            screening=SENIORITY_OFF,
+            undefended_screening=EVIDENCE_STEP_OFF,
+        ),
         Arm(name="sybil_majority", attack="signflip", attackers=5),
         # fresh identities (each paid its proof-of-work) join once the honest learners are senior: the seniority
         # cap holds their summed share of any merge to young_weight_cap (0.25)
@@ -197,7 +233,9 @@ class Swarm:
             NODE_TOML.format(
                 min_step_s=min_step_s,
                 defended="true" if screening_on else "false",
-                screening_extra="" if defended else arm.undefended_screening,
+                screening_extra="\n".join(
+                    filter(None, [arm.screening, "" if defended else arm.undefended_screening])
+                ),
             )
         )
         self.copy_dir = (
@@ -406,6 +444,7 @@ def summarize(
         "attackers_banned": len({e["offender"] for e in bans if e["offender"] in attackers}),
         "honest_banned": len({e["offender"] for e in bans if e["offender"] in honest}),
         "honest_refused": sum((learners.get(p) or {}).get("refused", 0) for p in honest),
+        **step_and_streaks(merges, learners, honest=honest, attackers=attackers),
         "refusals": status.get("refusals", {}),
         "screening": status.get("screening", {}),
         "seniority": status.get("seniority", {}),  # identities, young ones, demotions, capped merges
@@ -414,6 +453,21 @@ def summarize(
         "probe_max_cost_s": probe.get("max_cost_s"),
         "merge_interval_s": round(interval, 3) if interval else None,
         "check_cost_share": round(cost / interval, 4) if cost and interval else None,
+    }
+
+
+def step_and_streaks(
+    merges: list[dict[str, Any]], learners: dict[str, Any], *, honest: set[str], attackers: set[str]
+) -> dict[str, Any]:
+    """Merges whose step was scaled below 1, and per side the ledger's violations for runs of contributions at
+    evidence factor 0 (node.diloco.evidence)."""
+    by_tag = {p: (learners.get(p) or {}).get("refused_by_tag") or {} for p in honest | attackers}
+    return {
+        "scaled_steps": sum(1 for m in merges if m.get("step_scale", 1.0) < 1.0),
+        "no_evidence_violations": {
+            side: sum(by_tag[p].get(NO_EVIDENCE, 0) for p in peers)
+            for side, peers in (("honest", honest), ("attackers", attackers))
+        },
     }
 
 

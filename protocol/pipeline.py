@@ -35,8 +35,9 @@ TARGETS = "targets"  # name of the targets tensor beside the input ("") in a las
 EVAL_META = "eval"  # meta flag: forward only, no context, no ledger (held-out loss)
 
 
-# With EVAL_META: answer the gradient of the input instead (SENTINEL spot checks), for the output gradient in
-# GRAD_OUTPUT (or the loss on the targets at the last stage); nothing is kept or applied.
+# With EVAL_META: answer the gradient of the input instead (marked SENTINEL spot checks; by default checks are
+# disguised as training requests, node/pipeline/checks.py), for the output gradient in GRAD_OUTPUT (or the loss on
+# the targets at the last stage); nothing is kept or applied.
 RECOMPUTE_GRAD_META = "recompute_grad"
 
 

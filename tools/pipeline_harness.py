@@ -86,6 +86,8 @@ class HarnessConfig:
     # runs it, whose timing decides when each replica steps (runs of one seed then differ).
     inline_compute: bool = True
     activation_codec: BoundaryCodecName = "fp32"  # the manifest's [activation_codec]
+    # spot-check recomputations as ordinary training requests (VerifierConfig.disguised_spot_checks)
+    disguised_spot_checks: bool = True
 
     def __post_init__(self) -> None:
         if len(self.replicas) < 2 or min(self.replicas) < 1:
@@ -349,6 +351,7 @@ def build_arm(
         banned=lambda: tap.banned() | watcher.active(),
         rng=random.Random(seed),
         clock=lambda: clock["t"],
+        disguised_spot_checks=config.disguised_spot_checks,
     )
     driver.hops.rounding = rounding_generator(_ROUNDING_SEEDS * seed + _ROUNDING_SEEDS - 1)
     return Arm(config, driver, services, stages, tap, watcher, attacks, clock)

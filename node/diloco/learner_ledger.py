@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from node.diloco.evidence import NO_EVIDENCE, ZeroStreak
+
 logger = logging.getLogger(__name__)
 
 # the reason protocol.codec gives a frame holding NaN/Inf (refused before it is decoded into a contribution)
@@ -157,6 +159,13 @@ class LearnerLedger:
             until=record.banned_until,
             evidence=tuple(record.evidence),
         )
+
+    def no_evidence(self, streak: ZeroStreak, now: float) -> LearnerBan | None:
+        """A run of `streak.peer`'s contributions that all earned evidence factor 0 (node.diloco.evidence): one
+        violation, its slopes and cosines the evidence; the ban it triggers, if it does."""
+        n = len(streak.slopes)
+        reason = f"{n} contributions in a row with no evidence of work (evidence factor 0)"
+        return self.record(streak.peer, NO_EVIDENCE, reason, streak.digest, now, streak.scores())
 
     def trust(self, peer: str, now: float) -> float:
         """Probation: 1 - (forgiven violations / ban_after), at least 0; 1 for a peer never refused (or bans off).

@@ -96,6 +96,12 @@ class ScreeningConfig:
     evidence_weighting: bool = True
     evidence_zero_fraction: float = 0.1  # of the median merged slope: at or below it, weight 0
     evidence_full_fraction: float = 0.3  # of the median merged slope: at or above it, the whole weight
+    # a round's outer gradient x the largest evidence factor among its contributions (a lone contribution at K = 1
+    # otherwise kept the whole step at any factor above 0); false: only the weights are scaled
+    evidence_scales_step: bool = True
+    # this many consecutive scored contributions of a learner at evidence factor 0 are one learner ledger violation
+    # (with their slopes and cosines; forgiven like the others). 0: off
+    evidence_zero_violation_after: int = 10
     # claims and copies (node.diloco.claims)
     claim_rate_factor: float = 2.0  # steps claimed are capped at this x the peers' median measured step rate
     claim_min_peers: int = 2  # peers with a measured rate before that cap applies
@@ -151,6 +157,8 @@ class ScreeningConfig:
             raise ValueError("screening.loss_reverse_tolerance must be a number >= 0 (inf: off)")
         if not 0.0 <= self.evidence_zero_fraction < self.evidence_full_fraction < math.inf:
             raise ValueError("screening needs 0 <= evidence_zero_fraction < evidence_full_fraction (finite)")
+        if self.evidence_zero_violation_after < 0:
+            raise ValueError("screening.evidence_zero_violation_after must be >= 0 (0: off)")
 
     def evidence(self) -> EvidenceConfig:
         """The evidence weighting's config (off when the screening is)."""
@@ -158,6 +166,8 @@ class ScreeningConfig:
             enabled=self.enabled and self.evidence_weighting,
             zero_fraction=self.evidence_zero_fraction,
             full_fraction=self.evidence_full_fraction,
+            scales_step=self.evidence_scales_step,
+            zero_streak=self.evidence_zero_violation_after,
             history=self.history,
             min_history=self.min_history,
         )
@@ -352,10 +362,14 @@ class ContributionScreen:
         losses: Mapping[str, float] | None = None,
         slopes: Mapping[str, float] | None = None,
         cosines: Mapping[str, float] | None = None,
+        step_scale: float = 1.0,
     ) -> ScreenUpdate | None:
         """The state a merge adds (heavy part, off the event loop): its participants' norms and held-out scores
         (`losses`: peer -> score, those measured), the slopes of those merged at full evidence weight (`slopes`,
-        `cosines`: node.diloco.evidence) and the next recent direction from the merged pseudo-gradient."""
+        `cosines`: node.diloco.evidence) and the next recent direction from the merged pseudo-gradient, which moves
+        it by `step_scale` x its usual share: a round whose step was scaled down (node.diloco.evidence) moved the
+        model that much less, and at full share its direction (the low-evidence contributions') would pull the
+        recent direction, which the evidence's cosines are measured against, away from where the model went."""
         if not self.config.enabled:
             return None
         norms = tuple(result.delta_norms[p] for p in result.participants if p in result.delta_norms)
@@ -366,9 +380,11 @@ class ContributionScreen:
         if length <= 0 or not math.isfinite(length):
             return ScreenUpdate(norms, None, scores, kept, agreed)
         previous, keep = self.direction(fragment), self.config.direction_decay
+        fresh = (1.0 - keep) * step_scale if step_scale < 1.0 else 1.0 - keep  # 1: exactly as before
+        keep = 1.0 - fresh if step_scale < 1.0 else keep
         if self.spill is None:
             direction = {
-                n: g.detach().to(torch.float32) * ((1.0 - keep) / length)
+                n: g.detach().to(torch.float32) * (fresh / length)
                 + (previous[n] * keep if previous is not None and n in previous else 0.0)
                 for n, g in result.outer_grad.items()
             }
@@ -377,9 +393,7 @@ class ContributionScreen:
         def chunks() -> Iterator[torch.Tensor]:  # the same values, a chunk at a time (off the event loop)
             for n in result.outer_grad:  # (names: a spilled gradient's items() would read each tensor whole)
                 for a, b in chunked.ranges(chunked.numel(result.outer_grad, n)):
-                    new = chunked.piece(result.outer_grad, n, a, b).to(torch.float32) * (
-                        (1.0 - keep) / length
-                    )
+                    new = chunked.piece(result.outer_grad, n, a, b).to(torch.float32) * (fresh / length)
                     if previous is not None and n in previous:
                         new = new + chunked.piece(previous, n, a, b) * keep
                     yield new

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -24,7 +24,9 @@ from node.diloco import chunked
 from node.diloco.claims import ClaimBound, copy_of
 from node.diloco.compression import decode_contribution
 from node.diloco.counters import cap_counters
+from node.diloco.evidence import ZeroStreak
 from node.diloco.fragments import FragmentPlan
+from node.diloco.learner_ledger import contribution_digest
 from node.diloco.loss_probe import LossScore
 from node.diloco.merge import Contribution, MergeResult, NothingToMerge, merge_fragment
 from node.diloco.outer import NonFiniteStep, OuterNesterov
@@ -117,6 +119,7 @@ class PreparedMerge:
     # per peer with a measured slope: (slope, cosine or None, the evidence factor its weight was scaled by;
     # node.diloco.evidence)
     evidence: dict[str, tuple[float, float | None, float]] = field(default_factory=dict)
+    step_scale: float = 1.0  # what its outer gradient was scaled by (evidence x seniority; `merge_capped`)
     spilled: str | None = None  # the replaced version's file (VersionHistory.spill_now), if spilled
 
 
@@ -144,6 +147,9 @@ class MergeRecord:
     # per scored contribution (weighted or not): [its held-out slope, its cosine with the recent merged direction
     # (None: not measured), the evidence factor its weight was scaled by]
     evidence: dict[str, list[float | None]] = field(default_factory=dict)
+    # what the outer gradient was scaled by: the largest evidence factor merged x the seniority cap's young-only
+    # scale (1: a full step); `weights` are already scaled by it (each one a share of a full step)
+    step_scale: float = 1.0
 
     def to_event(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -299,6 +305,7 @@ def merge_record(prepared: PreparedMerge, version: int, now: float) -> MergeReco
             p: [round(s, 6), None if c is None else round(c, 4), round(f, 4)]
             for p, (s, c, f) in prepared.evidence.items()
         },
+        step_scale=round(prepared.step_scale, 6),
     )
 
 
@@ -791,6 +798,11 @@ class SyncerCore(CoreState):
         self.gate = AdmissionGate(admission or AdmissionSpec(mode="open"), run_id, max_merged_keys)
         self.seniority = Seniority(seniority_config(self.screen.config, max_merged_keys))
 
+    def take_zero_streaks(self) -> list[ZeroStreak]:
+        """The runs of a learner's contributions at evidence factor 0 the merges found since the last call
+        (node.diloco.evidence.ZeroStreak; the shell records each as a learner ledger violation)."""
+        return self.screen.evidence.take_streaks()
+
     @property
     def tokens_in_model(self) -> int:
         """`tokens_merged` (each trained token counted once per fragment: a contribution carries all of them)
@@ -934,7 +946,7 @@ class SyncerCore(CoreState):
         )
         slopes = _mean_per_peer(sources, lambda e: e.slope)
         cosines = _mean_per_peer(sources, lambda e: e.cosine)
-        result, credit, factors = merge_capped(
+        result, credit, factors, step_scale = merge_capped(
             self, fragment, global_params, merged, started_at, slopes, cosines
         )
         # the screen's update first: with the momentum on disk the outer step turns the gradient into the new params
@@ -945,6 +957,7 @@ class SyncerCore(CoreState):
             _mean_per_peer(sources, lambda e: e.loss_delta),
             {p: s for p, s in slopes.items() if p in full},
             {p: c for p, c in cosines.items() if p in full},
+            step_scale=step_scale,
         )
         try:
             new_params = self._outer_step(fragment, global_params, result.outer_grad)
@@ -967,6 +980,7 @@ class SyncerCore(CoreState):
             screened=screened_update,
             seniority_credit=credit,
             evidence={p: (s, cosines.get(p), factors.get(p, 1.0)) for p, s in slopes.items()},
+            step_scale=step_scale,
             spilled=self.history.spill_now(fragment, global_params),
         )
 
@@ -1285,6 +1299,13 @@ def admission_of(
     return Admission(target_version=target, capped=capped, receipt_capped=receipt_capped, late=late)
 
 
+class CappedMerge(NamedTuple):
+    result: MergeResult  # its outer gradient and weights scaled by `step_scale`
+    credit: dict[str, float]  # per young peer the cap scaled down, the fraction of a round it ages by
+    factors: dict[str, float]  # the evidence factor of each peer with a slope
+    step_scale: float  # the evidence's step scale x the seniority cap's grad_scale (1: a full step)
+
+
 def merge_capped(
     core: SyncerCore,
     fragment: int,
@@ -1293,16 +1314,22 @@ def merge_capped(
     now: float,
     slopes: Mapping[str, float] | None = None,
     cosines: Mapping[str, float] | None = None,
-) -> tuple[MergeResult, dict[str, float], dict[str, float]]:
+) -> CappedMerge:
     """`merge_fragment` with each weight scaled by its evidence of work (`slopes`: peer -> held-out slope, those
     measured; `cosines`: with the recent merged direction; node.diloco.evidence), then the seniority cap on young
-    identities' weights (node.diloco.seniority); also the fraction of a round each young peer the cap scaled down
-    ages by (`CappedWeights.credit`) and the evidence factor of each peer with a slope."""
+    identities' weights (node.diloco.seniority), the outer gradient scaled by the product of the evidence's
+    `step_scale` and the cap's `grad_scale`."""
     capped: list[CappedWeights] = []
+    step_scales: list[float] = []
     scored = {p: s for p, s in (slopes or {}).items() if p in merged}
     factors = core.screen.evidence.factors(fragment, scored, cosines or {})
+    # the last contribution of a run at factor 0 is the one its evidence names
+    core.screen.evidence.observe_streaks(
+        factors, scored, cosines or {}, lambda peer: contribution_digest(merged[peer].params)
+    )
 
     def reweight(weights: Mapping[str, float]) -> Mapping[str, float]:
+        step_scales.append(core.screen.evidence.step_scale(factors, weights))
         evidenced = {p: w * factors.get(p, 1.0) for p, w in weights.items()}
         capped.append(core.seniority.cap(evidenced, now))
         return capped[-1].weights
@@ -1320,9 +1347,11 @@ def merge_capped(
         # with the momentum on disk the outer gradient goes there too (a file the outer step overwrites)
         spill=core.history.spill if core.spilled is not None else None,
     )
-    if capped and capped[-1].grad_scale < 1.0:  # young identities alone while seniors are active
-        # the step and the recorded weights both shrink, as if seniors without progress held the rest
-        scale = capped[-1].grad_scale
+    # below 1 for young identities alone while seniors are active, and for a round whose best evidence is low
+    scale = (step_scales[-1] if step_scales else 1.0) * (capped[-1].grad_scale if capped else 1.0)
+    if scale < 1.0:
+        # the step and the recorded weights both shrink, as if learners without progress held the rest: a merge
+        # event's weights are each contribution's effective share of a full step
         if isinstance(result.outer_grad, ScaledTensors):
             result.outer_grad.scale_all(scale)  # applied as it is read, as `mul_` would
         else:
@@ -1330,7 +1359,7 @@ def merge_capped(
                 g.mul_(scale)  # in place: the merge's own buffers (a copy was one fragment more)
         weights = {peer: w * scale for peer, w in result.weights.items()}
         result = dataclasses.replace(result, weights=weights)
-    return result, dict(capped[-1].credit) if capped else {}, factors
+    return CappedMerge(result, dict(capped[-1].credit) if capped else {}, factors, scale)
 
 
 def read_in(core: SyncerCore, prepared: PreparedMerge) -> PreparedMerge:

@@ -56,6 +56,8 @@ class DriverStats:
     maybe_applied_twice: int = 0  # applying hops moved on after a timeout or a lost answer (at-least-once)
     bad_replies: int = 0
     spot_checks: int = 0  # spot-check recomputations concluded (see SentinelTap for their outcomes)
+    disguised_checks: int = 0  # recomputations sent as ordinary training requests (node/pipeline/checks.py)
+    duplicate_gradients: int = 0  # of which backward ones: the checker applied the microbatch a second time
     failures: dict[str, int] = field(default_factory=dict)
     applied_per_stage: dict[int, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=lambda: {"seal_s": 0.0, "open_s": 0.0, "call_s": 0.0})

@@ -30,6 +30,7 @@ from node.pipeline.accounting import (
 )
 from node.pipeline.checks import AnswerChecks
 from node.pipeline.hops import HopClient, one_tensor
+from node.pipeline.ids import MicrobatchIds
 from node.pipeline.picker import ReplicaPicker
 from node.pipeline.routing import HopFailure, ReplicaInfo, ReplicaRouter, RetryPolicy
 from node.pipeline.transport import HopTransport
@@ -38,7 +39,6 @@ from protocol.identity import NodeIdentity
 from protocol.pipeline import (
     ALREADY_APPLIED,
     APPLIED_META,
-    BACKWARD_RPC,
     EVAL_META,
     FORWARD_RPC,
     LOSS_META,
@@ -52,7 +52,9 @@ logger = logging.getLogger(__name__)
 
 class PipelineDriver:
     """Walks microbatches through the stages (see the module docstring). One driver per verifier; its
-    `run_microbatch` may be awaited concurrently from one event loop."""
+    `run_microbatch` may be awaited concurrently from one event loop. `ids`: the verifier's microbatch counter
+    (its training microbatches take their ids from it too); `disguised_spot_checks`: send spot-check
+    recomputations as ordinary training requests (node/pipeline/checks.py), else marked as checks."""
 
     def __init__(
         self,
@@ -71,6 +73,8 @@ class PipelineDriver:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        ids: MicrobatchIds | None = None,
+        disguised_spot_checks: bool = True,
     ) -> None:
         self.identity = identity
         self.run_id = run_id
@@ -103,17 +107,23 @@ class PipelineDriver:
             codec=shape.codec,
         )
         self.strikes = self.hops.strikes
-        self.checks = AnswerChecks(
-            hops=self.hops,
-            picker=self.picker,
-            tap=tap or PassThroughTap(),
-            retry=self.retry,
-            stats=self.stats,
-            width=shape.width,
-        )
+        self.ids = ids or MicrobatchIds.from_clock(wall_clock)
+        self.checks = self._answer_checks(tap or PassThroughTap(), disguised=disguised_spot_checks)
         # microbatch -> the replica holding its context at each stage passed so far (their backward is due there)
         self._holders: dict[int, list[str]] = {}
         self.on_failure: Callable[[int, int, str, HopError], None] | None = None
+
+    def _answer_checks(self, tap: BoundaryTap, *, disguised: bool) -> AnswerChecks:
+        return AnswerChecks(
+            hops=self.hops,
+            picker=self.picker,
+            tap=tap,
+            retry=self.retry,
+            stats=self.stats,
+            width=self.shape.width,
+            ids=self.ids,
+            disguised=disguised,
+        )
 
     # ---- the parts' settings, kept settable here (the verifier stamps `step`; tests swap taps and transports)
 
@@ -215,9 +225,7 @@ class PipelineDriver:
             replica = self._choose(stage, x, tried)
             attempt += 1
             try:
-                opened = await self.hops.call(
-                    replica, FORWARD_RPC, stage, Direction.FORWARD, microbatch, {"": x}, Kind.ACTIVATION, x
-                )
+                opened = await self.hops.training_forward(replica, stage, microbatch, x)
                 return replica, await self.checks.activation(opened, replica, stage, microbatch, x)
             except HopError as e:
                 self._failed(microbatch, stage, replica, e, outcome)
@@ -231,26 +239,13 @@ class PipelineDriver:
         self, microbatch: int, x: torch.Tensor, targets: torch.Tensor, outcome: MicrobatchOutcome
     ) -> tuple[str, float, torch.Tensor | None]:
         stage = self.num_stages - 1
-        kind = Kind.TOKENS if stage == 0 else Kind.ACTIVATION
-        answer_kind = Kind.LOSS if stage == 0 else Kind.GRADIENT
         tried: set[str] = set()
         attempt, same_tries = 0, 0
         replica = self._choose(stage, x, tried)
         while True:
             attempt += 1
             try:
-                opened = await self.hops.call(
-                    replica,
-                    FORWARD_RPC,
-                    stage,
-                    Direction.BACKWARD,
-                    microbatch,
-                    {"": x, TARGETS: targets},
-                    answer_kind,
-                    x,
-                    request_kind=kind,
-                    request_direction=Direction.FORWARD,
-                )
+                opened = await self.hops.training_loss(replica, stage, microbatch, x, targets)
                 loss = opened.meta.get(LOSS_META)
                 if type(loss) is not float or not math.isfinite(loss):
                     raise HopError(HopFailure.BAD_REPLY, "answer lacks a finite loss")
@@ -284,13 +279,10 @@ class PipelineDriver:
     ) -> tuple[str, torch.Tensor | None]:
         replica, tried = holder, set()
         attempt, same_tries = 0, 0
-        answer_kind = Kind.CONTROL if stage == 0 else Kind.GRADIENT
         while True:
             attempt += 1
             try:
-                opened = await self.hops.call(
-                    replica, BACKWARD_RPC, stage, Direction.BACKWARD, microbatch, {"": grad}, answer_kind, x
-                )
+                opened = await self.hops.training_backward(replica, stage, microbatch, grad, x)
                 if stage == 0:
                     if opened.meta.get(APPLIED_META) is not True or opened.tensors:
                         raise HopError(HopFailure.BAD_REPLY, "stage 0 did not confirm the backward")

@@ -31,10 +31,12 @@ from protocol.identity import NodeIdentity
 from protocol.pipeline import (
     BACKWARD_RPC,
     EVAL_META,
+    FORWARD_RPC,
     INPUT_DIGEST_META,
     NO_CONTEXT,
     NOT_SERVING,
     PIPELINE_REPLAY,
+    TARGETS,
 )
 from protocol.replay import ReplayGuard
 from protocol.rpc import PeerStrikes
@@ -144,6 +146,43 @@ class HopClient:
             timings["open_s"] += time.perf_counter() - answered
         self.router.record_success(replica, tokens=int(x.shape[0] * x.shape[1]), seconds=answered - started)
         return opened
+
+    # ---- the three training requests. Built here, and only here, for the driver's walk and for disguised spot
+    # checks alike (`AnswerChecks`): a check then cannot differ from ordinary traffic by how it was built.
+
+    async def training_forward(self, replica: str, stage: int, microbatch: int, x: torch.Tensor) -> Opened:
+        """A training forward of a non-last stage: the replica keeps a context awaiting the backward."""
+        return await self.call(
+            replica, FORWARD_RPC, stage, Direction.FORWARD, microbatch, {"": x}, Kind.ACTIVATION, x
+        )
+
+    async def training_loss(
+        self, replica: str, stage: int, microbatch: int, x: torch.Tensor, targets: torch.Tensor
+    ) -> Opened:
+        """The last stage's forward: loss, backward and accumulation at once (the loss, and the input gradient
+        unless the last stage is also the first)."""
+        return await self.call(
+            replica,
+            FORWARD_RPC,
+            stage,
+            Direction.BACKWARD,
+            microbatch,
+            {"": x, TARGETS: targets},
+            Kind.LOSS if stage == 0 else Kind.GRADIENT,
+            x,
+            request_kind=Kind.TOKENS if stage == 0 else Kind.ACTIVATION,
+            request_direction=Direction.FORWARD,
+        )
+
+    async def training_backward(
+        self, replica: str, stage: int, microbatch: int, grad: torch.Tensor, x: torch.Tensor
+    ) -> Opened:
+        """The backward of a held context: the replica applies it and answers its input gradient (stage 0: an
+        acknowledgement)."""
+        answer_kind = Kind.CONTROL if stage == 0 else Kind.GRADIENT
+        return await self.call(
+            replica, BACKWARD_RPC, stage, Direction.BACKWARD, microbatch, {"": grad}, answer_kind, x
+        )
 
     def _encoded(
         self, kind: Kind, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None

@@ -528,14 +528,7 @@ class SyncerRole:
                 return
             round_, expected, required = taken
             try:
-                prepared = await asyncio.to_thread(
-                    core.compute_merge,
-                    fragment,
-                    round_,
-                    expected=expected,
-                    required=required,
-                    started_at=started,
-                )
+                prepared = await computed(self, core, fragment, taken, started)
             except NothingToMerge as e:
                 self.ctx.events.emit("merge_skipped", fragment=fragment, reason=str(e), rejected=e.rejected)
                 if self.mode == "decoupled":
@@ -672,6 +665,26 @@ def build_core(role: SyncerRole) -> SyncerCore:
         take_params=True,  # the seed model is ours alone (dropped on return)
         sparse_merge=manifest.outer_codec.codec == "topk",
     )
+
+
+async def computed(
+    role: SyncerRole, core: SyncerCore, fragment: int, taken: tuple[Any, int, int], started: float
+) -> PreparedMerge:
+    """`compute_merge` in a worker thread; the runs of zero-evidence contributions it found go to the learner
+    ledger whether it merged or not (a lone contribution at evidence factor 0 merges nothing)."""
+    round_, expected, required = taken
+    try:
+        return await asyncio.to_thread(
+            core.compute_merge,
+            fragment,
+            round_,
+            expected=expected,
+            required=required,
+            started_at=started,
+        )
+    finally:
+        for streak in core.take_zero_streaks():  # one violation each; repeated, they ban
+            role.service.ban(role.service.ledger.no_evidence(streak, time.time()))
 
 
 async def evaluate_global(role: SyncerRole) -> None:

@@ -300,7 +300,7 @@ class SyncerService:
             # refused before admission (a non-finite or malformed push): a violation of the learner's too; a
             # non-finite one bans at once (learner_ledger.SEVERITY)
             digest = error.digest if isinstance(error, RefusedFrame) else "-"
-            self._ban(self.ledger.record(remote, error.reason, str(error), digest, time.time()))
+            self.ban(self.ledger.record(remote, error.reason, str(error), digest, time.time()))
 
     def _answer(
         self, kind: Any, receiver: str, *, microbatch: int = 0, step: int = 0, **kwargs: Any
@@ -395,7 +395,7 @@ class SyncerService:
             return
         scores = {"loss_before": loss.before, "loss_after": loss.after} if loss is not None else {}
         digest = contribution_digest(params)
-        self._ban(self.ledger.record(remote, error.reason, str(error), digest, time.time(), scores))
+        self.ban(self.ledger.record(remote, error.reason, str(error), digest, time.time(), scores))
 
     def _open_push(self, frame: bytearray, remote: str) -> Any:
         try:
@@ -413,12 +413,12 @@ class SyncerService:
         if learner and admission.claim_violation is not None:
             reason, numbers = admission.claim_violation
             digest = contribution_digest(params)
-            self._ban(self.ledger.record(remote, CLAIM, reason, digest, time.time(), numbers))
+            self.ban(self.ledger.record(remote, CLAIM, reason, digest, time.time(), numbers))
         if admission.capped:
             self.role.strikes.record(remote, "counters capped")
         self.receipt_capped += admission.receipt_capped
 
-    def _ban(self, ban: LearnerBan | None) -> None:
+    def ban(self, ban: LearnerBan | None) -> None:
         if ban is not None:
             self.role.ban_outbox.append(ban_notice(ban, self.role.ctx.peer_id))
             self.role.ctx.events.emit(

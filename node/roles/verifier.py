@@ -15,7 +15,8 @@ The parts, most of them in node/pipeline/driver.py and verification/tap.py:
   it returns the tensor to use (possibly a replacement) or a `Drop`. `PassThroughTap` passes everything
   through; the verifier role plugs in `verification.tap.SentinelTap`. When the tap draws a spot check
   (`spot_check_due`), the driver recomputes the same request on a random other replica of the stage (a third
-  after a mismatch) without side effects (`EVAL_META`, `RECOMPUTE_GRAD_META` for gradients) and lets the tap
+  after a mismatch), disguised as an ordinary training request under a fresh id from `ids` (or, with
+  `disguised_spot_checks` off, marked `EVAL_META`, `RECOMPUTE_GRAD_META` for gradients) and lets the tap
   judge (`spot_check`): a convicted tensor is dropped, a flagged one that the recomputation cleared is used.
 * `ReceiptBook` counts verified tokens per stage replica and emits signed `TokenReceipt`s (format in
   `protocol.receipts`), sent to each replica on `stage.receipt` for its syncer contributions.
@@ -50,6 +51,7 @@ from node.config import component_config, run_sentinel_config
 from node.ml.data import Batch, BatchSampler, load_corpus, validation_batches
 from node.pipeline.accounting import DriverStats, HopError, MicrobatchAbandoned, MicrobatchOutcome
 from node.pipeline.driver import PipelineDriver
+from node.pipeline.ids import MicrobatchIds
 from node.pipeline.routing import (
     ReplicaInfo,
     ReplicaRouter,
@@ -104,6 +106,10 @@ class VerifierConfig:
     # publish what this verifier measured of each stage replica (a signed `measured` DHT record, every replica
     # refresh): placement and rebalancing trust it over the replicas' own announced throughputs
     publish_measured: bool = True
+    # Send spot-check recomputations as ordinary training requests under fresh microbatch ids, which a checker
+    # cannot tell from training traffic (docs/sentinel.md, "Disguised spot checks"); False: marked as checks
+    # (`eval` meta, the original's id), which a checker colluding with the checked replica can answer falsely.
+    disguised_spot_checks: bool = True
 
     def __post_init__(self) -> None:
         if self.microbatch_size < 1 or self.max_in_flight < 1 or self.eval_batches < 1 or self.history < 1:
@@ -184,9 +190,8 @@ class VerifierRole:
         self.driver: PipelineDriver | None = None
         self.tap: SentinelTap | None = None  # once running
         self.bans: BanWatcher | None = None  # once running
-        self._next_id = (
-            int(time.time() * 1000) << 16
-        )  # ids grow across restarts: stage ledgers never see a reuse
+        # training microbatches, evaluations and disguised spot checks all take their ids from this one counter
+        self.ids = MicrobatchIds.from_clock()
 
     # ---- life
 
@@ -217,6 +222,8 @@ class VerifierRole:
             tap=tap,
             banned=lambda: tap.banned() | bans.active(),
             rng=random.Random(ctx.peer_id),
+            ids=self.ids,
+            disguised_spot_checks=self.config.disguised_spot_checks,
         )
         self.driver.on_failure = self._on_failure
         self._transport = transport
@@ -326,8 +333,7 @@ class VerifierRole:
 
     async def _one(self, batch: Batch) -> MicrobatchOutcome:
         assert self.driver is not None
-        microbatch = self._next_id
-        self._next_id += 1
+        microbatch = self.ids.take()
         self.progress.microbatches_started += 1
         self.progress.in_flight[microbatch] = time.monotonic()
         self.driver.step = self.progress.sequences // self.manifest.inner.batch_size
@@ -374,8 +380,7 @@ class VerifierRole:
 
     async def _evaluate(self, held_out: list[Batch]) -> None:
         assert self.driver is not None
-        first_id = self._next_id
-        self._next_id += len(held_out)
+        first_id = self.ids.take(len(held_out))
         try:
             loss = await self.driver.evaluate(held_out, first_id)
         except MicrobatchAbandoned as e:
@@ -514,6 +519,8 @@ class VerifierRole:
             "bad_replies": stats.bad_replies,
             "double_applied": stats.double_applied,
             "maybe_applied_twice": stats.maybe_applied_twice,
+            "disguised_checks": stats.disguised_checks,
+            "duplicate_gradients": stats.duplicate_gradients,
             "applied_per_stage": {str(k): v for k, v in sorted(stats.applied_per_stage.items())},
             "val_loss": progress.val_history[-1]["loss"] if progress.val_history else None,
             "val_history": list(progress.val_history),

@@ -15,6 +15,7 @@ banned.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -140,14 +141,18 @@ def test_clean_run_bans_nobody() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_honest_shifts_ban_nobody_and_keep_every_stage() -> None:
+@pytest.mark.parametrize("disguised", [True, False])
+def test_honest_shifts_ban_nobody_and_keep_every_stage(disguised: bool) -> None:
     """The issue's honest shifts on the running pipeline: a learning-rate change (x8 on every replica for 50
     microbatches, as in benchmarks/sentinel_offline.py, then back) and a new merged version that moved far (every
     replica of every stage adopts the same weight jump, std 100 % of each tensor's RMS, on top of the regular
     averages). Both are real: the monitors flag them (the jump stage-wide: storms, re-warms) and the jump sets the
     held-out loss back; and nobody is banned and no stage loses a replica. (That cross-replica centring is what
     keeps such shifts from locking the verifier out: tests/unit/test_sentinel.py, with history-only fences as the
-    control.)"""
+    control.) With disguised spot checks (the default) and marked ones: a backward check is then a duplicated
+    microbatch on its checker (docs/sentinel.md, "Disguised spot checks"), which moves the run elsewhere; in
+    the disguised run of seed 1 the x8 learning rate raised no flag at all (the marked one: 1), so only the
+    jump is asserted visible there."""
     lr = HARNESS.lr
     seen: dict[str, tuple[int, int]] = {}
 
@@ -160,12 +165,14 @@ def test_honest_shifts_ban_nobody_and_keep_every_stage() -> None:
         300: lambda a: (note("before jump")(a), shift_weights(a, 1.0, seed=1)),
         350: note("after jump"),
     }
-    arm = build(attack=None, verify=True, seed=1)
+    config = dataclasses.replace(HARNESS, disguised_spot_checks=disguised)
+    arm = build_arm(config, attack=None, verify=True, seed=1, verifier=VERIFIER)
     result = drive(arm, 400, seed=1, eval_every=50, events=events)
     assert arm.tap.ban_log == [] and arm.watcher.active() == frozenset(), arm.tap.ban_log
     assert min(arm.min_usable_per_stage.values()) >= 2  # every stage kept all its replicas
     assert result["completed"] >= 400 * 0.85
-    for before, after in (("before lr", "after lr"), ("before jump", "after jump")):
+    shifts = (("before lr", "after lr"),) if not disguised else ()
+    for before, after in (*shifts, ("before jump", "after jump")):
         assert seen[after][0] > seen[before][0], seen  # flagged: the shift was visible to the monitors
     # the jump is stage-wide (storms, re-warms); on the Llama stages an x8 learning rate is flagged on some
     # replicas but not on a stage's majority at once (re-warms 1 -> 1 and 2 -> 2 seen; the jump 1 -> 4, 2 -> 5)

@@ -6,13 +6,17 @@ false-positive control), and with the weighting off the same noise holds its sha
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from node.diloco.evidence import EvidenceConfig, EvidenceWeight
+from node.diloco.evidence import NO_EVIDENCE, EvidenceConfig, EvidenceWeight, ZeroStreak, ZeroStreaks
+from node.diloco.learner_ledger import LearnerLedger
 from node.diloco.loss_probe import LossScore
-from node.diloco.screening import ScreeningConfig
+from node.diloco.merge import MergeResult
+from node.diloco.screening import ContributionScreen, ScreeningConfig
+from node.diloco.syncer_core import MergeRecord
 from tests.unit.test_loss_probe import Harness, Tensors, trained
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,7 +48,7 @@ def test_the_factor_ramps_from_zero_to_one_between_the_fractions_of_the_referenc
         "b": pytest.approx(0.5),
         "c": 1.0,
     }
-    assert weight.status() == {"scaled": 2, "zeroed": 1}
+    assert weight.status() == {"scaled": 2, "zeroed": 1, "scaled_steps": 0, "zero_streaks": 0}
 
 
 def test_the_cosine_can_only_raise_the_factor_of_a_scored_contribution() -> None:
@@ -127,3 +131,155 @@ def test_noise_at_an_honest_norm_earns_no_weight_once_warm_and_honest_learners_k
 def test_negative_control_with_the_weighting_off_the_noise_holds_its_share() -> None:
     shares = noise_shares(ScreeningConfig(evidence_weighting=False))
     assert all(noise_share > 0.2 for noise_share, _ in shares), shares  # an even share of 4 is 0.25
+
+
+def test_the_step_scale_is_the_largest_factor_among_the_weighted_peers() -> None:
+    weight = EvidenceWeight(EvidenceConfig(min_history=1))
+    assert weight.step_scale({"a": 0.2}, {"a": 5.0}) == 0.2  # alone: its own factor
+    assert weight.step_scale({"a": 0.2, "b": 0.6}, {"a": 1.0, "b": 1.0}) == 0.6
+    assert weight.step_scale({"a": 0.2}, {"a": 1.0, "b": 1.0}) == 1.0  # b not scored: factor 1, a full step
+    assert weight.step_scale({"a": 0.2, "b": 0.9}, {"a": 1.0, "b": 0.0}) == 0.2  # no weight: not in the round
+    assert weight.step_scale({"a": 0.0}, {"a": 1.0}) == 0.0  # nothing merges (NothingToMerge), not counted
+    assert weight.status()["scaled_steps"] == 3
+    off = EvidenceWeight(EvidenceConfig(scales_step=False))
+    assert off.step_scale({"a": 0.2}, {"a": 1.0}) == 1.0 and off.status()["scaled_steps"] == 0
+    assert ScreeningConfig(evidence_scales_step=False).evidence().scales_step is False
+
+
+def low_evidence(h: Harness, seed: int, honest_part: float = 0.1) -> Tensors:
+    """`honest_part` x an honest delta plus noise at the honest delta's norm: a little descent, mostly noise."""
+    base = h.c.fragment_tensors(0)
+    honest = trained(h.c, seed=seed)
+    drawn = noise(h, honest, seed=seed)
+    return {n: base[n] - (honest_part * (base[n] - honest[n]) + (base[n] - drawn[n])) for n in honest}
+
+
+def lone_round(
+    scales_step: bool, last: Callable[[Harness], Tensors], young_rounds: int = 16
+) -> tuple[MergeRecord, float]:
+    """Six honest rounds at K = 1 (the reference is warm), then a round of `last` alone: its record and how far it
+    moved the fragment (outer momentum 0: the move is outer_lr x the outer gradient)."""
+    h = Harness(ScreeningConfig(evidence_scales_step=scales_step, young_rounds=young_rounds))
+    for seed in range(6):
+        h.push("honest", trained(h.c, seed=seed))
+        assert h.c.merge_now(0, 1, h.now) is not None
+    before = h.c.fragment_tensors(0)
+    h.push("lone", last(h))
+    record = h.c.merge_now(0, 1, h.now)
+    assert record is not None
+    after = h.c.fragment_tensors(0)
+    return record, math.sqrt(sum(float((after[n] - before[n]).double().pow(2).sum()) for n in before))
+
+
+def test_a_lone_low_evidence_contribution_at_k1_moves_the_model_by_at_most_its_factor() -> None:
+    record, moved = lone_round(True, lambda h: low_evidence(h, seed=50))
+    factor = record.evidence["lone"][2]
+    assert factor is not None and 0.0 < factor < 0.5, record.evidence  # low, but not 0 (0 merges nothing)
+    # (the event rounds factors to 4 digits, the step scale to 6)
+    assert record.step_scale == pytest.approx(factor, abs=1e-4)
+    assert record.weights["lone"] == pytest.approx(record.step_scale, abs=1e-6)
+    # negative control: without the step scale the same contribution keeps the whole merge, a full step
+    control, full = lone_round(False, lambda h: low_evidence(h, seed=50))
+    assert (
+        control.evidence["lone"][2] == factor and control.weights["lone"] == 1.0 and control.step_scale == 1.0
+    )
+    assert moved <= (factor + 1e-4) * full and full > 0.5, (moved, full)
+
+
+def test_a_round_at_full_evidence_is_unchanged_bit_for_bit() -> None:
+    def take(scales_step: bool) -> tuple[MergeRecord, dict[str, torch.Tensor]]:
+        h = Harness(ScreeningConfig(evidence_scales_step=scales_step))
+        for seed in range(6):
+            h.push("honest", trained(h.c, seed=seed))
+            h.c.merge_now(0, 1, h.now)
+        h.push("honest", trained(h.c, seed=60))  # K = 2: one at full evidence, one low
+        h.push("low", low_evidence(h, seed=61, honest_part=0.2))
+        record = h.c.merge_now(0, 2, h.now)
+        assert record is not None
+        return record, h.c.fragment_tensors(0)
+
+    (on, after_on), (off, after_off) = take(True), take(False)
+    assert on.evidence["honest"][2] == 1.0 and 0.0 < (on.evidence["low"][2] or 0.0) < 1.0, on.evidence
+    assert on.step_scale == 1.0 and on.weights == off.weights
+    assert all(torch.equal(after_on[n], after_off[n]) for n in after_on)
+
+
+def test_a_run_of_zero_factors_is_one_streak_and_any_evidence_ends_it() -> None:
+    streaks = ZeroStreaks(3)
+    assert streaks.observe("a", 0.0, -0.1, None) is None and streaks.observe("a", 0.0, 0.01, 0.02) is None
+    assert streaks.observe("a", 0.4, 0.5, None) is None  # some evidence: the run starts over
+    assert [streaks.observe("a", 0.0, 0.0, None) for _ in range(2)] == [None, None]
+    done = streaks.observe("a", 0.0, -0.2, 0.03)
+    assert done is not None and done.peer == "a" and done.slopes == (0.0, 0.0, -0.2)
+    assert done.scores() == {"slope_0": 0.0, "slope_1": 0.0, "slope_2": -0.2, "cosine_2": 0.03}
+    assert streaks.observe("a", 0.0, 0.0, None) is None  # reported once: the next run starts from 0
+    off = ZeroStreaks(0)
+    assert all(off.observe("a", 0.0, 0.0, None) is None for _ in range(10))
+    with pytest.raises(ValueError):
+        ScreeningConfig(evidence_zero_violation_after=-1)
+
+
+def lone_noise_streaks(screening: ScreeningConfig, rounds: int = 10) -> tuple[list[ZeroStreak], int]:
+    """Six honest rounds at K = 1, then `rounds` of noise at an honest norm alone, then six honest ones again:
+    the streaks the merges reported, and the honest peer's among them."""
+    h = Harness(screening)
+    for seed in range(6):
+        h.push("honest", trained(h.c, seed=seed))
+        h.c.merge_now(0, 1, h.now)
+    for r in range(rounds):
+        h.push("noise", noise(h, trained(h.c, seed=100 + r), seed=r))
+        h.c.merge_now(0, 1, h.now)  # None when its factor is 0 (alone, nothing to merge)
+    for seed in range(4):
+        h.push("honest", trained(h.c, seed=200 + seed))
+        h.c.merge_now(0, 1, h.now)
+    streaks = h.c.take_zero_streaks()
+    return streaks, sum(1 for s in streaks if s.peer == "honest")
+
+
+def test_noise_alone_earns_ledger_violations_that_ban_and_honest_work_none() -> None:
+    streaks, honest = lone_noise_streaks(ScreeningConfig(evidence_zero_violation_after=5))
+    assert honest == 0 and len(streaks) >= 2, streaks  # 10 zeroed in a row: 2 runs of 5
+    assert all(len(s.slopes) == 5 and s.digest for s in streaks)
+    ledger = LearnerLedger(ban_after=2.0, forgive_half_life_s=600.0, ban_s=60.0)
+    bans = [ledger.no_evidence(s, 1.0) for s in streaks]
+    assert any(b is not None and b.offender == "noise" for b in bans)
+    assert ledger.status(1.0)["noise"]["refused_by_tag"] == {NO_EVIDENCE: len(streaks)}
+    assert "slope_4" in ledger.status(1.0)["noise"]["evidence"][-1]  # the run's slopes are the evidence
+    assert ledger.banned("noise", 2.0) is not None and ledger.banned("honest", 2.0) is None
+
+
+def test_negative_control_with_the_streak_off_noise_earns_no_violation() -> None:
+    assert lone_noise_streaks(ScreeningConfig(evidence_zero_violation_after=0)) == ([], 0)
+
+
+def test_the_step_scale_multiplies_the_seniority_caps_young_only_scale() -> None:
+    # young_rounds 2: the honest learner is senior after its 6 rounds, "lone" is young and alone in its round
+    record, _ = lone_round(True, lambda h: low_evidence(h, seed=50), young_rounds=2)
+    factor = record.evidence["lone"][2]
+    assert factor is not None and 0.0 < factor < 0.5, record.evidence
+    assert record.step_scale == pytest.approx(0.25 * factor, abs=1e-4)  # young_weight_cap x the factor
+    assert record.weights["lone"] == pytest.approx(record.step_scale, abs=1e-6)
+
+
+def test_a_scaled_step_moves_the_recent_direction_by_its_scale_and_a_full_one_as_before() -> None:
+    def direction_after(step_scale: float) -> torch.Tensor:
+        screen = ContributionScreen(ScreeningConfig(direction_decay=0.5))
+        for grad, scale in ((torch.tensor([1.0, 0.0]), 1.0), (torch.tensor([0.0, 3.0]), step_scale)):
+            result = MergeResult(
+                outer_grad={"w": grad * scale},
+                weights={"a": scale},
+                clipped={},
+                fallback_tensors=(),
+                rejected={},
+                delta_norms={"a": 1.0},
+                reason="",
+            )
+            screen.commit(0, screen.prepare_commit(0, result, step_scale=scale))
+        direction = screen.direction(0)
+        assert direction is not None
+        return direction["w"]
+
+    # decay 0.5: the first merge leaves [0.5, 0]; a full second one [0.25, 0.5] (the unit step's half)
+    assert torch.equal(direction_after(1.0), torch.tensor([0.25, 0.5]))
+    # scaled to 0.2, the second merge has 0.2 of that share: [0.5 x 0.9, 0.1]
+    assert torch.allclose(direction_after(0.2), torch.tensor([0.45, 0.1]))

@@ -8,16 +8,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 
 from benchmarks.poisoning import (
     ARMS,
     COPY_CHECK_OFF,
     EVIDENCE_OFF,
+    EVIDENCE_STEP_OFF,
+    SENIORITY_OFF,
     evidence_summary,
     headline,
     merged_with,
+    step_and_streaks,
     with_gaps,
 )
+from node.diloco.evidence import NO_EVIDENCE
 
 
 def arm(
@@ -94,3 +99,31 @@ def test_merge_keeps_the_other_arms_with_their_own_controls_gaps(tmp_path: Path)
 def test_merge_without_a_results_file_is_this_run(tmp_path: Path) -> None:
     new = {"clean": arm(1.0, attackers=0)}
     assert merged_with(tmp_path / "absent.json", new) == (new, [])
+
+
+def test_the_lone_noise_arms_negative_control_turns_only_the_step_scale_and_the_streak_off() -> None:
+    noise_k1 = ARMS["noise_k1"]
+    assert (noise_k1.attack, noise_k1.attackers, noise_k1.honest, noise_k1.control) == (
+        "noise",
+        1,
+        1,
+        "clean_k1",
+    )
+    assert noise_k1.undefended_screening == EVIDENCE_STEP_OFF
+    assert tomllib.loads(EVIDENCE_STEP_OFF) == {
+        "evidence_scales_step": False,
+        "evidence_zero_violation_after": 0,
+    }
+
+
+def test_step_and_streaks_counts_scaled_steps_and_each_sides_no_evidence_violations() -> None:
+    merges = [{"step_scale": 0.2}, {"step_scale": 1.0}, {}]  # an older syncer's event: a full step
+    learners = {"a": {"refused_by_tag": {NO_EVIDENCE: 2, "screen: norm": 1}}, "h": {"refused_by_tag": {}}}
+    summary = step_and_streaks(merges, learners, honest={"h", "h2"}, attackers={"a"})
+    assert summary == {"scaled_steps": 1, "no_evidence_violations": {"honest": 0, "attackers": 2}}
+
+
+def test_the_no_cap_lone_noise_arm_turns_the_seniority_cap_off_in_both_runs() -> None:
+    arm = ARMS["noise_k1_nocap"]
+    assert arm.screening == SENIORITY_OFF and tomllib.loads(SENIORITY_OFF) == {"young_weight_cap": 1.0}
+    assert arm.undefended_screening == EVIDENCE_STEP_OFF and arm.control == "clean_k1"
