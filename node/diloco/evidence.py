@@ -66,9 +66,8 @@ class EvidenceConfig:
     history: int = 32  # slopes kept per fragment (a count)
     min_history: int = 4  # slopes recorded before the factor applies
     scales_step: bool = True  # a round's outer gradient x the largest factor it merges (see `step_scale`)
-    zero_streak: int = (
-        10  # consecutive scored contributions at factor 0 that make a ledger violation (0: off)
-    )
+    # consecutive scored contributions at factor 0 that make a ledger violation (0: off)
+    zero_streak: int = 10
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.zero_fraction < self.full_fraction < math.inf:

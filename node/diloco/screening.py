@@ -380,8 +380,9 @@ class ContributionScreen:
         if length <= 0 or not math.isfinite(length):
             return ScreenUpdate(norms, None, scores, kept, agreed)
         previous, keep = self.direction(fragment), self.config.direction_decay
-        fresh = (1.0 - keep) * step_scale if step_scale < 1.0 else 1.0 - keep  # 1: exactly as before
-        keep = 1.0 - fresh if step_scale < 1.0 else keep
+        fresh = (1.0 - keep) * min(step_scale, 1.0)  # at scale 1: exactly as before
+        if step_scale < 1.0:
+            keep = 1.0 - fresh
         if self.spill is None:
             direction = {
                 n: g.detach().to(torch.float32) * (fresh / length)
