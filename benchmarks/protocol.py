@@ -70,6 +70,7 @@ import torch
 from hivemind.p2p import P2P
 
 from benchmarks.common import plot_path, write_result
+from benchmarks.paired import Block, Comparison, paired_share, schedule
 from protocol import codec, envelope
 from protocol.codec import TensorLimits
 from protocol.envelope import (
@@ -388,7 +389,13 @@ async def _receiver_process(key_path: Path, keep_freed: bool) -> AsyncIterator[d
             await child.wait()
 
 
-async def measure_wire(reps: int, *, separate: bool, keep_freed: bool) -> dict[int, dict[str, float]]:
+def blocks_for(mib: int, blocks: int) -> int:
+    """Blocks per comparison at one size: `blocks` for the sizes of the signing share, a tenth (at least 10) for
+    the 64 MiB throughput figure, whose calls take ~0.3 s each."""
+    return blocks if mib in SHARE_SIZES_MIB else max(10, blocks // 10)
+
+
+async def measure_wire(blocks: int, *, separate: bool, keep_freed: bool) -> dict[int, dict[str, Any]]:
     """The wire figures, with the receiver in this process (`separate` False: one event loop for both ends) or in a
     process of its own (then its crypto is switched per path over the `mode` route)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -414,7 +421,13 @@ async def measure_wire(reps: int, *, separate: bool, keep_freed: bool) -> dict[i
             meter.p2pd.append(_daemon_pid(client_p2p))
             return {
                 mib: await _measure_size(
-                    client_p2p, server_id, client_id, mib, reps, separate=separate, meter=meter
+                    client_p2p,
+                    server_id,
+                    client_id,
+                    mib,
+                    blocks_for(mib, blocks),
+                    separate=separate,
+                    meter=meter,
                 )
                 for mib in SIZES_MIB
             }
@@ -422,21 +435,19 @@ async def measure_wire(reps: int, *, separate: bool, keep_freed: bool) -> dict[i
 
 def _paths(
     call: Callable[[str, Any], Awaitable[bytes]], client_id: NodeIdentity, ctx: Context, tensor: torch.Tensor
-) -> tuple[dict[str, Callable[[], Awaitable[None]]], dict[str, list[float]]]:
-    """The round trips measured in turns, and the crypto time each signed one spends in the path."""
+) -> tuple[dict[str, Callable[[], Awaitable[None]]], list[float]]:
+    """The round trips compared, and the crypto time each `streamed_timed` one spends in the path (sender side;
+    the caller adds the receiver's)."""
     counter = iter(range(1 << 30))
-    in_path: dict[str, list[float]] = {"streamed": [], "sealed": []}
+    in_path: list[float] = []
 
     def frame(streamed: bool) -> Any:
         sealer = seal_streaming if streamed else seal
         return sealer(client_id, ctx, microbatch=next(counter), step=1, now=time.time(), tensor=tensor)
 
-    def signed(name: str) -> Callable[[], Awaitable[None]]:
+    def signed(streamed: bool) -> Callable[[], Awaitable[None]]:
         async def once() -> None:
-            clock = [0.0]
-            with crypto_timed(clock):
-                await call("signed", frame(name == "streamed"))
-            in_path[name].append(clock[0])
+            await call("signed", frame(streamed))
 
         return once
 
@@ -447,17 +458,60 @@ def _paths(
 
         return once
 
+    async def timed_once() -> None:
+        clock = [0.0]
+        with crypto_timed(clock):
+            await call("signed", frame(True))
+        in_path.append(clock[0])
+
     async def raw_once() -> None:
         await call("raw", codec.encode_tensor(tensor)[2])
 
     paths = {
         "transfer": raw_once,
-        "streamed": signed("streamed"),
+        "streamed": signed(True),
         "streamed_nocrypto": nocrypto(True),
-        "sealed": signed("sealed"),
+        "sealed": signed(False),
         "sealed_nocrypto": nocrypto(False),
+        "streamed_timed": timed_once,
     }
     return paths, in_path
+
+
+# The interleaved comparisons (see benchmarks.paired): arm a against arm b, A/B share = median over blocks a/b - 1.
+SIGNING = Comparison("signing", "streamed", "streamed_nocrypto")  # the headline
+AA = Comparison("aa", "streamed_nocrypto", "streamed_nocrypto")  # the control: nothing to find
+OLD_SIGNING = Comparison("old_signing", "sealed", "sealed_nocrypto")
+END_TO_END = Comparison("end_to_end", "streamed", "transfer")
+COMPARISONS = (SIGNING, AA, OLD_SIGNING, END_TO_END)
+WARMUP_ROUNDS = 3  # calls of every path before the schedule, not recorded
+IN_PATH_CALLS = 30  # `streamed_timed` calls after the schedule, for `crypto_in_path_share`
+CRYPTO_ALONE_SAMPLES = 20
+
+
+@dataclasses.dataclass
+class Runner:
+    """Runs one call of a path as every arm gets it: the receiver's crypto switched for the path first (outside the
+    timed span), then the round trip timed, with the CPU each group of processes spent meanwhile."""
+
+    paths: dict[str, Callable[[], Awaitable[None]]]
+    receiver_crypto: Callable[[bool], Awaitable[float]]
+    meter: CpuMeter
+    cpu: CpuTally = dataclasses.field(default_factory=CpuTally)
+
+    async def once(self, name: str) -> float:
+        await self.receiver_crypto(name.endswith("nocrypto"))
+        cpu_before = self.meter.read()
+        start = time.perf_counter()
+        await self.paths[name]()
+        elapsed = time.perf_counter() - start
+        self.cpu.add(name, {group: t - cpu_before[group] for group, t in self.meter.read().items()})
+        return elapsed
+
+    async def block(self, block: Block) -> tuple[float, float]:
+        """The block's two calls in its order; (arm a's time, arm b's time)."""
+        first, second = [await self.once(name) for name in block.order]
+        return (first, second) if block.a_first else (second, first)
 
 
 async def _measure_size(
@@ -465,12 +519,11 @@ async def _measure_size(
     server_id: NodeIdentity,
     client_id: NodeIdentity,
     mib: int,
-    reps: int,
+    blocks_each: int,
     *,
     separate: bool,
     meter: CpuMeter,
-) -> dict[str, float]:
-    reps = max(9, reps * 4 // (mib + 3))  # fewer repetitions for the big sizes
+) -> dict[str, Any]:
     tensor = torch.randn(mib * MIB // 4)
 
     async def call(name: str, frame: Any) -> bytes:
@@ -485,128 +538,110 @@ async def _measure_size(
         return float(struct.unpack(">d", await call("mode", b"off" if off else b"on"))[0])
 
     paths, in_path = _paths(call, client_id, _context(server_id.peer_id), tensor)
-    for name, once in paths.items():  # warm the connection and every path
-        await receiver_crypto(off=name.endswith("nocrypto"))
-        await once()
-    await receiver_crypto(off=False)
-    for clocks in in_path.values():
-        clocks.clear()
-    frame, payload = (
-        seal(client_id, _context(server_id.peer_id), microbatch=0, step=1, now=time.time(), tensor=tensor),
-        codec.tensor_bytes(tensor),
+    runner = Runner(paths, receiver_crypto, meter)
+    for _ in range(WARMUP_ROUNDS):  # the connection, every path and the allocator warmed; not recorded
+        for name in paths:
+            await runner.once(name)
+    runner.cpu, in_path[:] = CpuTally(), []
+    samples, failed = await _run_schedule(runner, mib, blocks_each)
+    for _ in range(IN_PATH_CALLS):  # the crypto's time inside the path, both ends
+        await runner.once("streamed_timed")
+        in_path[-1] += await receiver_crypto(False)
+    frame = seal(client_id, _context(server_id.peer_id), microbatch=0, step=1, now=time.time(), tensor=tensor)
+    alone = [
+        crypto_costs_s(client_id, frame, codec.tensor_bytes(tensor)) for _ in range(CRYPTO_ALONE_SAMPLES)
+    ]
+    crypto = {key: statistics.median(sample[key] for sample in alone) for key in alone[0]}
+    return (
+        _summary(mib, samples, statistics.median(in_path), crypto)
+        | runner.cpu.summary()
+        | {"failed_blocks": failed}
     )
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    crypto_samples, failed_turns, cpu = [], 0, CpuTally()
-    for _ in range(reps):  # in turns, so that every path sees the same background load
+
+
+async def _run_schedule(
+    runner: Runner, mib: int, blocks_each: int
+) -> tuple[dict[str, tuple[list[float], list[float]]], int]:
+    """Every comparison's blocks, interleaved at random (seeded by size); per comparison (arm a, arm b) times."""
+    samples: dict[str, tuple[list[float], list[float]]] = {c.name: ([], []) for c in COMPARISONS}
+    failed = 0
+    blocks = schedule(COMPARISONS, blocks_each, random.Random(f"protocol-{mib}"))
+    for block in blocks:
         try:
-            turn = await _turn(paths, in_path, receiver_crypto, meter)
-        # a stream the daemons dropped (seen on this shared box): the turn is not counted
+            a_s, b_s = await runner.block(block)
+        # a stream the daemons dropped (seen on this shared box): the block is not counted
         except ProtocolError as e:
-            failed_turns += 1
-            print(f"  {mib} MiB: a turn failed ({e!r}), not counted", file=sys.stderr)
-            if failed_turns > reps // 10:
+            failed += 1
+            print(f"  {mib} MiB: a block failed ({e!r}), not counted", file=sys.stderr)
+            if failed > len(blocks) // 10:
                 raise
             continue
-        for name, (elapsed, cpu_s) in turn.items():
-            times[name].append(elapsed)
-            cpu.add(name, cpu_s)
-        crypto_samples.append(crypto_costs_s(client_id, frame, payload))
-    crypto = {key: statistics.median(sample[key] for sample in crypto_samples) for key in crypto_samples[0]}
-    return _summary(mib, reps, times, in_path, crypto) | cpu.summary() | {"failed_turns": failed_turns}
-
-
-async def _turn(
-    paths: dict[str, Callable[[], Awaitable[None]]],
-    in_path: dict[str, list[float]],
-    receiver_crypto: Callable[[bool], Awaitable[float]],
-    meter: CpuMeter,
-) -> dict[str, tuple[float, dict[str, float]]]:
-    """One round trip on every path, in order; the wall time of each and the CPU time each group of processes
-    spent meanwhile."""
-    times = {}
-    for name, once in paths.items():
-        await receiver_crypto(name.endswith("nocrypto"))
-        cpu_before = meter.read()
-        start = time.perf_counter()
-        await once()
-        elapsed = time.perf_counter() - start
-        times[name] = elapsed, {group: t - cpu_before[group] for group, t in meter.read().items()}
-        if name in in_path:  # the receiver's share of this call's crypto time
-            in_path[name][-1] += await receiver_crypto(False)
-    return times
-
-
-def _share_interval(times: dict[str, list[float]], resamples: int = 2000) -> tuple[float, float]:
-    """A 95 % bootstrap interval of `signing_share` (turns resampled whole): how far the noise of this shared box
-    leaves the figure open."""
-    rng = random.Random(0)
-    turns = list(zip(times["transfer"], times["streamed"], times["streamed_nocrypto"], strict=True))
-    shares = []
-    for _ in range(resamples):
-        sample = rng.choices(turns, k=len(turns))
-        wall_s = statistics.median(s - n for _, s, n in sample)
-        shares.append(wall_s / statistics.median(t for t, _, _ in sample))
-    shares.sort()
-    return shares[int(0.025 * resamples)], shares[int(0.975 * resamples) - 1]
+        arm_a, arm_b = samples[block.comparison.name]
+        arm_a.append(a_s)
+        arm_b.append(b_s)
+    return samples, failed
 
 
 def _summary(
     mib: int,
-    reps: int,
-    times: dict[str, list[float]],
-    in_path: dict[str, list[float]],
+    samples: dict[str, tuple[list[float], list[float]]],
+    crypto_s: float,
     crypto: dict[str, float],
-) -> dict[str, float]:
-    median = {name: statistics.median(t) for name, t in times.items()}
+) -> dict[str, Any]:
+    shares = {name: paired_share(*arms) for name, arms in samples.items()}
+    by_path: dict[str, list[float]] = {}
+    for c in COMPARISONS:
+        for path, times in zip((c.a, c.b), samples[c.name], strict=True):
+            by_path.setdefault(path, []).extend(times)
+    median = {path: statistics.median(times) for path, times in by_path.items()}
     transfer_s = median["transfer"]
-    # Paired by turn: the load a turn saw cancels out of its difference (not out of its noise).
-    wall_s, old_wall_s = (
-        statistics.median(s - n for s, n in zip(times[name], times[f"{name}_nocrypto"], strict=True))
-        for name in ("streamed", "sealed")
-    )
-    crypto_s, old_crypto_s = (statistics.median(in_path[name]) for name in ("streamed", "sealed"))
-    low, high = _share_interval(times)
-    return {
-        "signing_share_ci95_low": low,
-        "signing_share_ci95_high": high,
-        "reps": reps,
-        "transfer_s": transfer_s,
-        **{f"{name}_transfer_s": median[name] for name in times if name != "transfer"},
+    figures: dict[str, Any] = {"blocks_per_comparison": shares["signing"].blocks, "transfer_s": transfer_s}
+    figures |= {f"{path}_transfer_s": t for path, t in median.items() if path != "transfer"}
+    for name, key in (("signing", "signing_share"), ("aa", "aa_share"), ("old_signing", "old_signing_share")):
+        s = shares[name]
+        figures |= {key: s.share, f"{key}_ci95_low": s.ci95_low, f"{key}_ci95_high": s.ci95_high}
+    e2e = shares["end_to_end"]
+    return figures | {
+        "crypto_wall_s": shares["signing"].median_diff_s,
+        "old_crypto_wall_s": shares["old_signing"].median_diff_s,
+        # the previous scale: the crypto's median paired difference over the plain (raw) transfer
+        "signing_share_of_raw_transfer": shares["signing"].median_diff_s / transfer_s,
         "throughput_mib_s": mib / transfer_s,
         "signed_throughput_mib_s": mib / median["streamed"],
-        "crypto_wall_s": wall_s,
-        "signing_share": wall_s / transfer_s,
-        "old_crypto_wall_s": old_wall_s,
-        "old_signing_share": old_wall_s / transfer_s,
         "crypto_s": crypto_s,
         "crypto_in_path_share": crypto_s / transfer_s,
-        "old_crypto_s": old_crypto_s,
-        "old_crypto_in_path_share": old_crypto_s / transfer_s,
         **crypto,
         "crypto_cpu_share": crypto["crypto_cpu_s"] / transfer_s,
-        "end_to_end_overhead": median["streamed"] / transfer_s - 1,
-        "old_end_to_end_overhead": median["sealed"] / transfer_s - 1,
+        "end_to_end_overhead": e2e.share,
+        "end_to_end_overhead_ci95_low": e2e.ci95_low,
+        "end_to_end_overhead_ci95_high": e2e.ci95_high,
     }
 
 
-def _wire_bars(ax: Any, wire: dict[int, dict[str, float]], title: str) -> None:
-    x = range(len(SIZES_MIB))
-    floor_ms = 1e-3  # the log axis needs a positive bar
+GOAL_SHARE = 0.03  # issue 20: signing adds < 3 % to the wall time of a 16 MiB transfer
+
+
+def _share_points(ax: Any, wire: dict[int, dict[str, Any]], title: str) -> None:
+    """Each share with its 95 % interval per size: the streaming path, the previous one and the A/A control."""
     series = (
-        ("transfer (unsigned)", "transfer_s", None),
-        ("crypto adds, previous (hash in seal, then send)", "old_crypto_wall_s", "old_signing_share"),
-        ("crypto adds, now (hashed while streaming)", "crypto_wall_s", "signing_share"),
+        ("signing, hashed while streaming", "signing_share"),
+        ("signing, previous (hash in seal, then send)", "old_signing_share"),
+        ("A/A control (crypto off vs crypto off)", "aa_share"),
     )
-    for k, (label, key, share_key) in enumerate(series):
-        xs = [i + (k - 1) * 0.27 for i in x]
-        heights = [max(wire[m][key] * 1e3, floor_ms) for m in SIZES_MIB]  # a negative difference: noise
-        ax.bar(xs, heights, 0.27, label=label)
-        if share_key is not None:
-            for xi, h, mib in zip(xs, heights, SIZES_MIB, strict=True):
-                ax.annotate(f"{wire[mib][share_key]:.1%}", (xi, h), ha="center", va="bottom", fontsize=7)
-    ax.set_yscale("log")
-    ax.set_xticks(list(x), [f"{mib} MiB" for mib in SIZES_MIB])
-    ax.set_ylabel("ms (median)")
+    for k, (label, key) in enumerate(series):
+        xs = [i + (k - 1) * 0.2 for i in range(len(SHARE_SIZES_MIB))]
+        points = [wire[mib][key] * 100 for mib in SHARE_SIZES_MIB]
+        low = [p - wire[mib][f"{key}_ci95_low"] * 100 for p, mib in zip(points, SHARE_SIZES_MIB, strict=True)]
+        high = [
+            wire[mib][f"{key}_ci95_high"] * 100 - p for p, mib in zip(points, SHARE_SIZES_MIB, strict=True)
+        ]
+        ax.errorbar(xs, points, yerr=[low, high], fmt="o", capsize=4, label=label)
+        for x, p in zip(xs, points, strict=True):
+            ax.annotate(f"{p:.1f}", (x, p), xytext=(4, 0), textcoords="offset points", fontsize=7)
+    ax.axhline(GOAL_SHARE * 100, color="red", linestyle="--", linewidth=1, label="goal: < 3 %")
+    ax.axhline(0, color="grey", linewidth=0.5)
+    ax.set_xticks(range(len(SHARE_SIZES_MIB)), [f"{mib} MiB" for mib in SHARE_SIZES_MIB])
+    ax.set_ylabel("wall time added, % (median of paired ratios, 95 % CI)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7)
 
@@ -619,19 +654,19 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
 
     default = runs["default_malloc"]
     codec_default = default["codec"]
-    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(17, 4.4))
-    _wire_bars(
-        ax0, default["wire_separate"], "Signing vs loopback transfer (p2pd), sender and receiver processes"
-    )
-    _wire_bars(ax1, default["wire"], "The same, both ends on one event loop (one process)")
+    layouts = [("wire_separate", "sender and receiver processes"), ("wire", "both ends on one event loop")]
+    layouts = [(where, label) for where, label in layouts if where in default]
+    fig, axes = plt.subplots(1, len(layouts) + 1, figsize=(6 * (len(layouts) + 1), 4.6))
+    for ax, (where, label) in zip(axes, layouts, strict=False):
+        _share_points(ax, default[where], f"Signing share over a loopback transfer (p2pd), {label}")
     bars = {"tensor.clone()": codec_default["clone_mib_s"], "codec round trip": codec_default["codec_mib_s"]}
     if "keep_freed_memory" in runs:
         bars["codec round trip,\nglibc keeps freed memory"] = runs["keep_freed_memory"]["codec"][
             "codec_mib_s"
         ]
-    ax2.bar(list(bars), list(bars.values()))
-    ax2.set_ylabel("MiB/s (16 MiB float32)")
-    ax2.set_title(
+    axes[-1].bar(list(bars), list(bars.values()))
+    axes[-1].set_ylabel("MiB/s (16 MiB float32)")
+    axes[-1].set_title(
         f"Codec at {codec_default['codec_vs_clone']:.2f}x clone throughput (default malloc)", fontsize=10
     )
     fig.tight_layout()
@@ -639,70 +674,88 @@ def plot(runs: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def measure(reps: int, *, keep_freed: bool) -> dict[str, Any]:
-    return {
-        "wire_separate": asyncio.run(measure_wire(reps, separate=True, keep_freed=keep_freed)),
-        "wire": asyncio.run(measure_wire(reps, separate=False, keep_freed=keep_freed)),
-        "codec": codec_vs_clone(16 * MIB, reps=max(9, reps)),
-    }
+def measure(blocks: int, *, keep_freed: bool, one_process: bool) -> dict[str, Any]:
+    run = {"wire_separate": asyncio.run(measure_wire(blocks, separate=True, keep_freed=keep_freed))}
+    if one_process:
+        run["wire"] = asyncio.run(measure_wire(blocks, separate=False, keep_freed=keep_freed))
+    return run | {"codec": codec_vs_clone(16 * MIB, reps=100)}
 
 
 DEFINITIONS = {
-    "signing_share": "median per turn of (streaming signed round trip - the same with digests, signature and "
-    "verification off) / median unsigned transfer round trip: the wall time the crypto adds",
-    "old_signing_share": "the same for the previous path (seal hashes the payload before it is sent), "
-    "measured in the same turns",
+    "method": "per size, blocks of two adjacent round trips (arm a, arm b) in a balanced, shuffled order (a first "
+    "in half the blocks), the blocks of all comparisons interleaved at random; 3 warm-up calls of every path "
+    "discarded; a share is the median over blocks of a/b - 1, its interval a 95 % percentile bootstrap over blocks",
+    "signing_share": "a = streaming signed round trip, b = the same path with every digest, signature and "
+    "verification off: the wall time the crypto adds to the transfer without it",
+    "aa_share": "the A/A control: a and b both the crypto-off path, same procedure; what the method reports when "
+    "there is nothing to find (its bias and noise)",
+    "old_signing_share": "the same as signing_share for the previous path (seal hashes the payload before it is sent)",
+    "signing_share_of_raw_transfer": "median paired difference (signed - crypto off) / median plain transfer "
+    "round trip (tensor bytes, no header, no checks): the previous runs' scale",
+    "signing_goal_met": "the upper end of the 95 % interval of signing_share at 16 MiB (separate processes) < 3 %",
     "crypto_in_path_share": "median time inside the crypto calls of a streaming signed round trip (BLAKE3 on "
-    "both ends, sign, verify; no credit for overlap) / median unsigned transfer round trip",
+    "both ends, sign, verify; no credit for overlap; 30 calls after the schedule) / median plain transfer",
     "crypto_cpu_share": "(sign + verify + one-pass BLAKE3 digest of the payload twice, each timed alone) / "
-    "median unsigned transfer round trip",
-    "end_to_end_overhead": "median signed round trip (seal+call+open) / median unsigned round trip - 1",
+    "median plain transfer round trip",
+    "end_to_end_overhead": "a = streaming signed round trip (seal+call+open), b = plain transfer round trip",
     "codec_vs_clone": "clone time / codec round-trip time (encode + checked decode) for 16 MiB float32",
     "wire_separate": "sender and receiver in processes of their own (the headline); wire: both in one process",
 }
 
 
-def _headline(runs: dict[str, dict[str, Any]]) -> dict[str, float]:
+def _headline(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     run = runs["default_malloc"]
-    headline: dict[str, float] = {}
-    for prefix, wire in (("", run["wire_separate"]), ("one_process_", run["wire"])):
-        for key in ("signing_share", "old_signing_share"):
-            headline |= {f"{prefix}{key}_{mib}mib": round(wire[mib][key], 4) for mib in SHARE_SIZES_MIB}
+    headline: dict[str, Any] = {}
+    for prefix, where in (("", "wire_separate"), ("one_process_", "wire")):
+        for key in ("signing_share", "aa_share", "old_signing_share") if where in run else ():
+            for mib in SHARE_SIZES_MIB:
+                f = run[where][mib]
+                headline[f"{prefix}{key}_{mib}mib"] = round(f[key], 4)
+                headline[f"{prefix}{key}_{mib}mib_ci95"] = [
+                    round(f[f"{key}_ci95_{e}"], 4) for e in ("low", "high")
+                ]
+    headline["signing_goal_met"] = bool(run["wire_separate"][16]["signing_share_ci95_high"] < GOAL_SHARE)
     headline["codec_vs_clone"] = round(run["codec"]["codec_vs_clone"], 3)
     return headline
 
 
-def _print(headline: dict[str, float], runs: dict[str, dict[str, Any]]) -> None:
+def _print(headline: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
     for key, value in headline.items():
         print(f"  {key}: {value}")
     for mode, run in runs.items():
         print(f"  {mode}: codec_vs_clone {run['codec']['codec_vs_clone']:.3f}")
-        for where in ("wire_separate", "wire"):
+        for where in ("wire_separate", "wire") if "wire" in run else ("wire_separate",):
             print(f"   {where}")
             for mib, f in run[where].items():
                 print(
-                    f"    {mib:>2} MiB: transfer {f['transfer_s'] * 1e3:7.1f} ms ({f['throughput_mib_s']:.0f} MiB/s), "
-                    f"crypto adds {f['crypto_wall_s'] * 1e3:5.2f} ms ({f['signing_share']:.2%}; "
-                    f"old path {f['old_signing_share']:.2%}; in path {f['crypto_in_path_share']:.2%}, "
-                    f"old {f['old_crypto_in_path_share']:.2%}; alone {f['crypto_cpu_share']:.2%}), "
-                    f"end-to-end overhead {f['end_to_end_overhead']:+.1%}; share 95% interval "
-                    f"[{f['signing_share_ci95_low']:.2%}, {f['signing_share_ci95_high']:.2%}]; CPU per call (python, p2pd) "
-                    f"transfer {f['cpu_transfer_python_s'] * 1e3:.1f}, {f['cpu_transfer_p2pd_s'] * 1e3:.1f} ms, "
-                    f"signed {f['cpu_streamed_python_s'] * 1e3:.1f}, {f['cpu_streamed_p2pd_s'] * 1e3:.1f} ms, "
-                    f"crypto off {f['cpu_streamed_nocrypto_python_s'] * 1e3:.1f}, "
-                    f"{f['cpu_streamed_nocrypto_p2pd_s'] * 1e3:.1f} ms"
+                    f"    {mib:>2} MiB: plain transfer {f['transfer_s'] * 1e3:6.1f} ms, crypto off "
+                    f"{f['streamed_nocrypto_transfer_s'] * 1e3:6.1f} ms; signing "
+                    f"{_ci(f, 'signing_share')}, A/A {_ci(f, 'aa_share')}, old path {_ci(f, 'old_signing_share')}, "
+                    f"in path {f['crypto_in_path_share']:.1%}, alone {f['crypto_cpu_share']:.1%}, end to end "
+                    f"{_ci(f, 'end_to_end_overhead')}; CPU per call (python, p2pd) signed "
+                    f"{f['cpu_streamed_python_s'] * 1e3:.1f}, {f['cpu_streamed_p2pd_s'] * 1e3:.1f} ms, crypto off "
+                    f"{f['cpu_streamed_nocrypto_python_s'] * 1e3:.1f}, {f['cpu_streamed_nocrypto_p2pd_s'] * 1e3:.1f} ms"
                 )
+
+
+def _ci(figures: dict[str, Any], key: str) -> str:
+    return f"{figures[key]:+.2%} [{figures[f'{key}_ci95_low']:+.2%}, {figures[f'{key}_ci95_high']:+.2%}]"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--reps", type=int, default=100, help="repetitions of a 1 MiB transfer (fewer for larger)"
+        "--blocks", type=int, default=100, help="blocks per comparison at 1, 4 and 16 MiB (a tenth at 64 MiB)"
     )
     parser.add_argument(
         "--default-malloc-only",
         action="store_true",
         help="skip the second pass with glibc keeping freed memory",
+    )
+    parser.add_argument(
+        "--separate-only",
+        action="store_true",
+        help="skip the one-process layout (both ends on one event loop)",
     )
     parser.add_argument("--serve", metavar="KEY", help=argparse.SUPPRESS)  # the receiver process
     parser.add_argument("--keep-freed-memory", action="store_true", help=argparse.SUPPRESS)
@@ -716,22 +769,21 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve_receiver(args.serve))
         return 0
     load_before = os.getloadavg()[0]
-    runs = {"default_malloc": measure(args.reps, keep_freed=False)}
+    one_process = not args.separate_only
+    runs = {"default_malloc": measure(args.blocks, keep_freed=False, one_process=one_process)}
     if not args.default_malloc_only and keep_freed_memory():
-        runs["keep_freed_memory"] = measure(args.reps, keep_freed=True)
+        runs["keep_freed_memory"] = measure(args.blocks, keep_freed=True, one_process=one_process)
     headline = _headline(runs)
     detail = {
         # other processes share these 2 cores: read the figures with the load around them
         "load_average_1min": os.getloadavg()[0],
         "load_average_1min_at_start": load_before,
+        "command": "python -m benchmarks.protocol " + " ".join(sys.argv[1:] if argv is None else argv),
         "definitions": DEFINITIONS,
         "runs": {
             mode: {
-                **{
-                    where: {f"{mib}mib": f for mib, f in run[where].items()}
-                    for where in ("wire_separate", "wire")
-                },
-                "codec": run["codec"],
+                where: ({f"{mib}mib": f for mib, f in figures.items()} if where != "codec" else figures)
+                for where, figures in run.items()
             }
             for mode, run in runs.items()
         },
