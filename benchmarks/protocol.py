@@ -1,50 +1,59 @@
 """Cost of the signed wire protocol next to the transfer it protects, and of the tensor codec next to a clone.
 
 Two hivemind P2P daemons on loopback, a sender and a receiver; requests go through our bounded framed streams
-(`protocol.rpc`, raw libp2p streams through p2pd). For 1, 4 and 16 MiB float32 activations (plus 64 MiB for
-throughput), sampled in turns so that every path sees the same background load, it measures:
+(`protocol.rpc`, raw libp2p streams through p2pd), for 1, 4 and 16 MiB float32 activations (plus 64 MiB for
+throughput).
 
-- `transfer_s`: the median round trip of a plain (unsigned) payload of that size (tensor to bytes, call, frombuffer)
-  to a handler that answers 32 bytes;
-- `signing_share` (the headline, goal < 3 %): the wall time the crypto adds to the streaming path
-  (`seal_streaming`: payload sent first straight from the tensor and hashed piece by piece as it is written, head
-  signed and sent last; the receiver hashes each chunk as it lands), as the median over turns of (signed round trip -
-  the same path with every digest, signature and verification switched off, see `crypto_off`) / `transfer_s`, with
-  a 95 % bootstrap interval over turns (`signing_share_ci95_low`/`_high`): the noise of this shared box;
-- `old_signing_share`: the same for the previous path, measured in the same turns: `seal` copies the tensor into the
-  frame and hashes it before a byte is sent, then the frame streams (the receiver side is the same);
-- `crypto_in_path_share` / `old_crypto_in_path_share`: the time spent inside the crypto calls of both ends (every
-  BLAKE3 update and digest, the signature, the verification; see `crypto_timed`) / `transfer_s`, with no credit for
-  overlap: the CPU the crypto costs, whether or not it hides behind the transfer (the headline before streaming);
-- `crypto_cpu_share`: the crypto steps timed alone (2 x one-pass digest of the payload + one signature + one
-  verification) / `transfer_s`;
-- `end_to_end_overhead` = median(signed, streaming) / median(transfer) - 1: crypto plus header and finite check
-  (`old_end_to_end_overhead`: the previous path, which also copies the tensor into the frame).
+Method (`benchmarks.paired`): this 2-core box is shared, its load drifts by more than the few percent to resolve,
+and a fixed order of paths (signed always right before crypto-off, as the previous turns ran them) turns the
+carry-over between adjacent calls into a bias (two runs of the same code gave +1.3 % and -3.1 % at 16 MiB). So
+every figure is a comparison of two arms, run as many blocks of two adjacent round trips, arm a first in exactly
+half the blocks, the blocks of all comparisons shuffled together (seeded), after 3 discarded warm-up calls of
+every path. A share is the median over blocks of (arm a / arm b - 1), with a 95 % percentile bootstrap interval
+over blocks. Each call is prepared the same way whatever its arm (the receiver's crypto switched for it over the
+`mode` route, outside the timed span). The comparisons:
 
-Every figure is measured twice, in two layouts:
+- `signing_share` (the headline, goal: < 3 % at 16 MiB, `signing_goal_met` = the interval's upper end < 3 %):
+  a = the streaming signed round trip (`seal_streaming`: payload sent first straight from the tensor and hashed
+  piece by piece as it is written, head signed and sent last; the receiver hashes each chunk as it lands), b = the
+  same path with every digest, signature and verification switched off (`crypto_off`): the wall time the crypto
+  adds to the transfer without it;
+- `aa_share`: the A/A control, a and b both the crypto-off path, the same procedure: what the method reports when
+  there is nothing to find (its bias, and its noise as the interval's width);
+- `old_signing_share`: the same as `signing_share` for the previous path (`seal` copies the tensor into the frame
+  and hashes it before a byte is sent);
+- `end_to_end_overhead`: a = the streaming signed round trip, b = a plain payload of that size (tensor to bytes,
+  call, frombuffer, to a handler that answers 32 bytes; its median is `transfer_s`): crypto plus header and
+  finite check.
+
+Beside them: `signing_share_of_raw_transfer` (the median paired difference over `transfer_s`, the previous runs'
+scale), `crypto_in_path_share` (time inside both ends' crypto calls, no credit for overlap, see `crypto_timed`; 30
+calls after the schedule), `crypto_cpu_share` (2 x one-pass digest + one signature + one verification, timed
+alone), and the CPU each group of processes spends per call (`cpu_*`, from /proc in 10 ms ticks: means only).
+
+Every figure is measured in two layouts:
 
 - `wire_separate` (the headline): the receiver runs in a process of its own (`serve_receiver`, started by this one),
   as on a real pair of nodes. Each end then has its own event loop, GIL and hashing thread, so one end's hashing
-  overlaps the other end's I/O as it does between two machines; the sender switches the receiver's crypto per path
-  over a `mode` route (`ReceiverCrypto`), outside the timed call, and that answer carries the receiver's time in
-  crypto calls for `crypto_in_path_share`.
-- `wire` (secondary, the figure before): both ends in this process, on one event loop thread and one hashing
-  thread, so both ends' hashing serializes with all the I/O, which no real transfer does.
+  overlaps the other end's I/O as it does between two machines; the sender switches the receiver's crypto per call
+  over a `mode` route (`ReceiverCrypto`), outside the timed call.
+- `wire` (secondary; `--separate-only` skips it): both ends in this process, on one event loop thread and one
+  hashing thread, so both ends' hashing serializes with all the I/O, which no real transfer does.
 
-Both layouts still share this machine's 2 cores with two p2pd daemons and other work: the crypto can hide behind
-the transfer only where a core is idle, so read the figures with the load average recorded beside them. A turn in
-which the daemons dropped a stream is not counted (`failed_turns`; the run stops past a tenth of the turns).
+Both layouts still share this machine's 2 cores with two p2pd daemons: the crypto can hide behind the transfer only
+where a core is idle, so read the figures with the load average recorded beside them. A block in which the daemons
+dropped a stream is not counted (`failed_blocks`; the run stops past a tenth of the blocks).
 
 Codec: `codec_vs_clone` = throughput of the codec round trip (tensor -> wire bytes -> checked tensor, i.e. two copies
 and a finite-value scan) divided by the throughput of `tensor.clone()` of the same 16 MiB tensor (one copy).
 
-Everything is measured again under two allocators: with glibc's default allocator (the headline: what a node gets today), then after
-`mallopt` tells glibc to keep freed memory (see `keep_freed_memory`), which removes the page faults of fresh
-multi-MiB buffers that otherwise dominate the codec and part of the signed path.
+Everything is measured again under two allocators unless `--default-malloc-only`: with glibc's default allocator
+(the headline: what a node gets today), then after `mallopt` tells glibc to keep freed memory (see
+`keep_freed_memory`), which removes the page faults of fresh multi-MiB buffers.
 
 Torch runs with one intra-op thread (see `main`). BLAKE3 hashes on one thread on the stream and in `seal` (pieces hot
 in cache), and with its own threads from 1 MiB in the timed-alone digest.
-Run: `python -m benchmarks.protocol [--reps N] [--default-malloc-only]`.
+Run: `python -m benchmarks.protocol [--blocks N] [--default-malloc-only] [--separate-only]`.
 """
 
 from __future__ import annotations
