@@ -50,6 +50,21 @@ def _values(current: dict[str, torch.Tensor], seed: int) -> Iterator[memoryview]
             yield values.numpy().data.cast("B")
 
 
+def _framed(pieces: Iterator[memoryview]) -> Iterator[bytes]:
+    """Chunk headers and chunks of `CHUNK_BYTES` (the last shorter) over the frame's bytes. A function, not a method:
+    the route stops reading after the last chunk, so the generator stays suspended, and a method's generator would
+    hold its stream in a reference cycle (the last 4 MiB piece kept until the cycle collector ran: measured, 4 MiB
+    more resident per push)."""
+    buffer = bytearray()
+    for piece in pieces:
+        buffer += piece
+        while len(buffer) >= CHUNK_BYTES:
+            yield CHUNK_BYTES.to_bytes(4, "big") + bytes(buffer[:CHUNK_BYTES])
+            del buffer[:CHUNK_BYTES]
+    if buffer:
+        yield len(buffer).to_bytes(4, "big") + bytes(buffer)
+
+
 class PushStream:
     """The wire bytes of one signed synthetic push (preamble, then chunks of `CHUNK_BYTES`), made as they are read:
     a stream reader for the route's server (`readexactly`), holding a chunk at a time."""
@@ -81,18 +96,7 @@ class PushStream:
         head = encode_frame(learner, header, [])
         total = len(head) + sum(4 * t.numel() for t in current.values())
         self._pending = bytearray(encode_preamble(Status.REQUEST, total, CHUNK_BYTES))
-        self._chunks = self._framed(itertools.chain([memoryview(head)], _values(current, self.seed)))
-
-    def _framed(self, pieces: Iterator[memoryview]) -> Iterator[bytes]:
-        """Chunk headers and chunks of `CHUNK_BYTES` (the last shorter) over the frame's bytes."""
-        buffer = bytearray()
-        for piece in pieces:
-            buffer += piece
-            while len(buffer) >= CHUNK_BYTES:
-                yield CHUNK_BYTES.to_bytes(4, "big") + bytes(buffer[:CHUNK_BYTES])
-                del buffer[:CHUNK_BYTES]
-        if buffer:
-            yield len(buffer).to_bytes(4, "big") + bytes(buffer)
+        self._chunks = _framed(itertools.chain([memoryview(head)], _values(current, self.seed)))
 
     async def readexactly(self, n: int) -> bytes:
         while len(self._pending) < n:
