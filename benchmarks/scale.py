@@ -10,10 +10,13 @@ Each measured party is a child process of its own (spawned), and reports its pea
   on its own hivemind P2P daemon; a learner process trains the model (AdamW, short synthetic sequences) under the
   real `FragmentSync` over `FramedSyncTransport` until every fragment was pushed, merged and applied back; then a
   late joiner process downloads every fragment (`FragmentSync.join_global`), timed.
-* `core_1b` (llama-1b, no network): a `SyncerCore` merges every fragment from two synthetic contributions each
-  (the learner's params plus noise), screening on (the loss probe off: two 1B forwards per contribution on this
-  CPU take minutes), and takes its checkpoint snapshot. It runs only when the machine has the memory free (else
-  the JSON says why it was skipped).
+* `core_1b` (llama-1b, no network daemon): a `SyncerCore` merges every fragment from two synthetic contributions
+  each (the learner's params plus noise), screening on (the loss probe off: two 1B forwards per contribution on this
+  CPU take minutes), and takes its checkpoint snapshot. Each contribution goes through the syncer's real push route
+  (benchmarks.push_route: the route's stream server reads the signed frame, generated a chunk at a time as it is
+  read, into a spill file, `SyncerService` opens and accepts it; `push_path` "route"); `--push-in-memory` and
+  `--push-on-disk` hand a push built in memory or in a spill file to `SyncerCore.accept` instead. It runs only when
+  the machine has the memory free (else the JSON says why it was skipped).
 * `stage_1b`: the parameter bytes of the largest pipeline stage of llama-1b (counted on the meta device).
 
 The syncer's goal is peak RSS <= model bytes + 2 fragments; `syncer_rss_ratio_*` is peak / (model bytes + 2 x the
@@ -599,14 +602,15 @@ def probe_score(scorer: Any, core: Any, fragment: int, params: dict[str, Any]) -
 
 
 def push_and_accept(
-    core: Any, scorer: Any, fragment: int, peer: int, gen: Any, meter: PhasePeaks, on_disk: bool = False
+    core: Any, scorer: Any, fragment: int, peer: int, gen: Any, meter: PhasePeaks, push: str = "memory"
 ) -> str | None:
     """One synthetic contribution built (and scored by the probe, when on: phase `push`) and accepted by the core
-    (phase `accept`); the refusal's reason, if refused. `on_disk`: built into a spill file (`synthetic_on_disk`)."""
+    (phase `accept`); the refusal's reason, if refused. `push` "disk": built into a spill file
+    (`synthetic_on_disk`); "memory": in memory (`synthetic`). ("route" goes through `RoutePusher`.)"""
     from node.diloco.spill import release_freed_memory
     from node.diloco.syncer_core import Refusal
 
-    params = synthetic_on_disk(core, fragment, gen) if on_disk else synthetic(core, fragment, gen)
+    params = synthetic_on_disk(core, fragment, gen) if push == "disk" else synthetic(core, fragment, gen)
     score = probe_score(scorer, core, fragment, params)
     meter.end("push")
     try:
@@ -623,8 +627,52 @@ def push_and_accept(
     return None
 
 
+class RoutePusher:
+    """Synthetic pushes through the syncer's real push route (benchmarks.push_route): the stream is read into a
+    file of the core's spill directory, opened and accepted by `SyncerService` as a learner's push over the network.
+    Phase `push`: until the route's handler starts (the frame generated and received into its file); `accept`: the
+    route (open, screen, accept) and its answer."""
+
+    def __init__(self, run: Any, core: Any, scorer: Any, meter: PhasePeaks) -> None:
+        from benchmarks.push_route import push_route
+        from node.roles.syncer_rpc import SyncerService
+        from protocol.identity import NodeIdentity
+
+        self.loop = asyncio.new_event_loop()
+        self.host = Host(run, NodeIdentity.generate(), core, scorer)
+        self.service = SyncerService(self.host)  # type: ignore[arg-type]
+        handle = self.service._handle_push
+
+        async def timed(frame: Any, remote: str) -> bytes:
+            meter.end("push")
+            return await handle(frame, remote)
+
+        self.service._handle_push = timed  # type: ignore[method-assign]
+        self.handler = self.loop.run_until_complete(push_route(self.service))
+        self.learners: dict[int, Any] = {}
+        self.meter, self.files = meter, 0
+
+    def push(self, fragment: int, peer: int) -> str | None:
+        from benchmarks.push_route import PushStream, send_push
+        from protocol.identity import NodeIdentity
+
+        learner = self.learners.setdefault(peer, NodeIdentity.generate())
+        current = self.host.core.fragment_tensors(fragment)
+        stream = PushStream(learner, self.host.ctx.peer_id, RUN_ID, current, fragment)
+        del current
+        reason = self.loop.run_until_complete(send_push(self.handler, learner, stream))
+        self.meter.end("accept")
+        entry = self.host.core.rounds.get(fragment)
+        held = entry.entries.get(learner.peer_id) if entry is not None else None
+        self.files += held is not None and getattr(held.contribution.params, "key", "").startswith(".frame-")
+        return reason
+
+    def close(self) -> None:
+        self.loop.close()
+
+
 def core_round(
-    preset: str, contributors: int, probe: bool, num_fragments: int = 4, push_on_disk: bool = False
+    preset: str, contributors: int, probe: bool, num_fragments: int = 4, push: str = "memory"
 ) -> dict[str, Any]:
     """A syncer core merging every fragment of `preset` from synthetic contributions, each scored by the held-out
     loss probe first (`probe`), in this process; then a checkpoint written from its snapshot. Peak RSS after
@@ -650,11 +698,14 @@ def core_round(
     setup_peak, started, merged, refused = peak_rss_bytes(), time.perf_counter(), 0, []
     meter = PhasePeaks()  # resets the high-water mark: peaks from here are the meter's
     gen = torch.Generator().manual_seed(0)
+    route = RoutePusher(run, core, scorer, meter) if push == "route" else None
     for fragment in range(core.plan.num_fragments):
         for peer in range(contributors):
-            if (
-                reason := push_and_accept(core, scorer, fragment, peer, gen, meter, push_on_disk)
-            ) is not None:
+            if route is not None:
+                reason = route.push(fragment, peer)
+            else:
+                reason = push_and_accept(core, scorer, fragment, peer, gen, meter, push)
+            if reason is not None:
                 refused.append(reason)
         merged += core.merge_now(fragment, contributors, time.monotonic() + 60.0) is not None
         meter.end("merge")
@@ -665,7 +716,11 @@ def core_round(
         checkpoint_s = time.perf_counter() - saved
     meter.end("checkpoint")
     spill.cleanup()
+    if route is not None:
+        route.close()
     return {
+        "push_path": push,  # memory | disk (built into a spill file) | route (received by the push route)
+        "pushes_held_as_received": route.files if route is not None else None,
         "process_rss": process_rss,
         "setup_peak_rss": setup_peak,
         "round_peak_rss": round_peak,
@@ -691,12 +746,12 @@ def run_core(
     probe: bool,
     timeout_s: float,
     num_fragments: int = 4,
-    push_on_disk: bool = False,
+    push: str = "memory",
 ) -> dict[str, Any]:
     """`core_round` in a child process, killed if the machine runs short of memory (other work shares it)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    extra = (contributors, probe, num_fragments, push_on_disk)
+    extra = (contributors, probe, num_fragments, push)
     child = ctx.Process(target=_child, args=("core", preset, queue, extra))
     child.start()
     deadline, lowest, reached = time.monotonic() + timeout_s, available_bytes(), 0
@@ -763,7 +818,8 @@ def part_1b(args: argparse.Namespace, fragments: int = FRAGMENTS_1B) -> dict[str
         return {**out, "skipped": "quick mode: llama-124m only"}
     if free < need:
         return {**out, "skipped": f"{free / GiB:.1f} GiB available < {need / GiB:.1f} GiB needed"}
-    out.update(run_core("llama-1b", 2, False, timeout_s=3000, num_fragments=fragments))
+    push = args.push or "route"  # through the syncer's push route (received into a spill file), as deployed
+    out.update(run_core("llama-1b", 2, False, timeout_s=3000, num_fragments=fragments, push=push))
     return out
 
 
@@ -922,8 +978,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-1b", action="store_true", help="rerun the 1B part into the existing JSON")
     parser.add_argument(
         "--push-on-disk",
-        action="store_true",
-        help="with --core: each push built straight into a spill file (as a route streaming it to disk would)",
+        dest="push",
+        action="store_const",
+        const="disk",
+        help="each push of the core built straight into a spill file, handed to SyncerCore.accept",
+    )
+    parser.add_argument(
+        "--push-in-memory",
+        dest="push",
+        action="store_const",
+        const="memory",
+        help="each push of the core built in memory and handed to SyncerCore.accept (--core's default)",
+    )
+    parser.add_argument(
+        "--push-route",
+        dest="push",
+        action="store_const",
+        const="route",
+        help="each push sent through the syncer's push route, received into a spill file (the 1B part's default)",
     )
     parser.add_argument(
         "--fragments-1b", type=int, default=FRAGMENTS_1B, help="fragments a stage of the 1B part"
@@ -937,7 +1009,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.core:  # e.g. on an older checkout, to measure what a change saved
         fragments = args.fragments_1b if args.core == "llama-1b" else 4
-        result = run_core(args.core, 2, args.core != "llama-1b", 3000, fragments, args.push_on_disk)
+        result = run_core(args.core, 2, args.core != "llama-1b", 3000, fragments, args.push or "memory")
         print(json.dumps(result, indent=2))
         return 0
     from benchmarks.common import RESULTS_DIR, machine_info

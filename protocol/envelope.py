@@ -593,16 +593,18 @@ def open_envelope(
     view = memoryview(frame)
     if len(view) > max_frame_bytes(limits):
         raise FrameTooLarge(f"frame of {len(view)} bytes > cap {max_frame_bytes(limits)}")
-    header_bytes, signature, payload = _split(view)
-    header = _decode_header(header_bytes, limits)
-    if header.sender != remote_peer:
-        raise SignerMismatch(f"frame signed by {header.sender[:16]}... arrived from {remote_peer[:16]}...")
-    if not verify_signature(header.sender, SIGNATURE_DOMAIN + header_bytes, bytes(signature)):
-        raise BadSignature(f"signature of {header.sender[:16]}... does not verify")
-    _check_context(header, expect)
-    frame_id = header.frame_id()
-    replay.check(frame_id, now=now, current_step=current_step)
-    sizes = _check_sizes(header, len(payload), limits)
+    header_bytes, signature, payload = split_frame(view)
+    header, frame_id, sizes = check_head(
+        header_bytes,
+        bytes(signature),
+        len(payload),
+        remote_peer=remote_peer,
+        expect=expect,
+        limits=limits,
+        replay=replay,
+        now=now,
+        current_step=current_step,
+    )
     if _digest_of(frame, payload) != header.digest:
         raise DigestMismatch("payload bytes do not match the signed digest")
     if views and isinstance(frame, bytearray):
@@ -616,6 +618,32 @@ def open_envelope(
             offset += size
     replay.record(frame_id, now=now)
     return Opened(header, tensors)
+
+
+def check_head(
+    header_bytes: bytes,
+    signature: bytes,
+    payload_bytes: int,
+    *,
+    remote_peer: str,
+    expect: Expectation,
+    limits: TensorLimits,
+    replay: ReplayGuard,
+    now: float,
+    current_step: int | None = None,
+) -> tuple[Header, FrameId, list[int]]:
+    """The checks of `open_envelope` from the header to the byte count, in its order (the digest and the tensors
+    come after): the header, its per-tensor byte sizes, and the frame id to record once the frame is accepted.
+    Shared with a frame received into a file (`protocol.frame_file`), which holds no payload in memory."""
+    header = _decode_header(header_bytes, limits)
+    if header.sender != remote_peer:
+        raise SignerMismatch(f"frame signed by {header.sender[:16]}... arrived from {remote_peer[:16]}...")
+    if not verify_signature(header.sender, SIGNATURE_DOMAIN + header_bytes, signature):
+        raise BadSignature(f"signature of {header.sender[:16]}... does not verify")
+    _check_context(header, expect)
+    frame_id = header.frame_id()
+    replay.check(frame_id, now=now, current_step=current_step)
+    return header, frame_id, _check_sizes(header, payload_bytes, limits)
 
 
 def _tensor_views(
@@ -685,7 +713,7 @@ def _digest_of(frame: bytes | bytearray | memoryview, payload: memoryview) -> by
     return payload_digest([payload])
 
 
-def _split(view: memoryview) -> tuple[bytes, memoryview, memoryview]:
+def split_frame(view: memoryview) -> tuple[bytes, memoryview, memoryview]:
     if len(view) < _OVERHEAD_BYTES:
         raise MalformedFrame(f"frame of {len(view)} bytes is shorter than its fixed parts")
     (header_len,) = _LENGTH.unpack_from(view)

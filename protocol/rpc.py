@@ -18,7 +18,10 @@ refusing any chunk that would pass the declared total. The body buffer grows chu
 memory follows the bytes that arrived, never the size a peer declared. Bodies are signed envelopes, so the reader
 also hashes each chunk's payload bytes as they land in that buffer (`envelope.FrameDigester`): `open_envelope` then
 finds the digest already made, and hashing overlaps the transfer instead of being a pass of its own. A request is one message with status REQUEST; the
-answer is one message with status OK (the handler's bytes) or ERROR (a short reason tag).
+answer is one message with status OK (the handler's bytes) or ERROR (a short reason tag). A route may take its large
+requests into a file instead (`SpillRoute`, the syncer's push: `protocol.frame_file`): the same caps, reservations
+and digest, each chunk written where the buffer would have held it, and the file removed if the request does not
+arrive whole or once its handler returned (unless the handler took it over).
 
 `remote_peer`, as handed to handlers, is the Noise-authenticated caller (`StreamInfo.peer_id` from the daemon).
 Every `ProtocolError` the stream layer or a handler raises is answered with its reason, logged, and counted against
@@ -49,6 +52,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
+from pathlib import Path
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
@@ -64,6 +68,7 @@ from protocol.errors import (
     StreamClosed,
     StreamTimeout,
 )
+from protocol.frame_file import FileSink, FrameFile
 from protocol.limits import (
     GLOBAL_STREAMS,
     OTHER_RPCS,
@@ -90,6 +95,7 @@ _MAX_HEAD_BYTES = 0xFFFF  # the preamble's u16
 
 Body = bytes | bytearray | memoryview | StreamingFrame
 Handler = Callable[[bytearray, str], Awaitable[Body | None]]
+FileHandler = Callable[[FrameFile, str], Awaitable[Body | None]]
 RejectHook = Callable[[str, str, ProtocolError], None]  # (remote peer, handler name, error)
 ThrottleHook = Callable[[str, str, Admission], None]  # (remote peer, handler name, refusal)
 THROTTLED_PREFIX = "throttled: "
@@ -141,11 +147,23 @@ class StreamConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpillRoute:
+    """A route's large requests go to a file as their chunks arrive (`protocol.frame_file`), not into memory: a
+    request declaring `min_bytes` or more is written to a new file of `directory()` (asked per request; None: kept
+    in memory) and handed to `handler` as a `FrameFile`, removed once the handler returns unless it took the file."""
+
+    directory: Callable[[], Path | None]
+    handler: FileHandler  # async (frame file, remote_peer) -> answer bytes or None
+    min_bytes: int = 8 << 20  # smaller requests stay in memory (a few chunks: no file for a small frame)
+
+
+@dataclass(frozen=True, slots=True)
 class Route:
     handler: Handler  # async (frame, remote_peer) -> answer bytes or None (an empty answer)
     max_request_bytes: int
     rate: RateLimit | None = None  # per-peer request rate of this route; None: `DEFAULT_ROUTE_RATE`
     digest_payload: bool = True  # hash the frame payload as it arrives (off: bodies that are not frames)
+    spill: SpillRoute | None = None  # large requests into a file (the syncer's push); None: all in memory
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 0:
@@ -224,15 +242,27 @@ class Reassembler:
     (`FrameDigester`), so `open_envelope` needs no separate pass over it.
     """
 
-    def __init__(self, preamble: Preamble, *, max_chunk_bytes: int, digest: bool = False) -> None:
+    def __init__(
+        self,
+        preamble: Preamble,
+        *,
+        max_chunk_bytes: int,
+        digest: bool = False,
+        spill_dir: Path | None = None,
+    ) -> None:
         self.preamble = preamble
         self.max_chunk_bytes = max_chunk_bytes
         self.received_bytes = 0
         self.received_chunks = 0
         # The buffer grows chunk by chunk (appends to a bytearray move no bytes once it is large: glibc remaps it),
         # so memory follows the bytes that arrived, which the server reserves chunk by chunk, and never the size
-        # the peer declared. When the head comes last its place (<= 64 KiB) is made up front.
-        self._buffer = ReceivedFrame(preamble.head_bytes)
+        # the peer declared. When the head comes last its place (<= 64 KiB) is made up front. With `spill_dir`
+        # the chunks go to a new file there instead (`FileSink`): a chunk in memory at a time.
+        self._buffer: ReceivedFrame | FileSink = (
+            ReceivedFrame(preamble.head_bytes)
+            if spill_dir is None
+            else FileSink(spill_dir, preamble.total_bytes, preamble.head_bytes)
+        )
         # when the head comes last: its size, and the payload bytes read before it
         self._head = preamble.head_bytes
         self._payload = preamble.total_bytes - preamble.head_bytes
@@ -274,19 +304,32 @@ class Reassembler:
             self._buffer.extend(piece[:split])  # not item assignment, which drops the digest
         if split < len(piece):
             head_at = start + split - self._payload
-            with memoryview(self._buffer) as view:
-                view[head_at : head_at + len(piece) - split] = piece[split:]
+            if isinstance(self._buffer, FileSink):
+                self._buffer.place(head_at, piece[split:])
+            else:
+                with memoryview(self._buffer) as view:
+                    view[head_at : head_at + len(piece) - split] = piece[split:]
         self.received_bytes += len(piece)
         self.received_chunks += 1
         if self._buffer.digester is not None:
             arrived = self._head + min(self.received_bytes, self._payload)  # in-order: 0 + all received
-            with memoryview(self._buffer) as view:
+            # (a file's digester reads only the frame's first 4 bytes, the header length: its `prefix`)
+            mine = self._buffer.prefix if isinstance(self._buffer, FileSink) else self._buffer
+            with memoryview(mine) as view:
                 self._buffer.digester.advance(view, arrived, piece[:split])
 
-    def finish(self) -> ReceivedFrame:
+    def finish(self) -> ReceivedFrame | FrameFile:
+        """The whole body: in memory, or the closed file it was written to."""
         if not self.done or self.received_bytes != self.preamble.total_bytes:
             raise SizeMismatch(f"{self.received_bytes} of {self.preamble.total_bytes} declared bytes arrived")
+        if isinstance(self._buffer, FileSink):
+            return self._buffer.finish()
         return self._buffer
+
+    def discard(self) -> None:
+        """The body will not be finished (a refused chunk, a broken or timed-out stream): a file is removed."""
+        if isinstance(self._buffer, FileSink):
+            self._buffer.discard()
 
 
 # ------------------------------------------------------------------------------------------------ stream I/O
@@ -315,7 +358,9 @@ async def read_message(
         raw, max_bytes=max_bytes, max_chunk_bytes=config.max_chunk_bytes, statuses=statuses
     )
     digest = digest and preamble.status != Status.ERROR
-    return preamble.status, await _read_chunks(reader, preamble, config, digest=digest)
+    body = await _read_chunks(reader, preamble, config, digest=digest)
+    assert isinstance(body, ReceivedFrame)  # (no spill directory given)
+    return preamble.status, body
 
 
 async def _read_chunks(
@@ -325,18 +370,24 @@ async def _read_chunks(
     *,
     digest: bool,
     reserve: Callable[[int], None] | None = None,
-) -> ReceivedFrame:
-    """The body a checked preamble announced, its buffer grown as its chunks land. `reserve(length)` is called
-    with each chunk's checked length before a byte of that chunk is read, and raises to refuse it."""
-    parts = Reassembler(preamble, max_chunk_bytes=config.max_chunk_bytes, digest=digest)
-    while not parts.done:
-        length = parts.next_chunk_length(
-            await _read_exactly(reader, _CHUNK_HEADER.size, config.chunk_timeout_s)
-        )
-        if reserve is not None:
-            reserve(length)
-        parts.add(await _read_exactly(reader, length, config.chunk_timeout_s))
-    return parts.finish()
+    spill_dir: Path | None = None,
+) -> ReceivedFrame | FrameFile:
+    """The body a checked preamble announced, its buffer grown as its chunks land (or written to a new file of
+    `spill_dir`, removed again if the body does not arrive whole). `reserve(length)` is called with each chunk's
+    checked length before a byte of that chunk is read, and raises to refuse it."""
+    parts = Reassembler(preamble, max_chunk_bytes=config.max_chunk_bytes, digest=digest, spill_dir=spill_dir)
+    try:
+        while not parts.done:
+            length = parts.next_chunk_length(
+                await _read_exactly(reader, _CHUNK_HEADER.size, config.chunk_timeout_s)
+            )
+            if reserve is not None:
+                reserve(length)
+            parts.add(await _read_exactly(reader, length, config.chunk_timeout_s))
+        return parts.finish()
+    except BaseException:  # a refusal, a broken stream, the message timeout's cancellation: no file is left
+        parts.discard()
+        raise
 
 
 async def write_message(
@@ -622,6 +673,10 @@ class FramedServer:
             max_chunk_bytes=self.config.max_chunk_bytes,
             statuses=frozenset({Status.REQUEST}),
         )
+        spill = route.spill
+        spill_dir = (
+            spill.directory() if spill is not None and preamble.total_bytes >= spill.min_bytes else None
+        )
         with self.limiter.frame(remote, preamble.total_bytes, self.clock()) as held:
             try:
                 frame = await asyncio.wait_for(
@@ -631,6 +686,7 @@ class FramedServer:
                         self.config,
                         digest=route.digest_payload,
                         reserve=lambda length: self._take_chunk(name, remote, held, preamble, length),
+                        spill_dir=spill_dir,
                     ),
                     max(0.0, deadline - loop.time()),
                 )
@@ -638,7 +694,14 @@ class FramedServer:
                 raise StreamTimeout(
                     f"request not complete within {self.config.message_timeout_s} s"
                 ) from None
-            answer = await route.handler(frame, remote)
+            if isinstance(frame, FrameFile):
+                assert spill is not None
+                try:
+                    answer = await spill.handler(frame, remote)
+                finally:
+                    frame.remove()  # unless the handler took it
+            else:
+                answer = await route.handler(frame, remote)
         return b"" if answer is None else answer
 
     def _take_chunk(

@@ -126,17 +126,34 @@ class SpilledTensors(Mapping[str, torch.Tensor]):
     """A file of `SpillDir` as name -> tensor, nothing held: `[name]` reads that tensor, `chunk` a slice of its
     flattened values (node.diloco.chunked). With `owned`, the file goes when this mapping is garbage."""
 
-    def __init__(self, spill: SpillDir, key: str, *, owned: bool = False) -> None:
+    def __init__(
+        self,
+        spill: SpillDir,
+        key: str,
+        *,
+        owned: bool = False,
+        where: Mapping[str, tuple[int, tuple[int, ...]]] | None = None,
+        pinned: bool = False,
+    ) -> None:
         self.spill, self.key = spill, key
         path = spill.directory / key
-        with open(path, "rb") as handle:
-            (size,) = _HEADER.unpack(handle.read(_HEADER.size))
-            layout = json.loads(handle.read(size))
-        offset = _HEADER.size + size
+        # `pinned`: the file is opened now and read through that descriptor, so it stays readable if its key is
+        # deleted meanwhile (a version the history drops while the loss probe's thread still reads it as a base)
+        self._fd: int | None = None
+        if pinned:
+            self._fd = fd = os.open(path, os.O_RDONLY)
+            weakref.finalize(self, os.close, fd)
         self._where: dict[str, tuple[int, tuple[int, ...]]] = {}
-        for name, shape in layout:
-            self._where[name] = (offset, tuple(shape))
-            offset += 4 * math.prod(shape)
+        if where is not None:  # a file of another layout (a received push frame): name -> (offset, shape)
+            self._where.update(where)
+        else:
+            with open(path, "rb") as handle:
+                (size,) = _HEADER.unpack(handle.read(_HEADER.size))
+                layout = json.loads(handle.read(size))
+            offset = _HEADER.size + size
+            for name, shape in layout:
+                self._where[name] = (offset, tuple(shape))
+                offset += 4 * math.prod(shape)
         self.owned = owned
         if owned:
             weakref.finalize(self, path.unlink, missing_ok=True)
@@ -161,6 +178,10 @@ class SpilledTensors(Mapping[str, torch.Tensor]):
         stop = min(stop, math.prod(shape))
         out = torch.empty(max(0, stop - start), dtype=torch.float32)
         view = out.numpy().data.cast("B")
+        if self._fd is not None:
+            if view.nbytes and os.preadv(self._fd, [view], offset + 4 * start) != view.nbytes:
+                raise OSError(f"{self.spill.directory / self.key}: truncated at {name}")
+            return out
         with open(self.spill.directory / self.key, "rb") as handle:
             handle.seek(offset + 4 * start)
             if view.nbytes and handle.readinto(view) != view.nbytes:

@@ -1165,8 +1165,15 @@ def probe_base(core: SyncerCore, fragment: int, base_version: int) -> Mapping[st
     """The base a held-out loss-delta score (node.diloco.loss_probe) is measured on: the version the push names,
     if held. None (not scored) for a base we lack (an earlier syncer's version, after a takeover): with the
     current version standing in, the score would measure the gap between versions, not the learner's work, and
-    it refused honest learners' outage work until all were banned. The other screens still apply."""
-    return core.history.at(fragment, base_version)
+    it refused honest learners' outage work until all were banned. The other screens still apply. A spilled base is
+    pinned (its file held open): a commit that drops that version while the probe's thread reads it deletes its
+    key, and the probe still reads the version it started with."""
+    base = core.history.at(fragment, base_version)
+    if isinstance(
+        base, SpilledTensors
+    ):  # read in the probe's thread while commits may drop the version's file
+        return SpilledTensors(base.spill, base.key, pinned=True)
+    return base
 
 
 def screened(

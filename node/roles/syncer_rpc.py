@@ -23,7 +23,6 @@ from node.diloco.learner_ledger import (
     LearnerLedger,
     ban_evidence_scores,
     contribution_digest,
-    frame_digest,
 )
 from node.diloco.seniority import seniority_chunks
 from node.diloco.spill import release_freed_memory
@@ -48,6 +47,12 @@ from node.diloco.syncer_core import (
     takes_base,
     wire_params,
 )
+from node.roles.syncer_push import (
+    PUSH_SPILL_MIN_BYTES,
+    evidence_digest,
+    open_push_file,
+    push_spill_dir,
+)
 from protocol.admission import ADMISSION_CAUSES, ADMISSION_META
 from protocol.envelope import (
     Context,
@@ -59,11 +64,12 @@ from protocol.envelope import (
     seal_streaming,
 )
 from protocol.errors import MalformedFrame, ProtocolError, TensorPolicyError
+from protocol.frame_file import FrameFile
 from protocol.limits import LimitsConfig
 from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
 from protocol.records import BanNotice
 from protocol.replay import ReplayGuard
-from protocol.rpc import FramedServer, Route, StreamConfig, route_limits
+from protocol.rpc import FramedServer, Route, SpillRoute, StreamConfig, route_limits
 from verification.bans import BanEvidence
 
 if TYPE_CHECKING:
@@ -229,8 +235,10 @@ class SyncerService:
 
     async def start(self, p2p: Any, on_throttle: Callable[..., Any]) -> None:
         control = max_frame_bytes(control_limits())
+        # a push of a fragment is received into a file of the core's spill directory (node.roles.syncer_push)
+        spill = SpillRoute(lambda: push_spill_dir(self.role.core), self._handle_push, PUSH_SPILL_MIN_BYTES)
         routes = {
-            PUSH_ROUTE: Route(self._handle_push, max_frame_bytes(self.push_limits)),
+            PUSH_ROUTE: Route(self._handle_push, max_frame_bytes(self.push_limits), spill=spill),
             VERSIONS_ROUTE: Route(self._handle_versions, control),
             FETCH_ROUTE: Route(self._handle_fetch, control),
             OFFER_ROUTE: Route(self._handle_offer, max_frame_bytes(offer_limits(self.role.plan))),
@@ -320,14 +328,14 @@ class SyncerService:
         if not self.role.active:
             raise refuse("standby", "this syncer is on standby")
 
-    async def _handle_push(self, frame: bytearray, remote: str) -> bytes:
+    async def _handle_push(self, frame: bytearray | FrameFile, remote: str) -> bytes:
         answer = await self._accept_push(frame, remote)
         # its decoded tensors went with that frame: freed heap back to the kernel, else resident under the next merge
         # (docs/scale.md). A refused push is held by its traceback here: the next accept or merge trims it
         release_freed_memory()
         return answer
 
-    async def _accept_push(self, frame: bytearray, remote: str) -> bytes:
+    async def _accept_push(self, frame: bytearray | FrameFile, remote: str) -> bytes:
         if (why := self.ledger.banned(remote, time.time())) is not None:  # before decoding anything of it
             raise refuse("banned", f"{remote[-8:]} is banned: {why}")
         opened = self._open_push(frame, remote)
@@ -350,7 +358,7 @@ class SyncerService:
         holder = self.role.live.get(remote)
         receipts = None
         if holder is not None and holder.role == "stage":  # verifiers watch stages: weigh them by receipts
-            receipts = self._verified_receipts(remote, fields["fragment"], frames)
+            receipts = verified_receipts(self, remote, fields["fragment"], frames)
         recovering = time.monotonic() < self.role.recovering_until
         # learners only: verifiers watch stage replicas (and the ledger's bans are learner bans)
         learner = holder is None or holder.role != "stage"
@@ -397,11 +405,19 @@ class SyncerService:
         digest = contribution_digest(params)
         self.ban(self.ledger.record(remote, error.reason, str(error), digest, time.time(), scores))
 
-    def _open_push(self, frame: bytearray, remote: str) -> Any:
+    def _open_push(self, frame: bytearray | FrameFile, remote: str) -> Any:
         try:
-            return self._open(frame, remote, Kind.FRAGMENT, self.push_limits, self._push_replay, views=True)
+            if not isinstance(frame, FrameFile):
+                return self._open(
+                    frame, remote, Kind.FRAGMENT, self.push_limits, self._push_replay, views=True
+                )
+            expect = Context(run_id=self.role.ctx.run_id, kind=Kind.FRAGMENT, receiver=self.role.ctx.peer_id)
+            return open_push_file(
+                frame, remote=remote, expect=expect, limits=self.push_limits, replay=self._push_replay,
+                core=self.role.core, codec=self.codec.codec,
+            )  # fmt: skip
         except TensorPolicyError as e:  # the signature verified: the signed frame is the evidence
-            raise RefusedFrame(e, frame_digest(frame)) from e
+            raise RefusedFrame(e, evidence_digest(frame)) from e
 
     def _admitted(
         self, remote: str, admission: Admission, params: Mapping[str, Any], *, learner: bool
@@ -460,25 +476,6 @@ class SyncerService:
             if not holders or any((peer, fragment) not in self.role.fresh for peer in holders):
                 return False
         return True
-
-    def _verified_receipts(self, remote: str, fragment: int, frames: list[bytes]) -> list[TokenReceipt]:
-        """The receipts that verify for `remote` on the fragment's stage; the others are counted (and struck when
-        forged), never raised: a bad receipt costs the contribution its credit, not the syncer anything."""
-        valid, errors = verify_receipts(
-            frames,
-            run_id=self.role.ctx.run_id,
-            replica=remote,
-            stage=self.role.fragment_stage[fragment],
-            authorized_verifiers=self.role.ctx.manifest.authorized_verifiers,
-            now=time.time(),
-        )
-        for error in errors:
-            self.receipts_rejected[error.reason] = self.receipts_rejected.get(error.reason, 0) + 1
-            if error.reason in FORGERY_REASONS:
-                self.role.strikes.record(remote, "bad receipt")
-            logger.info("receipt from %s rejected: %s: %s", remote[-8:], error.reason, error)
-        self.receipts_verified += len(valid)
-        return valid
 
     async def _handle_versions(self, frame: bytearray, remote: str) -> bytes:
         opened = self._open(frame, remote, Kind.CONTROL, control_limits(), self._control_replay)
@@ -597,6 +594,28 @@ class SyncerService:
         if adopted:
             self.role.notify()
         return self._answer(Kind.CONTROL, remote, meta={"adopted": adopted})
+
+
+def verified_receipts(
+    service: SyncerService, remote: str, fragment: int, frames: list[bytes]
+) -> list[TokenReceipt]:
+    """The receipts that verify for `remote` on the fragment's stage; the others are counted (and struck when
+    forged), never raised: a bad receipt costs the contribution its credit, not the syncer anything."""
+    valid, errors = verify_receipts(
+        frames,
+        run_id=service.role.ctx.run_id,
+        replica=remote,
+        stage=service.role.fragment_stage[fragment],
+        authorized_verifiers=service.role.ctx.manifest.authorized_verifiers,
+        now=time.time(),
+    )
+    for error in errors:
+        service.receipts_rejected[error.reason] = service.receipts_rejected.get(error.reason, 0) + 1
+        if error.reason in FORGERY_REASONS:
+            service.role.strikes.record(remote, "bad receipt")
+        logger.info("receipt from %s rejected: %s: %s", remote[-8:], error.reason, error)
+    service.receipts_verified += len(valid)
+    return valid
 
 
 def _ledger_json(entries: list[tuple[str, int, int, int, int]], max_chars: int = 4000) -> str:
