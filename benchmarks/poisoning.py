@@ -41,7 +41,8 @@ Per arm, from the syncer's events and status after `--duration` seconds:
 * honest_banned: honest identities the syncer banned; no_evidence_violations: per side, the learner ledger's
   violations for runs of contributions at evidence factor 0 (`evidence: none`); scaled_steps: merges whose step
   the evidence or the seniority cap scaled below 1;
-* evidence: per side, the evidence weighting's factors and the held-out slopes and cosines they came from;
+* evidence: per side, the evidence weighting's factors and the held-out slopes and cosines they came from, and
+  `zeroed_after`: [zeroed, scored] in merges that followed a scaled step of their fragment and in the others;
 * check cost: the held-out loss probe's mean seconds per contribution over the mean interval between merges of
   one fragment (the goal: <= 10 %).
 

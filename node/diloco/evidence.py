@@ -43,7 +43,8 @@ in any of them: `ZeroStreaks` reports it once per such run, with the slopes and 
 learner ledger violation (node.diloco.learner_ledger; forgiven with its half-life like the others, so repeated it
 bans). One zeroed contribution is no violation: a small held-out batch zeroes honest work now and then (up to half
 of it in some four-learner benchmark arms at K = 1), and runs of 5 gave honest learners violations in 4 of 5 such
-arms; runs of 10 gave none, while noise attackers (about 85 % zeroed) still got theirs (docs/diloco.md).
+arms; runs of 10 gave none, while noise attackers (about 85 % zeroed) still got theirs, but a fragment stalled
+by a first-round reference (see `EvidenceWeight.commit`) still gave honest learners 2 (docs/diloco.md).
 
 Pure: no sockets, no clock (nothing here ages with time; the window is a count).
 """
