@@ -8,7 +8,10 @@ arm with 4 honest learners; `clean_k1` (one honest learner) that of `lone_k1` an
 also runs with the syncer's screening off (`[syncer.screening] enabled = false`, which also turns off the
 seniority cap) and `[admission] mode = "open"`: the negative control, where the attack is seen to win. Defended
 runs ask a 12-bit proof-of-work of every learner (the default mode at a difficulty the machine solves in ms).
-`sybil_late`: 5 fresh identities join 30 s after 4 honest learners train, so the honest ones are senior
+`embed_flip`: 1 attacker that sends its honest contribution with only the output head's delta sign-flipped
+(node.diloco.attack_transport, `embed_flip`: the tensor hides among the honest ones of its fragment, which set the
+contribution's norm and cosine). `clean_nostep`: `clean` with the evidence's step scale off (`evidence_scales_step =
+false`), the same-box A/B of how many honest contributions the evidence zeroes. `sybil_late`: 5 fresh identities join 30 s after 4 honest learners train, so the honest ones are senior
 (node.diloco.seniority) and the Sybils' summed share of any merge is capped (`attacker_weight_share_max`).
 `copycat`: 4 honest learners, the first of them also leaving each contribution the syncer took in a directory
 (`HIVENODE_UNSAFE_COPY_SOURCE`, the colluders' or eavesdropper's channel), and 1 attacker that pushes those
@@ -38,7 +41,8 @@ Per arm, from the syncer's events and status after `--duration` seconds:
 * honest_banned: honest identities the syncer banned; no_evidence_violations: per side, the learner ledger's
   violations for runs of contributions at evidence factor 0 (`evidence: none`); scaled_steps: merges whose step
   the evidence or the seniority cap scaled below 1;
-* evidence: per side, the evidence weighting's factors and the held-out slopes and cosines they came from;
+* evidence: per side, the evidence weighting's factors and the held-out slopes and cosines they came from, and
+  `zeroed_after`: [zeroed, scored] in merges that followed a scaled step of their fragment and in the others;
 * check cost: the held-out loss probe's mean seconds per contribution over the mean interval between merges of
   one fragment (the goal: <= 10 %).
 
@@ -134,6 +138,7 @@ EVIDENCE_OFF = "evidence_weighting = false"
 # node.diloco.evidence, the weighting still on: a round's step not scaled by its best factor (a lone contribution
 # keeps the whole step at any factor above 0) and runs of factor-0 contributions no ledger violation
 SENIORITY_OFF = "young_weight_cap = 1.0"  # node.diloco.seniority: 1.0 caps nothing
+STEP_SCALE_OFF = "evidence_scales_step = false"
 EVIDENCE_STEP_OFF = "evidence_scales_step = false\nevidence_zero_violation_after = 0"
 
 
@@ -159,12 +164,17 @@ ARMS = {
     for a in (
         Arm(name="clean", attack=None, attackers=0),
         Arm(name="clean_k1", attack=None, attackers=0, honest=1, control="clean_k1"),
+        # the evidence's step scale off (A/B of `clean` on the same box: how many honest contributions get factor 0)
+        Arm(name="clean_nostep", attack=None, attackers=0, screening=STEP_SCALE_OFF),
         Arm(name="scale_1e3", attack="scale:1e3", attackers=1),
         Arm(name="scale_1e30", attack="scale:1e30", attackers=1),
         Arm(name="huge_1e38", attack="value:1e38", attackers=1),
         Arm(name="nan", attack="value:nan", attackers=1),
         Arm(name="inf", attack="value:inf", attackers=1),
         Arm(name="signflip", attack="signflip", attackers=1),
+        # only the output head's delta flipped (lm_head; the embedding's own fragment goes honest), hidden among the
+        # honest tensors of its fragment that dominate the contribution's norm and cosine
+        Arm(name="embed_flip", attack="embed_flip", attackers=1),
         # undefended: only the evidence weighting off (noise passes every other screen)
         Arm(name="noise", attack="noise", attackers=1, undefended_screening=EVIDENCE_OFF),
         Arm(name="stale_replay", attack="replay", attackers=1),
@@ -488,7 +498,24 @@ def evidence_summary(
             "zeroed": sum(1 for f in factors if f <= 0.0),
             "slope_quartiles": _quartiles([row[0] for row in rows]),
             "cosine_quartiles": _quartiles([row[1] for row in rows if row[1] is not None]),
+            "zeroed_after": after_scaled_steps(merges, peers),
         }
+    return out
+
+
+def after_scaled_steps(merges: list[dict[str, Any]], peers: set[str]) -> dict[str, list[int]]:
+    """[zeroed, scored] of `peers`' contributions in merges whose fragment's previous merge had its step scaled below
+    1 (`scaled`) and in the others (`full`): a feedback of the step scale on the evidence shows as a higher share
+    zeroed after scaled steps."""
+    out = {"scaled": [0, 0], "full": [0, 0]}
+    previous: dict[int, float] = {}
+    for m in merges:
+        key = "scaled" if previous.get(m.get("fragment", -1), 1.0) < 1.0 else "full"
+        for p, row in (m.get("evidence") or {}).items():
+            if p in peers:
+                out[key][0] += row[-1] <= 0.0
+                out[key][1] += 1
+        previous[m.get("fragment", -1)] = m.get("step_scale", 1.0)
     return out
 
 

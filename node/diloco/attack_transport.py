@@ -8,6 +8,10 @@ Kinds (`delta` is the learner's honest progress, base - params, on the base vers
 * `scale:F` sends base - F x delta (x1e3, x1e30);
 * `value:V` sends every tensor filled with V (1e38, nan, inf);
 * `signflip` sends base + delta (an ascent step at the honest norm);
+* `embed_flip[:F]` sends the honest delta except on the token embedding and output head (`EMBED_TENSORS`), where
+  it sends base + F x delta (F = 1: that tensor's delta sign-flipped; larger: flipped and scaled), but only in a
+  fragment that holds other tensors too: the flip hides among honest tensors that dominate the contribution's
+  norm and direction (a fragment of the embedding alone goes honest; flipped whole it is `signflip`);
 * `noise` sends base - (gaussian noise at the honest delta's norm);
 * `replay` sends its first contribution of each fragment again and again, on whatever base is current (stale);
 * `inflate:F` sends honest parameters but claims F x the steps and tokens;
@@ -63,12 +67,25 @@ logger = logging.getLogger(__name__)
 UNSAFE_LEARNER_ATTACK_ENV = "HIVENODE_UNSAFE_LEARNER_ATTACK"
 UNSAFE_COPY_DIR_ENV = "HIVENODE_UNSAFE_COPY_DIR"  # the copycat's channel (see the module docstring)
 UNSAFE_COPY_SOURCE_ENV = "HIVENODE_UNSAFE_COPY_SOURCE"  # "1": an honest learner that writes to the channel
-KINDS = ("scale", "value", "signflip", "noise", "replay", "inflate", "no_admission", "freeride", "copycat")
+KINDS = (
+    "scale",
+    "value",
+    "signflip",
+    "embed_flip",
+    "noise",
+    "replay",
+    "inflate",
+    "no_admission",
+    "freeride",
+    "copycat",
+)
 DEFAULT_STRENGTH = {"freeride": 0.01, "copycat": 0.01}  # the perturbation, relative to a delta norm
 COPY_WAIT_S = 5.0  # how long a copycat's push polls the channel for its source's contribution
 COPY_POLL_S = 0.05
 KEEP_FETCHED = 2  # versions per fragment a free-rider or copycat keeps (the bases of its pushes)
 COPY_WAITING = "copycat: no source contribution yet"
+# the tensors `embed_flip` flips: the token embedding and the (untied) output head of node.ml.model's llama
+EMBED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
 
 def parse_learner_attack(spec: str) -> tuple[str, float]:
@@ -107,6 +124,10 @@ def poisoned(
         return {n: torch.full_like(t, strength, dtype=torch.float32) for n, t in params.items()}
     if kind == "signflip":
         return {n: base[n].float() + d for n, d in delta.items()}
+    if kind == "embed_flip":
+        flip = {n for n in delta if n.endswith(EMBED_TENSORS)}
+        flip = flip if len(flip) < len(delta) else set()  # the embedding alone: sent honest (see KINDS' doc)
+        return {n: base[n].float() + (strength * d if n in flip else -d) for n, d in delta.items()}
     if kind == "noise":
         norm = math.sqrt(sum(float(d.double().pow(2).sum()) for d in delta.values()))
         noise = {n: torch.randn(d.shape, generator=gen) for n, d in delta.items()}

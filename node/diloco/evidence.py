@@ -9,9 +9,10 @@ delta's norm) is the held-out loss's descent along the delta per unit of norm (n
 both (the overshoot cancels). An honest pseudo-gradient points down the held-out gradient; a random direction in
 a fragment of n parameters has about 1/sqrt(n) of its slope, and either sign.
 
-Per fragment, the reference is the lower median of the slopes of recent contributions merged at full weight
-(only those: one this scaled down never moves its own standard, and a Sybil majority of noise merged in warm-up
-is outvoted once honest slopes fill the window). A contribution's factor is 0 at or below
+Per fragment, the reference is the lower median, over recent merges, of the lower median of the slopes of each
+merge's contributions merged at full weight (only those: one this scaled down never moves its own standard, and
+a Sybil majority of noise merged in warm-up is outvoted once honest slopes fill the window; one value per merge,
+see `EvidenceWeight.commit`). A contribution's factor is 0 at or below
 `zero_fraction` x the reference, 1 at or above `full_fraction` x it, linear between. A small private batch sees
 an honest delta's descent noisily (in the live benchmark a quarter of honest slopes were under half the median,
 a tenth negative), so the same ramp on the delta's cosine with the recent merged direction (the screen's EMA of
@@ -21,7 +22,7 @@ never lower it: an honest delta agrees with where the swarm went, noise agrees w
 -0.54; they are not scored anyway). The token weight is multiplied by the factor before the seniority cap
 (node.diloco.seniority). It is a down-weight, never a refusal: an honest contribution that shows little evidence
 loses that round's weight, not its learner's standing (no ledger violation, no demotion). Until `min_history`
-slopes were recorded (warm-up, after a restart) and for a contribution without a slope (not scored: the probe
+merges recorded a full-weight slope (warm-up, after a restart) and for a contribution without a slope (not scored: the probe
 off or not loaded yet, a stage replica, a loss that is not finite) the factor is 1.
 
 Weights are normalised per round, so a factor alone only moves weight between the contributions of one round: a
@@ -42,7 +43,8 @@ in any of them: `ZeroStreaks` reports it once per such run, with the slopes and 
 learner ledger violation (node.diloco.learner_ledger; forgiven with its half-life like the others, so repeated it
 bans). One zeroed contribution is no violation: a small held-out batch zeroes honest work now and then (up to half
 of it in some four-learner benchmark arms at K = 1), and runs of 5 gave honest learners violations in 4 of 5 such
-arms; runs of 10 gave none, while noise attackers (about 85 % zeroed) still got theirs (docs/diloco.md).
+arms; runs of 10 gave none, while noise attackers (about 85 % zeroed) still got theirs, but a fragment stalled
+by a first-round reference (see `EvidenceWeight.commit`) still gave honest learners 2 (docs/diloco.md).
 
 Pure: no sockets, no clock (nothing here ages with time; the window is a count).
 """
@@ -63,8 +65,8 @@ class EvidenceConfig:
     enabled: bool = True
     zero_fraction: float = 0.1  # a slope at or below this x the reference earns no weight
     full_fraction: float = 0.3  # a slope at or above this x the reference keeps its whole weight
-    history: int = 32  # slopes kept per fragment (a count)
-    min_history: int = 4  # slopes recorded before the factor applies
+    history: int = 32  # merges whose full-weight slopes are kept per fragment (a count; one value per merge)
+    min_history: int = 4  # such merges before the factor applies
     scales_step: bool = True  # a round's outer gradient x the largest factor it merges (see `step_scale`)
     # consecutive scored contributions at factor 0 that make a ledger violation (0: off)
     zero_streak: int = 10
@@ -199,10 +201,19 @@ class EvidenceWeight:
 
     def commit(self, fragment: int, slopes: Iterable[float], cosines: Iterable[float] = ()) -> None:
         """The slopes and cosines of a published merge's contributions that kept their whole weight (factor
-        1); only positive ones (descent, agreement) set the standard."""
+        1); only positive ones (descent, agreement) set the standard, one value per merge: their lower median.
+        Per merge, not per contribution: the held-out descent per unit norm falls 10-30x within the first few
+        merges of a run (0.23-0.42 -> 0.01-0.04 in the poisoning benchmark's `clean` arm), and a first round of
+        `min_history` learners from the untrained model made the whole reference; every honest contribution after
+        it then earned factor 0, and since only full-weight slopes move the reference, it stayed there (rounds
+        that merged nothing, a fragment frozen for 6 rounds; docs/diloco.md). Counted per merge, the warm-up
+        lasts `min_history` merges and the first round is one value of the lower median, not all of it."""
         for into, values in ((self._slopes, slopes), (self._cosines, cosines)):
-            window = into.setdefault(fragment, deque(maxlen=self.config.history))
-            window.extend(v for v in values if math.isfinite(v) and v > 0)
+            kept = sorted(v for v in values if math.isfinite(v) and v > 0)
+            if kept:
+                into.setdefault(fragment, deque(maxlen=self.config.history)).append(
+                    kept[(len(kept) - 1) // 2]
+                )
 
     def status(self) -> dict[str, int]:
         return {

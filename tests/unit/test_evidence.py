@@ -6,7 +6,8 @@ false-positive control), and with the weighting off the same noise holds its sha
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 
 import pytest
 import torch
@@ -23,7 +24,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def warm(weight: EvidenceWeight, slopes: list[float], fragment: int = 0) -> None:
-    weight.commit(fragment, slopes)
+    """Each slope the only full-weight one of a merge of its own (the reference keeps one value per merge)."""
+    for slope in slopes:
+        weight.commit(fragment, [slope])
 
 
 def test_the_factor_is_one_in_warm_up_and_for_an_unscored_contribution() -> None:
@@ -53,7 +56,8 @@ def test_the_factor_ramps_from_zero_to_one_between_the_fractions_of_the_referenc
 
 def test_the_cosine_can_only_raise_the_factor_of_a_scored_contribution() -> None:
     weight = EvidenceWeight(EvidenceConfig(zero_fraction=0.1, full_fraction=0.3, min_history=2))
-    weight.commit(0, [1.0, 1.0], [0.5, 0.5])  # reference slope 1.0, reference cosine 0.5
+    for _ in range(2):
+        weight.commit(0, [1.0, 1.0], [0.5, 0.5])  # reference slope 1.0, reference cosine 0.5
     assert weight.reference(0, cosine=True) == 0.5
     assert weight.factor(0, 0.0, 0.5) == 1.0  # little descent seen, but it agrees with the merged direction
     assert weight.factor(0, 0.0, 0.1) == pytest.approx(0.5)  # cosine 0.1: half way from 0.05 to 0.15
@@ -70,6 +74,47 @@ def test_only_positive_finite_slopes_set_the_reference_and_the_window_is_bounded
     assert weight.reference(0) == 1.0
     warm(weight, [5.0, 5.0, 5.0, 5.0])  # the oldest go: the reference follows the recent slopes
     assert weight.reference(0) == 5.0
+
+
+class PerContribution(EvidenceWeight):
+    """The reference as it was: every full-weight slope its own value of the window (the negative control)."""
+
+    def commit(self, fragment: int, slopes: Iterable[float], cosines: Iterable[float] = ()) -> None:
+        for into, values in ((self._slopes, slopes), (self._cosines, cosines)):
+            window = into.setdefault(fragment, deque(maxlen=self.config.history))
+            window.extend(v for v in values if math.isfinite(v) and v > 0)
+
+
+# the `clean` arm's embedding fragment (benchmarks/poisoning.py, 2026-12-07): its first round, 4 learners from the
+# untrained model, then the slopes of its next rounds' honest contributions (each merge's, ~10x lower)
+FIRST_ROUND = [0.392, 0.237, 0.233, 0.383]
+LATER = [[0.030, 0.020], [0.026, 0.021, 0.040, 0.020], [0.030, 0.031, 0.023, 0.025], [0.020, 0.024, 0.028]]
+
+
+def later_factors(weight: EvidenceWeight) -> list[float]:
+    """The factors of `LATER`'s contributions, each round committed (at full weight when it earned 1) after it."""
+    weight.commit(0, FIRST_ROUND)
+    out = []
+    for slopes in LATER:
+        factors = [weight.factor(0, s) for s in slopes]
+        weight.commit(0, [s for s, f in zip(slopes, factors, strict=True) if f >= 1.0])
+        out.extend(factors)
+    return out
+
+
+def test_a_first_round_from_the_untrained_model_does_not_set_the_reference_alone() -> None:
+    factors = later_factors(EvidenceWeight())
+    assert all(f == 1.0 for f in factors), factors
+    assert EvidenceWeight().config.min_history == 4  # a round of 4 learners filled the warm-up before
+
+
+def test_negative_control_per_contribution_the_first_round_zeroes_every_later_honest_one() -> None:
+    # the reference was 0.237, the lower median of the first round: 0.0237 and below earn nothing, and since
+    # only full-weight slopes move it, it never came down (the live arm's fragment merged nothing for 6 rounds)
+    weight = PerContribution()
+    factors = later_factors(weight)
+    assert sum(f == 0.0 for f in factors) >= 5 and max(factors) < 0.5, factors  # none at full weight
+    assert sum(factors) / len(factors) < 0.1 and weight.reference(0) == 0.237  # so the reference stays
 
 
 def test_off_the_factor_is_always_one() -> None:
@@ -103,7 +148,7 @@ def noise(h: Harness, honest: Tensors, seed: int) -> Tensors:
     return {n: base[n] - d * (norm / total) for n, d in draws.items()}
 
 
-def noise_shares(screening: ScreeningConfig, rounds: int = 6) -> list[tuple[float, float]]:
+def noise_shares(screening: ScreeningConfig, rounds: int = 7) -> list[tuple[float, float]]:
     """Per round: (the noise learner's merge weight, the smallest honest one's over their even share of the
     rest), three honest learners and one pushing noise at their norm."""
     h = Harness(screening)
@@ -122,8 +167,8 @@ def noise_shares(screening: ScreeningConfig, rounds: int = 6) -> list[tuple[floa
 
 def test_noise_at_an_honest_norm_earns_no_weight_once_warm_and_honest_learners_keep_theirs() -> None:
     shares = noise_shares(ScreeningConfig())
-    # warm-up: the reference needs 4 positive slopes (the honest learners' 3 a round, the noise's when positive)
-    assert all(noise_share < 0.05 for noise_share, _ in shares[2:]), shares
+    # warm-up: the reference needs 4 merges with a positive full-weight slope (everyone at factor 1 until then)
+    assert all(noise_share < 0.05 for noise_share, _ in shares[4:]), shares
     # each honest learner keeps its share of the rest
     assert all(honest > 0.9 for _, honest in shares), shares
 

@@ -16,6 +16,8 @@ from benchmarks.poisoning import (
     EVIDENCE_OFF,
     EVIDENCE_STEP_OFF,
     SENIORITY_OFF,
+    STEP_SCALE_OFF,
+    after_scaled_steps,
     evidence_summary,
     headline,
     merged_with,
@@ -65,6 +67,7 @@ def test_the_evidence_summary_splits_the_merge_events_factors_by_side() -> None:
         "zeroed": 0,
         "slope_quartiles": [0.01, 0.01, 0.01, 0.01, 0.05],
         "cosine_quartiles": [0.2, 0.2, 0.2, 0.2, 0.3],
+        "zeroed_after": {"scaled": [0, 0], "full": [0, 2]},
     }
     assert summary["attackers"]["zeroed"] == 1 and summary["attackers"]["cosine_quartiles"] == [0.01] * 5
 
@@ -127,3 +130,23 @@ def test_the_no_cap_lone_noise_arm_turns_the_seniority_cap_off_in_both_runs() ->
     arm = ARMS["noise_k1_nocap"]
     assert arm.screening == SENIORITY_OFF and tomllib.loads(SENIORITY_OFF) == {"young_weight_cap": 1.0}
     assert arm.undefended_screening == EVIDENCE_STEP_OFF and arm.control == "clean_k1"
+
+
+def test_zeroed_after_splits_by_whether_the_fragments_previous_merge_was_scaled() -> None:
+    merges = [
+        {"fragment": 0, "step_scale": 0.3, "evidence": {"h": [0.0, 0.0, 0.3]}},  # first of fragment 0: "full"
+        {"fragment": 1, "step_scale": 1.0, "evidence": {"h": [0.0, 0.0, 0.0]}},  # first of fragment 1
+        {"fragment": 0, "step_scale": 1.0, "evidence": {"h": [0.0, 0.0, 0.0], "x": [0.0, 0.0, 0.0]}},
+        {"fragment": 0, "evidence": {"h": [0.1, 0.2, 1.0]}},  # after a full step of fragment 0
+    ]
+    assert after_scaled_steps(merges, {"h"}) == {"scaled": [1, 1], "full": [1, 3]}
+
+
+def test_the_embed_flip_arm_and_the_step_scale_ab_arm() -> None:
+    assert ARMS["embed_flip"].attack == "embed_flip" and ARMS["embed_flip"].undefended_screening == ""
+    nostep = ARMS["clean_nostep"]
+    assert nostep.attack is None and nostep.honest == 4 and nostep.control == "clean"
+    assert (
+        tomllib.loads(nostep.screening) == {"evidence_scales_step": False}
+        and nostep.screening == STEP_SCALE_OFF
+    )
