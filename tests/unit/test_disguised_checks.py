@@ -267,6 +267,22 @@ def test_the_harness_attack_schedule_ticks_on_training_microbatches() -> None:
         assert attack.attacked == attacked, training
 
 
+def test_the_harness_delay_attack_replays_across_check_answers() -> None:
+    """`delay` replays its output from `delay_steps` training microbatches ago although the harness's
+    schedule keeps the step on check answers (its history was bounded by entries: with a check answer
+    between every two training microbatches the wanted step had left it, and the attacker sent honest
+    tensors, counted as attacked: `sentinel_table` delay F1 0.80, an attacker never banned)."""
+    training = set(range(0, 100, 2))  # even ids: training microbatches, odd: check answers in between
+    attack = CountingAttack(parse_attack("delay:delay_steps=3,start_after=3"), training)
+    sent = [
+        attack.apply(torch.full((1, 2, 2), float(i)), direction="forward", microbatch_id=i, step=i)
+        for i in range(20)
+    ]
+    # from its 4th training microbatch on, every answer is an old one (3 training steps back), never honest
+    late = [(i, int(t[0, 0, 0])) for i, t in enumerate(sent) if i in training and i >= 6]
+    assert late and all(i - 7 <= value <= i - 5 for i, value in late), late
+
+
 def test_a_disguised_backward_check_waits_the_checked_microbatchs_own_gap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
