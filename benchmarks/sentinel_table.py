@@ -17,6 +17,11 @@ until the end of the 480. Per attack three arms:
 * attacked without verification (the harm; the negative control),
 * attacked with SENTINEL (the production tap with its default monitor and ledger settings).
 
+Spot checks are disguised as training requests (`VerifierConfig.disguised_spot_checks`), or marked with
+`--marked-checks` (recorded as `disguised_spot_checks` in the JSON's config). An attacker cannot tell a disguised
+check from training and corrupts its answers to the checks it makes too; its schedule (`attack_start`) and its
+"own attacked microbatches" count training microbatches only (`tools.pipeline_harness.CountingAttack`).
+
 Plus clean runs with SENTINEL on three seeds (false bans). Reported per attack: precision, recall and F1 of
 the bans over all replicas, the attackers' own attacked microbatches until their ban, false bans, and the
 held-out loss gap relative to the clean run at equal trained tokens. And the verifier's cost
@@ -24,7 +29,8 @@ held-out loss gap relative to the clean run at equal trained tokens. And the ver
 produced the tensors, plus the same ratio measured live in this pipeline) and its memory per boundary.
 
 Run: `python -m benchmarks.sentinel_table` (about 13 000 driven microbatches: 6-7 min wall on the shared
-2-core machine under a load average of 6-8), `--quick` for a smoke run, `--attacks random,mimic` for a subset.
+2-core machine under a load average of 6-8), `--quick` for a smoke run, `--attacks random,mimic` for a subset,
+`--marked-checks --name sentinel_table_marked` for the marked-checks comparison.
 docs/sentinel.md section 9 has the method, the table and what the adaptive attacks do.
 Results: `benchmarks/results/sentinel_table.json` and `.png` (written after every arm, with `complete`
 false until the end, so a run cut short still leaves its table so far).
@@ -88,6 +94,9 @@ class TableConfig:
     direction: str = "both"
     model: Mapping[str, int] = field(default_factory=lambda: dict(MODEL))
     activation_codec: BoundaryCodecName = "fp32"  # how boundary tensors travel; SENTINEL sees them decoded
+    # spot-check recomputations as ordinary training requests (VerifierConfig.disguised_spot_checks); False:
+    # marked as checks (`--marked-checks`)
+    disguised_spot_checks: bool = True
 
     def harness(self) -> HarnessConfig:
         return HarnessConfig(
@@ -98,6 +107,7 @@ class TableConfig:
             held_out_batches=self.held_out_batches,
             even_routing=True,
             activation_codec=self.activation_codec,
+            disguised_spot_checks=self.disguised_spot_checks,
         )
 
 
@@ -186,6 +196,7 @@ class ArmResult:
     replicas: list[str]
     stats: dict[str, Any]
     seconds: float
+    driver: dict[str, int] = field(default_factory=dict)  # `driver_counts`: what the verifier sent
     attacked_checks: int = 0
     attacked_flags: int = 0
     honest_checks: int = 0
@@ -246,6 +257,7 @@ def run_arm(
         replicas=sorted(arm.stages),
         stats=asdict(arm.tap.stats),
         seconds=time.perf_counter() - started,
+        driver=driver_counts(arm),
     )
     for replica, row in arm.tap.per_replica.items():
         if replica in arm.attackers:
@@ -261,6 +273,21 @@ def run_arm(
         result.compute_ms_per_request = 1000 * compute / max(requests, 1)
         result.boundary_bytes = [_nbytes(v) for v in arm.tap.monitor.state_dict().values()]
     return result
+
+
+def driver_counts(arm: Arm) -> dict[str, int]:
+    """The driver's own counts: spot checks, how many went disguised and of those how many made a checker apply
+    a microbatch twice, the retries elsewhere (same input, same id), the hops stages applied."""
+    stats = arm.driver.stats
+    return {
+        "spot_checks": stats.spot_checks,
+        "disguised_checks": stats.disguised_checks,
+        "duplicate_gradients": stats.duplicate_gradients,
+        "retries": stats.retries,
+        "abandoned": stats.abandoned,
+        "applied": sum(stats.applied_per_stage.values()),
+        "attackers_corrupted_check_answers": arm.attacked_checks(),
+    }
 
 
 def _describe(r: ArmResult) -> str:
@@ -313,6 +340,7 @@ def attack_row(
         if not adaptive
         else ((banned_all or gap < LOSS_GOAL) and scores["fp"] == 0),
         "tap": attacked.stats,
+        "driver": attacked.driver,
         "seconds": attacked.seconds + unverified.seconds,
     }
 
@@ -327,6 +355,7 @@ def clean_row(r: ArmResult, reference: ArmResult | None) -> dict[str, Any]:
         "completed": r.completed,
         "loss": r.loss,
         "tap": r.stats,
+        "driver": r.driver,
     }
     if reference is not None and reference.seed == r.seed:
         # Verification's own cost on clean traffic (false flags drop microbatches), at equal tokens.
@@ -477,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--activation-codec", choices=BOUNDARY_CODECS, default=None, help="boundary codec (default fp32)"
     )
+    parser.add_argument(
+        "--marked-checks",
+        action="store_true",
+        help="send spot checks marked as checks (default: disguised as training requests)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on shared cores)")
     parser.add_argument("--name", default=None, help="result name (default sentinel_table[_quick])")
     args = parser.parse_args(argv)
@@ -485,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides: dict[str, Any] = {}
     if args.seeds:
         overrides["seeds"] = tuple(int(s) for s in args.seeds.split(","))
+    if args.marked_checks:
+        overrides["disguised_spot_checks"] = False
     if args.replicas:
         overrides["replicas"] = tuple(int(s) for s in args.replicas.split(","))
     for key in (

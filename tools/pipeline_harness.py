@@ -6,7 +6,9 @@ every boundary and a `BanWatcher` over an in-memory stand-in of the DHT ban reco
 driver (`banned=`) and by every stage service (`is_banned`). Replicas chosen as attackers apply a
 `verification.attacks` behaviour to what they send, exactly as a node started with `HIVENODE_UNSAFE_ATTACK`.
 
-`drive` pushes microbatches through it (`concurrency` at a time, one clock second per microbatch), publishes and
+`drive` pushes microbatches through it (`concurrency` at a time, one clock second per microbatch; their ids, and
+the held-out evaluations', come from the driver's own counter, `MicrobatchIds`, as a verifier's do, so that a
+disguised spot check is not told from them by its id), publishes and
 polls bans, optionally averages each stage's unbanned replicas every `merge_every` microbatches (a stand-in for
 the syncer's DiLoCo merge: plain mean, outer learning rate 1, no outer momentum) and measures the held-out loss
 through the pipeline. `pretrained_state` trains the whole model centrally first, so that verification can start
@@ -36,6 +38,7 @@ from node.ml.data import Batch, BatchSampler, Corpus, load_corpus, validation_ba
 from node.ml.model import ModelConfig, build_model, lm_loss, load_state_subset, stage_state_subset
 from node.pipeline.accounting import MicrobatchOutcome
 from node.pipeline.driver import PipelineDriver
+from node.pipeline.ids import MicrobatchIds
 from node.pipeline.routing import ReplicaInfo, ReplicaRouter, RoutingConfig
 from node.pipeline.transport import DirectTransport
 from node.roles.stage import StageConfig, StageService, build_core
@@ -56,7 +59,9 @@ logger = logging.getLogger(__name__)
 
 MODEL: dict[str, int] = {"vocab_size": 256, "context_len": 32, "num_layers": 3, "width": 64, "num_heads": 2}
 RUN_ID = "0" * 40
-EVAL_FIRST_ID = 10**6  # microbatch ids of held-out evaluations (never collide with training ids)
+# The wall clock (s) the harness's microbatch counter starts from (`MicrobatchIds.from_clock`): ids of the same
+# size as a verifier's, fixed so that two runs of one seed send the same ids.
+IDS_EPOCH_S = 1_800_000_000.0
 # every arm's stochastic-rounding streams (each replica's and the driver's own, `rounding_generator`) are seeded
 # _ROUNDING_SEEDS x seed + i: reproducible from the arm's seed, distinct between owners and between arms
 _ROUNDING_SEEDS = 1000
@@ -150,13 +155,26 @@ class EvenRouter(ReplicaRouter):
 
 
 class CountingAttack(Attack):
-    """The attack, remembering which microbatches it corrupted (the attacker's own attacked microbatches)."""
+    """The attack, remembering which microbatches it corrupted (the attacker's own attacked microbatches).
 
-    def __init__(self, config: AttackConfig) -> None:
+    `training` (the arm's ids of driven training microbatches, filled as they are sent): the attack's schedule
+    (`start_after`, on/off periods, drift) then ticks on the attacker's own training microbatches only, as the
+    benchmarks define it, not on every answer: with disguised spot checks an attacker also answers the checks
+    it is asked to make, which would otherwise move its start earlier in the run than with marked checks (into
+    the monitors' warm-up: in `sentinel_table --quick`, driven microbatch 90-113 instead of 111-129) and make
+    the two runs start different attacks. It still corrupts those answers once active: it cannot tell them."""
+
+    def __init__(self, config: AttackConfig, training: Collection[int] | None = None) -> None:
         super().__init__(config)
         self.attacked: set[int] = set()
+        self.training = training
+        self._training_steps = {"forward": 0, "backward": 0}
 
     def apply(self, tensor: torch.Tensor, *, direction: str, microbatch_id: int, step: int) -> torch.Tensor:
+        if self.training is not None and direction in self._training_steps:
+            step = self._training_steps[direction]
+            if microbatch_id in self.training:
+                self._training_steps[direction] = step + 1
         if self.is_active(direction, step):
             self.attacked.add(microbatch_id)
         return super().apply(tensor, direction=direction, microbatch_id=microbatch_id, step=step)
@@ -224,8 +242,11 @@ class Arm:
     watcher: BanWatcher
     attacks: dict[str, CountingAttack]  # attacker -> its attack
     clock: dict[str, float]
-    # attacker -> its own attacked microbatches when its ban took effect (checked after every round)
+    # attacker -> its own attacked training microbatches when its ban took effect (checked after every round)
     attacked_at_ban: dict[str, int] = field(default_factory=dict)
+    # ids of the training microbatches driven: an attacker cannot tell a disguised check from training and
+    # corrupts its answers to checks too, which are not its own microbatches and harm no training
+    training: set[int] = field(default_factory=set)
     min_usable_per_stage: dict[int, int] = field(default_factory=dict)  # fewest unbanned replicas seen
 
     @property
@@ -248,11 +269,15 @@ class Arm:
     def banned(self) -> frozenset[str]:
         return self.tap.banned() | self.watcher.active()
 
+    def attacked_checks(self) -> int:
+        """Answers the attackers corrupted that were not training microbatches: disguised checks they made."""
+        return sum(len(attack.attacked - self.training) for attack in self.attacks.values())
+
     def account_bans(self) -> None:
         banned = self.banned()
         for attacker, attack in self.attacks.items():
             if attacker in banned and attacker not in self.attacked_at_ban:
-                self.attacked_at_ban[attacker] = len(attack.attacked)
+                self.attacked_at_ban[attacker] = len(attack.attacked & self.training)
         for stage in range(len(self.config.replicas)):
             usable = sum(1 for p, s in self.stages.items() if s == stage and p not in banned)
             self.min_usable_per_stage[stage] = min(self.min_usable_per_stage.get(stage, usable), usable)
@@ -316,7 +341,8 @@ def build_arm(
     verifier = verifier or seeded_identity(seed, -1)
     run = manifest_for(config, verifier)
     clock = {"t": 0.0}
-    replicas = plan_replicas(config, parse_attack(attack) if attack is not None else None, seed)
+    training: set[int] = set()
+    replicas = plan_replicas(config, parse_attack(attack) if attack is not None else None, seed, training)
     attacks = {identity.peer_id: a for identity, _, a in replicas if a is not None}
     tap = RecordingTap(
         verifier=verifier.peer_id,
@@ -351,21 +377,24 @@ def build_arm(
         banned=lambda: tap.banned() | watcher.active(),
         rng=random.Random(seed),
         clock=lambda: clock["t"],
+        ids=MicrobatchIds.from_clock(lambda: IDS_EPOCH_S),
         disguised_spot_checks=config.disguised_spot_checks,
     )
     driver.hops.rounding = rounding_generator(_ROUNDING_SEEDS * seed + _ROUNDING_SEEDS - 1)
-    return Arm(config, driver, services, stages, tap, watcher, attacks, clock)
+    return Arm(config, driver, services, stages, tap, watcher, attacks, clock, training=training)
 
 
-def plan_replicas(config: HarnessConfig, spec: AttackConfig | None, seed: int = 0) -> list[ReplicaPlan]:
+def plan_replicas(
+    config: HarnessConfig, spec: AttackConfig | None, seed: int = 0, training: Collection[int] | None = None
+) -> list[ReplicaPlan]:
     """Every replica's identity and stage, stage by stage; replicas 0..attackers-1 of the attacked stage get
-    the attack (when one is given), each with its own noise stream."""
+    the attack (when one is given), each with its own noise stream and its schedule on `training` ids."""
     replicas: list[ReplicaPlan] = []
     for stage, count in enumerate(config.replicas):
         for index in range(count):
             attack_obj = None
             if spec is not None and stage == config.attacked_stage and index < config.attackers:
-                attack_obj = CountingAttack(dataclasses.replace(spec, seed=spec.seed + 101 * index))
+                attack_obj = CountingAttack(dataclasses.replace(spec, seed=spec.seed + 101 * index), training)
             replicas.append((seeded_identity(seed, len(replicas)), stage, attack_obj))
     return replicas
 
@@ -556,12 +585,12 @@ async def drive_rounds(
     await evaluate_held_out(arm, held_out, tally, 0)
     for first in range(0, total, cfg.concurrency):
         arm.clock["t"] = float(first)
-        ids = range(first, min(first + cfg.concurrency, total))
-        batches = [sampler.next_batch() for _ in ids]
-        results = await asyncio.gather(
-            *(arm.driver.run_microbatch(i, *b) for i, b in zip(ids, batches, strict=True))
-        )
-        done = ids[-1] + 1
+        done = min(first + cfg.concurrency, total)
+        # one id per microbatch from the verifier's counter, as VerifierRole._one takes them (disguised checks
+        # launched meanwhile take theirs from the same counter)
+        batches = [(arm.driver.ids.take(), *sampler.next_batch()) for _ in range(first, done)]
+        arm.training.update(b[0] for b in batches)
+        results = await asyncio.gather(*(arm.driver.run_microbatch(*b) for b in batches))
         tally.add(arm, results)
         if cfg.merge_every and done % cfg.merge_every == 0:
             merge_stages(arm)
@@ -580,7 +609,7 @@ async def drive_rounds(
 
 async def evaluate_held_out(arm: Arm, held_out: list[Batch], tally: DriveTally, done: int) -> None:
     """The held-out loss through the pipeline after `done` microbatches, as a new checkpoint."""
-    first_id = EVAL_FIRST_ID + len(tally.checkpoints) * arm.config.held_out_batches
+    first_id = arm.driver.ids.take(len(held_out))  # as VerifierRole._evaluate
     loss = await arm.driver.evaluate(held_out, first_id)
     tally.checkpoints.append(Checkpoint(done, arm.driver.stats.tokens, loss))
 
@@ -592,6 +621,7 @@ async def exchange_bans(arm: Arm) -> None:
 
 
 __all__ = [
+    "IDS_EPOCH_S",
     "MODEL",
     "RUN_ID",
     "Arm",

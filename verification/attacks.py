@@ -224,7 +224,9 @@ class Attack:
         st = self.state(direction)
         if kind == "delay":
             st.history.append((step, honest.detach().clone()))
-            while len(st.history) > self.config.delay_steps + 1:
+            # bounded by steps, not entries: a caller may pass one step more than once (the pipeline
+            # harness's attackers keep their step on the disguised checks they answer)
+            while st.history[0][0] < step - self.config.delay_steps:
                 st.history.popleft()
         elif kind == "mimic" and not self.is_active(direction, step) and honest.dim() >= 2:
             beta = self.config.mimic_beta

@@ -77,6 +77,13 @@ class SpotCheckConfig:
     # in test_sentinel's lr x8 window: honest pairs at up to 5.5 tolerances, and an honest replica ahead
     # of two peers by 4.2x their distance (4 tolerances) convicted three times and banned.
     turbulence_checks: int = 8
+    # Recomputations go first to replicas the verifier does not suspect (no flag in their ledger window, not
+    # quarantined); a suspect is drawn only when no other peer is left. A checker cannot tell a disguised check
+    # from training, so an attacker lies on the checks it is asked to make as on its own traffic, and
+    # attackers whose lies do not depend on the input (mimic, constant) or are the same function of it
+    # (scaling) agree with each other: in `sentinel_table --quick` (disguised), mimic attackers vouched for
+    # each other's flagged tensors 14 times and, as two against one, convicted honest replicas 19 times.
+    unsuspected_checkers_first: bool = True
 
     def __post_init__(self) -> None:
         for name in ("base_rate", "new_peer_rate", "flagged_rate", "flagged_tensor_rate", "quarantined_rate"):

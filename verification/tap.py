@@ -320,6 +320,12 @@ class SentinelTap:
         )
         self._act(decision, kind="spotcheck")
 
+    def spot_suspect(self, replica: str) -> bool:
+        """Flags in its ledger window, or quarantined: drawn as a checker last (`unsuspected_checkers_first`)."""
+        spot = self.config.spot  # None: no spot checks, so no checker is drawn
+        on = spot is None or spot.unsuspected_checkers_first
+        return on and (self.ledger.is_quarantined(replica) or self.ledger.flags_in_window(replica) > 0)
+
     def spot_cleared(self, replica: str, microbatch_id: int) -> bool:
         """Whether a spot check cleared `replica`'s tensor of `microbatch_id` (use it even if flagged)."""
         return (replica, microbatch_id) in self._cleared

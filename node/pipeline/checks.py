@@ -146,11 +146,11 @@ class AnswerChecks:
         this stage the checked backward came (`MAX_CHECK_GAP_S`)."""
         if not self.tap.spot_check_due(stage, direction, replica):
             return checked
-        peers = self.picker.others(stage, replica)
+        trusted, suspects = self._checkers(stage, replica)
         outputs: list[tuple[str, torch.Tensor]] = []
         verdict = None
-        while peers and len(outputs) < 2:
-            peer = self.picker.draw(peers)
+        while (trusted or suspects) and len(outputs) < 2:
+            peer = self.picker.draw(trusted or suspects)
             out = await self._recompute(peer, stage, direction, microbatch, x, given, targets, gap_s)
             if out is None:
                 continue
@@ -172,6 +172,17 @@ class AnswerChecks:
         if checked is not original and cleared is not None and cleared(replica, microbatch):
             return original  # the flag was taken back: use the tensor after all (not a drop or the EMA)
         return checked
+
+    def _checkers(self, stage: int, replica: str) -> tuple[list[str], list[str]]:
+        """The peers that may recompute `replica`'s answer: those the tap does not suspect, drawn first, and its
+        suspects (`SpotCheckConfig.unsuspected_checkers_first`: attackers that cannot tell a check from
+        training lie on it, and identical lies agree)."""
+        peers = self.picker.others(stage, replica)
+        suspect = getattr(self.tap, "spot_suspect", None)
+        if suspect is None:
+            return peers, []
+        suspects = [p for p in peers if suspect(p)]
+        return [p for p in peers if p not in suspects], suspects
 
     async def _recompute(
         self,
