@@ -8,6 +8,8 @@ Nothing here touches sockets, asyncio or the global clock: `now` (seconds on any
   (work queued there + 1 microbatch) / throughput, where throughput is our own measurement of that replica
   when we have one and its announced figure otherwise, and "work queued" counts both its announced queue and
   the hops we already have in flight on it. Failed replicas sit out a cooldown that doubles per failure.
+  A replica that got nothing of ours for `reprobe_after_s` gets the next hop of its stage, so one slow
+  measurement cannot starve it for good (scores only move on answers).
   A replica that timed out is slow, not gone: its estimate is divided, the next request to it may take longer,
   and only `timeouts_before_cooldown` timeouts in a row put it in a cooldown.
 * `RetryPolicy` bounds how many tries one hop may make and how long each may take.
@@ -67,8 +69,13 @@ class RoutingConfig:
     # live replica of a stage out (the verifier waits while every replica of a stage cools down). Only this many
     # timeouts in a row (each already given a longer timeout) count as a failure.
     timeouts_before_cooldown: int = 3
+    # Scores only move on answers, so a replica that measured slow once (a cold first call on a loaded box) and
+    # then lost every choice would never be measured again: one idle this long gets the next hop of its stage.
+    reprobe_after_s: float = 20.0  # inf: never
 
     def __post_init__(self) -> None:
+        if not self.reprobe_after_s > 0:
+            raise ValueError(f"reprobe_after_s must be positive, got {self.reprobe_after_s}")
         if not (math.isfinite(self.prior_throughput) and self.prior_throughput > 0):
             raise ValueError(f"prior_throughput must be positive, got {self.prior_throughput}")
         if not 0 < self.measurement_weight <= 1:
@@ -103,6 +110,7 @@ class ReplicaRouter:
         self._failures: OrderedDict[str, _Failures] = OrderedDict()
         self._in_flight: dict[str, int] = {}
         self._timeouts: OrderedDict[str, int] = OrderedDict()  # peer -> timeouts in a row
+        self._last_chosen: OrderedDict[str, float] = OrderedDict()  # peer -> when last chosen (or first seen)
 
     # ---- bookkeeping
 
@@ -212,7 +220,7 @@ class ReplicaRouter:
 
         Replicas in `exclude` (already failed for this hop) or `banned` are skipped, and so are those in a failure
         cooldown unless every remaining replica of the stage is in one. Ties (within 1 %) are broken at random,
-        so equal replicas share the load.
+        so equal replicas share the load. A candidate idle for `reprobe_after_s` goes first, whatever its score.
         """
         skip = set(exclude) | set(banned)
         eligible = [r for r in replicas if r.stage == stage and r.peer_id not in skip]
@@ -224,15 +232,32 @@ class ReplicaRouter:
             candidates, note = eligible, " (all in cooldown)"
         if not candidates:
             return None
-        scored = sorted((self.projected_s(r, tokens), r.peer_id) for r in candidates)
-        best_s = scored[0][0]
-        tied = [peer for s, peer in scored if s <= best_s * 1.01]
-        peer_id = tied[0] if len(tied) == 1 else rng.choice(tied)
-        return Choice(
-            peer_id=peer_id,
-            projected_s=best_s,
-            reason=f"least projected time {best_s * 1000:.0f} ms of {len(candidates)} live replica(s){note}",
-        )
+        stale = self._stale(candidates, now)
+        if stale is not None:
+            idle_s, peer_id = stale
+            best_s = self.projected_s(next(r for r in candidates if r.peer_id == peer_id), tokens)
+            reason = f"re-measuring a replica idle for {idle_s:.0f} s (projected {best_s * 1000:.0f} ms)"
+        else:
+            scored = sorted((self.projected_s(r, tokens), r.peer_id) for r in candidates)
+            best_s = scored[0][0]
+            tied = [peer for s, peer in scored if s <= best_s * 1.01]
+            peer_id = tied[0] if len(tied) == 1 else rng.choice(tied)
+            reason = f"least projected time {best_s * 1000:.0f} ms of {len(candidates)} live replica(s){note}"
+        self._last_chosen.pop(peer_id, None)
+        self._last_chosen[peer_id] = now
+        self._trim(self._last_chosen)
+        return Choice(peer_id=peer_id, projected_s=best_s, reason=reason)
+
+    def _stale(self, candidates: list[ReplicaInfo], now: float) -> tuple[float, str] | None:
+        """The candidate idle longest, if it has had nothing of ours for `reprobe_after_s` since it was last
+        chosen (or first seen here) and holds nothing of ours now; None otherwise."""
+        idle: list[tuple[float, str]] = []
+        for r in candidates:
+            since = self._last_chosen.setdefault(r.peer_id, now)
+            if self.in_flight(r.peer_id) == 0 and now - since >= self.config.reprobe_after_s:
+                idle.append((now - since, r.peer_id))
+        self._trim(self._last_chosen)
+        return max(idle) if idle else None
 
 
 # ---------------------------------------------------------------------------------------------------- retries

@@ -3,6 +3,7 @@ rebalancing with hysteresis."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -613,3 +614,35 @@ def test_when_a_whole_stage_is_cooling_down_its_untried_replicas_are_still_used(
     assert choice is not None and choice.peer_id == "b" and "cooldown" in choice.reason
     assert choose(router, replicas, now=1.0, exclude={"a", "b"}) is None
     assert RetryPolicy().ask_same_again(HopFailure.LOST, 0)  # an answer lost in transit: ask the same replica
+
+
+def test_a_replica_that_measured_slow_once_is_measured_again_and_without_the_reprobe_it_starves() -> None:
+    def run(reprobe_after_s: float) -> Counter[str]:
+        router = ReplicaRouter(RoutingConfig(measurement_weight=1.0, reprobe_after_s=reprobe_after_s))
+        replicas = [replica("a", throughput=1000), replica("b", throughput=1000)]
+        router.record_success("a", tokens=128, seconds=0.01)  # 12,800 tokens/s
+        router.record_success("b", tokens=128, seconds=5.0)  # a cold first call: 26 tokens/s
+        picks: Counter[str] = Counter()
+        for step in range(120):  # a hop every 0.5 s for a minute, one at a time
+            chosen = choose(router, replicas, now=step * 0.5)
+            assert chosen is not None
+            picks[chosen] += 1
+            router.record_success(chosen, tokens=128, seconds=0.01)  # b is as fast as a once warm
+        return picks
+
+    with_reprobe = run(20.0)
+    assert with_reprobe["b"] >= 20, with_reprobe  # re-measured after 20 s idle, then shares the load
+    assert run(math.inf)["b"] == 0  # control: scored on its one slow answer, it never gets a hop again
+
+
+def test_the_reprobe_skips_a_replica_that_holds_our_hops_and_keeps_its_own_clock() -> None:
+    router = ReplicaRouter(RoutingConfig(reprobe_after_s=10.0))
+    replicas = [replica("fast", throughput=10_000), replica("slow", throughput=10)]
+    assert choose(router, replicas, now=0.0) == "fast"  # both first seen now
+    assert choose(router, replicas, now=9.0) == "fast"
+    assert choose(router, replicas, now=10.0) == "slow"  # idle 10 s: re-measured
+    assert choose(router, replicas, now=11.0) == "fast"  # chosen at 10: its clock restarts
+    router.started("slow")
+    assert choose(router, replicas, now=25.0) == "fast"  # holds a hop of ours: no second probe meanwhile
+    router.finished("slow")
+    assert choose(router, replicas, now=25.0) == "slow"
