@@ -15,8 +15,11 @@ Each measured party is a child process of its own (spawned), and reports its pea
   CPU take minutes), and takes its checkpoint snapshot. Each contribution goes through the syncer's real push route
   (benchmarks.push_route: the route's stream server reads the signed frame, generated a chunk at a time as it is
   read, into a spill file, `SyncerService` opens and accepts it; `push_path` "route"); `--push-in-memory` and
-  `--push-on-disk` hand a push built in memory or in a spill file to `SyncerCore.accept` instead. It runs only when
-  the machine has the memory free (else the JSON says why it was skipped).
+  `--push-on-disk` hand a push built in memory or in a spill file to `SyncerCore.accept` instead. `--probe-1b`
+  scores each push with the loss probe first (as deployed: the contribution applied streamed through the forward
+  pass; `--probe-1b whole`: built whole, the probe before node.ml.streamed_forward), on `--probe-batches` held-out
+  batches of `--probe-rows` 64-token sequences. It runs only when the machine has the memory free (else the JSON
+  says why it was skipped).
 * `stage_1b`: the parameter bytes of the largest pipeline stage of llama-1b (counted on the meta device).
 
 The syncer's goal is peak RSS <= model bytes + 2 fragments; `syncer_rss_ratio_*` is peak / (model bytes + 2 x the
