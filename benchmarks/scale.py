@@ -15,8 +15,11 @@ Each measured party is a child process of its own (spawned), and reports its pea
   CPU take minutes), and takes its checkpoint snapshot. Each contribution goes through the syncer's real push route
   (benchmarks.push_route: the route's stream server reads the signed frame, generated a chunk at a time as it is
   read, into a spill file, `SyncerService` opens and accepts it; `push_path` "route"); `--push-in-memory` and
-  `--push-on-disk` hand a push built in memory or in a spill file to `SyncerCore.accept` instead. It runs only when
-  the machine has the memory free (else the JSON says why it was skipped).
+  `--push-on-disk` hand a push built in memory or in a spill file to `SyncerCore.accept` instead. `--probe-1b`
+  scores each push with the loss probe first (as deployed: the contribution applied streamed through the forward
+  pass; `--probe-1b whole`: built whole, the probe before node.ml.streamed_forward), on `--probe-batches` held-out
+  batches of `--probe-rows` 64-token sequences. It runs only when the machine has the memory free (else the JSON
+  says why it was skipped).
 * `stage_1b`: the parameter bytes of the largest pipeline stage of llama-1b (counted on the meta device).
 
 The syncer's goal is peak RSS <= model bytes + 2 fragments; `syncer_rss_ratio_*` is peak / (model bytes + 2 x the
@@ -253,8 +256,10 @@ class Host:
         self.published = asyncio.Event()
 
 
-def build_probe_for(run: Any) -> Any:
-    """The syncer's held-out loss probe as `node.roles.syncer.build_probe` makes it (the model's skeleton)."""
+def build_probe_for(run: Any, mode: str = "streamed", batches: int = 2, rows: int = 2) -> Any:
+    """The syncer's held-out loss probe as `node.roles.syncer.build_probe` makes it (the model's skeleton), on
+    `batches` held-out batches of `rows` sequences. `mode` "whole": the contribution applied is built whole before
+    each forward pass (the probe before node.ml.streamed_forward, to measure what streaming saves)."""
     from functools import partial
 
     from node.diloco.loss_probe import LossProbe
@@ -262,8 +267,22 @@ def build_probe_for(run: Any) -> Any:
     from node.roles.syncer import model_skeleton, skeleton_loss
 
     cfg = ModelConfig.from_dict(run.model)
-    held = [learnable_batch(cfg.vocab_size, 2, seed=1000 + i) for i in range(2)]
-    return LossProbe(partial(skeleton_loss, model_skeleton(cfg), batches=held))
+    held = [learnable_batch(cfg.vocab_size, rows, seed=1000 + i) for i in range(batches)]
+    loss = partial(skeleton_loss, model_skeleton(cfg), batches=held)
+    if mode != "whole":
+        return LossProbe(loss)
+
+    def whole(params: Any) -> float:
+        return float(loss({name: params[name] for name in params}))
+
+    return LossProbe(whole)
+
+
+def probe_options(probe: bool | dict[str, Any]) -> dict[str, Any] | None:
+    """`build_probe_for`'s keyword arguments for a core round's `probe` (False: off; True: as deployed)."""
+    if probe is False:
+        return None
+    return {} if probe is True else dict(probe)
 
 
 async def merge_one(host: Host, fragment: int) -> Any:
@@ -672,7 +691,7 @@ class RoutePusher:
 
 
 def core_round(
-    preset: str, contributors: int, probe: bool, num_fragments: int = 4, push: str = "memory"
+    preset: str, contributors: int, probe: bool | dict[str, Any], num_fragments: int = 4, push: str = "memory"
 ) -> dict[str, Any]:
     """A syncer core merging every fragment of `preset` from synthetic contributions, each scored by the held-out
     loss probe first (`probe`), in this process; then a checkpoint written from its snapshot. Peak RSS after
@@ -692,7 +711,8 @@ def core_round(
     core = new_core(run, dict(model.named_parameters()), ScreeningConfig(loss_probe=probe), Path(spill.name))
     del model
     try:
-        scorer = build_probe_for(run) if probe else None
+        options = probe_options(probe)
+        scorer = build_probe_for(run, **options) if options is not None else None
     except ImportError:
         scorer = copying_probe(run)
     setup_peak, started, merged, refused = peak_rss_bytes(), time.perf_counter(), 0, []
@@ -730,6 +750,7 @@ def core_round(
         "num_fragments": core.plan.num_fragments,
         "refused": refused,
         "probe": probe_status(scorer),
+        "probe_options": probe_options(probe),
         "round_s": round(round_s, 2),
         "checkpoint_s": round(checkpoint_s, 2),
     }
@@ -743,7 +764,7 @@ def child_peak_rss(pid: int | None) -> int | None:
 def run_core(
     preset: str,
     contributors: int,
-    probe: bool,
+    probe: bool | dict[str, Any],
     timeout_s: float,
     num_fragments: int = 4,
     push: str = "memory",
@@ -819,8 +840,16 @@ def part_1b(args: argparse.Namespace, fragments: int = FRAGMENTS_1B) -> dict[str
     if free < need:
         return {**out, "skipped": f"{free / GiB:.1f} GiB available < {need / GiB:.1f} GiB needed"}
     push = args.push or "route"  # through the syncer's push route (received into a spill file), as deployed
-    out.update(run_core("llama-1b", 2, False, timeout_s=3000, num_fragments=fragments, push=push))
+    out.update(run_core("llama-1b", 2, probe_1b(args), timeout_s=3000, num_fragments=fragments, push=push))
     return out
+
+
+def probe_1b(args: argparse.Namespace) -> bool | dict[str, Any]:
+    """The 1B core's probe from the command line: off unless `--probe-1b` (its mode and held-out batches)."""
+    mode = getattr(args, "probe_1b", None)
+    if mode is None:
+        return False
+    return {"mode": mode, "batches": args.probe_batches, "rows": args.probe_rows}
 
 
 def headline_1b(big: dict[str, Any]) -> dict[str, Any]:
@@ -1001,6 +1030,19 @@ def main(argv: list[str] | None = None) -> int:
         "--fragments-1b", type=int, default=FRAGMENTS_1B, help="fragments a stage of the 1B part"
     )
     parser.add_argument(
+        "--probe-1b",
+        nargs="?",
+        const="streamed",
+        choices=["streamed", "whole"],
+        default=None,
+        help="the 1B core (--core llama-1b, --only-1b) scores each push with the held-out loss probe (off by default: "
+        "minutes of CPU per contribution); whole: the contribution applied built whole (the probe before streaming)",
+    )
+    parser.add_argument("--probe-batches", type=int, default=2, help="held-out batches of the 1B probe")
+    parser.add_argument(
+        "--probe-rows", type=int, default=2, help="sequences per held-out batch of the 1B probe"
+    )
+    parser.add_argument(
         "--only-core", action="store_true", help="rerun the --model core into the existing JSON"
     )
     parser.add_argument(
@@ -1009,7 +1051,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.core:  # e.g. on an older checkout, to measure what a change saved
         fragments = args.fragments_1b if args.core == "llama-1b" else 4
-        result = run_core(args.core, 2, args.core != "llama-1b", 3000, fragments, args.push or "memory")
+        probe = probe_1b(args) if args.core == "llama-1b" else True
+        result = run_core(args.core, 2, probe, 3000, fragments, args.push or "memory")
         print(json.dumps(result, indent=2))
         return 0
     from benchmarks.common import RESULTS_DIR, machine_info

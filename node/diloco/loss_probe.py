@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -93,19 +93,16 @@ class LossProbe:
         `versions`). None when the contribution or a loss is not finite (the screen rejects those anyway).
         `reverse`: measure the loss with the delta reversed too (`LossScore.opposite`, one more forward pass)."""
         started = clock()
-        found = _applied(current, base, params)
-        if found is None:
+        norm = _checked_norm(current, base, params)
+        if norm is None:
             return None
-        applied, norm = found
         if self._before is None or self._before[0] != versions:
             self._before = (versions, self.loss(current))
         before = self._before[1]
-        after = self.loss({**current, **applied})
+        after = self.loss(Applied(current, base, params, sign=1.0))
         opposite = None
         if reverse and math.isfinite(after):
-            for name, tensor in applied.items():  # current + delta, in place: 2 current - (current - delta)
-                tensor.mul_(-1.0).add_(current[name], alpha=2.0)
-            opposite = self.loss({**current, **applied})
+            opposite = self.loss(Applied(current, base, params, sign=-1.0))  # current + delta
         cost = max(0.0, clock() - started)
         self.measured += 1
         self.total_cost_s += cost
@@ -124,24 +121,63 @@ class LossProbe:
         }
 
 
-def _applied(
+def _checked_norm(
     current: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], float] | None:
-    """current - (base - params) per tensor of `params`, written a chunk at a time into one new tensor each (a
-    spilled base is read a chunk at a time: no fragment-sized temporary, issue 17), and the delta's norm; None if
-    a value is not finite."""
-    applied: dict[str, torch.Tensor] = {}
+) -> float | None:
+    """The norm of the delta (base - params), read a chunk at a time; None if a value of current - delta is not
+    finite. Nothing fragment-sized is built (issue 17): the applied tensors are computed again, a block at a time,
+    inside each forward pass (`Applied`)."""
     squares: list[float] = []
     for name in params:
-        tensor = applied[name] = torch.empty(chunked.shape(params, name), dtype=torch.float32)
-        flat = tensor.view(-1)
-        for start, stop in chunked.ranges(tensor.numel()):
+        for start, stop in chunked.ranges(chunked.numel(params, name)):
             delta = chunked.delta_piece(base, params, name, start, stop)
-            flat[start:stop] = chunked.piece(current, name, start, stop) - delta
-            if not bool(torch.isfinite(flat[start:stop]).all()):
+            if not bool(torch.isfinite(chunked.piece(current, name, start, stop) - delta).all()):
                 return None
             squares.append(chunked.squared(delta))
-    return applied, math.sqrt(math.fsum(squares))
+    return math.sqrt(math.fsum(squares))
+
+
+class Applied(Mapping[str, torch.Tensor]):
+    """Every global tensor of `current`, those of `params` replaced by current - sign x (base - params): the
+    contribution applied alone (sign 1) or reversed (sign -1). The replaced ones are `streamed`: a loss function
+    that knows it (node.roles.syncer.skeleton_loss, through node.ml.streamed_forward) reads them a range at a time
+    (`chunk`) while its forward pass needs them; `[name]` computes one whole (for loss functions that need it).
+    Built whole, they were a fragment more in the syncer's memory for each push it scored (docs/scale.md)."""
+
+    def __init__(
+        self,
+        current: Mapping[str, torch.Tensor],
+        base: Mapping[str, torch.Tensor],
+        params: Mapping[str, torch.Tensor],
+        sign: float,
+    ) -> None:
+        self.current, self.base, self.params, self.sign = current, base, params, sign
+        self.streamed = frozenset(params)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return chunked.shape(self.current, name)
+
+    def chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
+        now = chunked.piece(self.current, name, start, stop).to(torch.float32)
+        if name not in self.streamed:
+            return now
+        return now - self.sign * chunked.delta_piece(self.base, self.params, name, start, stop)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.streamed:
+            return self.current[name]
+        shape = self.shape_of(name)
+        out = torch.empty(shape, dtype=torch.float32)
+        flat = out.view(-1)
+        for start, stop in chunked.ranges(flat.numel()):
+            flat[start:stop] = self.chunk(name, start, stop)
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.current)
+
+    def __len__(self) -> int:
+        return len(self.current)
 
 
 class LossBound:

@@ -808,17 +808,23 @@ def skeleton_loss(
     CPU in fp32 (the outer step's precision; the global model and its momentum on an accelerator would cost its
     memory twice over for what is a few forward passes per merge): the device only computes, on a transient
     copy. fp32 there too, no bf16 autocast: the probe's score is the difference of two losses, and bf16's
-    rounding would be noise of the size of an honest contribution's gain."""
+    rounding would be noise of the size of an honest contribution's gain. Tensors `params` streams (the probe's
+    contribution applied, node.diloco.loss_probe.Applied) are computed a block at a time inside the pass
+    (node.ml.streamed_forward), never held whole."""
     from torch.func import functional_call
 
     from node.ml.data import evaluate
+    from node.ml.streamed_forward import streamed_names, streaming
 
-    tensors = {name: tensor.to(device) for name, tensor in params.items()}  # the same tensors on the CPU
+    streamed = streamed_names(
+        params
+    )  # computed a block at a time inside the pass (the probe's applied fragment)
+    tensors = {name: params[name].to(device) for name in params if name not in streamed}  # shared on the CPU
 
     def loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return functional_call(model, tensors, (inputs.to(device), targets.to(device)))
 
-    with torch.no_grad():
+    with torch.no_grad(), streaming(model, params, device):
         return evaluate(loss, batches)
 
 
