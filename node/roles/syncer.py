@@ -816,9 +816,8 @@ def skeleton_loss(
     from node.ml.data import evaluate
     from node.ml.streamed_forward import streamed_names, streaming
 
-    streamed = streamed_names(
-        params
-    )  # computed a block at a time inside the pass (the probe's applied fragment)
+    # computed a block at a time inside the pass (the probe's applied fragment), never moved whole
+    streamed = streamed_names(params)
     tensors = {name: params[name].to(device) for name in params if name not in streamed}  # shared on the CPU
 
     def loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
