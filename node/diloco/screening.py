@@ -90,6 +90,10 @@ class ScreeningConfig:
     # bound (an overshoot down the gradient). inf: off. Honest llama-20m work was at worst 0.0036 x the loss above
     loss_reverse_tolerance: float = 0.005
     loss_mad_factor: float = 3.0  # after warm-up, the bound is also median + this x MAD of merged scores
+    # score a contribution in the model as it stood when its base was published (its other fragments at their
+    # versions then, if still held), not in today's global model, where an honest fragment's delta can meet other
+    # fragments that moved on since and look like an ascent step (node.diloco.syncer_core.probe_context)
+    loss_base_context: bool = True
     # evidence of work (node.diloco.evidence): a contribution's weight x a factor from its held-out slope (descent
     # per unit norm) relative to the lower median of recent full-weight slopes: 0 at or below the zero fraction, 1
     # at or above the full fraction, linear between (noise at an honest norm shows none). false: off
