@@ -80,9 +80,10 @@ class ScreeningConfig:
     rollback: bool = True  # a round whose outer step gives a non-finite parameter or momentum is rolled back
     # held-out loss-delta score (node.diloco.loss_probe): each contribution applied alone to the syncer's copy
     loss_probe: bool = True  # score each contribution on a private held-out batch (once the data is loaded)
-    loss_batches: int = (
-        2  # held-out batches per score (CPU cost: two forward passes of these per contribution)
-    )
+    # held-out batches per score (CPU cost: two forward passes of these per contribution). 4, not 2: late in a run
+    # an honest delta's held-out descent is small and 16 windows misjudged its sign (offline, the poisoning
+    # benchmark's model: 1.9 % of honest scores refused as ascent steps with 2 batches, 0.6 % with 4; docs/security.md)
+    loss_batches: int = 4
     loss_batch_size: int = 8  # sequences per held-out batch
     loss_tolerance: float = 0.02  # a loss rise up to this x the loss before is noise (the bound's floor)
     # a contribution whose held-out loss is higher than with its delta reversed by more than this x the loss is an
