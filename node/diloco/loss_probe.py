@@ -94,10 +94,13 @@ class LossProbe:
         params: Mapping[str, torch.Tensor],
         clock: Callable[[], float],
         reverse: bool = False,
+        read_s: float = 0.0,
     ) -> LossScore | None:
         """Score `params` (one fragment's tensors, built on `base`) against `current` (every global tensor, at
         `versions`: today's global model, or the model as it stood when `base` was published, its base context). None when the contribution or a loss is not finite (the screen rejects those anyway).
-        `reverse`: measure the loss with the delta reversed too (`LossScore.opposite`, one more forward pass)."""
+        `reverse`: measure the loss with the delta reversed too (`LossScore.opposite`, one more forward pass);
+        `read_s`: seconds the caller spent reading `current` back (spilled versions of a base context), counted in
+        the cost."""
         started = clock()
         found = _applied(current, base, params)
         if found is None:
@@ -114,7 +117,7 @@ class LossProbe:
             for name, tensor in applied.items():  # current + delta, in place: 2 current - (current - delta)
                 tensor.mul_(-1.0).add_(current[name], alpha=2.0)
             opposite = self.loss({**current, **applied})
-        cost = max(0.0, clock() - started)
+        cost = max(0.0, clock() - started) + read_s
         self.measured += 1
         self.total_cost_s += cost
         self.max_cost_s = max(self.max_cost_s, cost)

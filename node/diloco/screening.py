@@ -95,6 +95,9 @@ class ScreeningConfig:
     # versions then, if still held), not in today's global model, where an honest fragment's delta can meet other
     # fragments that moved on since and look like an ascent step (node.diloco.syncer_core.probe_context)
     loss_base_context: bool = True
+    # at most this many MiB of a base context's older versions are read back from the syncer's spill files per
+    # score (the rest in today's tensors), so a big model's probe never reads a model's worth (issue 17)
+    loss_context_read_mib: float = 256.0
     # evidence of work (node.diloco.evidence): a contribution's weight x a factor from its held-out slope (descent
     # per unit norm) relative to the lower median of recent full-weight slopes: 0 at or below the zero fraction, 1
     # at or above the full fraction, linear between (noise at an honest norm shows none). false: off
@@ -158,6 +161,8 @@ class ScreeningConfig:
             raise ValueError("screening.loss_batches and loss_batch_size must be >= 1")
         if not (0.0 <= self.loss_tolerance < math.inf and 0.0 <= self.loss_mad_factor < math.inf):
             raise ValueError("screening.loss_tolerance and loss_mad_factor must be finite numbers >= 0")
+        if not 0.0 <= self.loss_context_read_mib < math.inf:
+            raise ValueError("screening.loss_context_read_mib must be a finite number >= 0")
         if not self.loss_reverse_tolerance >= 0.0:
             raise ValueError("screening.loss_reverse_tolerance must be a number >= 0 (inf: off)")
         if not 0.0 <= self.evidence_zero_fraction < self.evidence_full_fraction < math.inf:

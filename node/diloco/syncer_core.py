@@ -1186,27 +1186,51 @@ def probe_base(core: SyncerCore, fragment: int, base_version: int) -> Mapping[st
     return base
 
 
-def probe_context(
-    core: SyncerCore, fragment: int, base_version: int
-) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
+@dataclass(frozen=True, slots=True)
+class ProbeContext:
+    """The model a contribution is scored in (`probe_context`): tensors held in memory, and versions in spill
+    files (pinned: a commit that drops one meanwhile does not pull it from under the probe), read by `read`."""
+
+    tensors: dict[str, torch.Tensor]
+    versions: tuple[int, ...]
+    spilled: tuple[Mapping[str, torch.Tensor], ...] = ()
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the context, the spilled ones read now (in the probe's worker thread, not the loop)."""
+        out = dict(self.tensors)
+        for mapping in self.spilled:
+            out.update({name: mapping[name] for name in mapping})
+        return out
+
+
+def probe_context(core: SyncerCore, fragment: int, base_version: int) -> ProbeContext:
     """The model a contribution to `fragment` on `base_version` is scored in (node.diloco.loss_probe), and its
     version vector: with `screening.loss_base_context`, every fragment as it stood when our merge published that
     base (the model its learner trained the fragment in), else today's global model. Applied alone to today's
-    model, an honest token-embedding delta meets a body that already moved on (the other fragments merged since,
-    at outer Nesterov): its loss rose and its reverse fell, and 20 honest pushes of a 40 s `clean` poisoning run
-    were refused as ascent steps. A fragment whose version then is no longer held in memory (dropped, or spilled
-    to a file: never read whole here, issue 17), and a base we did not publish (restored, adopted), take today's
-    tensors, as before."""
+    model, an honest token-embedding delta meets a head and body that moved on since (the other fragments merged
+    at outer Nesterov): its loss rose and its reverse's fell, and the poisoning benchmark's `clean` arm refused
+    such honest pushes as ascent steps (docs/security.md). Versions in spill files (the live syncer keeps only the
+    current one in memory) are read by the probe while their total stays within `loss_context_read_mib` (a model
+    bigger than that is scored in today's tensors for those fragments: issue 17's memory bound); a version no
+    longer held, and a base we did not publish (restored, adopted), take today's tensors, as before."""
     tensors, versions = dict(core.params), list(core.versions)
     vector = core.history.contexts.get((fragment, base_version))
-    if vector is None or not core.screen.config.loss_base_context:
-        return tensors, tuple(versions)
+    config = core.screen.config
+    if vector is None or not config.loss_base_context:
+        return ProbeContext(tensors, tuple(versions))
+    budget, spilled = config.loss_context_read_mib * 2**20, []
     for other, version in enumerate(vector):
         held = core.history.tensors.get(other, {}).get(version) if version != versions[other] else None
         if isinstance(held, dict):
             tensors.update(held)
             versions[other] = version
-    return tensors, tuple(versions)
+        elif isinstance(held, str) and core.history.spill is not None:
+            size = 4 * sum(core.params[name].numel() for name in core.plan.fragments[other].names)
+            if size <= budget:
+                budget -= size
+                spilled.append(SpilledTensors(core.history.spill, held, pinned=True))
+                versions[other] = version
+    return ProbeContext(tensors, tuple(versions), tuple(spilled))
 
 
 def screened(

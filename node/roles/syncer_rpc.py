@@ -456,10 +456,17 @@ class SyncerService:
             return None
         async with self.role.probe_lock:  # the probe's model is one copy
             # read before the next await: no commit swapping a version in (`core_now`)
-            context, versions = probe_context(await core_now(self.role), fragment, base_version)
-            return await asyncio.to_thread(
-                probe.measure, context, versions, base, params, time.perf_counter, True
-            )
+            context = probe_context(await core_now(self.role), fragment, base_version)
+
+            def measure() -> LossScore | None:  # spilled versions of the context are read here, off the loop
+                started = time.perf_counter()
+                current = context.read()
+                read_s = time.perf_counter() - started
+                return probe.measure(
+                    current, context.versions, base, params, time.perf_counter, True, read_s=read_s
+                )
+
+            return await asyncio.to_thread(measure)
 
     def _fresh(self, remote: str, fragment: int) -> None:
         """In recovery: `remote` sent the fragment's work snapshotted for us."""

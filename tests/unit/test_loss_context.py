@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,9 +50,11 @@ def redundant_loss(params: Mapping[str, torch.Tensor]) -> float:
 
 
 class Swarm:
-    def __init__(self, *, base_context: bool) -> None:
+    def __init__(self, *, base_context: bool, spill_dir: Path | None = None, read_mib: float = 256.0) -> None:
         # the seniority cap off: every identity here is young, and the cap's step scale is not what is tested
-        screening = ScreeningConfig(loss_base_context=base_context, young_weight_cap=1.0)
+        screening = ScreeningConfig(
+            loss_base_context=base_context, young_weight_cap=1.0, loss_context_read_mib=read_mib
+        )
         self.core = SyncerCore(
             PLAN,
             {n: t.detach().clone() for n, t in SEED.items()},
@@ -65,6 +68,7 @@ class Swarm:
             tokens_per_step=128,
             now=0.0,
             screening=screening,
+            spill_dir=spill_dir,  # the live syncer's: only current versions in memory, older ones in files
         )
         self.probe = LossProbe(redundant_loss)
         self.now, self.nonce, self.ticks = 0.0, itertools.count(1), itertools.count()
@@ -77,10 +81,11 @@ class Swarm:
 
     def score(self, fragment: int, params: Tensors) -> LossScore | None:
         base_version = self.core.versions[fragment]
-        context, versions = probe_context(self.core, fragment, base_version)
+        context = probe_context(self.core, fragment, base_version)
         base = self.core.history.at(fragment, base_version)
-        assert isinstance(base, dict)
-        return self.probe.measure(context, versions, base, params, lambda: next(self.ticks) * 0.001, True)
+        assert base is not None
+        clock = lambda: next(self.ticks) * 0.001  # noqa: E731
+        return self.probe.measure(context.read(), context.versions, base, params, clock, True)
 
     def push(self, peer: str, fragment: int, params: Tensors) -> None:
         self.now += 1.0
@@ -104,11 +109,13 @@ class Swarm:
         assert self.core.merge_now(fragment, 1, self.now) is not None
 
 
-def head_moved_past_the_embeddings_work(base_context: bool) -> tuple[Swarm, Tensors, Tensors]:
+def head_moved_past_the_embeddings_work(
+    base_context: bool, spill_dir: Path | None = None, read_mib: float = 256.0
+) -> tuple[Swarm, Tensors, Tensors]:
     """The embedding's version 1 is published (b = 0.07); then a merge of the head's fragment moves a to 1.12
     (a learner's 1.6 at outer lr 0.7). Returns the swarm, an honest step of b on that version 1 (+0.3, trained
     where a was 0: descent there) and its sign flip."""
-    s = Swarm(base_context=base_context)
+    s = Swarm(base_context=base_context, spill_dir=spill_dir, read_mib=read_mib)
     s.merged("warm", EMBED_FRAGMENT, s.moved(EMBED_FRAGMENT, EMBED, 0.1))
     honest = s.moved(EMBED_FRAGMENT, EMBED, 0.3)  # trained before the head's merge, pushed after it
     flipped = s.moved(EMBED_FRAGMENT, EMBED, -0.3)
@@ -117,8 +124,13 @@ def head_moved_past_the_embeddings_work(base_context: bool) -> tuple[Swarm, Tens
     return s, honest, flipped
 
 
-def test_an_honest_step_that_meets_moved_fragments_passes_in_its_base_context() -> None:
-    s, honest, _ = head_moved_past_the_embeddings_work(base_context=True)
+@pytest.mark.parametrize("spilled", [False, True])
+def test_an_honest_step_that_meets_moved_fragments_passes_in_its_base_context(
+    spilled: bool, tmp_path: Path
+) -> None:
+    """In memory, and with older versions in spill files (as the live syncer keeps them: there the first fix,
+    reading only versions held in memory, changed nothing, 6 honest refusals before and after)."""
+    s, honest, _ = head_moved_past_the_embeddings_work(True, tmp_path / "spill" if spilled else None)
     score = s.score(EMBED_FRAGMENT, honest)
     assert score is not None and score.descent is not None and score.descent > 0  # a step down where trained
     s.merged("honest", EMBED_FRAGMENT, honest)
@@ -134,8 +146,9 @@ def test_negative_control_scored_in_todays_model_the_honest_step_is_refused_as_a
     assert caught.value.reason == LOSS and "ascent step" in str(caught.value)
 
 
-def test_the_sign_flipped_step_is_refused_in_its_base_context() -> None:
-    s, _, flipped = head_moved_past_the_embeddings_work(base_context=True)
+@pytest.mark.parametrize("spilled", [False, True])
+def test_the_sign_flipped_step_is_refused_in_its_base_context(spilled: bool, tmp_path: Path) -> None:
+    s, _, flipped = head_moved_past_the_embeddings_work(True, tmp_path / "spill" if spilled else None)
     with pytest.raises(Refusal) as caught:
         s.push("evil", EMBED_FRAGMENT, flipped)
     assert caught.value.reason == LOSS and "ascent step" in str(caught.value)
@@ -155,23 +168,37 @@ def test_in_todays_model_the_verdicts_are_swapped() -> None:
 def test_the_context_is_every_fragment_at_its_version_when_the_base_was_published() -> None:
     s, _, _ = head_moved_past_the_embeddings_work(base_context=True)
     versions = list(s.core.versions)
-    context, vector = probe_context(s.core, EMBED_FRAGMENT, versions[EMBED_FRAGMENT])
+    found = probe_context(s.core, EMBED_FRAGMENT, versions[EMBED_FRAGMENT])
+    context, vector = found.read(), found.versions
     assert vector[HEAD_FRAGMENT] == versions[HEAD_FRAGMENT] - 1  # the head as it was, not its merge since
     assert torch.equal(context[HEAD], SEED[HEAD]) and not torch.equal(s.core.params[HEAD], SEED[HEAD])
     assert all(context[n] is s.core.params[n] for n in PLAN.fragments[EMBED_FRAGMENT].names)
     # a base we did not publish (the seed), and the switch off: today's model
-    seed_context, seed_vector = probe_context(s.core, HEAD_FRAGMENT, 0)
-    assert seed_vector == tuple(versions) and seed_context[HEAD] is s.core.params[HEAD]
+    seed = probe_context(s.core, HEAD_FRAGMENT, 0)
+    assert seed.versions == tuple(versions) and seed.tensors[HEAD] is s.core.params[HEAD]
     s.core.screen.config = ScreeningConfig(loss_base_context=False)
-    assert probe_context(s.core, EMBED_FRAGMENT, versions[EMBED_FRAGMENT])[1] == tuple(versions)
+    assert probe_context(s.core, EMBED_FRAGMENT, versions[EMBED_FRAGMENT]).versions == tuple(versions)
 
 
 def test_a_context_whose_version_was_dropped_takes_todays_tensors() -> None:
     s, _, _ = head_moved_past_the_embeddings_work(base_context=True)
     head_v0 = s.core.versions[HEAD_FRAGMENT] - 1
     s.core.history.tensors[HEAD_FRAGMENT].pop(head_v0)  # dropped (or spilled: a file, never read whole here)
-    context, vector = probe_context(s.core, EMBED_FRAGMENT, s.core.versions[EMBED_FRAGMENT])
-    assert vector == tuple(s.core.versions) and context[HEAD] is s.core.params[HEAD]
+    found = probe_context(s.core, EMBED_FRAGMENT, s.core.versions[EMBED_FRAGMENT])
+    assert found.versions == tuple(s.core.versions) and found.tensors[HEAD] is s.core.params[HEAD]
+
+
+def test_spilled_versions_are_read_only_within_the_budget(tmp_path: Path) -> None:
+    """A spilled version of the context is read (in the probe's thread) while the total fits
+    `loss_context_read_mib`; over it, today's tensors (a big model's probe never reads a model's worth)."""
+    s, honest, _ = head_moved_past_the_embeddings_work(True, tmp_path / "a")
+    found = probe_context(s.core, EMBED_FRAGMENT, s.core.versions[EMBED_FRAGMENT])
+    assert found.spilled and torch.equal(found.read()[HEAD], SEED[HEAD])
+    tight, _, _ = head_moved_past_the_embeddings_work(True, tmp_path / "b", read_mib=0.001)
+    over = probe_context(tight.core, EMBED_FRAGMENT, tight.core.versions[EMBED_FRAGMENT])
+    assert not over.spilled and over.versions == tuple(tight.core.versions)
+    with pytest.raises(Refusal):  # scored in today's model as before: the honest step refused (the control)
+        tight.push("honest", EMBED_FRAGMENT, honest)
 
 
 def test_the_loss_before_is_cached_per_version_vector_for_contexts_in_turn() -> None:
