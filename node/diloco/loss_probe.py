@@ -3,8 +3,11 @@ evaluates a private held-out batch on its copy of the model before and after app
 and rejects one that raises the loss beyond what honest contributions do.
 
 "Applied alone": the fragment's tensors become current - (base - params), i.e. the learner's own progress (its
-pseudo-gradient against its own base, as the merge takes it) at outer learning rate 1 on today's global model,
-every other tensor as it is. The score is `after - before` (nats); honest work lowers the loss or leaves it
+pseudo-gradient against its own base, as the merge takes it) at outer learning rate 1, every other tensor as it
+is, in the contribution's base context (node.diloco.syncer_core.probe_context, `loss_base_context`): the model as
+it stood when the syncer published that base, the one its learner trained the fragment in; "current" is that
+model, not today's global one, where the other fragments may have moved on and turn honest work into an apparent
+ascent step. The score is `after - before` (nats); honest work lowers the loss or leaves it
 within noise, an ascent step (a sign-flipped delta at an honest norm) raises it by about as much as honest work
 lowers it.
 
@@ -34,6 +37,7 @@ from node.diloco import chunked
 logger = logging.getLogger(__name__)
 
 LOSS = "screen: loss"
+BEFORE_CACHED = 16  # version vectors whose loss before is kept (one float each)
 LossFn = Callable[[Mapping[str, torch.Tensor]], float]  # held-out loss of a full parameter set
 
 
@@ -71,11 +75,13 @@ class LossScore:
 
 class LossProbe:
     """Measures `LossScore`s with `loss` (the shell's model and private batches) and caches the loss before per
-    version vector (it only changes when a version is published)."""
+    version vector (the model a contribution is scored in only changes when a version is published)."""
 
     def __init__(self, loss: LossFn) -> None:
         self.loss = loss
-        self._before: tuple[tuple[int, ...], float] | None = None
+        # the loss before, per version vector scored in: with base contexts (`probe_context` in
+        # node.diloco.syncer_core) pushes of different fragments are scored in different vectors, in turn
+        self._before: dict[tuple[int, ...], float] = {}
         self.measured = 0
         self.total_cost_s = 0.0
         self.max_cost_s = 0.0
@@ -88,22 +94,28 @@ class LossProbe:
         params: Mapping[str, torch.Tensor],
         clock: Callable[[], float],
         reverse: bool = False,
+        read_s: float = 0.0,
     ) -> LossScore | None:
         """Score `params` (one fragment's tensors, built on `base`) against `current` (every global tensor, at
-        `versions`). None when the contribution or a loss is not finite (the screen rejects those anyway).
-        `reverse`: measure the loss with the delta reversed too (`LossScore.opposite`, one more forward pass)."""
+        `versions`: today's global model, or the model as it stood when `base` was published, its base context).
+        None when the contribution or a loss is not finite (the screen rejects those anyway).
+        `reverse`: measure the loss with the delta reversed too (`LossScore.opposite`, one more forward pass);
+        `read_s`: seconds the caller spent reading `current` back (spilled versions of a base context), counted in
+        the cost."""
         started = clock()
         norm = _checked_norm(current, base, params)
         if norm is None:
             return None
-        if self._before is None or self._before[0] != versions:
-            self._before = (versions, self.loss(current))
-        before = self._before[1]
+        before = self._before.get(versions)
+        if before is None:
+            before = self._before[versions] = self.loss(current)
+            while len(self._before) > BEFORE_CACHED:  # the oldest vector first (dicts keep their order)
+                del self._before[next(iter(self._before))]
         after = self.loss(Applied(current, base, params, sign=1.0))
         opposite = None
         if reverse and math.isfinite(after):
             opposite = self.loss(Applied(current, base, params, sign=-1.0))  # current + delta
-        cost = max(0.0, clock() - started)
+        cost = max(0.0, clock() - started) + read_s
         self.measured += 1
         self.total_cost_s += cost
         self.max_cost_s = max(self.max_cost_s, cost)

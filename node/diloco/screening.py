@@ -80,9 +80,10 @@ class ScreeningConfig:
     rollback: bool = True  # a round whose outer step gives a non-finite parameter or momentum is rolled back
     # held-out loss-delta score (node.diloco.loss_probe): each contribution applied alone to the syncer's copy
     loss_probe: bool = True  # score each contribution on a private held-out batch (once the data is loaded)
-    loss_batches: int = (
-        2  # held-out batches per score (CPU cost: two forward passes of these per contribution)
-    )
+    # held-out batches per score (CPU cost: two forward passes of these per contribution). 4, not 2: late in a run
+    # an honest delta's held-out descent is small and 16 windows misjudged its sign (offline, the poisoning
+    # benchmark's model: 1.9 % of honest scores refused as ascent steps with 2 batches, 0.6 % with 4; docs/security.md)
+    loss_batches: int = 4
     loss_batch_size: int = 8  # sequences per held-out batch
     loss_tolerance: float = 0.02  # a loss rise up to this x the loss before is noise (the bound's floor)
     # a contribution whose held-out loss is higher than with its delta reversed by more than this x the loss is an
@@ -90,6 +91,13 @@ class ScreeningConfig:
     # bound (an overshoot down the gradient). inf: off. Honest llama-20m work was at worst 0.0036 x the loss above
     loss_reverse_tolerance: float = 0.005
     loss_mad_factor: float = 3.0  # after warm-up, the bound is also median + this x MAD of merged scores
+    # score a contribution in the model as it stood when its base was published (its other fragments at their
+    # versions then, if still held), not in today's global model, where an honest fragment's delta can meet other
+    # fragments that moved on since and look like an ascent step (node.diloco.syncer_core.probe_context)
+    loss_base_context: bool = True
+    # at most this many MiB of a base context's older versions are read back from the syncer's spill files per
+    # score (the rest in today's tensors), so a big model's probe never reads a model's worth (issue 17)
+    loss_context_read_mib: float = 256.0
     # evidence of work (node.diloco.evidence): a contribution's weight x a factor from its held-out slope (descent
     # per unit norm) relative to the lower median of recent full-weight slopes: 0 at or below the zero fraction, 1
     # at or above the full fraction, linear between (noise at an honest norm shows none). false: off
@@ -153,6 +161,8 @@ class ScreeningConfig:
             raise ValueError("screening.loss_batches and loss_batch_size must be >= 1")
         if not (0.0 <= self.loss_tolerance < math.inf and 0.0 <= self.loss_mad_factor < math.inf):
             raise ValueError("screening.loss_tolerance and loss_mad_factor must be finite numbers >= 0")
+        if not 0.0 <= self.loss_context_read_mib < math.inf:
+            raise ValueError("screening.loss_context_read_mib must be a finite number >= 0")
         if not self.loss_reverse_tolerance >= 0.0:
             raise ValueError("screening.loss_reverse_tolerance must be a number >= 0 (inf: off)")
         if not 0.0 <= self.evidence_zero_fraction < self.evidence_full_fraction < math.inf:

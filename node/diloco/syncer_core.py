@@ -355,6 +355,9 @@ class VersionHistory:
         self.merged_here = [False] * num_fragments
         self.dated = [False] * num_fragments
         self.ours: set[tuple[int, int]] = set()  # (fragment, version) published by one of our merges
+        # (fragment, version) -> every fragment's version right after our merge published it: the model a
+        # contribution on that base was trained in (`probe_context`)
+        self.contexts: dict[tuple[int, int], tuple[int, ...]] = {}
 
     def measured(self, fragment: int, version: int) -> bool:
         """Whether work on `version` has a measured start: we published it (learners overwrite with it at once). Not
@@ -390,10 +393,15 @@ class VersionHistory:
         now: float,
         *,
         spilled: str | None = None,
+        context: Sequence[int] = (),
     ) -> None:
-        """One of our merges published `version`; `spilled`: the file of `version - 1` (`spill_now`), if written."""
+        """One of our merges published `version`; `spilled`: the file of `version - 1` (`spill_now`), if written;
+        `context`: every fragment's version then (this one's `version`)."""
         self.published_at[(fragment, version)] = now
         self.published_at.pop((fragment, version - self.max_staleness - 2), None)
+        if context:
+            self.contexts[(fragment, version)] = tuple(context)
+        self.contexts.pop((fragment, version - self.max_staleness - 2), None)
         self.ours.add((fragment, version))
         self.ours.discard((fragment, version - self.max_staleness - 2))
         self.dated[fragment] = self.merged_here[fragment]
@@ -447,6 +455,7 @@ class VersionHistory:
         self.published_at[(fragment, version)] = published_at
         self._drop_all([fragment])
         self.ours = {key for key in self.ours if key[0] != fragment}
+        self.contexts = {key: c for key, c in self.contexts.items() if key[0] != fragment}
         self.tensors[fragment] = {version: dict(tensors)}
         self.merged_here[fragment] = False
         self.dated[fragment] = False
@@ -455,6 +464,7 @@ class VersionHistory:
         """After a restore: only the current (version, tensors) of each fragment are known, none of ours."""
         self.published_at.clear()
         self.ours.clear()
+        self.contexts.clear()
         self.restored_at = now
         self._drop_all(list(self.tensors))
         self.tensors = {f: {v: tensors} for f, (v, tensors) in enumerate(current)}
@@ -1063,7 +1073,7 @@ class SyncerCore(CoreState):
             new_params, spilled = self._swap_in(fragment, new_params, spilled), None
         self.params.update(new_params)
         version = self.versions[fragment] = self.versions[fragment] + 1
-        self.history.publish(fragment, version, new_params, now, spilled=spilled)
+        self.history.publish(fragment, version, new_params, now, spilled=spilled, context=self.versions)
         return version
 
     def _swap_in(self, fragment: int, new: SpilledTensors, spilled: str) -> dict[str, torch.Tensor]:
@@ -1174,6 +1184,53 @@ def probe_base(core: SyncerCore, fragment: int, base_version: int) -> Mapping[st
     ):  # read in the probe's thread while commits may drop the version's file
         return SpilledTensors(base.spill, base.key, pinned=True)
     return base
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeContext:
+    """The model a contribution is scored in (`probe_context`): tensors held in memory, and versions in spill
+    files (pinned: a commit that drops one meanwhile does not pull it from under the probe), read by `read`."""
+
+    tensors: dict[str, torch.Tensor]
+    versions: tuple[int, ...]
+    spilled: tuple[Mapping[str, torch.Tensor], ...] = ()
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the context, the spilled ones read now (in the probe's worker thread, not the loop)."""
+        out = dict(self.tensors)
+        for mapping in self.spilled:
+            out.update({name: mapping[name] for name in mapping})
+        return out
+
+
+def probe_context(core: SyncerCore, fragment: int, base_version: int) -> ProbeContext:
+    """The model a contribution to `fragment` on `base_version` is scored in (node.diloco.loss_probe), and its
+    version vector: with `screening.loss_base_context`, every fragment as it stood when our merge published that
+    base (the model its learner trained the fragment in), else today's global model. Applied alone to today's
+    model, an honest token-embedding delta meets a head and body that moved on since (the other fragments merged
+    at outer Nesterov): its loss rose and its reverse's fell, and the poisoning benchmark's `clean` arm refused
+    such honest pushes as ascent steps (docs/security.md). Versions in spill files (the live syncer keeps only the
+    current one in memory) are read by the probe while their total stays within `loss_context_read_mib` (a model
+    bigger than that is scored in today's tensors for those fragments: issue 17's memory bound); a version no
+    longer held, and a base we did not publish (restored, adopted), take today's tensors, as before."""
+    tensors, versions = dict(core.params), list(core.versions)
+    vector = core.history.contexts.get((fragment, base_version))
+    config = core.screen.config
+    if vector is None or not config.loss_base_context:
+        return ProbeContext(tensors, tuple(versions))
+    budget, spilled = config.loss_context_read_mib * 2**20, []
+    for other, version in enumerate(vector):
+        held = core.history.tensors.get(other, {}).get(version) if version != versions[other] else None
+        if isinstance(held, dict):
+            tensors.update(held)
+            versions[other] = version
+        elif isinstance(held, str) and core.history.spill is not None:
+            size = 4 * sum(core.params[name].numel() for name in core.plan.fragments[other].names)
+            if size <= budget:
+                budget -= size
+                spilled.append(SpilledTensors(core.history.spill, held, pinned=True))
+                versions[other] = version
+    return ProbeContext(tensors, tuple(versions), tuple(spilled))
 
 
 def screened(

@@ -43,6 +43,7 @@ from node.diloco.syncer_core import (
     Refusal,
     SyncerCore,
     probe_base,
+    probe_context,
     refuse,
     takes_base,
     wire_params,
@@ -445,7 +446,8 @@ class SyncerService:
     async def _score(
         self, core: SyncerCore, fragment: int, base_version: int, params: Mapping[str, Any]
     ) -> LossScore | None:
-        """Its held-out loss score and reverse (node.diloco.loss_probe), one at a time off the loop; None: off."""
+        """Its held-out loss score and reverse (node.diloco.loss_probe) in its base context (`probe_context`), one
+        at a time off the loop; None: off."""
         probe, config = self.role.probe, core.screen.config
         if probe is None or not (config.enabled and config.loss_probe):
             return None
@@ -453,11 +455,18 @@ class SyncerService:
         if base is None:
             return None
         async with self.role.probe_lock:  # the probe's model is one copy
-            current = dict((await core_now(self.role)).params)  # (no commit swapping a version in)
-            versions = tuple(core.versions)
-            return await asyncio.to_thread(
-                probe.measure, current, versions, base, params, time.perf_counter, True
-            )
+            # read before the next await: no commit swapping a version in (`core_now`)
+            context = probe_context(await core_now(self.role), fragment, base_version)
+
+            def measure() -> LossScore | None:  # spilled versions of the context are read here, off the loop
+                started = time.perf_counter()
+                current = context.read()
+                read_s = time.perf_counter() - started
+                return probe.measure(
+                    current, context.versions, base, params, time.perf_counter, True, read_s=read_s
+                )
+
+            return await asyncio.to_thread(measure)
 
     def _fresh(self, remote: str, fragment: int) -> None:
         """In recovery: `remote` sent the fragment's work snapshotted for us."""
