@@ -385,8 +385,12 @@ class SyncerService:
         except Refusal as e:
             if e.reason == "ahead of syncer" and recovering:
                 raise refuse("recovering", "recovering after a takeover") from None
-            if learner:
-                self._refused(remote, e, params, loss)
+            if learner and e.blame_sender:
+                self._refused(remote, fields["fragment"], e, params, loss)  # the ledger logs it
+            else:
+                logger.info(
+                    "fragment %d: push of %s refused (%s): %s", fields["fragment"], remote[-8:], e.reason, e
+                )
             raise
         self._admitted(remote, admission, params, learner=learner)
         if recovering and fields["seen_term"] == self.role.term:
@@ -396,15 +400,15 @@ class SyncerService:
         return self._answer(Kind.CONTROL, remote, meta=meta)
 
     def _refused(
-        self, remote: str, error: Refusal, params: Mapping[str, Any], loss: LossScore | None
+        self, remote: str, fragment: int, error: Refusal, params: Mapping[str, Any], loss: LossScore | None
     ) -> None:
-        """A blamed refusal goes into the learner ledger with its evidence; a ban it triggers is published through
-        the signed ban gossip (and holds here at once)."""
-        if not error.blame_sender:
-            return
+        """A blamed refusal goes into the learner ledger with its evidence (the fragment named: refusals cluster by
+        fragment, the loss screen's of the embedding's did); a ban it triggers is published through the signed ban
+        gossip (and holds here at once)."""
         scores = {"loss_before": loss.before, "loss_after": loss.after} if loss is not None else {}
         digest = contribution_digest(params)
-        self.ban(self.ledger.record(remote, error.reason, str(error), digest, time.time(), scores))
+        reason = f"fragment {fragment}: {error}"
+        self.ban(self.ledger.record(remote, error.reason, reason, digest, time.time(), scores))
 
     def _open_push(self, frame: bytearray | FrameFile, remote: str) -> Any:
         try:

@@ -100,9 +100,10 @@ class Host:
         self.watch.live_read_at = time.monotonic()
 
 
-def push_frame(host: Host, learner: NodeIdentity) -> bytearray:
-    """An honest learner's signed push of fragment 0 on version 0 (its parameters moved a little)."""
-    params = {n: t + 1e-3 * torch.randn_like(t) for n, t in host.core.fragment_tensors(0).items()}
+def push_frame(host: Host, learner: NodeIdentity, scale: float = 1e-3) -> bytearray:
+    """A learner's signed push of fragment 0 on version 0 (its parameters moved by about `scale`: honest at the
+    default)."""
+    params = {n: t + scale * torch.randn_like(t) for n, t in host.core.fragment_tensors(0).items()}
     contribution = OutgoingContribution(
         fragment=0,
         params=params,
@@ -154,3 +155,18 @@ def test_negative_control_without_a_ban_the_same_push_is_admitted() -> None:
     live_learner(host, learner)
     answer = asyncio.run(host.service._handle_push(push_frame(host, learner), learner.peer_id))
     assert answer and len(host.core.rounds[0].entries) == 1
+
+
+def test_a_refused_push_is_recorded_with_its_fragment(caplog: pytest.LogCaptureFixture) -> None:
+    # refusals cluster by fragment (the loss screen's honest ones were the embedding's, docs/security.md): the
+    # ledger's evidence and the log line name it
+    learner = NodeIdentity.generate()
+    host = Host(swarm_banned=set())
+    live_learner(host, learner)
+    frame = push_frame(host, learner, scale=1e30)
+    with pytest.raises(Refusal) as refused, caplog.at_level("WARNING"):
+        asyncio.run(host.service._handle_push(frame, learner.peer_id))
+    assert refused.value.reason == "screen: norm"
+    violations = host.service.ledger.status(time.time())[learner.peer_id]["evidence"]
+    assert [v["reason"][: len("fragment 0: norm")] for v in violations] == ["fragment 0: norm"]
+    assert "fragment 0: norm" in caplog.text
