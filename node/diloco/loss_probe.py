@@ -94,14 +94,11 @@ class LossProbe:
         params: Mapping[str, torch.Tensor],
         clock: Callable[[], float],
         reverse: bool = False,
-        read_s: float = 0.0,
     ) -> LossScore | None:
         """Score `params` (one fragment's tensors, built on `base`) against `current` (every global tensor, at
         `versions`: today's global model, or the model as it stood when `base` was published, its base context).
         None when the contribution or a loss is not finite (the screen rejects those anyway).
-        `reverse`: measure the loss with the delta reversed too (`LossScore.opposite`, one more forward pass);
-        `read_s`: seconds the caller spent reading `current` back (spilled versions of a base context), counted in
-        the cost."""
+        `reverse`: measure the loss with the delta reversed too (`LossScore.opposite`, one more forward pass)."""
         started = clock()
         norm = _checked_norm(current, base, params)
         if norm is None:
@@ -115,7 +112,7 @@ class LossProbe:
         opposite = None
         if reverse and math.isfinite(after):
             opposite = self.loss(Applied(current, base, params, sign=-1.0))  # current + delta
-        cost = max(0.0, clock() - started) + read_s
+        cost = max(0.0, clock() - started)
         self.measured += 1
         self.total_cost_s += cost
         self.max_cost_s = max(self.max_cost_s, cost)
@@ -164,14 +161,15 @@ class Applied(Mapping[str, torch.Tensor]):
         sign: float,
     ) -> None:
         self.current, self.base, self.params, self.sign = current, base, params, sign
-        self.streamed = frozenset(params)
+        # the applied tensors, and those `current` itself gives by range (a base context's spilled versions)
+        self.streamed = frozenset(params) | frozenset(getattr(current, "streamed", ()))
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         return chunked.shape(self.current, name)
 
     def chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
         now = chunked.piece(self.current, name, start, stop).to(torch.float32)
-        if name not in self.streamed:
+        if name not in self.params:
             return now
         return now - self.sign * chunked.delta_piece(self.base, self.params, name, start, stop)
 

@@ -95,8 +95,9 @@ class ScreeningConfig:
     # versions then, if still held), not in today's global model, where an honest fragment's delta can meet other
     # fragments that moved on since and look like an ascent step (node.diloco.syncer_core.probe_context)
     loss_base_context: bool = True
-    # at most this many MiB of a base context's older versions are read back from the syncer's spill files per
-    # score (the rest in today's tensors), so a big model's probe never reads a model's worth (issue 17)
+    # at most this many MiB of a base context's older versions are read from the syncer's spill files per score
+    # (the rest in today's tensors). They are read by range inside each forward pass, never held whole, so this
+    # bounds the probe's reading time, not its memory
     loss_context_read_mib: float = 256.0
     # evidence of work (node.diloco.evidence): a contribution's weight x a factor from its held-out slope (descent
     # per unit norm) relative to the lower median of recent full-weight slopes: 0 at or below the zero fraction, 1

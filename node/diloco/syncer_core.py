@@ -1186,21 +1186,44 @@ def probe_base(core: SyncerCore, fragment: int, base_version: int) -> Mapping[st
     return base
 
 
-@dataclass(frozen=True, slots=True)
-class ProbeContext:
-    """The model a contribution is scored in (`probe_context`): tensors held in memory, and versions in spill
-    files (pinned: a commit that drops one meanwhile does not pull it from under the probe), read by `read`."""
+class ProbeContext(Mapping[str, torch.Tensor]):
+    """The model a contribution is scored in (`probe_context`), every global tensor by name: those held in memory,
+    and versions in spill files (pinned: a commit that drops one meanwhile does not pull it from under the probe).
+    A spilled tensor is never read whole by the probe's forward pass: it is `streamed` (node.ml.streamed_forward
+    reads it by range, `chunk`), so a base context costs the syncer no memory beyond the model (issue 17)."""
 
-    tensors: dict[str, torch.Tensor]
-    versions: tuple[int, ...]
-    spilled: tuple[Mapping[str, torch.Tensor], ...] = ()
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        versions: tuple[int, ...],
+        spilled: tuple[Mapping[str, torch.Tensor], ...] = (),
+    ) -> None:
+        self.tensors, self.versions, self.spilled = tensors, versions, spilled
+        self._source = {name: mapping for mapping in spilled for name in mapping}
+        self.streamed = frozenset(self._source)
+
+    def chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
+        source = self._source.get(name)
+        return chunked.piece(self.tensors if source is None else source, name, start, stop)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        source = self._source.get(name)
+        return chunked.shape(self.tensors if source is None else source, name)
 
     def read(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the context, the spilled ones read now (in the probe's worker thread, not the loop)."""
-        out = dict(self.tensors)
-        for mapping in self.spilled:
-            out.update({name: mapping[name] for name in mapping})
-        return out
+        """Every tensor of the context, the spilled ones read whole now (for loss functions that need them so)."""
+        return {name: self[name] for name in self}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        source = self._source.get(name)
+        return self.tensors[name] if source is None else source[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.tensors
+        yield from (name for name in self._source if name not in self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors) + sum(name not in self.tensors for name in self._source)
 
 
 def probe_context(core: SyncerCore, fragment: int, base_version: int) -> ProbeContext:
@@ -1212,7 +1235,8 @@ def probe_context(core: SyncerCore, fragment: int, base_version: int) -> ProbeCo
     such honest pushes as ascent steps (docs/security.md). Versions in spill files (the live syncer keeps only the
     current one in memory) are read by the probe while their total stays within `loss_context_read_mib` (a model
     bigger than that is scored in today's tensors for those fragments: issue 17's memory bound); a version no
-    longer held, and a base we did not publish (restored, adopted), take today's tensors, as before."""
+    longer held, and a base we did not publish (restored, adopted), take today's tensors, as before. (The probe's
+    forward reads spilled ones by range, not whole: the budget bounds the reading time, not memory.)"""
     tensors, versions = dict(core.params), list(core.versions)
     vector = core.history.contexts.get((fragment, base_version))
     config = core.screen.config

@@ -462,15 +462,10 @@ class SyncerService:
             # read before the next await: no commit swapping a version in (`core_now`)
             context = probe_context(await core_now(self.role), fragment, base_version)
 
-            def measure() -> LossScore | None:  # spilled versions of the context are read here, off the loop
-                started = time.perf_counter()
-                current = context.read()
-                read_s = time.perf_counter() - started
-                return probe.measure(
-                    current, context.versions, base, params, time.perf_counter, True, read_s=read_s
-                )
-
-            return await asyncio.to_thread(measure)
+            # its spilled versions are read in the probe's thread, a range at a time inside the forward passes
+            return await asyncio.to_thread(
+                probe.measure, context, context.versions, base, params, time.perf_counter, True
+            )
 
     def _fresh(self, remote: str, fragment: int) -> None:
         """In recovery: `remote` sent the fragment's work snapshotted for us."""

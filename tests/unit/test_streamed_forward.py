@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,8 @@ import torch
 from torch import nn
 
 from node.diloco.loss_probe import Applied
+from node.diloco.spill import SpillDir, SpilledTensors
+from node.diloco.syncer_core import ProbeContext
 from node.ml.model import ModelConfig, build_model
 from node.ml.streamed_forward import streaming
 from node.roles.syncer import model_skeleton, skeleton_loss
@@ -77,8 +80,8 @@ def test_streamed_scores_as_the_applied_tensors_built_whole(family: str, sign: f
 
 
 class LiveBytes(Applied):
-    """`Applied` that, at every range read, adds up the tensors alive in the process that are none of the inputs'
-    (the largest sum seen: what the pass holds beyond the model at that moment)."""
+    """`Applied` that, at every range read, adds up the tensors alive in the process that were not alive when it was
+    made (the largest sum seen: what the pass holds beyond the model at that moment)."""
 
     peak = 0
 
@@ -94,15 +97,11 @@ class LiveBytes(Applied):
         return super().chunk(name, start, stop)
 
     def _live(self) -> int:
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for group in (self.current, self.base, self.params)
-            for t in group.values()
-        }
+        # the inputs held in memory were alive before the pass, so `_before` holds them
         seen = {
             storage.data_ptr(): nbytes
             for storage, nbytes in self._storages()
-            if storage.data_ptr() not in inputs and storage.data_ptr() not in self._before
+            if storage.data_ptr() not in self._before
         }
         return sum(seen.values())
 
@@ -171,3 +170,36 @@ def test_a_streamed_name_missing_from_the_model_is_refused() -> None:
     applied = Applied(current, current, current, sign=1.0)
     with pytest.raises(KeyError), streaming(model_skeleton(cfg), applied):
         pass
+
+
+def test_a_base_context_in_spill_files_is_streamed_not_read_whole(tmp_path: Path) -> None:
+    # the loss screen scores in the base context (node.diloco.syncer_core.probe_context); its older versions live in
+    # the syncer's spill files, and the forward reads them by range like the applied contribution
+    cfg, current, base, params = setup("llama", lambda n: ".layers.1." in n)
+    older = {
+        n: t + 0.02 for n, t in current.items() if "embed" in n or ".layers.0." in n
+    }  # other fragments, then
+    spill = SpillDir(tmp_path / "spill")
+    spill.write("v1", older)
+    context = ProbeContext(
+        {n: t for n, t in current.items() if n not in older},
+        (1, 0),
+        (SpilledTensors(spill, "v1", pinned=True),),
+    )
+    assert context.streamed == frozenset(older)
+    skeleton, batches = model_skeleton(cfg), held(7, rows=1, seq=4)
+    expected = skeleton_loss(skeleton, whole(Applied({**current, **older}, base, params, sign=1.0)), batches)
+    assert skeleton_loss(skeleton, Applied(context, base, params, sign=1.0), batches) == pytest.approx(
+        expected, rel=1e-5
+    )
+    assert skeleton_loss(skeleton, context, batches) == pytest.approx(
+        skeleton_loss(skeleton, context.read(), batches), rel=1e-5
+    )
+    # what the pass holds: a block, not the spilled fragments (control: read whole first, they are alive at once)
+    spilled_bytes = sum(t.numel() * 4 for t in older.values())
+    streamed = LiveBytes(context, base, params, sign=1.0)
+    small_loss(skeleton, streamed, batches)
+    read_first = LiveBytes(context, base, params, sign=1.0)
+    small_loss(skeleton, whole(read_first), batches)  # every tensor read whole before the pass (as before)
+    assert streamed.peak < 0.25 * spilled_bytes, (streamed.peak, spilled_bytes)
+    assert read_first.peak >= spilled_bytes, (read_first.peak, spilled_bytes)
