@@ -364,7 +364,8 @@ class SyncerService:
         # learners only: verifiers watch stage replicas (and the ledger's bans are learner bans)
         learner = holder is None or holder.role != "stage"
         key = (remote, fields["fragment"], fields["base_version"], header.nonce)
-        loss = await self._score(core, *key[1:3], params) if learner and takes_base(core, key) else None
+        scored = learner and takes_base(core, key)
+        loss = await score_push(self.role, core, *key[1:3], params) if scored else None
         await core_now(self.role)
         try:
             admission = core.accept(
@@ -385,12 +386,7 @@ class SyncerService:
         except Refusal as e:
             if e.reason == "ahead of syncer" and recovering:
                 raise refuse("recovering", "recovering after a takeover") from None
-            if learner and e.blame_sender:
-                self._refused(remote, fields["fragment"], e, params, loss)  # the ledger logs it
-            else:
-                logger.info(
-                    "fragment %d: push of %s refused (%s): %s", fields["fragment"], remote[-8:], e.reason, e
-                )
+            self._refused(remote, fields["fragment"], e, params, loss, learner=learner)
             raise
         self._admitted(remote, admission, params, learner=learner)
         if recovering and fields["seen_term"] == self.role.term:
@@ -400,11 +396,23 @@ class SyncerService:
         return self._answer(Kind.CONTROL, remote, meta=meta)
 
     def _refused(
-        self, remote: str, fragment: int, error: Refusal, params: Mapping[str, Any], loss: LossScore | None
+        self,
+        remote: str,
+        fragment: int,
+        error: Refusal,
+        params: Mapping[str, Any],
+        loss: LossScore | None,
+        *,
+        learner: bool,
     ) -> None:
-        """A blamed refusal goes into the learner ledger with its evidence (the fragment named: refusals cluster by
-        fragment, the loss screen's of the embedding's did); a ban it triggers is published through the signed ban
-        gossip (and holds here at once)."""
+        """A learner's blamed refusal goes into the learner ledger with its evidence, which logs it (the fragment
+        named: refusals cluster by fragment, the loss screen's of the embedding's did); a ban it triggers is published
+        through the signed ban gossip (and holds here at once). Any other refusal is only logged."""
+        if not (learner and error.blame_sender):
+            logger.info(
+                "fragment %d: push of %s refused (%s): %s", fragment, remote[-8:], error.reason, error
+            )
+            return
         scores = {"loss_before": loss.before, "loss_after": loss.after} if loss is not None else {}
         digest = contribution_digest(params)
         reason = f"fragment {fragment}: {error}"
@@ -446,26 +454,6 @@ class SyncerService:
                 "learner_banned", offender=ban.offender, reason=ban.reason, until=ban.until
             )
             logger.warning("learner %s banned: %s", ban.offender[-8:], ban.reason)
-
-    async def _score(
-        self, core: SyncerCore, fragment: int, base_version: int, params: Mapping[str, Any]
-    ) -> LossScore | None:
-        """Its held-out loss score and reverse (node.diloco.loss_probe) in its base context (`probe_context`), one
-        at a time off the loop; None: off."""
-        probe, config = self.role.probe, core.screen.config
-        if probe is None or not (config.enabled and config.loss_probe):
-            return None
-        base = probe_base(core, fragment, base_version)
-        if base is None:
-            return None
-        async with self.role.probe_lock:  # the probe's model is one copy
-            # read before the next await: no commit swapping a version in (`core_now`)
-            context = probe_context(await core_now(self.role), fragment, base_version)
-
-            # its spilled versions are read in the probe's thread, a range at a time inside the forward passes
-            return await asyncio.to_thread(
-                probe.measure, context, context.versions, base, params, time.perf_counter, True
-            )
 
     def _fresh(self, remote: str, fragment: int) -> None:
         """In recovery: `remote` sent the fragment's work snapshotted for us."""
@@ -680,3 +668,23 @@ def ban_notice(ban: LearnerBan, syncer_id: str) -> BanNotice:
     return BanNotice(
         offender=ban.offender, reason=reason[:250], evidence=evidence.to_bytes(), issued_at=time.time()
     )
+
+
+async def score_push(
+    role: SyncerHost, core: SyncerCore, fragment: int, base_version: int, params: Mapping[str, Any]
+) -> LossScore | None:
+    """A push's held-out loss score and reverse (node.diloco.loss_probe) in its base context (`probe_context`), one
+    at a time off the loop; None: off."""
+    probe, config = role.probe, core.screen.config
+    if probe is None or not (config.enabled and config.loss_probe):
+        return None
+    base = probe_base(core, fragment, base_version)
+    if base is None:
+        return None
+    async with role.probe_lock:  # the probe's model is one copy
+        # read before the next await: no commit swapping a version in (`core_now`)
+        context = probe_context(await core_now(role), fragment, base_version)
+        # its spilled versions are read in the probe's thread, a range at a time inside the forward passes
+        return await asyncio.to_thread(
+            probe.measure, context, context.versions, base, params, time.perf_counter, True
+        )
