@@ -20,11 +20,12 @@ need a gradient exchange every step. The LM head is a separate tensor, initialis
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -297,6 +298,75 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+# What an evaluation pass (`loss_pass_shape`) may hold in its largest activations: a llama-1b row at full context
+# is 0.25 GiB of float32 logits (32k vocabulary x 2,048 positions), cross-entropy's log-softmax as much again and
+# the MLP's three [2,048 x 5,632] tensors 0.13 GiB, so the syncer's 8-row held-out batches were 4-5 GiB beyond its
+# model (issue 17's budget: the model + 2 fragments)
+LOSS_PASS_BYTES = 64 << 20
+_ROW_LIVE = (
+    6  # [seq, width] tensors of a row alive at once in a layer (residual, norm, q, k, v, attention out)
+)
+_POSITION_LIVE = (
+    4  # per position: an MLP's gate, up, activation and product; or the logits and their log-softmax x 2
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PassShape:
+    """How a no-grad loss over [rows, seq] tokens is cut: `rows` sequences per forward pass, the position-wise
+    parts (each layer's MLP, the logits) run `positions` positions at a time (`seq` or more: whole)."""
+
+    rows: int
+    positions: int
+
+
+def loss_pass_shape(cfg: ModelConfig, rows: int, seq: int, budget_bytes: int = LOSS_PASS_BYTES) -> PassShape:
+    """The largest cut (at least one row and one position) whose activations stay near `budget_bytes`: the rows fit
+    a layer's [seq, width] tensors, then the positions the MLP's and the logits'. A small model: one pass, whole."""
+    per_row = seq * cfg.width * 4 * _ROW_LIVE
+    rows_per_pass = max(1, min(rows, budget_bytes // max(1, per_row)))
+    per_position = rows_per_pass * max(cfg.mlp_width, cfg.vocab_size // 2) * 4 * _POSITION_LIVE
+    return PassShape(rows_per_pass, max(1, min(seq, budget_bytes // max(1, per_position))))
+
+
+@contextlib.contextmanager
+def mlp_by_positions(layers: Iterable[nn.Module], positions: int) -> Iterator[None]:
+    """Every layer's MLP run `positions` positions at a time while inside: it is position-wise, so the values are
+    the same, and its [rows, seq, mlp_width] temporaries are built a slice at a time (no-grad evaluation)."""
+    patched: list[Any] = []
+    for layer in layers:
+        mlp: Any = layer.mlp
+        whole = mlp.forward
+
+        def forward(x: torch.Tensor, *args: Any, _whole: Any = whole, **kwargs: Any) -> torch.Tensor:
+            if x.shape[1] <= positions:
+                return _whole(x, *args, **kwargs)
+            parts = [
+                _whole(x[:, s : s + positions], *args, **kwargs) for s in range(0, x.shape[1], positions)
+            ]
+            return torch.cat(parts, dim=1)
+
+        mlp.forward = forward
+        patched.append(mlp)
+    try:
+        yield
+    finally:
+        for mlp in patched:
+            del mlp.forward  # the class's forward again
+
+
+def chunked_lm_loss(
+    logits_of: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, targets: torch.Tensor, positions: int
+) -> torch.Tensor:
+    """`lm_loss` of `logits_of(h)`, the logits built for `positions` positions at a time (no-grad evaluation)."""
+    total = torch.zeros((), dtype=torch.float32, device=h.device)
+    for start in range(0, h.shape[1], positions):
+        logits = logits_of(h[:, start : start + positions])
+        part = targets[:, start : start + positions].reshape(-1)
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), part, reduction="sum")
+    return total / targets.numel()
+
+
 class CausalLM(_LayerSpan):
     """The whole model: what learners hold."""
 
@@ -304,9 +374,14 @@ class CausalLM(_LayerSpan):
         super().__init__(cfg, (0, cfg.num_layers), is_first=True, is_last=True)
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *, loss_positions: int = 0
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """int64 tokens [B, T] -> logits [B, T, vocab], or (logits, loss) when targets [B, T] are given."""
+        """int64 tokens [B, T] -> logits [B, T, vocab], or (logits, loss) when targets [B, T] are given; with
+        targets and `loss_positions` > 0, the loss alone, the MLPs and logits run that many positions at a time."""
+        if targets is not None and loss_positions > 0:
+            with mlp_by_positions(self._layers.values(), loss_positions):
+                h = self.run_layers(self.embed(tokens))
+            return chunked_lm_loss(self.logits, h, targets, loss_positions)
         logits = self.logits(self.run_layers(self.embed(tokens)))
         if targets is None:
             return logits

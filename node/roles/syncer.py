@@ -801,7 +801,12 @@ def model_skeleton(cfg: Any, device: str = "cpu") -> Any:
 
 
 def skeleton_loss(
-    model: Any, params: Mapping[str, torch.Tensor], batches: list[Any], *, device: str = "cpu"
+    model: Any,
+    params: Mapping[str, torch.Tensor],
+    batches: list[Any],
+    *,
+    device: str = "cpu",
+    pass_bytes: int | None = None,
 ) -> float:
     """Mean held-out loss of `params` (every parameter of the model, by name) run through the skeleton on
     `device` (the skeleton's, `model_skeleton`). The master copy stays where the syncer core keeps it, on the
@@ -810,10 +815,13 @@ def skeleton_loss(
     copy. fp32 there too, no bf16 autocast: the probe's score is the difference of two losses, and bf16's
     rounding would be noise of the size of an honest contribution's gain. Tensors `params` streams (the probe's
     contribution applied, node.diloco.loss_probe.Applied) are computed a block at a time inside the pass
-    (node.ml.streamed_forward), never held whole."""
+    (node.ml.streamed_forward), never held whole. A batch is cut into passes of a few rows with their MLPs and
+    logits run a few positions at a time (`node.ml.model.loss_pass_shape`, `pass_bytes`, default `LOSS_PASS_BYTES`): at
+    llama-1b one full-context row's logits are 0.25 GiB."""
     from torch.func import functional_call
 
     from node.ml.data import evaluate
+    from node.ml.model import LOSS_PASS_BYTES, loss_pass_shape
     from node.ml.streamed_forward import streamed_names, streaming
 
     # computed a block at a time inside the pass (the probe's applied fragment), never moved whole
@@ -821,7 +829,19 @@ def skeleton_loss(
     tensors = {name: params[name].to(device) for name in params if name not in streamed}  # shared on the CPU
 
     def loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return functional_call(model, tensors, (inputs.to(device), targets.to(device)))
+        rows, seq = inputs.shape
+        cut = loss_pass_shape(model.cfg, rows, seq, LOSS_PASS_BYTES if pass_bytes is None else pass_bytes)
+        if cut.rows >= rows and cut.positions >= seq:  # a small model: one pass, whole
+            return functional_call(model, tensors, (inputs.to(device), targets.to(device)))
+        total = torch.zeros((), dtype=torch.float32)
+        for start in range(
+            0, rows, cut.rows
+        ):  # equal-length rows: the mean of the passes' means, row-weighted
+            part = slice(start, start + cut.rows)
+            args = (inputs[part].to(device), targets[part].to(device))
+            piece = functional_call(model, tensors, args, {"loss_positions": cut.positions})
+            total += piece.float().cpu() * (min(rows, start + cut.rows) - start)
+        return total / rows
 
     with torch.no_grad(), streaming(model, params, device):
         return evaluate(loss, batches)
