@@ -61,6 +61,12 @@ LOWBIT: dict[str, tuple[tuple[Scheme, int], tuple[Scheme, int]]] = {
     "a3g3": (("channel", 8), ("row", 8)),
     "rot4g2": (("row_rot", 16), ("row_rot", 4)),
     "a4g2b": (("channel", 16), ("block", 4)),
+    # fractional bits (`packing`), each within the 8x of issue 20 at the harness's shapes, scales and frames included
+    "a4g2.3": (("channel", 16), ("row", 5)),
+    "a4g2.7": (("channel", 16), ("row", 6)),
+    "a4.5g2": (("channel", 22), ("row", 4)),
+    "a4.7g2": (("channel", 25), ("row", 4)),
+    "a4.3g2.3": (("channel", 20), ("row", 5)),
 }
 BLOCK = 16  # values per scale of the "block" scheme (consecutive channels of a row; the row if the width is not a multiple)
 MAX_LO = 256 * MAX_SCALE  # a channel's min beyond this travels as fp32
