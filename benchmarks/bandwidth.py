@@ -12,7 +12,7 @@ and a syncer on the built-in corpus, the same seeds), the held-out loss at equal
 learners' pushes actually carried.
 
 Activations (issue 20 part 2, `benchmarks.bandwidth_activations`): one in-process pipeline per boundary codec
-(`--activation-codecs`, default all), under seeds 0, 1 and 2, bytes per microbatch of every frame and held-out loss
+(`--activation-codecs`, default all), under seeds 0, 1 and 2 (`--activation-seeds`), bytes per microbatch of every frame and held-out loss
 at equal tokens against fp32 (mean and spread over the seeds). The headline's `activation_compression` /
 `activation_loss_gap` are the recommended codec's: one meeting the goal (>= 8x at a mean gap <= 0.5 %) if any,
 else int8 (`activation_goal_met` says which); every other codec keeps `activation_<codec>_*` keys.
@@ -40,7 +40,7 @@ replaces are kept as `outer_*_default_step`). The plot gets a panel per live run
 
 Run: `python -m benchmarks.bandwidth [--numel 4194304] [--ef-numel 1048576] [--steps 20] [--live-s 90 | --live-s 0]
 [--wan-s 90 | --wan-s 0 | --wan-only | --live-only | --live-tuned [--outer ...]] [--activation-microbatches 600 |
---activations-only] [--activation-codecs fp32,int8,int4,a4g2,a3g3,rot4g2]`.
+--activations-only] [--activation-codecs fp32,int8,int4,a4g2,a3g3,rot4g2] [--activation-seeds 0,1,2]`.
 """
 
 from __future__ import annotations
@@ -253,11 +253,11 @@ def _plot(
     plt.close(fig)
 
 
-def _update_activations(microbatches: int, codecs: list[str]) -> None:
+def _update_activations(microbatches: int, codecs: list[str], seeds: list[int]) -> None:
     """Measure the activation arms and rewrite their keys into the existing results file (others kept)."""
     path = RESULTS_DIR / f"{NAME}.json"
     previous = json.loads(path.read_text())
-    activations = bandwidth_activations.measure(microbatches, codecs=codecs)  # type: ignore[arg-type]
+    activations = bandwidth_activations.measure(microbatches, seeds, codecs=codecs)  # type: ignore[arg-type]
     # every activation key is measured anew: a codec measured before may no longer be in the list
     stale = [k for k in previous["headline"] if k.startswith("activation_")]
     previous["headline"] = {k: v for k, v in previous["headline"].items() if k not in stale}
@@ -469,9 +469,15 @@ def main() -> None:
         default=",".join(BOUNDARY_CODECS),
         help="comma-separated boundary codecs to measure (fp32 always)",
     )
+    parser.add_argument(
+        "--activation-seeds",
+        default=",".join(map(str, bandwidth_activations.DEFAULT_SEEDS)),
+        help="comma-separated seeds of every activation arm (5 resolve a gap of about 0.5 %%)",
+    )
     args = parser.parse_args()
+    activation_seeds = [int(s) for s in args.activation_seeds.split(",")]
     if args.activations_only:
-        _update_activations(args.activation_microbatches, args.activation_codecs.split(","))
+        _update_activations(args.activation_microbatches, args.activation_codecs.split(","), activation_seeds)
         return
     if args.wan_only:
         _update_wan(args.wan_s, args.min_step_s)
@@ -531,6 +537,7 @@ def main() -> None:
     if args.activation_microbatches > 0:
         activations = bandwidth_activations.measure(
             args.activation_microbatches,
+            activation_seeds,
             codecs=args.activation_codecs.split(","),  # type: ignore[arg-type]
         )
         headline |= bandwidth_activations.headline(activations)

@@ -8,9 +8,10 @@ frame each way (requests and answers: activations, gradients, tokens and targets
 `boundary_ratio` is the ratio of the boundary tensors alone (payload of an activation or gradient frame).
 The held-out loss is measured through the pipeline on the same held-out batches after the last microbatch. A last
 fp32 arm with another batch order (same init) gives the noise floor: the loss gap a harmless change makes. One seed
-cannot resolve a gap of 0.5 % (the noise floor's gap is about 1 %), so every arm runs under several seeds (init, batch
-order and every owner's stochastic-rounding stream, `tools.pipeline_harness.build_arm`; `--seeds`) and each codec's
-gap is summarized by its mean and spread over them.
+cannot resolve a gap of 0.5 % (a codec's gap spreads 1-2.5 % per seed, the noise floor's 2-4 %), so every arm runs
+under several seeds (init, batch order and every owner's stochastic-rounding stream,
+`tools.pipeline_harness.build_arm`; `--seeds`) and each codec's gap is summarized by its mean and spread over them.
+Five seeds resolve about 1 % (docs/pipeline.md); 0.5 % needs several times more.
 
 Called by `benchmarks.bandwidth` (its `activation_*` headline keys); alone: `python -m benchmarks.bandwidth_activations`.
 """

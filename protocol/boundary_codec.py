@@ -8,21 +8,25 @@ Codecs (`[activation_codec]` in run.toml; every peer of a run uses the one its s
 - ``int4``: the same with q in [-7, 7], two values per byte (low nibble first), stored as q + 8; ~8x smaller.
 - ``a4g2``, ``a3g3``, ``rot4g2``: fewer than 4 bits per value on average (`protocol.boundary_lowbit`): activations
   per channel asymmetric, gradients per position with stochastic (unbiased) rounding, bits (activations/gradients)
-  4/2 and 3/3 (``a4g2b``: 4/2 with gradient scales per 16 values instead of per position); ``rot4g2`` rotates every position's vector by a fixed Hadamard-based orthogonal matrix first
-  (QuaRot-style) and quantizes per position, 4/2. The frame's kind (activation or gradient) says which bits apply.
+  4/2 and 3/3 (``a4g2b``: 4/2 with gradient scales per 16 values instead of per position); ``rot4g2`` rotates every
+  position's vector by a fixed Hadamard-based orthogonal matrix first (QuaRot-style) and quantizes per position, 4/2.
+- ``a4g2.3``, ``a4g2.7``, ``a4.5g2``, ``a4.7g2``, ``a4.3g2.3``: a4g2's schemes on grids whose number of levels is no
+  power of two (5 or 6 gradient levels, 20, 22 or 25 activation levels), several codes per packed word: the
+  fractional bits per value the name says, each within 8x of fp32 at the harness's shapes, scales and frames included.
+  The frame's kind (activation or gradient) says which grid applies.
 
 Payload, the frame's "" tensor (1-D uint8)::
 
     channels x float32 scale | numel x int8   (int4: ceil(numel / 2) bytes of nibbles)
-    a4g2, a3g3, rot4g2: see `protocol.boundary_lowbit`
+    the low-bit codecs: see `protocol.boundary_lowbit`
 
 with the header, ``{"codec", "shape"}``, in the frame's meta under `META_PREFIX`. The sender encodes after its stage
 computed (`encode`); the receiver decodes right after `open_envelope` and before the tensor is used or checked
 (`decode_opened`), so SENTINEL and the spot checks see decoded tensors. The header is untrusted: `decode_opened`
 checks its schema, the codec against the manifest's, the declared shape against the receiver's `TensorLimits` for
 the float32 tensor it would build (the cap, before anything is allocated), the payload's exact length, and the
-scales (finite, >= 0, <= `compress.MAX_SCALE`; the low-bit codecs' offsets finite and bounded too); each
-refusal is a `CompressionError` with a reason tag.
+scales (finite, >= 0, <= `compress.MAX_SCALE`; the low-bit codecs' offsets finite and bounded too), and a packed
+word of codes past the grid (`boundary_lowbit.BAD_CODE`); each refusal is a `CompressionError` with a reason tag.
 """
 
 from __future__ import annotations
@@ -52,8 +56,34 @@ from protocol.compress import (
 from protocol.envelope import Kind, MetaScalar, MetaValue, Opened
 from protocol.errors import CompressionError, TensorPolicyError
 
-BoundaryCodecName = Literal["fp32", "int8", "int4", "a4g2", "a4g2b", "a3g3", "rot4g2"]
-BOUNDARY_CODECS: tuple[BoundaryCodecName, ...] = ("fp32", "int8", "int4", "a4g2", "a4g2b", "a3g3", "rot4g2")
+BoundaryCodecName = Literal[
+    "fp32",
+    "int8",
+    "int4",
+    "a4g2",
+    "a4g2b",
+    "a3g3",
+    "rot4g2",
+    "a4g2.3",
+    "a4g2.7",
+    "a4.5g2",
+    "a4.7g2",
+    "a4.3g2.3",
+]
+BOUNDARY_CODECS: tuple[BoundaryCodecName, ...] = (
+    "fp32",
+    "int8",
+    "int4",
+    "a4g2",
+    "a4g2b",
+    "a3g3",
+    "rot4g2",
+    "a4g2.3",
+    "a4g2.7",
+    "a4.5g2",
+    "a4.7g2",
+    "a4.3g2.3",
+)
 META_PREFIX = "b_"  # the header's keys in a pipeline frame's meta
 _QMAX = {"int8": 127, "int4": 7}
 _SCALE_BYTES = 4  # float32 scales: a channel's absmax may be anywhere an activation's range goes
