@@ -140,9 +140,10 @@ def _checked_norm(
     for name in params:
         for start, stop in chunked.ranges(chunked.numel(params, name)):
             delta = chunked.delta_piece(base, params, name, start, stop)
-            if not bool(torch.isfinite(chunked.piece(current, name, start, stop) - delta).all()):
-                return None
             squares.append(chunked.squared(delta))
+            # current - delta in the delta's place (a new tensor): one block less alive
+            if not bool(torch.isfinite(delta.neg_().add_(chunked.piece(current, name, start, stop))).all()):
+                return None
     return math.sqrt(math.fsum(squares))
 
 
@@ -168,10 +169,13 @@ class Applied(Mapping[str, torch.Tensor]):
         return chunked.shape(self.current, name)
 
     def chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
-        now = chunked.piece(self.current, name, start, stop).to(torch.float32)
         if name not in self.params:
-            return now
-        return now - self.sign * chunked.delta_piece(self.base, self.params, name, start, stop)
+            return chunked.piece(self.current, name, start, stop).to(torch.float32)
+        # in place in the delta (a new tensor, never a view of an input), read before `current`'s range: two
+        # blocks alive at most once the base's and the push's ranges are dropped, where `now - sign x delta`
+        # held five (the three ranges read, sign x delta and the result; docs/scale.md)
+        delta = chunked.delta_piece(self.base, self.params, name, start, stop)
+        return delta.mul_(-self.sign).add_(chunked.piece(self.current, name, start, stop))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.streamed:
