@@ -139,12 +139,22 @@ def _checked_norm(
     squares: list[float] = []
     for name in params:
         for start, stop in chunked.ranges(chunked.numel(params, name)):
-            delta = chunked.delta_piece(base, params, name, start, stop)
+            delta = _delta_block(base, params, name, start, stop)
             squares.append(chunked.squared(delta))
             # current - delta in the delta's place (a new tensor): one block less alive
             if not bool(torch.isfinite(delta.neg_().add_(chunked.piece(current, name, start, stop))).all()):
                 return None
     return math.sqrt(math.fsum(squares))
+
+
+def _delta_block(
+    base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], name: str, start: int, stop: int
+) -> torch.Tensor:
+    """base - params over [start, stop) of `name` in float32 (`chunked.delta_piece`), in a tensor of its own (never
+    a view of `base`: callers work in it in place) with one range read alive at a time: the base's range copied,
+    the push's subtracted from it in place."""
+    delta = chunked.piece(base, name, start, stop).to(torch.float32, copy=True)
+    return delta.sub_(chunked.piece(params, name, start, stop))
 
 
 class Applied(Mapping[str, torch.Tensor]):
@@ -171,10 +181,9 @@ class Applied(Mapping[str, torch.Tensor]):
     def chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
         if name not in self.params:
             return chunked.piece(self.current, name, start, stop).to(torch.float32)
-        # in place in the delta (a new tensor, never a view of an input), read before `current`'s range: two
-        # blocks alive at most once the base's and the push's ranges are dropped, where `now - sign x delta`
-        # held five (the three ranges read, sign x delta and the result; docs/scale.md)
-        delta = chunked.delta_piece(self.base, self.params, name, start, stop)
+        # in place in the delta (`_delta_block`: its own tensor), each range read added and dropped in turn: two
+        # blocks alive at most, where `now - sign x (base - params)` held four (docs/scale.md, issue 17)
+        delta = _delta_block(self.base, self.params, name, start, stop)
         return delta.mul_(-self.sign).add_(chunked.piece(self.current, name, start, stop))
 
     def __getitem__(self, name: str) -> torch.Tensor:
