@@ -194,3 +194,27 @@ def streaming(
     finally:
         for step in reversed(undo):
             step()
+
+
+class ChunkedHeadLoss(nn.Module):
+    """`model`'s mean next-token loss (node.ml.model.lm_loss) with its logits computed for a few token positions at a
+    time, about `block_values` logits each (the loss summed over them), never for the whole batch: the logits and
+    the cross-entropy's log-probabilities of 64 tokens of a 32 K vocabulary were 16 MiB at once, over the syncer's
+    memory goal while the loss probe scored (llama-1b, docs/scale.md). `model` is a `node.ml.model.CausalLM` (or its
+    skeleton); its parameters are this module's under `model.`."""
+
+    def __init__(self, model: nn.Module, block_values: int = BLOCK_VALUES) -> None:
+        super().__init__()
+        self.model, self.block_values = model, block_values
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        model: Any = self.model
+        hidden = model.run_layers(model.embed(tokens))
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        flat = targets.reshape(-1)
+        step = max(1, self.block_values // model.cfg.vocab_size)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, flat.numel(), step):
+            logits = model.logits(hidden[start : start + step]).float()
+            total += F.cross_entropy(logits, flat[start : start + step], reduction="sum")
+        return total / flat.numel()

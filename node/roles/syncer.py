@@ -810,18 +810,21 @@ def skeleton_loss(
     copy. fp32 there too, no bf16 autocast: the probe's score is the difference of two losses, and bf16's
     rounding would be noise of the size of an honest contribution's gain. Tensors `params` streams (the probe's
     contribution applied, node.diloco.loss_probe.Applied) are computed a block at a time inside the pass
-    (node.ml.streamed_forward), never held whole."""
+    (node.ml.streamed_forward), never held whole; so are the logits, a few token positions at a time
+    (`ChunkedHeadLoss`)."""
     from torch.func import functional_call
 
     from node.ml.data import evaluate
-    from node.ml.streamed_forward import streamed_names, streaming
+    from node.ml.streamed_forward import ChunkedHeadLoss, streamed_names, streaming
 
     # computed a block at a time inside the pass (the probe's applied fragment), never moved whole
     streamed = streamed_names(params)
-    tensors = {name: params[name].to(device) for name in params if name not in streamed}  # shared on the CPU
+    # shared on the CPU; named as `ChunkedHeadLoss` holds the model (the logits a few positions at a time)
+    tensors = {f"model.{name}": params[name].to(device) for name in params if name not in streamed}
+    head = ChunkedHeadLoss(model)
 
     def loss(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return functional_call(model, tensors, (inputs.to(device), targets.to(device)))
+        return functional_call(head, tensors, (inputs.to(device), targets.to(device)))
 
     with torch.no_grad(), streaming(model, params, device):
         return evaluate(loss, batches)
