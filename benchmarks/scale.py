@@ -864,7 +864,10 @@ def record_core(
     payload = json.loads(path.read_text()) if path.exists() else {"name": path.stem, "runs": {}}
     payload.setdefault("machine", machine_info())
     peak = result.get("peak_rss")
-    payload.setdefault("runs", {})[key] = {
+    runs = payload.setdefault("runs", {})
+    # a repeat never replaces a recorded run: it goes under `key_2`, `key_3`, ...
+    key = next(k for k in [key, *(f"{key}_{n}" for n in range(2, 1000))] if k not in runs)
+    runs[key] = {
         "command": command,
         "tree": git_head(),
         "started": started,

@@ -172,14 +172,17 @@ class Applied(Mapping[str, torch.Tensor]):
         sign: float,
     ) -> None:
         self.current, self.base, self.params, self.sign = current, base, params, sign
+        # `name in params` would read the tensor whole from a spill file (a Mapping without `__contains__` tries
+        # `[name]`): once per block, a vocabulary-sized tensor at a time (docs/scale.md)
+        self.applied = frozenset(params)
         # the applied tensors, and those `current` itself gives by range (a base context's spilled versions)
-        self.streamed = frozenset(params) | frozenset(getattr(current, "streamed", ()))
+        self.streamed = self.applied | frozenset(getattr(current, "streamed", ()))
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         return chunked.shape(self.current, name)
 
     def chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
-        if name not in self.params:
+        if name not in self.applied:
             return chunked.piece(self.current, name, start, stop).to(torch.float32)
         # in place in the delta (`_delta_block`: its own tensor), each range read added and dropped in turn: two
         # blocks alive at most, where `now - sign x (base - params)` held four (docs/scale.md, issue 17)

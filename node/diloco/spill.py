@@ -192,6 +192,9 @@ class SpilledTensors(Mapping[str, torch.Tensor]):
         shape = self._where[name][1]
         return self.chunk(name, 0, math.prod(shape)).reshape(shape)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._where  # Mapping's own reads the tensor whole
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
