@@ -16,7 +16,8 @@ import subprocess
 import sys
 import textwrap
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -195,3 +196,50 @@ def test_the_probes_loss_computes_its_logits_a_block_at_a_time(family: str) -> N
     assert chunked_loss == pytest.approx(whole_loss, rel=1e-5)
     assert most <= 2048
     assert whole == 32 * MODEL["vocab_size"] > 4 * most
+
+
+class CountedReads(Mapping[str, torch.Tensor]):
+    """A spill file's mapping as far as `Applied` sees it, without `__contains__` of its own: `[name]` (a whole
+    tensor read) counted, `chunk` a range."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors, self.whole_reads = tensors, 0
+
+    def chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[name].reshape(-1)[start:stop].clone()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.whole_reads += 1
+        return self.tensors[name].clone()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def test_an_applied_range_never_reads_a_spilled_tensor_whole() -> None:
+    current, base, params = inputs(read=False)
+    base_file, push_file = CountedReads(base), CountedReads(params)
+    applied = Applied(current, base_file, push_file, sign=1.0)
+    for start in range(0, 4 * BLOCK, BLOCK):
+        applied.chunk("w", start, start + BLOCK)
+    assert base_file.whole_reads == push_file.whole_reads == 0
+    # negative control: `in` on such a mapping reads the tensor whole (what `Applied.chunk` did once per block)
+    assert "w" in push_file and push_file.whole_reads == 1
+
+
+def test_a_spill_files_membership_reads_nothing(tmp_path: Path) -> None:
+    from node.diloco.spill import SpillDir, SpilledTensors
+
+    spill = SpillDir(tmp_path)
+    key = spill.new_key("push")
+    spill.write(key, {"w": torch.ones(BLOCK)})
+    tensors = SpilledTensors(spill, key)
+    reads: list[tuple[str, int, int]] = []
+    chunk = tensors.chunk
+    tensors.chunk = lambda name, start, stop: reads.append((name, start, stop)) or chunk(name, start, stop)  # type: ignore[method-assign]
+    assert "w" in tensors and "v" not in tensors
+    assert reads == []
+    assert torch.equal(tensors["w"], torch.ones(BLOCK)) and reads  # control: `[name]` reads it
