@@ -44,6 +44,7 @@ import multiprocessing as mp
 import os
 import queue as queue_module
 import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -852,6 +853,51 @@ def probe_1b(args: argparse.Namespace) -> bool | dict[str, Any]:
     return {"mode": mode, "batches": args.probe_batches, "rows": args.probe_rows}
 
 
+def record_core(
+    path: Path, key: str, result: dict[str, Any], fragments: int, command: str, started: str
+) -> None:
+    """A `--core llama-1b` run recorded under `runs[key]` of the results JSON `path` (scratch runs: the probe on, a
+    P other than the headline's), with its ratio to the goal, the command and the commit it ran on."""
+    from benchmarks.common import machine_info
+
+    size = sizes(manifest("llama-1b", num_fragments=fragments))
+    payload = json.loads(path.read_text()) if path.exists() else {"name": path.stem, "runs": {}}
+    payload.setdefault("machine", machine_info())
+    peak = result.get("peak_rss")
+    runs = payload.setdefault("runs", {})
+    # a repeat never replaces a recorded run: it goes under `key_2`, `key_3`, ...
+    key = next(k for k in [key, *(f"{key}_{n}" for n in range(2, 1000))] if k not in runs)
+    runs[key] = {
+        "command": command,
+        "tree": git_head(),
+        "started": started,
+        "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model_bytes": size["model_bytes"],
+        "fragment_bytes": size["fragment_bytes"],
+        "goal_bytes": size["model_bytes"] + 2 * size["fragment_bytes"],
+        "syncer_rss_ratio_1b": ratio(peak, size),
+        "syncer_peak_gib_1b": round(peak / GiB, 3) if peak else None,
+        **result,
+    }
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+
+
+def git_head() -> str | None:
+    """The commit this tree is at, with "+dirty" when it has uncommitted changes (None: not a git checkout)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def headline_1b(big: dict[str, Any]) -> dict[str, Any]:
     merged = big.get("fragments_merged") == big.get("num_fragments") and "skipped" not in big
     ratio_1b = ratio(big.get("peak_rss"), big)
@@ -1043,6 +1089,14 @@ def main(argv: list[str] | None = None) -> int:
         "--probe-rows", type=int, default=2, help="sequences per held-out batch of the 1B probe"
     )
     parser.add_argument(
+        "--record",
+        nargs=2,
+        metavar=("FILE", "KEY"),
+        default=None,
+        help="with --core llama-1b: also record the run under `runs[KEY]` of the results JSON FILE (created if "
+        "missing; its other runs kept), with the command, the commit and the ratio (scratch runs, not the headline)",
+    )
+    parser.add_argument(
         "--only-core", action="store_true", help="rerun the --model core into the existing JSON"
     )
     parser.add_argument(
@@ -1052,7 +1106,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.core:  # e.g. on an older checkout, to measure what a change saved
         fragments = args.fragments_1b if args.core == "llama-1b" else 4
         probe = probe_1b(args) if args.core == "llama-1b" else True
+        started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         result = run_core(args.core, 2, probe, 3000, fragments, args.push or "memory")
+        if args.record is not None:
+            command = "python -m benchmarks.scale " + " ".join(argv if argv is not None else sys.argv[1:])
+            record_core(Path(args.record[0]), args.record[1], result, fragments, command, started)
         print(json.dumps(result, indent=2))
         return 0
     from benchmarks.common import RESULTS_DIR, machine_info

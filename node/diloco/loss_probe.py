@@ -139,11 +139,22 @@ def _checked_norm(
     squares: list[float] = []
     for name in params:
         for start, stop in chunked.ranges(chunked.numel(params, name)):
-            delta = chunked.delta_piece(base, params, name, start, stop)
-            if not bool(torch.isfinite(chunked.piece(current, name, start, stop) - delta).all()):
-                return None
+            delta = _delta_block(base, params, name, start, stop)
             squares.append(chunked.squared(delta))
+            # current - delta in the delta's place (a new tensor): one block less alive
+            if not bool(torch.isfinite(delta.neg_().add_(chunked.piece(current, name, start, stop))).all()):
+                return None
     return math.sqrt(math.fsum(squares))
+
+
+def _delta_block(
+    base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], name: str, start: int, stop: int
+) -> torch.Tensor:
+    """base - params over [start, stop) of `name` in float32 (`chunked.delta_piece`), in a tensor of its own (never
+    a view of `base`: callers work in it in place) with one range read alive at a time: the base's range copied,
+    the push's subtracted from it in place."""
+    delta = chunked.piece(base, name, start, stop).to(torch.float32, copy=True)
+    return delta.sub_(chunked.piece(params, name, start, stop))
 
 
 class Applied(Mapping[str, torch.Tensor]):
@@ -161,17 +172,22 @@ class Applied(Mapping[str, torch.Tensor]):
         sign: float,
     ) -> None:
         self.current, self.base, self.params, self.sign = current, base, params, sign
+        # `name in params` would read the tensor whole from a spill file (a Mapping without `__contains__` tries
+        # `[name]`): once per block, a vocabulary-sized tensor at a time (docs/scale.md)
+        self.applied = frozenset(params)
         # the applied tensors, and those `current` itself gives by range (a base context's spilled versions)
-        self.streamed = frozenset(params) | frozenset(getattr(current, "streamed", ()))
+        self.streamed = self.applied | frozenset(getattr(current, "streamed", ()))
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         return chunked.shape(self.current, name)
 
     def chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
-        now = chunked.piece(self.current, name, start, stop).to(torch.float32)
-        if name not in self.params:
-            return now
-        return now - self.sign * chunked.delta_piece(self.base, self.params, name, start, stop)
+        if name not in self.applied:
+            return chunked.piece(self.current, name, start, stop).to(torch.float32)
+        # in place in the delta (`_delta_block`: its own tensor), each range read added and dropped in turn: two
+        # blocks alive at most, where `now - sign x (base - params)` held four (docs/scale.md, issue 17)
+        delta = _delta_block(self.base, self.params, name, start, stop)
+        return delta.mul_(-self.sign).add_(chunked.piece(self.current, name, start, stop))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.streamed:

@@ -192,6 +192,9 @@ class SpilledTensors(Mapping[str, torch.Tensor]):
         shape = self._where[name][1]
         return self.chunk(name, 0, math.prod(shape)).reshape(shape)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._where  # Mapping's own reads the tensor whole
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
@@ -368,6 +371,39 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return ctypes.CDLL(name).malloc_trim if name else None
     except (OSError, AttributeError):  # not glibc: nothing to trim
         return None
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+RELEASE_AT_BYTES = 1 << 20  # blocks from 1 MiB up are given back to the kernel when freed
+
+
+@functools.cache
+def _mallopt() -> Callable[[int, int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def release_large_blocks_when_freed(threshold_bytes: int = RELEASE_AT_BYTES) -> bool:
+    """Make glibc give blocks of `threshold_bytes` or more back to the kernel as they are freed, in every thread
+    (fixed mmap and trim thresholds); False where it could not (not glibc). Why: `release_freed_memory` does not
+    reach a worker thread's heap. The loss probe's forward passes run off the event loop (`asyncio.to_thread`),
+    where glibc serves them from that thread's own arena, and `malloc_trim` trims only the main arena's top: the
+    pass's ~30 MiB of 4 MiB blocks and logits stayed resident there after every score, under the next merge (llama-1b
+    at P = 16: ratio 1.011-1.012 with the probe on, 0.999 off; docs/scale.md). Fixed thresholds also stop glibc
+    raising them as blocks are freed (its dynamic thresholds: the mmap one up to 32 MiB, the trim one to twice
+    that), which kept such blocks in a heap; a block over the mmap threshold is its own mapping, unmapped when
+    freed. Process-wide; the cost is a mapping and its page faults per large block (the merge's and probe's chunks
+    are 4 MiB: ~1 ms each)."""
+    mallopt = _mallopt()
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold_bytes)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, threshold_bytes)
+    )
 
 
 def release_freed_memory() -> None:

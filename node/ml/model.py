@@ -302,7 +302,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 # is 0.25 GiB of float32 logits (32k vocabulary x 2,048 positions), cross-entropy's log-softmax as much again and
 # the MLP's three [2,048 x 5,632] tensors 0.13 GiB, so the syncer's 8-row held-out batches were 4-5 GiB beyond its
 # model (issue 17's budget: the model + 2 fragments)
-LOSS_PASS_BYTES = 64 << 20
+# 8 MiB: the chunk the llama-1b probe-on run that met the goal used (32 positions of a 32k head; docs/scale.md). The
+# price is speed: smaller matmuls, and a streamed head read once per chunk
+LOSS_PASS_BYTES = 8 << 20
 _ROW_LIVE = (
     6  # [seq, width] tensors of a row alive at once in a layer (residual, norm, q, k, v, attention out)
 )

@@ -834,9 +834,7 @@ def skeleton_loss(
         if cut.rows >= rows and cut.positions >= seq:  # a small model: one pass, whole
             return functional_call(model, tensors, (inputs.to(device), targets.to(device)))
         total = torch.zeros((), dtype=torch.float32)
-        for start in range(
-            0, rows, cut.rows
-        ):  # equal-length rows: the mean of the passes' means, row-weighted
+        for start in range(0, rows, cut.rows):  # equal-length rows: the passes' means, weighted by their rows
             part = slice(start, start + cut.rows)
             args = (inputs[part].to(device), targets[part].to(device))
             piece = functional_call(model, tensors, args, {"loss_positions": cut.positions})

@@ -25,7 +25,7 @@ from node.diloco.learner_ledger import (
     contribution_digest,
 )
 from node.diloco.seniority import seniority_chunks
-from node.diloco.spill import release_freed_memory
+from node.diloco.spill import release_freed_memory, release_large_blocks_when_freed
 from node.diloco.sync_client import (
     FETCH_ROUTE,
     OFFER_PREFIX,
@@ -209,6 +209,9 @@ class SyncerService:
 
     def __init__(self, role: SyncerHost) -> None:
         self.role = role
+        # the loss probe scores pushes in a worker thread (`score_push`), whose heap `release_freed_memory` cannot
+        # trim: large blocks go back to the kernel as they are freed instead (docs/scale.md, issue 17)
+        release_large_blocks_when_freed()
         # a compressed push is one uint8 tensor, not the fragment's float tensors
         self.codec = role.ctx.manifest.outer_codec
         self.push_limits = push_limits(self.codec, role.plan, role.limits)

@@ -80,3 +80,18 @@ def test_negative_control_a_p16_rerun_moves_the_headline_keys(
     assert "core_1b" in diff and "headline.syncer_peak_gib_1b" in diff
     assert not any(k.endswith("_p4") for k in diff)
     assert after["core_1b_p4"] == before["core_1b_p4"]
+
+
+def test_record_keeps_every_run_of_a_key_and_the_files_other_keys(tmp_path: Path) -> None:
+    # `--core llama-1b --record FILE KEY`: the run under runs[KEY] with its ratio; a repeat under KEY_2, the first kept
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps({"name": "probe", "note": "kept", "runs": {"other": {"peak_rss": 1}}}))
+    size = scale.sizes(scale.manifest("llama-1b", num_fragments=16))
+    goal = size["model_bytes"] + 2 * size["fragment_bytes"]
+    for peak in (goal, goal // 2):
+        scale.record_core(path, "run", {"peak_rss": peak}, 16, "python -m benchmarks.scale", "start")
+    payload = json.loads(path.read_text())
+    assert payload["note"] == "kept" and payload["runs"]["other"] == {"peak_rss": 1}
+    assert payload["runs"]["run"]["syncer_rss_ratio_1b"] == 1.0
+    assert payload["runs"]["run_2"]["syncer_rss_ratio_1b"] == 0.5
+    assert payload["runs"]["run"]["goal_bytes"] == goal
