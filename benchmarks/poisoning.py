@@ -642,8 +642,10 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
 
 
 def run_all(
-    names: list[str], undefended: list[str], duration_s: float, min_step_s: float
+    names: list[str], undefended: list[str], duration_s: float, min_step_s: float, keep: bool = False
 ) -> dict[str, dict[str, Any]]:
+    """Each arm in a fresh swarm under one temporary directory, removed after unless `keep` (then each arm's
+    `armN/logs` and `armN/syncer/events.jsonl` stay for reading, and the directory is logged)."""
     results: dict[str, dict[str, Any]] = {}
     base = Path(tempfile.mkdtemp(prefix="poisoning-"))
     try:
@@ -660,7 +662,10 @@ def run_all(
                 "arm %s: %s", key, {k: results[key][k] for k in ("final_loss", "attacker_weight_share")}
             )
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        if keep:
+            logger.info("kept the arms' logs and events under %s", base)
+        else:
+            shutil.rmtree(base, ignore_errors=True)
     return results
 
 
@@ -681,6 +686,11 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the results file's other arms (each with the gaps against its own run's control) and"
         " recompute the headline over all of them",
     )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep each arm's directory (logs/, syncer/events.jsonl) under the logged temporary directory",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     names = [n for n in args.arms.split(",") if n]
@@ -688,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names + undefended:
         if name not in ARMS:
             parser.error(f"unknown arm {name!r}; known: {', '.join(ARMS)}")
-    results = run_all(names, undefended, args.duration, args.min_step_s)
+    results = run_all(names, undefended, args.duration, args.min_step_s, keep=args.keep)
     with_gaps(results)
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     for record in results.values():

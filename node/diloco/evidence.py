@@ -38,6 +38,9 @@ contributions are zeroed now and then by their small held-out batch), where norm
 contributions already bounds it. With the largest factor, a contribution's effective share (weight x step scale)
 is at most its factor x its weight / the best-evidenced contribution's weight.
 
+A contribution's factor is at most the lower median of its peer's recent judged factors (`SustainedEvidence`): a
+lone lucky score of noise earns nothing, and so no longer ends its run of zeros below either.
+
 A peer whose last `zero_streak` scored contributions (any fragment) all earned factor 0 showed no evidence of work
 in any of them: `ZeroStreaks` reports it once per such run, with the slopes and cosines, and the syncer records one
 learner ledger violation (node.diloco.learner_ledger; forgiven with its half-life like the others, so repeated it
@@ -70,14 +73,16 @@ class EvidenceConfig:
     scales_step: bool = True  # a round's outer gradient x the largest factor it merges (see `step_scale`)
     # consecutive scored contributions at factor 0 that make a ledger violation (0: off)
     zero_streak: int = 10
+    # a peer's factor is at most the lower median of its last this many judged factors (`SustainedEvidence`; 0: off)
+    sustained: int = 16
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.zero_fraction < self.full_fraction < math.inf:
             raise ValueError("evidence needs 0 <= zero_fraction < full_fraction (finite)")
         if not 1 <= self.min_history <= self.history:
             raise ValueError("evidence needs 1 <= min_history <= history")
-        if self.zero_streak < 0:
-            raise ValueError("evidence needs zero_streak >= 0 (0: off)")
+        if self.zero_streak < 0 or self.sustained < 0:
+            raise ValueError("evidence needs zero_streak >= 0 and sustained >= 0 (0: off)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,6 +123,34 @@ class ZeroStreaks:
         return None
 
 
+class SustainedEvidence:
+    """Per peer, its last `length` judged factors (any fragment, each before this gate), and the gate they set: their
+    lower median, this contribution's own included. A contribution's factor is at most its peer's gate, so weight
+    needs evidence in most of a peer's recent work, not in one lucky score. Noise at an honest norm earns factor 0 in
+    most scores and more than 0 in a minority that the held-out batch or a low reference lets through (in the live
+    `noise_k1` arm 21 of 67, most in the embedding's fragment, whose reference noise merged in warm-up had pulled
+    down: docs/security.md); its gate stays 0. Honest work earns 1 in most scores, so its gate stays 1 and only a
+    contribution's own factor scales it. A young identity's window is short and as strict (of two scores, the
+    lower): it earns weight by showing evidence from its first scores on. Warm-up scores (no reference) enter no
+    window. Bounded: `max_peers`, the least recently scored first out."""
+
+    def __init__(self, length: int, max_peers: int = 4096) -> None:
+        self.length, self.max_peers = length, max_peers
+        self._factors: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def observe(self, peer: str, factor: float) -> float:
+        """`peer`'s judged `factor` into its window; the gate, in [0, 1] (1 when off)."""
+        if self.length <= 0:
+            return 1.0
+        window = self._factors.pop(peer, None) or deque(maxlen=self.length)
+        window.append(factor)
+        self._factors[peer] = window  # most recently scored last
+        while len(self._factors) > self.max_peers:
+            self._factors.popitem(last=False)
+        ordered = sorted(window)
+        return ordered[(len(ordered) - 1) // 2]
+
+
 class EvidenceWeight:
     """Per fragment, the recent full-weight slopes and cosines, and the factor a contribution earns (see the
     module docstring)."""
@@ -130,6 +163,8 @@ class EvidenceWeight:
         self.zeroed = 0  # of those, ones given 0
         self.scaled_steps = 0  # rounds whose outer gradient `step_scale` scaled below 1 (and above 0)
         self.streaks = ZeroStreaks(self.config.zero_streak if self.config.enabled else 0)
+        self.sustained = SustainedEvidence(self.config.sustained)
+        self.gated = 0  # contributions whose factor their peer's sustained evidence lowered
         self.zero_streaks = 0  # `ZeroStreak`s reported
         self._completed: list[ZeroStreak] = []  # since the last `take_streaks`
 
@@ -150,22 +185,37 @@ class EvidenceWeight:
 
     def factor(self, fragment: int, slope: float | None, cosine: float | None = None) -> float:
         """The weight factor in [0, 1] of a contribution with held-out `slope` and `cosine` with the recent
-        merged direction (None: not measured). The slope judges; the cosine can only raise the factor (an honest
-        delta that a small held-out batch happens to see little descent along still agrees with the merged
-        direction, noise does neither) and never lowers it (honest stage replicas' deltas were seen at -0.54)."""
+        merged direction (None: not measured), on its own (`factors` also applies its peer's gate). The slope
+        judges; the cosine can only raise the factor (an honest delta that a small held-out batch happens to see
+        little descent along still agrees with the merged direction, noise does neither) and never lowers it
+        (honest stage replicas' deltas were seen at -0.54)."""
+        judged = self._judged(fragment, slope, cosine)
+        return 1.0 if judged is None else judged
+
+    def _judged(self, fragment: int, slope: float | None, cosine: float | None) -> float | None:
+        """`factor`, None when nothing judges it (off, warm-up, not scored)."""
         if not self.config.enabled:
-            return 1.0
+            return None
         by_slope = self._ramp(slope, self.reference(fragment))
         if by_slope is None:
-            return 1.0
+            return None
         by_cosine = self._ramp(cosine, self.reference(fragment, cosine=True))
         return max(by_slope, by_cosine or 0.0)
 
     def factors(
         self, fragment: int, slopes: Mapping[str, float | None], cosines: Mapping[str, float | None]
     ) -> dict[str, float]:
-        """`factor` per peer of `slopes`; counted in `scaled` / `zeroed`."""
-        out = {peer: self.factor(fragment, slope, cosines.get(peer)) for peer, slope in slopes.items()}
+        """Per peer of `slopes`, its contribution's `factor`, at most its peer's `SustainedEvidence` gate (a
+        judged one only: warm-up and unscored contributions keep 1 and enter no window); counted in `scaled` /
+        `zeroed`, and in `gated` where the gate lowered it."""
+        out: dict[str, float] = {}
+        for peer, slope in slopes.items():
+            judged = self._judged(fragment, slope, cosines.get(peer))
+            if judged is None:
+                out[peer] = 1.0
+                continue
+            out[peer] = min(judged, self.sustained.observe(peer, judged))
+            self.gated += out[peer] < judged
         self.scaled += sum(1 for f in out.values() if f < 1.0)
         self.zeroed += sum(1 for f in out.values() if f <= 0.0)
         return out
@@ -221,4 +271,5 @@ class EvidenceWeight:
             "zeroed": self.zeroed,
             "scaled_steps": self.scaled_steps,
             "zero_streaks": self.zero_streaks,
+            "gated": self.gated,
         }

@@ -111,6 +111,10 @@ class ScreeningConfig:
     # this many consecutive scored contributions of a learner at evidence factor 0 are one learner ledger violation
     # (with their slopes and cosines; forgiven like the others). 0: off
     evidence_zero_violation_after: int = 10
+    # a learner's evidence factor is at most the lower median of its last this many judged factors (any fragment):
+    # weight needs evidence in most of its recent contributions, not one lucky score (noise's lucky ones earned
+    # weight in the `noise_k1` arm and, never 10 zeros in a row, no violation; docs/security.md). 0: off
+    evidence_sustained_contributions: int = 16
     # claims and copies (node.diloco.claims)
     claim_rate_factor: float = 2.0  # steps claimed are capped at this x the peers' median measured step rate
     claim_min_peers: int = 2  # peers with a measured rate before that cap applies
@@ -168,8 +172,10 @@ class ScreeningConfig:
             raise ValueError("screening.loss_reverse_tolerance must be a number >= 0 (inf: off)")
         if not 0.0 <= self.evidence_zero_fraction < self.evidence_full_fraction < math.inf:
             raise ValueError("screening needs 0 <= evidence_zero_fraction < evidence_full_fraction (finite)")
-        if self.evidence_zero_violation_after < 0:
-            raise ValueError("screening.evidence_zero_violation_after must be >= 0 (0: off)")
+        if self.evidence_zero_violation_after < 0 or self.evidence_sustained_contributions < 0:
+            raise ValueError(
+                "screening.evidence_zero_violation_after and evidence_sustained_contributions must be >= 0 (0: off)"
+            )
 
     def evidence(self) -> EvidenceConfig:
         """The evidence weighting's config (off when the screening is)."""
@@ -179,6 +185,7 @@ class ScreeningConfig:
             full_fraction=self.evidence_full_fraction,
             scales_step=self.evidence_scales_step,
             zero_streak=self.evidence_zero_violation_after,
+            sustained=self.evidence_sustained_contributions,
             history=self.history,
             min_history=self.min_history,
         )

@@ -12,7 +12,14 @@ from collections.abc import Callable, Iterable
 import pytest
 import torch
 
-from node.diloco.evidence import NO_EVIDENCE, EvidenceConfig, EvidenceWeight, ZeroStreak, ZeroStreaks
+from node.diloco.evidence import (
+    NO_EVIDENCE,
+    EvidenceConfig,
+    EvidenceWeight,
+    SustainedEvidence,
+    ZeroStreak,
+    ZeroStreaks,
+)
 from node.diloco.learner_ledger import LearnerLedger
 from node.diloco.loss_probe import LossScore
 from node.diloco.merge import MergeResult
@@ -51,7 +58,7 @@ def test_the_factor_ramps_from_zero_to_one_between_the_fractions_of_the_referenc
         "b": pytest.approx(0.5),
         "c": 1.0,
     }
-    assert weight.status() == {"scaled": 2, "zeroed": 1, "scaled_steps": 0, "zero_streaks": 0}
+    assert weight.status() == {"scaled": 2, "zeroed": 1, "scaled_steps": 0, "zero_streaks": 0, "gated": 0}
 
 
 def test_the_cosine_can_only_raise_the_factor_of_a_scored_contribution() -> None:
@@ -328,3 +335,65 @@ def test_a_scaled_step_moves_the_recent_direction_by_its_scale_and_a_full_one_as
     assert torch.equal(direction_after(1.0), torch.tensor([0.25, 0.5]))
     # scaled to 0.2, the second merge has 0.2 of that share: [0.5 x 0.9, 0.1]
     assert torch.allclose(direction_after(0.2), torch.tensor([0.45, 0.1]))
+
+
+def test_the_sustained_gate_is_the_lower_median_of_a_peers_recent_judged_factors() -> None:
+    gate = SustainedEvidence(4, max_peers=2)
+    # this factor included; of two, the lower; of three, the middle one
+    assert [gate.observe("a", f) for f in (1.0, 0.0, 1.0, 1.0)] == [1.0, 0.0, 1.0, 1.0]
+    assert gate.observe("a", 0.0) == 0.0  # the window holds the last 4: (0, 1, 1, 0), half of them 0
+    assert gate.observe("a", 1.0) == 1.0  # (1, 1, 0, 1): the first 1.0 left it
+    assert SustainedEvidence(0).observe("a", 0.0) == 1.0  # off: no gate
+    gate.observe("b", 0.5)
+    gate.observe("c", 0.5)  # bounded: "a", the least recently scored, goes
+    assert gate.observe("a", 1.0) == 1.0  # a fresh window
+
+
+# A noise peer at an honest norm as the live `noise_k1` arm saw it: most scores under the zero fraction of the
+# reference, one in three lucky (21 of 67 there: its small held-out batch, and the embedding fragment's reference
+# that its own warm-up slopes pulled down). An honest peer: one score in ten misjudged to nothing.
+NOISE_SLOPES = [0.01, -0.02, 0.5, 0.03, -0.01, 0.2] * 6  # reference 1.0: factors 0, 0, 1, 0, 0, 0.5
+HONEST_SLOPES = [0.8, 1.2, 0.6, 0.9, 1.1, 0.7, 1.0, 0.5, 1.3, -0.05] * 4
+
+
+def scored(weight: EvidenceWeight, slopes: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each peer's slopes, one merge each in turn (fragment 0, reference 1.0, no cosine): the factors it earned,
+    its zero streaks going to `take_streaks`."""
+    warm(weight, [1.0] * 4)
+    out: dict[str, list[float]] = {peer: [] for peer in slopes}
+    for i in range(max(map(len, slopes.values()))):
+        for peer, values in slopes.items():
+            if i < len(values):
+                f = weight.factors(0, {peer: values[i]}, {})
+                weight.observe_streaks(f, {peer: values[i]}, {}, lambda p: f"digest-{p}")
+                out[peer].append(f[peer])
+    return out
+
+
+def test_noise_with_lucky_scores_keeps_no_weight_and_honest_work_keeps_its_own() -> None:
+    on = scored(
+        EvidenceWeight(EvidenceConfig(min_history=4)), {"noise": NOISE_SLOPES, "honest": HONEST_SLOPES}
+    )
+    assert on["noise"][:3] == [0.0, 0.0, 0.0] and sum(on["noise"]) == 0.0  # its lucky third included
+    expected = [0.0 if s <= 0.1 else min(1.0, (s - 0.1) / 0.2) for s in HONEST_SLOPES]
+    assert on["honest"] == pytest.approx(expected)  # the gate never lowered an honest score (one in ten zero)
+
+
+def test_negative_control_without_the_gate_noise_keeps_weight_in_its_lucky_scores() -> None:
+    off = scored(EvidenceWeight(EvidenceConfig(min_history=4, sustained=0)), {"noise": NOISE_SLOPES})
+    assert sum(off["noise"]) == pytest.approx(6 * 1.5)  # 1 + 0.5 in every six: a quarter of a full weight
+
+
+def test_with_the_gate_lucky_noise_completes_zero_streaks_that_ban() -> None:
+    def streaks(sustained: int) -> list[ZeroStreak]:
+        weight = EvidenceWeight(EvidenceConfig(min_history=4, zero_streak=10, sustained=sustained))
+        scored(weight, {"noise": NOISE_SLOPES, "honest": HONEST_SLOPES})
+        return weight.take_streaks()
+
+    found = streaks(16)
+    assert [s.peer for s in found] == ["noise"] * 3 and found[0].digest == "digest-noise"
+    assert 0.5 in found[0].slopes  # a lucky score no longer ends the run
+    ledger = LearnerLedger(ban_after=3.0, forgive_half_life_s=600.0, ban_s=60.0)
+    bans = [ledger.no_evidence(s, 1.0) for s in found]
+    assert bans[-1] is not None and bans[-1].offender == "noise"
+    assert streaks(0) == []  # negative control: one lucky score in every three ends each run, never 10
