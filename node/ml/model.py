@@ -298,19 +298,17 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-# What an evaluation pass (`loss_pass_shape`) may hold in its largest activations: a llama-1b row at full context
-# is 0.25 GiB of float32 logits (32k vocabulary x 2,048 positions), cross-entropy's log-softmax as much again and
-# the MLP's three [2,048 x 5,632] tensors 0.13 GiB, so the syncer's 8-row held-out batches were 4-5 GiB beyond its
-# model (issue 17's budget: the model + 2 fragments)
-# 8 MiB: the chunk the llama-1b probe-on run that met the goal used (32 positions of a 32k head; docs/scale.md). The
-# price is speed: smaller matmuls, and a streamed head read once per chunk
+# What an evaluation pass (`loss_pass_shape`) may hold in its largest activations. A llama-1b row at full context is
+# 0.25 GiB of float32 logits (32k vocabulary x 2,048 positions), cross-entropy's log-softmax as much again and the
+# MLP's [2,048 x 5,632] tensors 0.13 GiB: the syncer's 8-row held-out batches were 4 GiB beyond its model (issue 17's
+# budget: the model + 2 fragments). 8 MiB gives the chunk of the llama-1b probe-on run that met that goal (32
+# positions of a 32k head; docs/scale.md); the price is speed (smaller matmuls, a streamed head read once per chunk)
 LOSS_PASS_BYTES = 8 << 20
-_ROW_LIVE = (
-    6  # [seq, width] tensors of a row alive at once in a layer (residual, norm, q, k, v, attention out)
-)
-_POSITION_LIVE = (
-    4  # per position: an MLP's gate, up, activation and product; or the logits and their log-softmax x 2
-)
+# a row's [seq, width] tensors alive at once in a layer: residual, norm, q, k, v, attention out
+_ROW_LIVE = 6
+# float32 values alive per position, in units of max(mlp_width, vocab / 2): an MLP's gate, up, activation and
+# product, or the logits and their log-softmax
+_POSITION_LIVE = 4
 
 
 @dataclass(frozen=True, slots=True)
