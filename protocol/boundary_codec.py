@@ -35,7 +35,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal, cast, get_args
 
 import torch
 
@@ -70,20 +70,7 @@ BoundaryCodecName = Literal[
     "a4.7g2",
     "a4.3g2.3",
 ]
-BOUNDARY_CODECS: tuple[BoundaryCodecName, ...] = (
-    "fp32",
-    "int8",
-    "int4",
-    "a4g2",
-    "a4g2b",
-    "a3g3",
-    "rot4g2",
-    "a4g2.3",
-    "a4g2.7",
-    "a4.5g2",
-    "a4.7g2",
-    "a4.3g2.3",
-)
+BOUNDARY_CODECS: tuple[BoundaryCodecName, ...] = get_args(BoundaryCodecName)
 META_PREFIX = "b_"  # the header's keys in a pipeline frame's meta
 _QMAX = {"int8": 127, "int4": 7}
 _SCALE_BYTES = 4  # float32 scales: a channel's absmax may be anywhere an activation's range goes
