@@ -18,7 +18,7 @@ Each measured party is a child process of its own (spawned), and reports its pea
   `--push-on-disk` hand a push built in memory or in a spill file to `SyncerCore.accept` instead. `--probe-1b`
   scores each push with the loss probe first (as deployed: the contribution applied streamed through the forward
   pass; `--probe-1b whole`: built whole, the probe before node.ml.streamed_forward), on `--probe-batches` held-out
-  batches of `--probe-rows` 64-token sequences. It runs only when the machine has the memory free (else the JSON
+  batches of `--probe-rows` sequences of `--probe-tokens` (64; the syncer's default is 256). It runs only when the machine has the memory free (else the JSON
   says why it was skipped).
 * `stage_1b`: the parameter bytes of the largest pipeline stage of llama-1b (counted on the meta device).
 
@@ -165,13 +165,13 @@ def sizes(run: Any) -> dict[str, int]:
     }
 
 
-def learnable_batch(vocab: int, rows: int, seed: int) -> tuple[Any, Any]:
+def learnable_batch(vocab: int, rows: int, seed: int, tokens: int = SEQ) -> tuple[Any, Any]:
     """Sequences of token t+1 = (3 t + 1) mod vocab: training lowers the held-out loss the probe measures."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     seq = [torch.randint(0, vocab, (rows, 1), generator=gen)]
-    for _ in range(SEQ):
+    for _ in range(tokens):
         seq.append((seq[-1] * 3 + 1) % vocab)
     tokens = torch.cat(seq, dim=1)
     return tokens[:, :-1], tokens[:, 1:]
@@ -257,10 +257,12 @@ class Host:
         self.published = asyncio.Event()
 
 
-def build_probe_for(run: Any, mode: str = "streamed", batches: int = 2, rows: int = 2) -> Any:
+def build_probe_for(
+    run: Any, mode: str = "streamed", batches: int = 2, rows: int = 2, tokens: int = SEQ
+) -> Any:
     """The syncer's held-out loss probe as `node.roles.syncer.build_probe` makes it (the model's skeleton), on
-    `batches` held-out batches of `rows` sequences. `mode` "whole": the contribution applied is built whole before
-    each forward pass (the probe before node.ml.streamed_forward, to measure what streaming saves)."""
+    `batches` held-out batches of `rows` sequences of `tokens`. `mode` "whole": the contribution applied is built
+    whole before each forward pass (the probe before node.ml.streamed_forward, to measure what streaming saves)."""
     from functools import partial
 
     from node.diloco.loss_probe import LossProbe
@@ -268,7 +270,7 @@ def build_probe_for(run: Any, mode: str = "streamed", batches: int = 2, rows: in
     from node.roles.syncer import model_skeleton, skeleton_loss
 
     cfg = ModelConfig.from_dict(run.model)
-    held = [learnable_batch(cfg.vocab_size, rows, seed=1000 + i) for i in range(batches)]
+    held = [learnable_batch(cfg.vocab_size, rows, seed=1000 + i, tokens=tokens) for i in range(batches)]
     loss = partial(skeleton_loss, model_skeleton(cfg), batches=held)
     if mode != "whole":
         return LossProbe(loss)
@@ -850,7 +852,7 @@ def probe_1b(args: argparse.Namespace) -> bool | dict[str, Any]:
     mode = getattr(args, "probe_1b", None)
     if mode is None:
         return False
-    return {"mode": mode, "batches": args.probe_batches, "rows": args.probe_rows}
+    return {"mode": mode, "batches": args.probe_batches, "rows": args.probe_rows, "tokens": args.probe_tokens}
 
 
 def record_core(
@@ -1087,6 +1089,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe-batches", type=int, default=2, help="held-out batches of the 1B probe")
     parser.add_argument(
         "--probe-rows", type=int, default=2, help="sequences per held-out batch of the 1B probe"
+    )
+    parser.add_argument(
+        "--probe-tokens",
+        type=int,
+        default=SEQ,
+        help="tokens per held-out sequence of the 1B probe (the syncer's screening.loss_sequence_tokens is 256)",
     )
     parser.add_argument(
         "--record",

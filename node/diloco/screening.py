@@ -85,6 +85,10 @@ class ScreeningConfig:
     # benchmark's model: 1.9 % of honest scores refused as ascent steps with 2 batches, 0.6 % with 4; docs/security.md)
     loss_batches: int = 4
     loss_batch_size: int = 8  # sequences per held-out batch
+    # tokens per held-out sequence, at most the model's context (0: the model's context). A score compares the loss
+    # before and after on the same windows, so it needs no full context; at 2,048 tokens a 1B probe's pass takes
+    # minutes on CPU and a cut pass still needs 0.195 GiB beyond the model (docs/scale.md)
+    loss_sequence_tokens: int = 256
     loss_tolerance: float = 0.02  # a loss rise up to this x the loss before is noise (the bound's floor)
     # a contribution whose held-out loss is higher than with its delta reversed by more than this x the loss is an
     # ascent step, refused whatever its rise; one lower than its reverse by more than this passes a rise over the
@@ -162,8 +166,10 @@ class ScreeningConfig:
             raise ValueError("screening.young_rounds must be >= 0 and young_weight_cap in [0, 1]")
         if not (self.ban_after >= 0 and self.forgive_half_life_s > 0 and self.ban_s > 0):
             raise ValueError("screening.ban_after must be >= 0, forgive_half_life_s and ban_s > 0")
-        if self.loss_batches < 1 or self.loss_batch_size < 1:
-            raise ValueError("screening.loss_batches and loss_batch_size must be >= 1")
+        if self.loss_batches < 1 or self.loss_batch_size < 1 or self.loss_sequence_tokens < 0:
+            raise ValueError(
+                "screening.loss_batches and loss_batch_size must be >= 1, loss_sequence_tokens >= 0 (0: the context)"
+            )
         if not (0.0 <= self.loss_tolerance < math.inf and 0.0 <= self.loss_mad_factor < math.inf):
             raise ValueError("screening.loss_tolerance and loss_mad_factor must be finite numbers >= 0")
         if not 0.0 <= self.loss_context_read_mib < math.inf:

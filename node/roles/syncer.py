@@ -860,16 +860,23 @@ def build_probe(ctx: NodeContext, screening: ScreeningConfig, held: Any = None) 
         held
         or load_corpus(ctx.config.data or _data_spec(manifest)).with_encoder(ctx.encode).validation_stream()
     )
-    stream.check_fits(cfg.context_len)
+    tokens = probe_sequence_tokens(screening, cfg.context_len)
+    stream.check_fits(tokens)
     gen = torch.Generator().manual_seed(secrets.randbits(63))
-    last_start = stream.num_starts(cfg.context_len) - 1
+    last_start = stream.num_starts(tokens) - 1
     starts = torch.randint(
         0, last_start + 1, (screening.loss_batches, screening.loss_batch_size), generator=gen
     )
-    batches = [stream.windows(row, cfg.context_len) for row in starts]
+    batches = [stream.windows(row, tokens) for row in starts]
     return LossProbe(
         partial(skeleton_loss, model_skeleton(cfg, ctx.device), batches=batches, device=ctx.device)
     )
+
+
+def probe_sequence_tokens(screening: ScreeningConfig, context_len: int) -> int:
+    """Tokens per held-out sequence of the loss probe: `loss_sequence_tokens`, at most the model's context."""
+    wanted = screening.loss_sequence_tokens
+    return context_len if wanted == 0 else min(wanted, context_len)
 
 
 def _fragment_stages(manifest: Any, plan: FragmentPlan) -> list[int]:

@@ -285,3 +285,34 @@ def test_the_probe_is_built_on_the_node_device() -> None:
     assert probe.loss.keywords["device"] == "meta"  # type: ignore[attr-defined]
     skeleton = probe.loss.args[0]  # type: ignore[attr-defined]
     assert {b.device.type for b in skeleton.buffers()} == {"meta"}
+
+
+@pytest.mark.parametrize(("setting", "expected"), [(0, None), (8, 8), (10_000, None)])
+def test_the_probe_scores_sequences_of_at_most_loss_sequence_tokens(
+    setting: int, expected: int | None
+) -> None:
+    """A score compares the loss before and after on the same windows: it needs no full context, and at a real
+    model's 2,048 a pass costs minutes and a fifth of a GiB. None: the model's context (0, or a setting above it)."""
+    from node.diloco.screening import ScreeningConfig
+    from node.ml.model import ModelConfig
+
+    cfg = ModelConfig.from_dict(MODEL)
+    asked: list[int] = []
+
+    def windows(row: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        asked.append(length)
+        return torch.zeros(len(row), length), torch.zeros(len(row), length)
+
+    stream = SimpleNamespace(check_fits=asked.append, num_starts=lambda _len: 100, windows=windows)
+    ctx = SimpleNamespace(manifest=run(), device="meta", config=SimpleNamespace(data=None))
+    probe = build_probe(ctx, ScreeningConfig(loss_sequence_tokens=setting), held=stream)  # type: ignore[arg-type]
+    want = cfg.context_len if expected is None else expected
+    assert set(asked) == {want}
+    assert {tuple(inputs.shape) for inputs, _ in probe.loss.keywords["batches"]} == {(8, want)}  # type: ignore[attr-defined]
+
+
+def test_a_negative_loss_sequence_length_is_refused() -> None:
+    from node.diloco.screening import ScreeningConfig
+
+    with pytest.raises(ValueError, match="loss_sequence_tokens"):
+        ScreeningConfig(loss_sequence_tokens=-1)
