@@ -231,6 +231,9 @@ class ScaledTensors(Mapping[str, torch.Tensor]):
         shape = self.shape_of(name)
         return self.chunk(name, 0, math.prod(shape)).reshape(shape)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.factors  # Mapping's own reads the tensor whole
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.factors)
 

@@ -1218,6 +1218,9 @@ class ProbeContext(Mapping[str, torch.Tensor]):
         source = self._source.get(name)
         return self.tensors[name] if source is None else source[name]
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors or name in self._source  # Mapping's own reads a spilled tensor whole
+
     def __iter__(self) -> Iterator[str]:
         yield from self.tensors
         yield from (name for name in self._source if name not in self.tensors)

@@ -339,6 +339,9 @@ class TensorFile(Mapping[str, torch.Tensor]):
             done += got
         return tensor
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries  # Mapping's own reads the tensor whole
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)
 

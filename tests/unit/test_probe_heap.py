@@ -208,3 +208,42 @@ def test_a_spill_files_membership_reads_nothing(tmp_path: Path) -> None:
     assert "w" in tensors and "v" not in tensors
     assert reads == []
     assert torch.equal(tensors["w"], torch.ones(BLOCK)) and reads  # control: `[name]` reads it
+
+
+def test_the_other_lazy_mappings_membership_reads_nothing(tmp_path: Path) -> None:
+    """`ProbeContext`, `ScaledTensors` and `TensorFile` read tensors on `[name]`; `in` must not (Mapping's own
+    `__contains__` answers by `[name]`, the trap `SpilledTensors` fell in)."""
+    from safetensors.torch import save_file
+
+    from node.diloco.spill import ScaledTensors, SpillDir, SpilledTensors
+    from node.diloco.syncer_core import ProbeContext
+    from node.ml.checkpoint import TensorFile
+
+    spill = SpillDir(tmp_path)
+    key = spill.new_key("push")
+    spill.write(key, {"w": torch.ones(BLOCK)})
+    file = CountedReads({"w": torch.ones(BLOCK)})
+    save_file({"w": torch.ones(BLOCK)}, str(tmp_path / "c.safetensors"))
+    mappings: list[Mapping[str, torch.Tensor]] = [
+        ProbeContext({"v": torch.zeros(2)}, (0,), (file,)),
+        ScaledTensors(SpilledTensors(spill, key)),
+        TensorFile(tmp_path / "c.safetensors"),
+    ]
+    for mapping in mappings:
+        reads: list[str] = []
+        getitem = type(mapping).__getitem__
+        type(mapping).__getitem__ = lambda self, name, g=getitem, r=reads: r.append(name) or g(self, name)  # type: ignore[method-assign,misc]
+        try:
+            assert "w" in mapping and "x" not in mapping
+            assert reads == [], type(mapping).__name__
+            assert mapping["w"].numel() == BLOCK and reads == ["w"]  # control: `[name]` reads it
+        finally:
+            type(mapping).__getitem__ = getitem  # type: ignore[method-assign]
+    assert file.whole_reads == 1  # only the control's read reached the spilled file under the context
+    # negative control: Mapping's own membership test (what these classes had) reads the tensor whole
+    scaled = mappings[1]
+    assert isinstance(scaled, ScaledTensors)
+    ranges: list[tuple[int, int]] = []
+    chunk = scaled.file.chunk
+    scaled.file.chunk = lambda name, start, stop: ranges.append((start, stop)) or chunk(name, start, stop)  # type: ignore[method-assign]
+    assert Mapping.__contains__(scaled, "w") and ranges == [(0, BLOCK)]
