@@ -390,7 +390,9 @@ def _mallopt() -> Callable[[int, int], int] | None:
         return None
 
 
-def release_large_blocks_when_freed(threshold_bytes: int = RELEASE_AT_BYTES) -> bool:
+def release_large_blocks_when_freed(
+    mmap_bytes: int = RELEASE_AT_BYTES, trim_bytes: int = RELEASE_AT_BYTES
+) -> bool:
     """Make glibc give blocks of `threshold_bytes` or more back to the kernel as they are freed, in every thread
     (fixed mmap and trim thresholds); False where it could not (not glibc). Why: `release_freed_memory` does not
     reach a worker thread's heap. The loss probe's forward passes run off the event loop (`asyncio.to_thread`),
@@ -404,9 +406,7 @@ def release_large_blocks_when_freed(threshold_bytes: int = RELEASE_AT_BYTES) -> 
     mallopt = _mallopt()
     if mallopt is None:
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold_bytes)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, threshold_bytes)
-    )
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_bytes))
 
 
 def release_freed_memory() -> None:
