@@ -75,6 +75,8 @@ class EvidenceConfig:
     zero_streak: int = 10
     # a peer's factor is at most the lower median of its last this many judged factors (`SustainedEvidence`; 0: off)
     sustained: int = 16
+    # the cosine raises only a factor the slope earned above 0 (the public-direction rule, `_judged`; false: any)
+    cosine_needs_slope: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.zero_fraction < self.full_fraction < math.inf:
@@ -199,6 +201,8 @@ class EvidenceWeight:
         by_slope = self._ramp(slope, self.reference(fragment))
         if by_slope is None:
             return None
+        if by_slope <= 0.0 and self.config.cosine_needs_slope:
+            return by_slope  # agreeing with the public direction is free: it adds to evidence, is none alone
         by_cosine = self._ramp(cosine, self.reference(fragment, cosine=True))
         return max(by_slope, by_cosine or 0.0)
 

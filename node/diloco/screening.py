@@ -45,6 +45,7 @@ from node.diloco import chunked, norms
 from node.diloco.evidence import EvidenceConfig, EvidenceWeight
 from node.diloco.loss_probe import LOSS, LossBound, LossScore
 from node.diloco.merge import MergeResult, NothingToMerge
+from node.diloco.screening_residual import PublicResidual, public_residual
 from node.diloco.spill import SpillDir
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,10 @@ class ScreeningConfig:
     # weight needs evidence in most of its recent contributions, not one lucky score (noise's lucky ones earned
     # weight in the `noise_k1` arm and, never 10 zeros in a row, no violation; docs/security.md). 0: off
     evidence_sustained_contributions: int = 16
+    # judge what a contribution adds beyond the public recent merged direction: its slope is its residual's (the delta
+    # less its projection on that direction, one more probe pass each way) and its cosine raises only a factor that
+    # slope earned (noise + 0.2 x the public direction earned full weight by either; docs/security.md). false: off
+    evidence_public_residual: bool = True
     # claims and copies (node.diloco.claims)
     claim_rate_factor: float = 2.0  # steps claimed are capped at this x the peers' median measured step rate
     claim_min_peers: int = 2  # peers with a measured rate before that cap applies
@@ -186,6 +191,7 @@ class ScreeningConfig:
             scales_step=self.evidence_scales_step,
             zero_streak=self.evidence_zero_violation_after,
             sustained=self.evidence_sustained_contributions,
+            cosine_needs_slope=self.evidence_public_residual,
             history=self.history,
             min_history=self.min_history,
         )
@@ -421,6 +427,18 @@ class ContributionScreen:
         layout = [(n, chunked.shape(result.outer_grad, n)) for n in result.outer_grad]
         self.spill.write_stream(key, layout, chunks())
         return ScreenUpdate(norms, key, scores, kept, agreed)
+
+    def public_residual(
+        self, fragment: int, base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
+    ) -> PublicResidual | None:
+        """The contribution less its projection on the recent merged direction, whose held-out slope the evidence
+        judges (node.diloco.screening_residual); None when off or before the direction is past warm-up (as for the
+        cosine: then no cosine either, and the delta's own slope is judged)."""
+        c = self.config
+        if not (c.enabled and c.evidence_weighting and c.evidence_public_residual):
+            return None
+        direction = self.direction(fragment) if self._merges.get(fragment, 0) >= c.min_history else None
+        return None if direction is None else public_residual(base, params, direction)
 
     def direction(self, fragment: int) -> Mapping[str, torch.Tensor] | None:
         """The fragment's recent merged direction (read from its file when spilled), None before its first merge."""

@@ -62,7 +62,10 @@ def test_the_factor_ramps_from_zero_to_one_between_the_fractions_of_the_referenc
 
 
 def test_the_cosine_can_only_raise_the_factor_of_a_scored_contribution() -> None:
-    weight = EvidenceWeight(EvidenceConfig(zero_fraction=0.1, full_fraction=0.3, min_history=2))
+    # the rule before the public-direction one (`cosine_needs_slope` off): the cosine alone could raise from 0
+    weight = EvidenceWeight(
+        EvidenceConfig(zero_fraction=0.1, full_fraction=0.3, min_history=2, cosine_needs_slope=False)
+    )
     for _ in range(2):
         weight.commit(0, [1.0, 1.0], [0.5, 0.5])  # reference slope 1.0, reference cosine 0.5
     assert weight.reference(0, cosine=True) == 0.5
