@@ -120,6 +120,10 @@ class ScreeningConfig:
     # less its projection on that direction, one more probe pass each way) and its cosine raises only a factor that
     # slope earned (noise + 0.2 x the public direction earned full weight by either; docs/security.md). false: off
     evidence_public_residual: bool = True
+    # before a fragment has an evidence reference (its first merges), a contribution whose slope is at or below a
+    # hundredth of the largest of the fragment's last this many scored slopes earns 0 (node.diloco.evidence
+    # `_probation`: noise took whole warm-up merges at K = 1). 0: off, every warm-up factor 1 (docs/security.md)
+    evidence_warmup_window: int = 0
     # claims and copies (node.diloco.claims)
     claim_rate_factor: float = 2.0  # steps claimed are capped at this x the peers' median measured step rate
     claim_min_peers: int = 2  # peers with a measured rate before that cap applies
@@ -177,10 +181,12 @@ class ScreeningConfig:
             raise ValueError("screening.loss_reverse_tolerance must be a number >= 0 (inf: off)")
         if not 0.0 <= self.evidence_zero_fraction < self.evidence_full_fraction < math.inf:
             raise ValueError("screening needs 0 <= evidence_zero_fraction < evidence_full_fraction (finite)")
-        if self.evidence_zero_violation_after < 0 or self.evidence_sustained_contributions < 0:
+        if min(self.evidence_zero_violation_after, self.evidence_sustained_contributions) < 0:
             raise ValueError(
                 "screening.evidence_zero_violation_after and evidence_sustained_contributions must be >= 0 (0: off)"
             )
+        if self.evidence_warmup_window < 0:
+            raise ValueError("screening.evidence_warmup_window must be >= 0 (0: off)")
 
     def evidence(self) -> EvidenceConfig:
         """The evidence weighting's config (off when the screening is)."""
@@ -192,6 +198,7 @@ class ScreeningConfig:
             zero_streak=self.evidence_zero_violation_after,
             sustained=self.evidence_sustained_contributions,
             cosine_needs_slope=self.evidence_public_residual,
+            warmup_window=self.evidence_warmup_window,
             history=self.history,
             min_history=self.min_history,
         )
