@@ -23,6 +23,10 @@ an honest norm and 1 honest learner at K = 1, each contribution a round of its o
 the evidence weighting on and turns off only the round's step scale (`evidence_scales_step = false`) and the
 ledger violation of a run of factor-0 contributions (`evidence_zero_violation_after = 0`). `noise_k1_nocap`: the
 same with the seniority cap off in both runs (`young_weight_cap = 1.0`), the step scale alone.
+`noise_aligned_k1` (1 honest, K = 1) and `noise_aligned` (4 honest): cosine gaming, 1 attacker pushing noise at an
+honest norm plus 0.2 x that norm along the public recent merged direction (its EMA of the updates between the
+versions it fetched; node.diloco.attack_transport `aligned`); their `--undefended` run turns only the evidence's
+public-direction rule off (`evidence_public_residual = false`, node.diloco.screening_residual).
 
 Per arm, from the syncer's events and status after `--duration` seconds:
 
@@ -140,6 +144,8 @@ EVIDENCE_OFF = "evidence_weighting = false"
 SENIORITY_OFF = "young_weight_cap = 1.0"  # node.diloco.seniority: 1.0 caps nothing
 STEP_SCALE_OFF = "evidence_scales_step = false"
 EVIDENCE_STEP_OFF = "evidence_scales_step = false\nevidence_zero_violation_after = 0"
+# node.diloco.screening_residual: the evidence judges the whole delta's slope and its cosine alone can raise it
+PUBLIC_RESIDUAL_OFF = "evidence_public_residual = false"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -198,6 +204,23 @@ ARMS = {
             honest=1,
             control="clean_k1",
             undefended_screening=EVIDENCE_STEP_OFF,
+        ),
+        # cosine gaming: noise plus 0.2 x the public merged direction (the attacker's EMA of the updates between the
+        # versions it fetched), whose cosine looks honest and whose public part descends (node.diloco.evidence);
+        # undefended: only the evidence's public-direction rule off (node.diloco.screening_residual)
+        Arm(
+            name="noise_aligned_k1",
+            attack="aligned:0.2",
+            attackers=1,
+            honest=1,
+            control="clean_k1",
+            undefended_screening=PUBLIC_RESIDUAL_OFF,
+        ),
+        Arm(
+            name="noise_aligned",
+            attack="aligned:0.2",
+            attackers=1,
+            undefended_screening=PUBLIC_RESIDUAL_OFF,
         ),
         # the same with the seniority cap off in both runs (it scales a lone young attacker's step to 0.25 once the
         # honest learner is senior, hiding what the evidence's step scale does)

@@ -13,6 +13,12 @@ Kinds (`delta` is the learner's honest progress, base - params, on the base vers
   fragment that holds other tensors too: the flip hides among honest tensors that dominate the contribution's
   norm and direction (a fragment of the embedding alone goes honest; flipped whole it is `signflip`);
 * `noise` sends base - (gaussian noise at the honest delta's norm);
+* `aligned[:A]` (cosine gaming) sends base - (gaussian noise at the honest delta's norm + A (default 0.2) x that
+  norm x the recent public merged direction): the learner fetches every version the syncer publishes, so it keeps
+  an EMA (decay `ALIGNED_DECAY`, the screen's default) of the unit updates between consecutive versions it fetched
+  of each fragment (old - new, the merged descent as a delta), as any learner could. Its cosine with the syncer's
+  recent merged direction looks honest and the public part adds held-out descent (node.diloco.evidence); until it
+  fetched two versions of a fragment it sends plain noise;
 * `replay` sends its first contribution of each fragment again and again, on whatever base is current (stale);
 * `inflate:F` sends honest parameters but claims F x the steps and tokens;
 * `no_admission` sends honest contributions without the admission proof (a Sybil that did not pay);
@@ -73,17 +79,25 @@ KINDS = (
     "signflip",
     "embed_flip",
     "noise",
+    "aligned",
     "replay",
     "inflate",
     "no_admission",
     "freeride",
     "copycat",
 )
-DEFAULT_STRENGTH = {"freeride": 0.01, "copycat": 0.01}  # the perturbation, relative to a delta norm
+DEFAULT_STRENGTH = {
+    "freeride": 0.01,
+    "copycat": 0.01,
+    "aligned": 0.2,
+}  # the perturbation, relative to a delta norm
 COPY_WAIT_S = 5.0  # how long a copycat's push polls the channel for its source's contribution
 COPY_POLL_S = 0.05
 KEEP_FETCHED = 2  # versions per fragment a free-rider or copycat keeps (the bases of its pushes)
 COPY_WAITING = "copycat: no source contribution yet"
+ALIGNED_DECAY = (
+    0.7  # `aligned`: the EMA of public merged updates keeps this per version (screening.direction_decay)
+)
 # the tensors `embed_flip` flips: the token embedding and the (untied) output head of node.ml.model's llama
 EMBED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
@@ -136,6 +150,57 @@ def poisoned(
     return {n: t.detach().clone() for n, t in params.items()}
 
 
+def aligned_noise(
+    params: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+    direction: Mapping[str, torch.Tensor] | None,
+    alpha: float,
+    gen: torch.Generator,
+) -> dict[str, torch.Tensor]:
+    """`aligned`: base - (noise at the honest delta's norm N + alpha x N x the unit `direction`, a delta-convention
+    public merged direction; plain noise without one)."""
+    norm = delta_norm(params, base)
+    noisy = poisoned("noise", 1.0, params, base, gen)
+    if direction is None:
+        return noisy
+    length = math.sqrt(sum(float(direction[n].double().pow(2).sum()) for n in params if n in direction))
+    if length <= 0:
+        return noisy
+    scale = alpha * norm / length
+    return {n: t - scale * direction[n].float() if n in direction else t for n, t in noisy.items()}
+
+
+class PublicDirection:
+    """`aligned`: per fragment, an EMA of the unit updates between consecutive versions fetched (old - new, what the
+    merges moved the public model by: an attacker's view of the syncer's recent merged direction)."""
+
+    def __init__(self, decay: float = ALIGNED_DECAY) -> None:
+        self.decay = decay
+        self._last: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+        self._ema: dict[int, dict[str, torch.Tensor]] = {}
+
+    def observe(self, version: FragmentVersion) -> None:
+        last = self._last.get(version.fragment)
+        if last is not None and version.version <= last[0]:
+            return
+        params = {n: t.detach().float().clone() for n, t in version.params.items()}
+        self._last[version.fragment] = (version.version, params)
+        if last is None:
+            return
+        update = {n: last[1][n] - t for n, t in params.items() if n in last[1]}
+        length = math.sqrt(sum(float(u.double().pow(2).sum()) for u in update.values()))
+        if length <= 0 or not math.isfinite(length):
+            return
+        old = self._ema.get(version.fragment, {})
+        self._ema[version.fragment] = {
+            n: (1.0 - self.decay) * u / length + (self.decay * old[n] if n in old else 0.0)
+            for n, u in update.items()
+        }
+
+    def get(self, fragment: int) -> dict[str, torch.Tensor] | None:
+        return self._ema.get(fragment)
+
+
 class _Wrapping:
     """Passes every `SyncTransport` call but `push` (the subclass's) through to `inner`."""
 
@@ -172,6 +237,7 @@ class AttackingTransport(_Wrapping):
         self.inner, self.kind, self.strength = inner, kind, strength
         self.channel, self.copy_wait_s = channel, copy_wait_s
         self.gen = torch.Generator().manual_seed(seed)
+        self.public = PublicDirection()  # `aligned`: the recent merged direction from the versions fetched
         self._first: dict[int, dict[str, torch.Tensor]] = {}  # replay: the first contribution per fragment
         self._fetched: dict[int, dict[int, dict[str, torch.Tensor]]] = {}  # fragment -> version -> tensors
         self.poisoned = 0
@@ -199,15 +265,18 @@ class AttackingTransport(_Wrapping):
         elif self.kind == "freeride":
             c = await self._free_ride(c)
         elif c.base is None:
-            current = await self.inner.fetch(c.fragment)
+            current = await self.fetch(c.fragment)  # (`aligned` sees it too)
             if current.version == c.base_version:
-                c = dataclasses.replace(
-                    c, params=poisoned(self.kind, self.strength, c.params, current.params, self.gen)
-                )
+                c = dataclasses.replace(c, params=self._poisoned(c, current.params))
         else:
-            c = dataclasses.replace(c, params=poisoned(self.kind, self.strength, c.params, c.base, self.gen))
+            c = dataclasses.replace(c, params=self._poisoned(c, c.base))
         self.poisoned += c is not contribution
         return await self.inner.push(c)
+
+    def _poisoned(self, c: OutgoingContribution, base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.kind == "aligned":
+            return aligned_noise(c.params, base, self.public.get(c.fragment), self.strength, self.gen)
+        return poisoned(self.kind, self.strength, c.params, base, self.gen)
 
     async def _base_of(
         self, c: OutgoingContribution, current: FragmentVersion | None = None
@@ -306,6 +375,8 @@ class AttackingTransport(_Wrapping):
 
     async def fetch(self, fragment: int) -> FragmentVersion:
         version = await self.inner.fetch(fragment)
+        if self.kind == "aligned":
+            self.public.observe(version)
         if self.kind in ("freeride", "copycat"):  # the bases of later pushes (see `_base_of`)
             kept = self._fetched.setdefault(fragment, {})
             kept[version.version] = version.params

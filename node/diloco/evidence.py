@@ -19,7 +19,14 @@ a tenth negative), so the same ramp on the delta's cosine with the recent merged
 unit merged updates; its reference the lower median of full-weight contributions' cosines) can raise the factor,
 never lower it: an honest delta agrees with where the swarm went, noise agrees with nothing (its cosine is about
 1/sqrt(n) either way), and a disagreeing cosine alone judges nothing (honest stage replicas' deltas were seen at
--0.54; they are not scored anyway). The token weight is multiplied by the factor before the seniority cap
+-0.54; they are not scored anyway).
+
+The recent merged direction is public, though (every learner fetches the merged versions): noise plus 0.2 x that
+direction looked honest to both rules (the `noise_aligned` arms of benchmarks/poisoning.py; docs/security.md,
+"Cosine gaming"). So with `cosine_needs_slope` (`[syncer] screening.evidence_public_residual`) the slope judged is
+the residual's, the contribution less its projection on the recent merged direction (node.diloco.screening_residual,
+measured by the probe in the same score), and the cosine raises only a factor that slope earned above 0: agreeing
+with where the swarm went is free, so it adds to evidence and is none alone. The token weight is multiplied by the factor before the seniority cap
 (node.diloco.seniority). It is a down-weight, never a refusal: an honest contribution that shows little evidence
 loses that round's weight, not its learner's standing (no ledger violation, no demotion). Until `min_history`
 merges recorded a full-weight slope (warm-up, after a restart) and for a contribution without a slope (not scored: the probe
@@ -75,14 +82,24 @@ class EvidenceConfig:
     zero_streak: int = 10
     # a peer's factor is at most the lower median of its last this many judged factors (`SustainedEvidence`; 0: off)
     sustained: int = 16
+    # the cosine raises only a factor the slope earned above 0 (the public-direction rule, `_judged`; false: any)
+    cosine_needs_slope: bool = True
+    # warm-up (no reference yet): a slope at or below zero_fraction x the largest of the fragment's last this many
+    # scored slopes earns 0, as the ramp does after it (`_probation`; 0: off, every warm-up factor 1)
+    warmup_window: int = 0
+    # ... against this x the ramp's fractions of that largest slope (honest slopes fall 10-30x within the first merges,
+    # noise's are about 1/1000 of an honest one; replayed: 0.1 lowered no honest warm-up score, 1.0 zeroed a third)
+    warmup_scale: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.zero_fraction < self.full_fraction < math.inf:
             raise ValueError("evidence needs 0 <= zero_fraction < full_fraction (finite)")
         if not 1 <= self.min_history <= self.history:
             raise ValueError("evidence needs 1 <= min_history <= history")
-        if self.zero_streak < 0 or self.sustained < 0:
-            raise ValueError("evidence needs zero_streak >= 0 and sustained >= 0 (0: off)")
+        if not 0.0 < self.warmup_scale <= 1.0:
+            raise ValueError("evidence needs 0 < warmup_scale <= 1")
+        if self.zero_streak < 0 or self.sustained < 0 or self.warmup_window < 0:
+            raise ValueError("evidence needs zero_streak, sustained and warmup_window >= 0 (0: off)")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -159,6 +176,7 @@ class EvidenceWeight:
         self.config = config or EvidenceConfig()
         self._slopes: dict[int, deque[float]] = {}
         self._cosines: dict[int, deque[float]] = {}
+        self._recent: dict[int, deque[float]] = {}  # per fragment, the last `warmup_window` scored slopes
         self.scaled = 0  # contributions given a factor below 1
         self.zeroed = 0  # of those, ones given 0
         self.scaled_steps = 0  # rounds whose outer gradient `step_scale` scaled below 1 (and above 0)
@@ -199,6 +217,8 @@ class EvidenceWeight:
         by_slope = self._ramp(slope, self.reference(fragment))
         if by_slope is None:
             return None
+        if by_slope <= 0.0 and self.config.cosine_needs_slope:
+            return by_slope  # agreeing with the public direction is free: it adds to evidence, is none alone
         by_cosine = self._ramp(cosine, self.reference(fragment, cosine=True))
         return max(by_slope, by_cosine or 0.0)
 
@@ -209,16 +229,36 @@ class EvidenceWeight:
         judged one only: warm-up and unscored contributions keep 1 and enter no window); counted in `scaled` /
         `zeroed`, and in `gated` where the gate lowered it."""
         out: dict[str, float] = {}
+        if self.config.enabled and self.config.warmup_window > 0:
+            recent = self._recent.setdefault(fragment, deque(maxlen=self.config.warmup_window))
+            recent.extend(s for s in slopes.values() if s is not None and math.isfinite(s))
         for peer, slope in slopes.items():
             judged = self._judged(fragment, slope, cosines.get(peer))
             if judged is None:
-                out[peer] = 1.0
+                out[peer] = self._probation(fragment, slope)
                 continue
             out[peer] = min(judged, self.sustained.observe(peer, judged))
             self.gated += out[peer] < judged
         self.scaled += sum(1 for f in out.values() if f < 1.0)
         self.zeroed += sum(1 for f in out.values() if f <= 0.0)
         return out
+
+    def _probation(self, fragment: int, slope: float | None) -> float:
+        """A warm-up factor (no reference yet; 1 when off or not scored): the ramp against the largest of the
+        fragment's recent scored slopes, this round's included. Honest slopes from a fresh model are all large
+        (0.23-0.42 in the poisoning benchmark) and fall a few fold over the warm-up, so a recent one stays within
+        the ramp's full fraction of the largest; noise's are about 1/sqrt(n) of them (0.0002-0.0006), which the
+        lone first merges took whole at K = 1 (docs/security.md). Recent, not the first: slopes fall 10-30x
+        within the first merges, and a stale largest one would hold honest work under the full fraction, out of
+        the reference (which only full-weight slopes build), and the warm-up would never end. Not in the
+        sustained window (a provisional reference)."""
+        if slope is None or not math.isfinite(slope) or not self.config.warmup_window:
+            return 1.0
+        largest = max(
+            self._recent.get(fragment, ()), default=0.0
+        )  # this slope is in it: <= 0 means it is too
+        judged = self._ramp(slope, self.config.warmup_scale * largest) if largest > 0 else 0.0
+        return 1.0 if judged is None else judged
 
     def observe_streaks(
         self,

@@ -51,6 +51,9 @@ class LossScore:
     # the loss with the contribution's delta reversed (measured only for a rise over the bound; None: not measured)
     opposite: float | None = None
     norm: float = math.nan  # the norm of the contribution's delta (base - params) that was applied
+    # the slope of the delta less its projection on the recent merged direction (`measure`'s `residual`; None: not
+    # measured), what the evidence judges when measured (node.diloco.screening_residual)
+    residual_slope: float | None = None
 
     @property
     def delta(self) -> float:
@@ -71,6 +74,11 @@ class LossScore:
         if descent is None or not (self.norm > 0 and math.isfinite(self.norm)):
             return None
         return descent / (2.0 * self.norm)
+
+    @property
+    def evidence_slope(self) -> float | None:
+        """The slope node.diloco.evidence judges: the residual's when measured, else the delta's."""
+        return self.residual_slope if self.residual_slope is not None else self.slope
 
 
 class LossProbe:
@@ -94,11 +102,14 @@ class LossProbe:
         params: Mapping[str, torch.Tensor],
         clock: Callable[[], float],
         reverse: bool = False,
+        residual: Callable[[], Mapping[str, torch.Tensor] | None] | None = None,
     ) -> LossScore | None:
         """Score `params` (one fragment's tensors, built on `base`) against `current` (every global tensor, at
         `versions`: today's global model, or the model as it stood when `base` was published, its base context).
         None when the contribution or a loss is not finite (the screen rejects those anyway).
-        `reverse`: measure the loss with the delta reversed too (`LossScore.opposite`, one more forward pass)."""
+        `reverse`: measure the loss with the delta reversed too (`LossScore.opposite`, one more forward pass).
+        `residual`: gives the contribution less its public part (None: none), whose slope is measured too (two more
+        passes, with `reverse`; `LossScore.residual_slope`)."""
         started = clock()
         norm = _checked_norm(current, base, params)
         if norm is None:
@@ -112,6 +123,7 @@ class LossProbe:
         opposite = None
         if reverse and math.isfinite(after):
             opposite = self.loss(Applied(current, base, params, sign=-1.0))  # current + delta
+        residual_slope = self._residual_slope(current, base, residual) if reverse and residual else None
         cost = max(0.0, clock() - started)
         self.measured += 1
         self.total_cost_s += cost
@@ -119,7 +131,36 @@ class LossProbe:
         if not (math.isfinite(before) and math.isfinite(after)):
             return None
         opposite = opposite if opposite is not None and math.isfinite(opposite) else None
-        return LossScore(before=before, after=after, cost_s=cost, opposite=opposite, norm=norm)
+        return LossScore(
+            before=before,
+            after=after,
+            cost_s=cost,
+            opposite=opposite,
+            norm=norm,
+            residual_slope=residual_slope,
+        )
+
+    def _residual_slope(
+        self,
+        current: Mapping[str, torch.Tensor],
+        base: Mapping[str, torch.Tensor],
+        residual: Callable[[], Mapping[str, torch.Tensor] | None],
+    ) -> float | None:
+        """The held-out slope of the contribution `residual()` gives, as `LossScore.slope` (0 for a zero residual;
+        None: none, or not finite; a spilled direction replaced meanwhile: not measured)."""
+        try:
+            params = residual()
+            norm = _checked_norm(current, base, params) if params is not None else None
+            if params is None or norm is None:
+                return None
+            if not norm > 0:
+                return 0.0  # all of it along the public direction: no descent of its own
+            after = self.loss(Applied(current, base, params, sign=1.0))
+            opposite = self.loss(Applied(current, base, params, sign=-1.0))
+        except OSError:
+            return None
+        slope = (opposite - after) / (2.0 * norm)
+        return slope if math.isfinite(slope) else None
 
     def status(self) -> dict[str, float | int]:
         mean = self.total_cost_s / self.measured if self.measured else 0.0

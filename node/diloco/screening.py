@@ -45,6 +45,7 @@ from node.diloco import chunked, norms
 from node.diloco.evidence import EvidenceConfig, EvidenceWeight
 from node.diloco.loss_probe import LOSS, LossBound, LossScore
 from node.diloco.merge import MergeResult, NothingToMerge
+from node.diloco.screening_residual import PublicResidual, public_residual
 from node.diloco.spill import SpillDir
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,14 @@ class ScreeningConfig:
     # weight needs evidence in most of its recent contributions, not one lucky score (noise's lucky ones earned
     # weight in the `noise_k1` arm and, never 10 zeros in a row, no violation; docs/security.md). 0: off
     evidence_sustained_contributions: int = 16
+    # judge what a contribution adds beyond the public recent merged direction: its slope is its residual's (the delta
+    # less its projection on that direction, one more probe pass each way) and its cosine raises only a factor that
+    # slope earned (noise + 0.2 x the public direction earned full weight by either; docs/security.md). false: off
+    evidence_public_residual: bool = True
+    # before a fragment has an evidence reference (its first merges), a contribution whose slope is at or below a
+    # hundredth of the largest of the fragment's last this many scored slopes earns 0 (node.diloco.evidence
+    # `_probation`: noise took whole warm-up merges at K = 1). 0: off, every warm-up factor 1 (docs/security.md)
+    evidence_warmup_window: int = 0
     # claims and copies (node.diloco.claims)
     claim_rate_factor: float = 2.0  # steps claimed are capped at this x the peers' median measured step rate
     claim_min_peers: int = 2  # peers with a measured rate before that cap applies
@@ -178,10 +187,12 @@ class ScreeningConfig:
             raise ValueError("screening.loss_reverse_tolerance must be a number >= 0 (inf: off)")
         if not 0.0 <= self.evidence_zero_fraction < self.evidence_full_fraction < math.inf:
             raise ValueError("screening needs 0 <= evidence_zero_fraction < evidence_full_fraction (finite)")
-        if self.evidence_zero_violation_after < 0 or self.evidence_sustained_contributions < 0:
+        if min(self.evidence_zero_violation_after, self.evidence_sustained_contributions) < 0:
             raise ValueError(
                 "screening.evidence_zero_violation_after and evidence_sustained_contributions must be >= 0 (0: off)"
             )
+        if self.evidence_warmup_window < 0:
+            raise ValueError("screening.evidence_warmup_window must be >= 0 (0: off)")
 
     def evidence(self) -> EvidenceConfig:
         """The evidence weighting's config (off when the screening is)."""
@@ -192,6 +203,8 @@ class ScreeningConfig:
             scales_step=self.evidence_scales_step,
             zero_streak=self.evidence_zero_violation_after,
             sustained=self.evidence_sustained_contributions,
+            cosine_needs_slope=self.evidence_public_residual,
+            warmup_window=self.evidence_warmup_window,
             history=self.history,
             min_history=self.min_history,
         )
@@ -427,6 +440,18 @@ class ContributionScreen:
         layout = [(n, chunked.shape(result.outer_grad, n)) for n in result.outer_grad]
         self.spill.write_stream(key, layout, chunks())
         return ScreenUpdate(norms, key, scores, kept, agreed)
+
+    def public_residual(
+        self, fragment: int, base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
+    ) -> PublicResidual | None:
+        """The contribution less its projection on the recent merged direction, whose held-out slope the evidence
+        judges (node.diloco.screening_residual); None when off or before the direction is past warm-up (as for the
+        cosine: then no cosine either, and the delta's own slope is judged)."""
+        c = self.config
+        if not (c.enabled and c.evidence_weighting and c.evidence_public_residual):
+            return None
+        direction = self.direction(fragment) if self._merges.get(fragment, 0) >= c.min_history else None
+        return None if direction is None else public_residual(base, params, direction)
 
     def direction(self, fragment: int) -> Mapping[str, torch.Tensor] | None:
         """The fragment's recent merged direction (read from its file when spilled), None before its first merge."""

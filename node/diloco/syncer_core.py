@@ -874,7 +874,7 @@ class SyncerCore(CoreState):
             contribution = Contribution(peer, params, base_version, steps, tokens)
             entry = _Entry(contribution, key, now, counts, cosine=cosine)
             if loss is not None:
-                entry.loss_delta, entry.slope = loss.delta, loss.slope
+                entry.loss_delta, entry.slope = loss.delta, loss.evidence_slope
             self._enter(fragment, entry, now)
             if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
                 self.policy.observe_step(step_time_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -688,6 +689,8 @@ async def score_push(
         # read before the next await: no commit swapping a version in (`core_now`)
         context = probe_context(await core_now(role), fragment, base_version)
         # its spilled versions are read in the probe's thread, a range at a time inside the forward passes
+        # and the residual's slope (the contribution less its public part; node.diloco.screening_residual)
+        residual = functools.partial(core.screen.public_residual, fragment, base, params)
         return await asyncio.to_thread(
-            probe.measure, context, context.versions, base, params, time.perf_counter, True
+            probe.measure, context, context.versions, base, params, time.perf_counter, True, residual
         )

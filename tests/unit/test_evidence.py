@@ -62,7 +62,10 @@ def test_the_factor_ramps_from_zero_to_one_between_the_fractions_of_the_referenc
 
 
 def test_the_cosine_can_only_raise_the_factor_of_a_scored_contribution() -> None:
-    weight = EvidenceWeight(EvidenceConfig(zero_fraction=0.1, full_fraction=0.3, min_history=2))
+    # the rule before the public-direction one (`cosine_needs_slope` off): the cosine alone could raise from 0
+    weight = EvidenceWeight(
+        EvidenceConfig(zero_fraction=0.1, full_fraction=0.3, min_history=2, cosine_needs_slope=False)
+    )
     for _ in range(2):
         weight.commit(0, [1.0, 1.0], [0.5, 0.5])  # reference slope 1.0, reference cosine 0.5
     assert weight.reference(0, cosine=True) == 0.5
@@ -397,3 +400,41 @@ def test_with_the_gate_lucky_noise_completes_zero_streaks_that_ban() -> None:
     bans = [ledger.no_evidence(s, 1.0) for s in found]
     assert bans[-1] is not None and bans[-1].offender == "noise"
     assert streaks(0) == []  # negative control: one lucky score in every three ends each run, never 10
+
+
+def k1_warm_up(window: int) -> tuple[list[float], list[float], float | None]:
+    """K = 1 from a fresh model: an honest learner (slopes 0.40 falling 15 % a merge, as the benchmark's first
+    merges) and a noise attacker (slopes +-0.0005), alternating, each alone in its merge; a merge at factor 1 commits
+    its slope. The honest factors, the noise's, and the reference after 12 merges."""
+    weight = EvidenceWeight(EvidenceConfig(min_history=4, warmup_window=window))
+    honest, noise = [], []
+    for i in range(12):
+        peer, slope = ("honest", 0.40 * 0.85**i) if i % 2 else ("noise", 0.0005 * (-1) ** (i // 2))
+        factor = weight.factors(0, {peer: slope}, {})[peer]
+        (honest if peer == "honest" else noise).append(factor)
+        weight.commit(0, [slope] if factor >= 1.0 else [])
+    return honest, noise, weight.reference(0)
+
+
+def test_warm_up_probation_gives_noise_no_whole_merges_before_the_reference() -> None:
+    """The K = 1 warm-up (docs/security.md): before a fragment has a reference, noise's contributions are judged
+    against the largest recent slope; honest work keeps factor 1 and the warm-up ends after its 4 merges."""
+    honest, noise, on_reference = k1_warm_up(window=4)
+    assert (
+        noise[0] == 1.0
+    )  # the very first contribution has nothing to compare with (its slope is the largest)
+    assert noise[1:] == [0.0] * 5
+    assert honest == [1.0] * 6
+    assert on_reference is not None and on_reference > 0.1  # honest slopes set it (4 full-weight merges)
+    # negative control, off: every warm-up merge is whole, noise's included (3 of them: its positive slopes then
+    # enter the reference too, and pull it down)
+    honest, noise, off_reference = k1_warm_up(window=0)
+    assert noise[:3] == [1.0, 1.0, 1.0] and honest == [1.0] * 6
+    assert off_reference is not None and off_reference < on_reference
+
+
+def test_warm_up_probation_needs_a_positive_slope_first() -> None:
+    weight = EvidenceWeight(EvidenceConfig(min_history=4, warmup_window=4))
+    assert weight.factors(0, {"noise": -0.001}, {}) == {"noise": 0.0}  # an ascent first: nothing to earn
+    assert weight.factors(0, {"a": None}, {}) == {"a": 1.0}  # type: ignore[dict-item]  # not scored
+    assert weight.sustained.observe("honest", 1.0) == 1.0  # warm-up scores entered no window

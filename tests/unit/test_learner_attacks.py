@@ -4,6 +4,7 @@ poisoning benchmark says they do, and only the loudly named environment variable
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from typing import Any
 
@@ -93,3 +94,48 @@ def test_only_the_unsafe_variable_turns_an_attack_on() -> None:
     assert learner_attack_from_env(inner, {}) is inner  # type: ignore[arg-type]
     wrapped = learner_attack_from_env(inner, {UNSAFE_LEARNER_ATTACK_ENV: "scale:1e3"})  # type: ignore[arg-type]
     assert isinstance(wrapped, AttackingTransport) and wrapped.strength == 1e3
+
+
+class Publishing(Inner):
+    """An inner transport whose fragment 0 moves by `step` per version fetched (versions 1, 2, ...)."""
+
+    def __init__(self, step: torch.Tensor) -> None:
+        super().__init__()
+        self.step, self.version = step, 0
+
+    async def fetch(self, fragment: int) -> FragmentVersion:
+        self.version += 1
+        return FragmentVersion(
+            fragment=fragment, version=self.version, params={"w": -self.version * self.step}
+        )
+
+
+def test_aligned_noise_adds_the_public_direction_it_computed_from_the_versions_it_fetched() -> None:
+    """`aligned` (cosine gaming): plain noise until two versions were fetched, then noise at the honest norm plus
+    0.2 x that norm along the updates between them (old - new: the merged descent, as a delta)."""
+    step = torch.tensor(
+        [0.0, 0.0, 0.0, 1.0]
+    )  # every merge moves w by -step: the public descent direction is +step
+    inner = Publishing(step)
+    attacker = AttackingTransport(inner, "aligned", 0.2, seed=1)
+    assert parse_learner_attack("aligned") == ("aligned", 0.2)
+    version = asyncio.run(attacker.fetch(0))
+    assert attacker.public.get(0) is None  # one version: no update seen yet
+    honest = {"w": version.params["w"] - delta(HONEST)["w"]}
+    c = dataclasses.replace(contribution(base_version=1), params=honest, base=version.params)
+    asyncio.run(attacker.push(c))
+    first = version.params["w"] - inner.pushed[-1].params["w"]
+    assert math.isclose(float(first.norm()), norm(delta(HONEST)), rel_tol=1e-5)  # plain noise
+    asyncio.run(attacker.fetch(0))
+    version = asyncio.run(attacker.fetch(0))  # two updates, both along +step
+    direction = attacker.public.get(0)
+    assert direction is not None and torch.allclose(direction["w"] / direction["w"].norm(), step)
+    sent = []
+    for _ in range(200):  # the public part is 0.2 x the honest norm along +step; the noise averages out
+        honest = {"w": version.params["w"] - delta(HONEST)["w"]}
+        c = dataclasses.replace(c, params=honest, base=version.params, base_version=version.version)
+        asyncio.run(attacker.push(c))
+        sent.append(version.params["w"] - inner.pushed[-1].params["w"])
+    mean = torch.stack(sent).mean(0)
+    assert float(mean[3]) == pytest.approx(0.2 * norm(delta(HONEST)), rel=0.15)
+    assert float(mean[:3].abs().max()) < 0.05
