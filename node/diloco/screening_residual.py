@@ -48,6 +48,9 @@ class PublicResidual(Mapping[str, torch.Tensor]):
             flat[start:stop] = self.chunk(name, start, stop)
         return flat.view(self.shape_of(name))
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.params  # Mapping's own would compute the tensor whole
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.params)
 

@@ -211,11 +211,12 @@ def test_a_spill_files_membership_reads_nothing(tmp_path: Path) -> None:
 
 
 def test_the_other_lazy_mappings_membership_reads_nothing(tmp_path: Path) -> None:
-    """`ProbeContext`, `ScaledTensors` and `TensorFile` read tensors on `[name]`; `in` must not (Mapping's own
+    """`ProbeContext`, `ScaledTensors`, `TensorFile` and `PublicResidual` read tensors on `[name]`; `in` must not (Mapping's own
     `__contains__` answers by `[name]`, the trap `SpilledTensors` fell in)."""
     from safetensors.torch import save_file
 
     from node.diloco.spill import ScaledTensors, SpillDir, SpilledTensors
+    from node.diloco.screening_residual import PublicResidual
     from node.diloco.syncer_core import ProbeContext
     from node.ml.checkpoint import TensorFile
 
@@ -228,6 +229,7 @@ def test_the_other_lazy_mappings_membership_reads_nothing(tmp_path: Path) -> Non
         ProbeContext({"v": torch.zeros(2)}, (0,), (file,)),
         ScaledTensors(SpilledTensors(spill, key)),
         TensorFile(tmp_path / "c.safetensors"),
+        PublicResidual({"w": torch.ones(BLOCK)}, {"w": torch.ones(BLOCK)}, 0.5),
     ]
     for mapping in mappings:
         reads: list[str] = []
