@@ -211,12 +211,12 @@ def test_a_spill_files_membership_reads_nothing(tmp_path: Path) -> None:
 
 
 def test_the_other_lazy_mappings_membership_reads_nothing(tmp_path: Path) -> None:
-    """`ProbeContext`, `ScaledTensors`, `TensorFile` and `PublicResidual` read tensors on `[name]`; `in` must not (Mapping's own
-    `__contains__` answers by `[name]`, the trap `SpilledTensors` fell in)."""
+    """`ProbeContext`, `ScaledTensors`, `TensorFile` and `PublicResidual` read tensors on `[name]`; `in` must not
+    (Mapping's own `__contains__` answers by `[name]`, the trap `SpilledTensors` fell in)."""
     from safetensors.torch import save_file
 
-    from node.diloco.spill import ScaledTensors, SpillDir, SpilledTensors
     from node.diloco.screening_residual import PublicResidual
+    from node.diloco.spill import ScaledTensors, SpillDir, SpilledTensors
     from node.diloco.syncer_core import ProbeContext
     from node.ml.checkpoint import TensorFile
 
