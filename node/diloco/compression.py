@@ -38,6 +38,7 @@ from protocol.compress import (
     encode,
     header_from_meta,
     header_to_meta,
+    mask_for,
     payload_size,
 )
 from protocol.envelope import MetaValue
@@ -208,6 +209,18 @@ class ContributionEncoder:
     def commit(self, fragment: int, sent: WireContribution) -> None:
         """The syncer took `sent`: what its codec dropped is owed from now on."""
         self.feedback.commit(fragment, sent.residual)
+
+
+# The mask needs agreement, not secrecy (the base version it follows is public): one seed for every run.
+MASK_RUN_SEED = 0
+
+
+def push_mask(spec: CodecSpec, fragment: int, base_version: int) -> MaskKey | None:
+    """The mask of a randk push of `fragment` on `base_version` (the version its header names), derived alike
+    by the learner and the syncer; None under every other codec."""
+    if spec.codec != "randk":
+        return None
+    return mask_for(spec, run_seed=MASK_RUN_SEED, fragment=fragment, version=base_version)
 
 
 def contribution_limits(spec: CodecSpec, largest_fragment: int) -> TensorLimits:

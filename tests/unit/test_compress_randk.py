@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -9,8 +10,16 @@ from typing import Any
 import pytest
 import torch
 
-from node.diloco.compression import ContributionEncoder, ErrorFeedback, decode_contribution
+from node.diloco.compression import (
+    ContributionEncoder,
+    ErrorFeedback,
+    decode_contribution,
+    encode_contribution,
+    push_mask,
+)
 from node.diloco.fragments import plan_fragments
+from node.diloco.sync_client import contribution_meta
+from node.diloco.syncer_core import wire_params
 from protocol import compress
 from protocol.codec import TensorLimits
 from protocol.compress import (
@@ -245,3 +254,44 @@ def test_the_manifest_names_randk_and_its_mask_rotation() -> None:
     assert RunManifest.from_canonical_bytes(manifest.to_canonical_bytes()) == manifest
     with pytest.raises(ValueError, match="mask_rotate"):
         CodecSpec(codec="randk", mask_rotate=1)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------- learner, syncer
+
+
+def test_learner_and_syncer_derive_the_push_mask_from_its_base_version() -> None:
+    from tests.unit.test_compressed_sync import lossy_learner, push_every_fragment
+
+    spec = CodecSpec(codec="randk", chunk=256, k=32, bits=2)
+
+    async def scenario() -> None:
+        sync, model, syncer = lossy_learner(spec)
+        initial = {n: t.detach().clone() for n, t in model.named_parameters()}
+        await push_every_fragment(sync, model, syncer)
+        live = dict(model.named_parameters())
+        assert syncer.pushed
+        for pushed in syncer.pushed:
+            names = sync.plan.fragments[pushed.fragment].names
+            mask = push_mask(spec, pushed.fragment, pushed.base_version)
+            assert mask is not None and pushed.codec_meta["z_mask_seed"] == mask.seed
+            meta = {**contribution_meta(pushed)}
+            base = {n: initial[n] for n in names}
+            rebuilt = decode_contribution(pushed.params, meta, spec=spec, base=base, names=names, mask=mask)
+            true = torch.cat([(base[n] - live[n].detach()).reshape(-1) for n in names])
+            got = torch.cat([(base[n] - rebuilt[n]).reshape(-1) for n in names])
+            assert int((got != 0).sum()) == randk_kept(spec, true.numel())
+
+    asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+def test_wire_params_refuses_a_push_whose_mask_is_not_its_base_versions() -> None:
+    from tests.unit.test_compressed_sync import PLAN, core, trained
+
+    c = core()
+    params, names = trained(c, 0, seed=1), PLAN.fragments[0].names
+    on = {version: push_mask(RANDK, 0, version) for version in (0, 1)}
+    sent = encode_contribution(ErrorFeedback(RANDK), 0, c.fragment_tensors(0), params, names, mask=on[1])
+    assert wire_params(c, RANDK, 0, 1, sent.tensors, sent.meta)  # control: the version its mask follows
+    with pytest.raises(CompressionError) as info:
+        wire_params(c, RANDK, 0, 0, sent.tensors, sent.meta)  # the same push naming another base version
+    assert info.value.reason == WRONG_MASK
