@@ -18,6 +18,8 @@ fresh draw per round), trim (the merge's trim_fraction), sparse (1: the merge's 
 under a top-k codec does), rda (0: plain mean instead of RDA), lr and momentum (the outer step), seed (data seeds
 offset). Every gap is against an fp32 arm (seed 0) with the variant's own outer step (lr, momentum), run once per
 step; a randk push's mask is `mask_for(run_seed=SEED, fragment, version=round)`, as both sides would derive it.
+`--energy` prints instead, per codec and fragment, the share of one learner's pseudo-gradient (48 AdamW steps from
+the initial model) one push delivers: 1 - ||delta - decoded||^2 / ||delta||^2.
 Run: `python -m benchmarks.codec_sweep [--rounds 30] [--variants "codec=topk,k=32;..."] [--write [--name N]]`.
 """
 
@@ -33,13 +35,14 @@ from typing import Any
 import torch
 
 from benchmarks.common import write_result
-from node.diloco.compression import ContributionEncoder, decode_contribution
+from node.diloco.compression import ContributionEncoder, decode_contribution, fragment_delta
 from node.diloco.fragments import FragmentPlan, plan_fragments
 from node.diloco.merge import Contribution, merge_fragment
 from node.diloco.outer import OuterNesterov
 from node.ml.data import Batch, BatchSampler, evaluate, load_corpus, validation_batches
 from node.ml.model import ModelConfig, build_model, embedding_param_names
-from protocol.compress import CodecSpec, compression_ratio, mask_for
+from protocol.codec import TensorLimits
+from protocol.compress import CodecSpec, compression_ratio, decode, encode, mask_for
 
 NAME = "codec_sweep"
 MODEL = ModelConfig(vocab_size=256, context_len=32, num_layers=2, width=64, num_heads=2)  # goodput's
@@ -184,6 +187,45 @@ def run(setup: Setup, variant: Variant, rounds: int) -> list[tuple[int, float]]:
     return curve
 
 
+def energy(setup: Setup, specs: list[CodecSpec], steps: int = 4 * H) -> dict[str, list[float]]:
+    """Per codec, per fragment: the share of one learner's pseudo-gradient's squared norm one push delivers,
+    1 - ||delta - decoded||^2 / ||delta||^2 (learner 0, `steps` AdamW steps from the initial model, no feedback)."""
+    model = build_model(MODEL, SEED)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR, weight_decay=WEIGHT_DECAY)
+    sampler = BatchSampler(
+        setup.streams[0],
+        batch_size=BATCH,
+        context_len=MODEL.context_len,
+        generator=torch.Generator().manual_seed(0),
+    )
+    for _ in range(steps):
+        inputs, targets = sampler.next_batch()
+        optimizer.zero_grad(set_to_none=True)
+        model(inputs, targets)[1].backward()
+        optimizer.step()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    out: dict[str, list[float]] = {}
+    for spec in specs:
+        shares = []
+        for fragment in setup.plan.fragments:
+            delta = fragment_delta(base, params, fragment.names)
+            mask = (
+                mask_for(spec, run_seed=SEED, fragment=fragment.index, version=0)
+                if spec.codec == "randk"
+                else None
+            )
+            encoded = encode(delta, spec, mask=mask)
+            decoded = decode(encoded.header, encoded.payload, _limits(delta), mask=mask)
+            shares.append(round(1 - float((delta - decoded).norm() ** 2 / delta.norm() ** 2), 4))
+        out[str(spec.header_fields())] = shares
+    return out
+
+
+def _limits(tensor: torch.Tensor) -> TensorLimits:
+    return TensorLimits(max_bytes=4 * tensor.numel(), max_rank=1, max_dim=tensor.numel())
+
+
 def _tail(curve: list[tuple[int, float]], last: int = 5) -> float:
     """Mean held-out loss of the last rounds: one round's loss of a lossy codec swings more than the gap."""
     return sum(loss for _, loss in curve[-last:]) / len(curve[-last:])
@@ -201,11 +243,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-batches", type=int, default=64)
     parser.add_argument("--variants", default=DEFAULT_VARIANTS)
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/<name>.json")
+    parser.add_argument(
+        "--energy",
+        action="store_true",
+        help="print the share of a pseudo-gradient one push delivers, then stop",
+    )
     parser.add_argument("--name", default=NAME, help="the results file's name (default codec_sweep)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     setup = build_setup(args.eval_batches)
     variants = [parse_variant(t) for t in args.variants.split(";") if t.strip()]
+    if args.energy:
+        print(json.dumps(energy(setup, [v.spec for v in variants if v.spec.codec != "fp32"]), indent=1))
+        return 0
     curves: dict[str, list[tuple[int, float]]] = {}
     rows: dict[str, Any] = {}
     for variant in variants:
