@@ -48,6 +48,8 @@ def run_toml_table(spec: CodecSpec) -> str:
     lines = [f'codec = "{fields.pop("codec")}"'] + [f"{k} = {v}" for k, v in fields.items()]
     if spec.feedback_decay != 1.0:  # learner side, not a header field
         lines.append(f"feedback_decay = {spec.feedback_decay}")
+    if spec.codec == "randk" and not spec.mask_rotate:  # both sides, not a header field either
+        lines.append("mask_rotate = false")
     return "\n[outer_codec]\n" + "\n".join(lines) + "\n"
 
 

@@ -26,10 +26,11 @@ decoded tensor. Every refusal is a `CompressionError` with a short `reason`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 
@@ -38,12 +39,14 @@ from protocol.codec import TensorLimits, check_spec
 from protocol.envelope import MetaScalar, MetaValue
 from protocol.errors import CompressionError, TensorPolicyError
 
-CodecName = Literal["fp32", "int8", "int4", "topk"]
-CODECS: tuple[CodecName, ...] = ("fp32", "int8", "int4", "topk")
+CodecName = Literal["fp32", "int8", "int4", "topk", "randk"]
+CODECS: tuple[CodecName, ...] = ("fp32", "int8", "int4", "topk", "randk")
 SCALE_DTYPES: dict[int, torch.dtype] = {16: torch.float16, 32: torch.float32}
 TOPK_VALUE_BITS = frozenset(
     {2, 4, 8}
 )  # widths that divide a byte; 1 bit would be sign-only, below what we test
+RANDK_VALUE_BITS = frozenset({1, 2, 4, 8})  # randk: 1 bit is sign x the chunk's scale
+MAX_MASK_SEED = (1 << 62) - 1  # a randk mask seed fits an envelope's int with room to spare
 MAX_BLOCK = 1 << 16  # block and chunk sizes a receiver accepts (16-bit local indices at most)
 # Largest scale a receiver accepts: the largest float16, so a scale means the same in either width. An outer delta
 # whose block max is above 127 x 65504 ~ 8e6 is no training update; an encoder refuses to produce one.
@@ -56,6 +59,7 @@ WRONG_CODEC = "unexpected codec"
 WRONG_LENGTH = "compressed size mismatch"
 BAD_SCALE = "bad scale"
 BAD_INDEX = "bad index"
+WRONG_MASK = "unexpected mask"
 NON_FINITE = "non-finite values"
 
 _QMAX = {"int8": 127, "int4": 7}
@@ -64,7 +68,9 @@ _HEADER_KEYS: dict[str, tuple[str, ...]] = {
     "int8": ("codec", "numel", "shape", "block", "scale_bits"),
     "int4": ("codec", "numel", "shape", "block", "scale_bits"),
     "topk": ("codec", "numel", "shape", "chunk", "k", "bits", "scale_bits"),
+    "randk": ("codec", "numel", "shape", "chunk", "k", "bits", "scale_bits", "mask_seed", "mask_stratum"),
 }
+_MASK_KEYS = ("mask_seed", "mask_stratum")  # per push, not the spec's: parse_header returns them apart
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,6 +89,10 @@ class CodecSpec:
     # all of it). SparseLoCo's beta: below 1, what the codec kept dropping fades instead of arriving rounds late
     # as one stale burst (benchmarks/codec_sweep.py measures it).
     feedback_decay: float = 1.0
+    # randk, both sides, never in a header (the header names the mask it used, `MaskKey`): True draws one
+    # permutation per chunk for the run and fragment and sends its strata in turn, so every coordinate is sent
+    # once every ceil(chunk / k) versions; False draws a fresh subset for every base version.
+    mask_rotate: bool = True
 
     def __post_init__(self) -> None:
         problem = _spec_problem(self)
@@ -115,6 +125,13 @@ def _spec_problem(spec: CodecSpec) -> str | None:
             return f"chunk {spec.chunk} not in [2, {MAX_BLOCK}] or k {spec.k} not in [1, chunk]"
         if spec.bits not in TOPK_VALUE_BITS:
             return f"bits {spec.bits} not in {sorted(TOPK_VALUE_BITS)}"
+    if spec.codec == "randk":
+        if not 2 <= spec.chunk <= MAX_BLOCK or not 1 <= spec.k <= spec.chunk:
+            return f"chunk {spec.chunk} not in [2, {MAX_BLOCK}] or k {spec.k} not in [1, chunk]"
+        if spec.bits not in RANDK_VALUE_BITS:
+            return f"bits {spec.bits} not in {sorted(RANDK_VALUE_BITS)}"
+    if type(spec.mask_rotate) is not bool:
+        return "mask_rotate must be a bool"
     if spec.scale_bits not in SCALE_DTYPES:
         return f"scale_bits {spec.scale_bits} not in {sorted(SCALE_DTYPES)}"
     decay = spec.feedback_decay
@@ -153,14 +170,23 @@ def payload_size(spec: CodecSpec, numel: int) -> int:
         values = numel if spec.codec == "int8" else (numel + 1) // 2
         return -(-numel // spec.block) * scale_bytes + values
     num_chunks = -(-numel // spec.chunk)
+    if spec.codec == "randk":  # no index: both sides derive the mask
+        return num_chunks * scale_bytes + packed_size(randk_kept(spec, numel), spec.bits)
     kept = topk_kept(spec, numel)
     return num_chunks * scale_bytes + packed_size(kept, index_bits(spec.chunk)) + packed_size(kept, spec.bits)
 
 
 def topk_kept(spec: CodecSpec, numel: int) -> int:
-    """Entries a topk payload of `numel` elements holds: k per full chunk, min(k, rest) in a short last one."""
+    """Entries a topk (or randk) payload of `numel` elements holds: k per full chunk, min(k, rest) in a short last one."""
     full, rest = divmod(numel, spec.chunk)
     return full * spec.k + min(spec.k, rest)
+
+
+def randk_kept(spec: CodecSpec, numel: int) -> int:
+    """Entries a randk payload of `numel` elements holds: k per full chunk, the same density (rounded up) in a
+    short last one, so its coordinates are not sent more often than the others'."""
+    full, rest = divmod(numel, spec.chunk)
+    return full * spec.k + -(-rest * spec.k // spec.chunk)
 
 
 def compression_ratio(spec: CodecSpec, numel: int) -> float:
@@ -171,11 +197,12 @@ def compression_ratio(spec: CodecSpec, numel: int) -> float:
 # ---------------------------------------------------------------------------------------------------- encoding
 
 
-def encode(tensor: torch.Tensor, spec: CodecSpec) -> Encoded:
-    """Compress a float tensor (as float32) under `spec`.
+def encode(tensor: torch.Tensor, spec: CodecSpec, *, mask: MaskKey | None = None) -> Encoded:
+    """Compress a float tensor (as float32) under `spec`; a randk spec needs the push's `mask`.
 
     Raises:
-        ValueError: an empty dimension, non-finite values, or values too large for a scale <= MAX_SCALE.
+        ValueError: an empty dimension, non-finite values, values too large for a scale <= MAX_SCALE, or randk
+            without a mask.
     """
     shape = [int(d) for d in tensor.shape]
     if any(d <= 0 for d in shape):
@@ -187,9 +214,15 @@ def encode(tensor: torch.Tensor, spec: CodecSpec) -> Encoded:
         payload = flat.contiguous().numpy().tobytes()
     elif spec.codec == "topk":
         payload = _encode_topk(flat, spec)
+    elif spec.codec == "randk":
+        if mask is None:
+            raise ValueError("randk encodes against a mask (MaskKey)")
+        payload = _encode_randk(flat, spec, mask)
     else:
         payload = _encode_blocks(flat, spec)
     header: dict[str, MetaValue] = {**spec.header_fields(), "numel": flat.numel()}
+    if spec.codec == "randk" and mask is not None:
+        header.update(mask_seed=mask.seed, mask_stratum=mask.stratum)
     header["shape"] = cast("list[MetaScalar]", shape)
     return Encoded(header, payload)
 
@@ -261,7 +294,8 @@ def parse_header(
         type(header[k]) is not int for k in keys if k not in ("codec", "shape")
     ):
         raise CompressionError(f"a {codec} header has exactly the int fields {keys}", reason=BAD_HEADER)
-    fields = {k: cast(int, header[k]) for k in keys if k not in ("codec", "shape", "numel")}
+    # ints (checked above); the learner-side fields (feedback_decay, mask_rotate) never travel and keep defaults
+    fields: dict[str, Any] = {k: header[k] for k in keys if k not in ("codec", "shape", "numel", *_MASK_KEYS)}
     try:
         spec = CodecSpec(codec=cast(CodecName, codec), **fields)
     except ValueError as e:
@@ -294,12 +328,16 @@ def decode(
     limits: TensorLimits,
     *,
     expect: CodecSpec | None = None,
+    mask: MaskKey | None = None,
 ) -> torch.Tensor:
     """The float32 tensor a peer's (header, payload) encodes, every check done before the output is allocated.
 
-    `payload` may be the uint8 tensor an envelope delivered. Raises CompressionError."""
+    `payload` may be the uint8 tensor an envelope delivered. Under randk, `mask` is the one the receiver derived
+    for this push (None: the header's, checked for range only). Raises CompressionError."""
     spec, shape = parse_header(header, limits, expect=expect)
     numel = math.prod(shape)
+    if spec.codec == "randk":
+        mask = _header_mask(header, spec, expect=mask)
     data = _payload_bytes(payload)
     if data.numel() != payload_size(spec, numel):
         raise CompressionError(
@@ -312,6 +350,8 @@ def decode(
             raise CompressionError("fp32 payload holds NaN or Inf", reason=NON_FINITE)
     elif spec.codec == "topk":
         flat = _decode_topk(data, spec, numel)
+    elif spec.codec == "randk":
+        flat = _decode_randk(data, spec, numel, cast(MaskKey, mask))
     else:
         flat = _decode_blocks(data, spec, numel)
     return flat.reshape(shape)
@@ -378,6 +418,103 @@ def _check_indices(local: torch.Tensor, chunk_of: torch.Tensor, spec: CodecSpec,
     new_chunk = chunk_of[1:] != chunk_of[:-1]
     if not bool((rises | new_chunk).all()):
         raise CompressionError("top-k indices are not strictly increasing within a chunk", reason=BAD_INDEX)
+
+
+# ---------------------------------------------------------------------------------------------------- randk
+# A shared random mask: per chunk, k positions drawn from a seed both sides know, so no index travels (13x the
+# coordinates top-k keeps in the same bytes at 2 bits). Only values and one scale per chunk are sent.
+
+
+@dataclass(frozen=True, slots=True)
+class MaskKey:
+    """Which positions a randk push kept: the per-chunk permutations drawn from `seed`, and their `stratum`-th
+    run of k (wrapping), so strata 0 .. ceil(chunk / k) - 1 together cover every position."""
+
+    seed: int
+    stratum: int = 0
+
+
+def mask_period(spec: CodecSpec) -> int:
+    """Strata in a randk permutation: versions for a rotating mask to cover every coordinate once."""
+    return -(-spec.chunk // spec.k)
+
+
+def mask_for(spec: CodecSpec, *, run_seed: int, fragment: int, version: int) -> MaskKey:
+    """The mask of a push of `fragment` on base `version`, derived alike by every learner and the syncer."""
+
+    def seed(*parts: int) -> int:
+        text = "hivenode-randk-v1:" + ":".join(str(p) for p in parts)
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & MAX_MASK_SEED
+
+    if spec.mask_rotate:
+        return MaskKey(seed(run_seed, fragment), version % mask_period(spec))
+    return MaskKey(seed(run_seed, fragment, version), 0)
+
+
+def _header_mask(header: Mapping[str, object], spec: CodecSpec, *, expect: MaskKey | None) -> MaskKey:
+    """The mask a randk header names (ints, checked by parse_header), in range and equal to `expect` if given."""
+    seed, stratum = cast(int, header["mask_seed"]), cast(int, header["mask_stratum"])
+    if not 0 <= seed <= MAX_MASK_SEED or not 0 <= stratum < mask_period(spec):
+        raise CompressionError(f"mask seed {seed} or stratum {stratum} out of range", reason=BAD_HEADER)
+    got = MaskKey(seed, stratum)
+    if expect is not None and got != expect:
+        raise CompressionError(f"mask {got}, expected {expect}", reason=WRONG_MASK)
+    return got
+
+
+def randk_positions(spec: CodecSpec, numel: int, mask: MaskKey) -> torch.Tensor:
+    """Flat positions a randk payload of `numel` elements holds (int64, `randk_kept` of them), increasing within
+    each chunk, chunk after chunk. Costs one float and one
+    int64 per element (the mask is drawn whole)."""
+    generator = torch.Generator().manual_seed(mask.seed)
+    full, rest = divmod(numel, spec.chunk)
+    parts = []
+    for rows, width in ((full, spec.chunk), (1 if rest else 0, rest)):
+        if not rows:
+            continue
+        kept = -(-width * spec.k // spec.chunk)  # k in a full chunk; randk_kept's rounding in a short one
+        perm = torch.rand(rows, width, generator=generator).argsort(dim=1)
+        cols = (mask.stratum * kept + torch.arange(kept)) % width
+        local = perm[:, cols].sort(dim=1).values
+        start = 0 if width == spec.chunk else full * spec.chunk
+        parts.append((start + torch.arange(rows).unsqueeze(1) * spec.chunk + local).reshape(-1))
+    return torch.cat(parts)
+
+
+# Uniform quantizer steps that minimise the squared error of Gaussian values, in units of their RMS (Max 1960):
+# a random subset is no top-k, its values are spread, so the step follows the RMS and outliers are clipped (error
+# feedback keeps what clipping lost). 8 bits: the chunk's max / 128, no clipping.
+_RANDK_STEP = {1: 1.596, 2: 0.996, 4: 0.335}
+
+
+def _encode_randk(flat: torch.Tensor, spec: CodecSpec, mask: MaskKey) -> bytes:
+    numel, half = flat.numel(), 1 << (spec.bits - 1)
+    positions = randk_positions(spec, numel, mask)
+    kept = flat[positions]
+    chunk_of = positions // spec.chunk
+    num_chunks = -(-numel // spec.chunk)
+    counts = torch.bincount(chunk_of, minlength=num_chunks).clamp_(min=1).float()
+    if spec.bits in _RANDK_STEP:
+        rms = (torch.zeros(num_chunks).index_add_(0, chunk_of, kept * kept) / counts).sqrt_()
+        stored = _scales(rms * _RANDK_STEP[spec.bits], 1.0, spec.scale_bits)
+    else:
+        absmax = torch.zeros(num_chunks).scatter_reduce_(0, chunk_of, kept.abs(), "amax")
+        stored = _scales(absmax, float(half), spec.scale_bits)
+    scale = stored.float()[chunk_of]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.floor(kept / safe).clamp_(-half, half - 1).to(torch.int64) + half  # midrise: (q + 0.5) * s
+    return torch.cat([stored.view(torch.uint8), pack_bits(q, spec.bits)]).numpy().tobytes()
+
+
+def _decode_randk(data: torch.Tensor, spec: CodecSpec, numel: int, mask: MaskKey) -> torch.Tensor:
+    num_chunks, kept = -(-numel // spec.chunk), randk_kept(spec, numel)
+    scales = _read_scales(data, num_chunks, spec.scale_bits)
+    q = unpack_bits(data[num_chunks * spec.scale_bits // 8 :], kept, spec.bits)
+    positions = randk_positions(spec, numel, mask)
+    half = 1 << (spec.bits - 1)
+    out = torch.zeros(numel, dtype=torch.float32)
+    out[positions] = (q - half).float().add_(0.5).mul_(scales[positions // spec.chunk])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- in a frame

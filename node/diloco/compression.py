@@ -33,10 +33,12 @@ from protocol.compress import (
     META_PREFIX,
     CodecSpec,
     Encoded,
+    MaskKey,
     decode,
     encode,
     header_from_meta,
     header_to_meta,
+    mask_for,
     payload_size,
 )
 from protocol.envelope import MetaValue
@@ -54,15 +56,17 @@ class ErrorFeedback:
         self.enabled = enabled and spec.codec != "fp32"
         self._residuals: dict[int, torch.Tensor] = {}
 
-    def encode(self, fragment: int, delta: torch.Tensor) -> Encoded:
+    def encode(self, fragment: int, delta: torch.Tensor, *, mask: MaskKey | None = None) -> Encoded:
         """Encode `delta + residual` for `fragment` and keep what the codec lost as its new residual.
 
         A delta of another shape than the residual (a new plan) starts the fragment afresh."""
-        encoded, residual = self.prepare(fragment, delta)
+        encoded, residual = self.prepare(fragment, delta, mask=mask)
         self.commit(fragment, residual)
         return encoded
 
-    def prepare(self, fragment: int, delta: torch.Tensor) -> tuple[Encoded, torch.Tensor | None]:
+    def prepare(
+        self, fragment: int, delta: torch.Tensor, *, mask: MaskKey | None = None
+    ) -> tuple[Encoded, torch.Tensor | None]:
         """Encode `delta + residual` without touching the residual: the caller commits the returned one once the
         syncer took the contribution. Until then a newer snapshot of the fragment may replace this one, and its
         delta must be corrected by the residual of what did arrive, not of what never did."""
@@ -70,10 +74,10 @@ class ErrorFeedback:
         residual = self._residuals.get(fragment)
         if residual is not None and residual.shape == corrected.shape:
             corrected = corrected + residual
-        encoded = encode(corrected, self.spec)
+        encoded = encode(corrected, self.spec, mask=mask)
         if not self.enabled:
             return encoded, None
-        return encoded, corrected - decode(encoded.header, encoded.payload, _own_limits(corrected))
+        return encoded, corrected - decode(encoded.header, encoded.payload, _own_limits(corrected), mask=mask)
 
     def commit(self, fragment: int, residual: torch.Tensor | None) -> None:
         """Keep `residual` (from `prepare`) as what the codec still owes the syncer for `fragment`, times the
@@ -169,9 +173,12 @@ def encode_contribution(
     base: Mapping[str, torch.Tensor],
     params: Mapping[str, torch.Tensor],
     names: Sequence[str],
+    *,
+    mask: MaskKey | None = None,
 ) -> WireContribution:
-    """The outer gradient `base - params` of one fragment, error-corrected and encoded; the residual uncommitted."""
-    encoded, residual = feedback.prepare(fragment, fragment_delta(base, params, names))
+    """The outer gradient `base - params` of one fragment, error-corrected and encoded; the residual uncommitted.
+    A randk codec needs the push's `mask` (`protocol.compress.mask_for`)."""
+    encoded, residual = feedback.prepare(fragment, fragment_delta(base, params, names), mask=mask)
     return WireContribution(
         tensors={DELTA_TENSOR: encoded.payload_tensor()},
         meta=header_to_meta(encoded.header, META_PREFIX),
@@ -189,13 +196,31 @@ class ContributionEncoder:
         self.feedback = ErrorFeedback(spec)
 
     def encode(
-        self, fragment: int, base: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
+        self,
+        fragment: int,
+        base: Mapping[str, torch.Tensor],
+        params: Mapping[str, torch.Tensor],
+        *,
+        mask: MaskKey | None = None,
     ) -> WireContribution:
-        return encode_contribution(self.feedback, fragment, base, params, self.plan.fragments[fragment].names)
+        names = self.plan.fragments[fragment].names
+        return encode_contribution(self.feedback, fragment, base, params, names, mask=mask)
 
     def commit(self, fragment: int, sent: WireContribution) -> None:
         """The syncer took `sent`: what its codec dropped is owed from now on."""
         self.feedback.commit(fragment, sent.residual)
+
+
+# The mask needs agreement, not secrecy (the base version it follows is public): one seed for every run.
+MASK_RUN_SEED = 0
+
+
+def push_mask(spec: CodecSpec, fragment: int, base_version: int) -> MaskKey | None:
+    """The mask of a randk push of `fragment` on `base_version` (the version its header names), derived alike
+    by the learner and the syncer; None under every other codec."""
+    if spec.codec != "randk":
+        return None
+    return mask_for(spec, run_seed=MASK_RUN_SEED, fragment=fragment, version=base_version)
 
 
 def contribution_limits(spec: CodecSpec, largest_fragment: int) -> TensorLimits:
@@ -220,9 +245,11 @@ def decode_contribution(
     spec: CodecSpec,
     base: Mapping[str, torch.Tensor],
     names: Sequence[str],
+    mask: MaskKey | None = None,
 ) -> dict[str, torch.Tensor]:
     """The params a compressed contribution stands for: `base - decoded delta`, every check of the decoder done
-    before anything fragment-sized is allocated (the declared size may be at most the fragment's). Raises
+    before anything fragment-sized is allocated (the declared size may be at most the fragment's). Under randk,
+    `mask` is the one the syncer derived for the push (a header naming another is refused). Raises
     CompressionError."""
     if set(tensors) != {DELTA_TENSOR}:
         raise CompressionError(
@@ -231,7 +258,7 @@ def decode_contribution(
         )
     numel = sum(math.prod(base[name].shape) for name in names)
     limits = TensorLimits(max_bytes=max(4 * numel, 1), max_rank=1, max_dim=max(numel, 1))
-    delta = decode(header_from_meta(meta), tensors[DELTA_TENSOR], limits, expect=spec)
+    delta = decode(header_from_meta(meta), tensors[DELTA_TENSOR], limits, expect=spec, mask=mask)
     if delta.numel() != numel:
         raise CompressionError(
             f"a delta of {delta.numel()} elements for a fragment of {numel}", reason=BAD_HEADER

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 
-from node.diloco.compression import ContributionEncoder, WireContribution
+from node.diloco.compression import ContributionEncoder, WireContribution, push_mask
 from node.diloco.fragment_ledger import FragmentLedger
 from node.diloco.sync_types import (
     ContributionRefused,
@@ -185,8 +185,9 @@ class SyncSender:
         if self.encoder is None or contribution.base is None:
             return None
         try:
+            mask = push_mask(self.encoder.spec, contribution.fragment, contribution.base_version)
             return await asyncio.to_thread(
-                self.encoder.encode, contribution.fragment, contribution.base, contribution.params
+                self.encoder.encode, contribution.fragment, contribution.base, contribution.params, mask=mask
             )
         except ValueError as e:
             raise ContributionRefused(f"cannot encode the delta: {e}", reason="encode failed") from None

@@ -22,7 +22,7 @@ import torch
 
 from node.diloco import chunked
 from node.diloco.claims import ClaimBound, copy_of
-from node.diloco.compression import decode_contribution
+from node.diloco.compression import decode_contribution, push_mask
 from node.diloco.counters import cap_counters
 from node.diloco.evidence import ZeroStreak
 from node.diloco.fragments import FragmentPlan
@@ -1168,7 +1168,10 @@ def wire_params(
         raise MalformedFrame(f"no fragment {fragment}", reason="malformed contribution")
     base = core.history.at(fragment, base_version) or core.fragment_tensors(fragment)
     names = core.plan.fragments[fragment].names
-    return decode_contribution(tensors, meta, spec=codec, base=base, names=names)
+    mask = push_mask(
+        codec, fragment, base_version
+    )  # randk: the mask the learner derived from the same version
+    return decode_contribution(tensors, meta, spec=codec, base=base, names=names, mask=mask)
 
 
 def probe_base(core: SyncerCore, fragment: int, base_version: int) -> Mapping[str, torch.Tensor] | None:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.codec import TensorLimits
-from protocol.compress import CodecSpec, decode, encode
+from protocol.compress import CodecSpec, MaskKey, decode, encode
 from protocol.errors import CompressionError
 
 LIMITS = TensorLimits(max_bytes=64 * 1024, max_rank=4, max_dim=1 << 20)
@@ -20,6 +20,8 @@ SPECS = [
     CodecSpec(codec="int4", block=8, scale_bits=16),
     CodecSpec(codec="topk", chunk=32, k=3, bits=2),
     CodecSpec(codec="topk", chunk=100, k=7, bits=8, scale_bits=16),
+    CodecSpec(codec="randk", chunk=32, k=4, bits=1),
+    CodecSpec(codec="randk", chunk=100, k=10, bits=2, scale_bits=16),
 ]
 scalars = st.one_of(
     st.none(),
@@ -27,7 +29,7 @@ scalars = st.one_of(
     st.integers(-3, 1 << 41),
     st.floats(),
     st.text(max_size=6),
-    st.sampled_from(["fp32", "int8", "int4", "topk"]),
+    st.sampled_from(["fp32", "int8", "int4", "topk", "randk"]),
 )
 field_values = st.one_of(scalars, st.lists(st.one_of(st.integers(-2, 5000), scalars), max_size=4))
 
@@ -37,7 +39,8 @@ def headers_and_payloads(draw: st.DrawFn) -> tuple[dict[str, Any], bytes]:
     """A real encoding of a small tensor, then a few fields replaced and the payload flipped, cut or extended."""
     spec = draw(st.sampled_from(SPECS))
     shape = draw(st.lists(st.integers(1, 40), min_size=1, max_size=3))
-    encoded = encode(torch.randn(shape), spec)
+    mask = MaskKey(draw(st.integers(0, 1 << 40)), draw(st.integers(0, 7))) if spec.codec == "randk" else None
+    encoded = encode(torch.randn(shape), spec, mask=mask)
     header: dict[str, Any] = dict(encoded.header)
     for key in draw(st.lists(st.sampled_from([*header, "extra"]), max_size=3)):
         if draw(st.booleans()):
