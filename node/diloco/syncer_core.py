@@ -1168,9 +1168,8 @@ def wire_params(
         raise MalformedFrame(f"no fragment {fragment}", reason="malformed contribution")
     base = core.history.at(fragment, base_version) or core.fragment_tensors(fragment)
     names = core.plan.fragments[fragment].names
-    mask = push_mask(
-        codec, fragment, base_version
-    )  # randk: the mask the learner derived from the same version
+    # randk: the mask the learner derived from the same version (None for the other codecs)
+    mask = push_mask(codec, fragment, base_version)
     return decode_contribution(tensors, meta, spec=codec, base=base, names=names, mask=mask)
 
 
