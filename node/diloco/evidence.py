@@ -26,8 +26,8 @@ direction looked honest to both rules (the `noise_aligned` arms of benchmarks/po
 "Cosine gaming"). So with `cosine_needs_slope` (`[syncer] screening.evidence_public_residual`) the slope judged is
 the residual's, the contribution less its projection on the recent merged direction (node.diloco.screening_residual,
 measured by the probe in the same score), and the cosine raises only a factor that slope earned above 0: agreeing
-with where the swarm went is free, so it adds to evidence and is none alone. The token weight is multiplied by the factor before the seniority cap
-(node.diloco.seniority). It is a down-weight, never a refusal: an honest contribution that shows little evidence
+with where the swarm went is free, so it adds to evidence and is none alone. The token weight is multiplied by the
+factor before the seniority cap (node.diloco.seniority). It is a down-weight, never a refusal: an honest contribution that shows little evidence
 loses that round's weight, not its learner's standing (no ledger violation, no demotion). Until `min_history`
 merges recorded a full-weight slope (warm-up, after a restart) and for a contribution without a slope (not scored: the probe
 off or not loaded yet, a stage replica, a loss that is not finite) the factor is 1.
@@ -254,9 +254,8 @@ class EvidenceWeight:
         sustained window (a provisional reference)."""
         if slope is None or not math.isfinite(slope) or not self.config.warmup_window:
             return 1.0
-        largest = max(
-            self._recent.get(fragment, ()), default=0.0
-        )  # this slope is in it: <= 0 means it is too
+        # this slope is in it: a largest <= 0 means this one is too
+        largest = max(self._recent.get(fragment, ()), default=0.0)
         judged = self._ramp(slope, self.config.warmup_scale * largest) if largest > 0 else 0.0
         return 1.0 if judged is None else judged
 
