@@ -18,8 +18,8 @@ Each measured party is a child process of its own (spawned), and reports its pea
   `--push-on-disk` hand a push built in memory or in a spill file to `SyncerCore.accept` instead. `--probe-1b`
   scores each push with the loss probe first (as deployed: the contribution applied streamed through the forward
   pass; `--probe-1b whole`: built whole, the probe before node.ml.streamed_forward), on `--probe-batches` held-out
-  batches of `--probe-rows` sequences of `--probe-tokens` (64; the syncer's default is 256). It runs only when the machine has the memory free (else the JSON
-  says why it was skipped).
+  batches of `--probe-rows` sequences of `--probe-tokens` (64; the syncer's default is 256). It runs only when the
+  machine has the memory free (else the JSON says why it was skipped).
 * `stage_1b`: the parameter bytes of the largest pipeline stage of llama-1b (counted on the meta device).
 
 The syncer's goal is peak RSS <= model bytes + 2 fragments; `syncer_rss_ratio_*` is peak / (model bytes + 2 x the

@@ -177,7 +177,7 @@ def payload_size(spec: CodecSpec, numel: int) -> int:
 
 
 def topk_kept(spec: CodecSpec, numel: int) -> int:
-    """Entries a topk (or randk) payload of `numel` elements holds: k per full chunk, min(k, rest) in a short last one."""
+    """Entries a topk payload of `numel` elements holds: k per full chunk, min(k, rest) in a short last one."""
     full, rest = divmod(numel, spec.chunk)
     return full * spec.k + min(spec.k, rest)
 
