@@ -464,8 +464,7 @@ def _header_mask(header: Mapping[str, object], spec: CodecSpec, *, expect: MaskK
 
 def randk_positions(spec: CodecSpec, numel: int, mask: MaskKey) -> torch.Tensor:
     """Flat positions a randk payload of `numel` elements holds (int64, `randk_kept` of them), increasing within
-    each chunk, chunk after chunk. Costs one float and one
-    int64 per element (the mask is drawn whole)."""
+    each chunk, chunk after chunk. Costs one float and one int64 per element (the mask is drawn whole)."""
     generator = torch.Generator().manual_seed(mask.seed)
     full, rest = divmod(numel, spec.chunk)
     parts = []

@@ -86,18 +86,14 @@ KINDS = (
     "freeride",
     "copycat",
 )
-DEFAULT_STRENGTH = {
-    "freeride": 0.01,
-    "copycat": 0.01,
-    "aligned": 0.2,
-}  # the perturbation, relative to a delta norm
+# the perturbation, relative to a delta norm
+DEFAULT_STRENGTH = {"freeride": 0.01, "copycat": 0.01, "aligned": 0.2}
 COPY_WAIT_S = 5.0  # how long a copycat's push polls the channel for its source's contribution
 COPY_POLL_S = 0.05
 KEEP_FETCHED = 2  # versions per fragment a free-rider or copycat keeps (the bases of its pushes)
 COPY_WAITING = "copycat: no source contribution yet"
-ALIGNED_DECAY = (
-    0.7  # `aligned`: the EMA of public merged updates keeps this per version (screening.direction_decay)
-)
+# `aligned`: the EMA of public merged updates keeps this per version (as screening.direction_decay does)
+ALIGNED_DECAY = 0.7
 # the tensors `embed_flip` flips: the token embedding and the (untied) output head of node.ml.model's llama
 EMBED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 
