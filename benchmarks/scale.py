@@ -21,6 +21,9 @@ Each measured party is a child process of its own (spawned), and reports its pea
   batches of `--probe-rows` sequences of `--probe-tokens` (64; the syncer's default is 256). It runs only when the
   machine has the memory free (else the JSON says why it was skipped).
 * `stage_1b`: the parameter bytes of the largest pipeline stage of llama-1b (counted on the meta device).
+* `data` (benchmarks.data_scale; not in `--quick`): prepare throughput (byte and BPE tokenizers), download throughput
+  from the bootstrap's shard routes, and a learner's reader sampling a dataset 4x larger than the memory cgroup it
+  runs in, with the corpus read whole into memory under the same budget as the negative control (headline `data_*`).
 
 The syncer's goal is peak RSS <= model bytes + 2 fragments; `syncer_rss_ratio_*` is peak / (model bytes + 2 x the
 largest fragment's bytes). The core, as the node's syncer builds it, keeps only the global parameters in memory (the
@@ -31,7 +34,7 @@ file there a chunk at a time, the outer step overwrites it with the new version,
 one it replaces is dropped; the checkpoint is streamed. What is left over the goal is the process itself (torch and
 transformers: ~0.4 GiB) and the push being accepted (one fragment); docs/scale.md has the breakdown.
 
-Run: `python -m benchmarks.scale` (everything; the 1B part needs ~8 GiB free), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs), `--only-round --model llama-350m` (one model's merge round into the existing JSON, keys suffixed by the model unless it is the headline's).
+Run: `python -m benchmarks.scale` (everything; the 1B part needs ~8 GiB free), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs), `--only-round --model llama-350m` (one model's merge round into the existing JSON, keys suffixed by the model unless it is the headline's), `--only-data` (the data part into the existing JSON).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from benchmarks import data_scale
 from tools.proctree import status_bytes
 
 GiB = 1 << 30
@@ -1007,6 +1011,25 @@ def only_round(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def only_data(out: Path) -> int:
+    """Rerun the data part (`benchmarks.data_scale`: prepare and download throughput, the learner's reader under a
+    memory budget 4x smaller than the dataset) into an existing results JSON: `data`, headline keys `data_*`."""
+    path = out / f"{NAME}.json"
+    payload = json.loads(path.read_text())
+    payload["data"] = measure_data()
+    payload["headline"].update(data_scale.headline(payload["data"]))
+    payload["measured_at_data"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    data_scale.plot(payload["data"], out / f"{NAME}_data.png")
+    print(json.dumps(payload["headline"], indent=2))
+    return 0
+
+
+def measure_data() -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="scale-data-") as work:
+        return data_scale.run(data_scale.DataScaleConfig(), Path(work))
+
+
 def plot(head: dict[str, Any], big: dict[str, Any], path: Path, big_p4: dict[str, Any] | None = None) -> None:
     """Peak RSS per party against its goal (the syncer: model + 2 fragments; others: the model's bytes); the 1B core,
     when killed for memory, as a hatched bar of what it had reached (a lower bound)."""
@@ -1110,6 +1133,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only-round", action="store_true", help="rerun the --model merge round into the existing JSON"
     )
+    parser.add_argument(
+        "--only-data",
+        action="store_true",
+        help="rerun the data part (benchmarks.data_scale) into the existing JSON",
+    )
     args = parser.parse_args(argv)
     if args.core:  # e.g. on an older checkout, to measure what a change saved
         fragments = args.fragments_1b if args.core == "llama-1b" else 4
@@ -1131,6 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
         return only_core(args, out)
     if args.only_round:
         return only_round(args, out)
+    if args.only_data:
+        return only_data(out)
     rnd = merge_round(args.model, args.max_steps, timeout_s=900)
     core = run_core(args.model, 2, True, timeout_s=900)
     big = part_1b(args)
@@ -1138,6 +1168,8 @@ def main(argv: list[str] | None = None) -> int:
     head = headline(args.model, rnd, big, stage)
     head["syncer_core_peak_gib"] = round(core["peak_rss"] / GiB, 3)
     head["syncer_core_rss_ratio"] = ratio(core["peak_rss"], sizes(manifest(args.model)))
+    data = None if args.quick else measure_data()
+    head.update(data_scale.headline(data) if data else {"data_skipped": "quick"})
     payload = {
         "name": NAME,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -1148,8 +1180,11 @@ def main(argv: list[str] | None = None) -> int:
         "core": core,
         "core_1b": big,
         "stage_1b": stage,
+        "data": data,
     }
     (out / f"{NAME}.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    if data:
+        data_scale.plot(data, out / f"{NAME}_data.png")
     plot(head, big, out / f"{NAME}.png")  # (a P = 4 bar only once `--only-1b --fragments-1b 4` added it)
     print(json.dumps(head, indent=2))
     return 0
