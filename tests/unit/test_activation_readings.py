@@ -10,6 +10,7 @@ stays that of the weights, equal to an fp32 arm's with the same weights.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 from benchmarks.bandwidth_activations import (
     NOISE_ARM,
+    SeedProgress,
     check_fp32_readings,
     headline,
     meets_goal,
@@ -129,3 +131,15 @@ def test_the_model_reading_has_its_own_keys_and_never_changes_the_recommendation
     assert keys["activation_a4g2_loss_gap"] == 0.02
     assert keys["activation_a4g2_model_loss_gap"] == 0.003
     assert keys["activation_noise_model_loss_gap"] == 0.01
+
+
+def test_kept_seeds_are_reused_only_for_the_same_run(tmp_path: Path) -> None:
+    path = tmp_path / "progress.json"
+    names = ["fp32", "a4g2", NOISE_ARM]
+    SeedProgress(path, 600, 3e-3, names).add(0, {"fp32": {"loss": 2.3}})
+    assert SeedProgress(path, 600, 3e-3, names).get(0) == {"fp32": {"loss": 2.3}}
+    assert SeedProgress(path, 600, 3e-3, names).get(1) is None
+    # negative controls: another length, learning rate or set of arms measures the seed anew
+    assert SeedProgress(path, 300, 3e-3, names).get(0) is None
+    assert SeedProgress(path, 600, 1e-3, names).get(0) is None
+    assert SeedProgress(path, 600, 3e-3, ["fp32", "a3g3", NOISE_ARM]).get(0) is None
