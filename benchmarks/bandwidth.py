@@ -15,9 +15,14 @@ Activations (issue 20 part 2, `benchmarks.bandwidth_activations`): one in-proces
 (`--activation-codecs`, default all), under seeds 0, 1 and 2 (`--activation-seeds`), bytes per microbatch of every frame and held-out loss
 at equal tokens against fp32 (mean and spread over the seeds). The headline's `activation_compression` /
 `activation_loss_gap` are the recommended codec's: one meeting the goal (>= 8x at a mean gap <= 0.5 %) if any,
-else int8 (`activation_goal_met` says which); every other codec keeps `activation_<codec>_*` keys.
-`--activations-only` measures just these and rewrites them (and `activations`) into the existing results file,
-keeping every other key as it was measured (`activations_measured_at` dates them).
+else int8 (`activation_goal_met` says which); every other codec keeps `activation_<codec>_*` keys. Each gap is read
+twice: through the pipeline and its codec (`*_loss_gap`, the rule above) and with the trained stage weights
+assembled into one model run in fp32 (`*_model_loss_gap`: what training under the codec did to the model);
+`activation_goal_met_model` says whether any codec meets the goal on that second reading (it never changes the
+recommendation). `--activations-only` measures just these and rewrites them (and `activations`) into the existing
+results file, keeping every other key as it was measured (`activations_measured_at` dates them; the run it
+replaces moves to `activations_previous`); `--activation-progress FILE` keeps each finished seed there, and a
+rerun measures only the seeds it lacks.
 
 Over a WAN (`benchmarks.bandwidth_live.WAN_LINK`): the same two live arms with every syncer and learner behind a
 50 Mbit/s, 100 ms round-trip link of the WAN proxy: tokens/s and merge efficiency with and without compression
@@ -253,11 +258,24 @@ def _plot(
     plt.close(fig)
 
 
-def _update_activations(microbatches: int, codecs: list[str], seeds: list[int]) -> None:
+def _update_activations(
+    microbatches: int, codecs: list[str], seeds: list[int], progress: Path | None = None
+) -> None:
     """Measure the activation arms and rewrite their keys into the existing results file (others kept)."""
     path = RESULTS_DIR / f"{NAME}.json"
     previous = json.loads(path.read_text())
-    activations = bandwidth_activations.measure(microbatches, seeds, codecs=codecs)  # type: ignore[arg-type]
+    activations = bandwidth_activations.measure(
+        microbatches,
+        seeds,
+        codecs=codecs,  # type: ignore[arg-type]
+        progress=progress,
+    )
+    if "activations" in previous:
+        # the replaced run kept whole: a run of fewer codecs would otherwise drop the other codecs' figures
+        previous["activations_previous"] = {
+            "measured_at": previous.get("activations_measured_at"),
+            **previous["activations"],
+        }
     # every activation key is measured anew: a codec measured before may no longer be in the list
     stale = [k for k in previous["headline"] if k.startswith("activation_")]
     previous["headline"] = {k: v for k, v in previous["headline"].items() if k not in stale}
@@ -474,10 +492,20 @@ def main() -> None:
         default=",".join(map(str, bandwidth_activations.DEFAULT_SEEDS)),
         help="comma-separated seeds of every activation arm (5 resolve a gap of about 0.5 %%)",
     )
+    parser.add_argument(
+        "--activation-progress",
+        type=Path,
+        help="JSON file of the activation seeds finished so far: a rerun measures only the seeds it lacks",
+    )
     args = parser.parse_args()
     activation_seeds = [int(s) for s in args.activation_seeds.split(",")]
     if args.activations_only:
-        _update_activations(args.activation_microbatches, args.activation_codecs.split(","), activation_seeds)
+        _update_activations(
+            args.activation_microbatches,
+            args.activation_codecs.split(","),
+            activation_seeds,
+            args.activation_progress,
+        )
         return
     if args.wan_only:
         _update_wan(args.wan_s, args.min_step_s)

@@ -35,7 +35,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from node.ml.data import Batch, BatchSampler, Corpus, load_corpus, validation_batches
-from node.ml.model import ModelConfig, build_model, lm_loss, load_state_subset, stage_state_subset
+from node.ml.model import CausalLM, ModelConfig, build_model, lm_loss, load_state_subset, stage_state_subset
 from node.pipeline.accounting import MicrobatchOutcome
 from node.pipeline.driver import PipelineDriver
 from node.pipeline.ids import MicrobatchIds
@@ -531,9 +531,7 @@ def drive(
         context_len=context_len,
         generator=torch.Generator().manual_seed(seed),
     )
-    held_out = validation_batches(
-        data, batch_size=cfg.batch_size, context_len=context_len, num_batches=cfg.held_out_batches
-    )
+    held_out = held_out_batches(cfg)
     tally = DriveTally()
     schedule = DriveSchedule(microbatches, eval_every, sorted((events or {}).items()), progress)
     asyncio.run(drive_rounds(arm, sampler, held_out, tally, schedule))
@@ -546,6 +544,46 @@ def drive(
         "checkpoints": tally.checkpoints,
         "outcomes": tally.outcomes,
     }
+
+
+def held_out_batches(config: HarnessConfig) -> list[Batch]:
+    """The held-out batches `drive` measures on (the same for every arm of one config)."""
+    return validation_batches(
+        corpus(),
+        batch_size=config.batch_size,
+        context_len=int(config.model["context_len"]),
+        num_batches=config.held_out_batches,
+    )
+
+
+def assembled_model(arm: Arm) -> CausalLM:
+    """The whole model from the arm's trained stage weights, one replica per stage (the first not banned, in
+    plan order; after `merge_stages` every one of a stage holds the same): what a user would export and run
+    with no pipeline and no boundary codec in between."""
+    banned = arm.banned()
+    state: dict[str, torch.Tensor] = {}
+    for stage in range(len(arm.config.replicas)):
+        peer = next(p for p, s in arm.stages.items() if s == stage and p not in banned)
+        state |= {k: v.detach().clone() for k, v in arm.services[peer].core.module.state_dict().items()}
+    model = build_model(ModelConfig.from_dict(dict(arm.config.model)), 0)
+    model.load_state_dict(state, strict=True)  # strict: the stages together hold exactly the whole model
+    model.eval()
+    return model
+
+
+def model_held_out_loss(arm: Arm, held_out: list[Batch] | None = None) -> float:
+    """Mean held-out loss of `assembled_model(arm)` run directly, in fp32: the trained weights' own quality,
+    without the codec's quantization of the evaluation's forward (`drive`'s loss goes through the pipeline and
+    its codec). Summed as `PipelineDriver.evaluate` sums, so an fp32 arm gives the same number."""
+    model = assembled_model(arm)
+    batches = held_out_batches(arm.config) if held_out is None else held_out
+    total = 0.0
+    with torch.no_grad():
+        for inputs, targets in batches:
+            logits = model(inputs)
+            assert isinstance(logits, torch.Tensor)  # no targets given: the logits alone
+            total += float(lm_loss(logits, targets))
+    return total / len(batches)
 
 
 @dataclass(slots=True)
@@ -632,11 +670,14 @@ __all__ = [
     "InlineExecutor",
     "MemoryBanRecords",
     "RecordingTap",
+    "assembled_model",
     "ReplicaChecks",
     "build_arm",
     "corpus",
     "drive",
+    "held_out_batches",
     "merge_stages",
+    "model_held_out_loss",
     "pretrained_state",
     "seeded_identity",
     "set_lr",
