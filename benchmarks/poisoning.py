@@ -27,6 +27,7 @@ same with the seniority cap off in both runs (`young_weight_cap = 1.0`), the ste
 honest norm plus 0.2 x that norm along the public recent merged direction (its EMA of the updates between the
 versions it fetched; node.diloco.attack_transport `aligned`); their `--undefended` run turns only the evidence's
 public-direction rule off (`evidence_public_residual = false`, node.diloco.screening_residual).
+`noise_aligned1_k1` and `noise_aligned1`: the same at 1.0 x the norm along the public direction.
 
 Per arm, from the syncer's events and status after `--duration` seconds:
 
@@ -219,6 +220,22 @@ ARMS = {
         Arm(
             name="noise_aligned",
             attack="aligned:0.2",
+            attackers=1,
+            undefended_screening=PUBLIC_RESIDUAL_OFF,
+        ),
+        # the same at A = 1.0: as much public direction as noise, where the slope (the public part descends the
+        # held-out loss faster than an honest delta), not only the cosine, is the lever
+        Arm(
+            name="noise_aligned1_k1",
+            attack="aligned:1.0",
+            attackers=1,
+            honest=1,
+            control="clean_k1",
+            undefended_screening=PUBLIC_RESIDUAL_OFF,
+        ),
+        Arm(
+            name="noise_aligned1",
+            attack="aligned:1.0",
             attackers=1,
             undefended_screening=PUBLIC_RESIDUAL_OFF,
         ),

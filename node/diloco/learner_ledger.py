@@ -20,7 +20,7 @@ import hashlib
 import logging
 import math
 from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,3 +203,29 @@ class LearnerLedger:
                 "evidence": [v.to_json() for v in r.evidence],
             }
         return out
+
+
+def peer_scores(
+    merges: Iterable[Mapping[str, Any]], ledger: LearnerLedger, now: float
+) -> dict[str, dict[str, float]]:
+    """Per learner, its latest scores for /metrics (issue 18, "visible"): from the recent merge events (oldest
+    first, so the latest wins) the evidence factor and held-out slope of its last scored contribution and its
+    last share of a merge; from the ledger, for a learner it refused, its probation trust and whether it is banned
+    (1.0 or 0.0). Non-finite or missing values are left out."""
+    out: dict[str, dict[str, float]] = {}
+
+    def put(peer: str, name: str, value: Any) -> None:
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            out.setdefault(str(peer), {})[name] = float(value)
+
+    for merge in merges:
+        for peer, scored in (merge.get("evidence") or {}).items():
+            if isinstance(scored, list | tuple) and len(scored) == 3:
+                put(peer, "held_out_slope", scored[0])
+                put(peer, "evidence_factor", scored[2])
+        for peer, weight in (merge.get("weights") or {}).items():
+            put(peer, "merge_weight", weight)
+    for peer in ledger.refusals():
+        put(peer, "trust", ledger.trust(peer, now))
+        put(peer, "banned", 1.0 if ledger.banned(peer, now) is not None else 0.0)
+    return out

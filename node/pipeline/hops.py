@@ -83,6 +83,9 @@ class HopClient:
         # an answer must name the digest of the request it answers (the tap's slots and equivocation proofs key on
         # it); off only for the negative control of the test that shows why
         self.check_input_digest = True
+        # an answer must carry the eval flag its request had (a training answer flagged eval keeps its signed header
+        # out of the evidence a ban needs); off only for the negative control of the test that shows why
+        self.check_eval_flag = True
         # (microbatch, stage, direction) -> the signed header of the answer just opened, for the tap (evidence,
         # equivocation); popped by the tap call that follows the hop without an await in between.
         self._signed: dict[tuple[int, int, str], SignedBoundaryHeader] = {}
@@ -265,7 +268,8 @@ class HopClient:
             raise HopError(HopFailure.BAD_REPLY, "answer for another microbatch")
         # whether an answer is an evaluation (no evidence kept, no training effect) is ours to say, not the
         # replica's: a liar flagging its training answers "eval" would keep its signed headers out of evidence
-        if opened.tensors and (opened.meta.get(EVAL_META) is True) != eval_request:  # a loss carries none
+        flagged = opened.meta.get(EVAL_META) is True
+        if self.check_eval_flag and opened.tensors and flagged != eval_request:  # a loss carries none
             self.strikes.record(replica, "eval flag mismatch")
             self.stats.bad_replies += 1
             raise HopError(HopFailure.BAD_REPLY, "answer's eval flag differs from the request's")

@@ -46,6 +46,7 @@ import torch
 
 from node.config import component_config
 from node.diloco.fragments import FragmentPlan
+from node.diloco.learner_ledger import peer_scores
 from node.diloco.lease import LeaseView, TakeoverWatch, lease_action
 from node.diloco.loss_probe import LossProbe
 from node.diloco.merge import NothingToMerge
@@ -633,6 +634,9 @@ def role_status(role: SyncerRole) -> dict[str, Any]:
         "last_checkpoint_at": role.last_checkpoint_at,
         "mirror_versions": list(mirror.versions) if (mirror := role.mirror.snapshot) is not None else None,
         "recent_merges": list(role.recent_merges),
+        # per learner: latest evidence factor, held-out slope, merge share, probation trust, banned (for /metrics)
+        "scores_by_peer": peer_scores(role.recent_merges, role.service.ledger, time.time()),
+        "learner_bans": role.service.ledger.bans,  # learner bans this syncer decided since it started
     }
 
 

@@ -153,6 +153,15 @@ def fragment_server_limits(
     return dataclasses.replace(base, max_bytes_in_flight_per_peer=per_peer, max_bytes_in_flight_total=total)
 
 
+def syncer_prefers(role: SyncerHost, peer: str) -> bool:
+    """May `peer` use the syncer's reserved stream slots: an authorized syncer, or an identity a merge took that is
+    neither forgotten nor demoted since (`Seniority.rounds` > 0). Read on every stream opened: two dict lookups."""
+    if peer in role.ctx.manifest.authorized_syncers:
+        return True
+    core = role.core
+    return core is not None and core.seniority.rounds(peer, time.monotonic()) > 0
+
+
 def version_answer(
     identity: NodeIdentity, run_id: str, receiver: str, core: SyncerCore, fragment: int, term: int
 ) -> StreamingFrame:
@@ -261,6 +270,10 @@ class SyncerService:
                 max_fragments_in_flight=self.role.config.max_fragments_in_flight,
             ),
         )
+        # issue 18: the reserved stream slots are for the run's syncers (a standby's mirror) and learners whose work
+        # was merged; anyone else (a fresh identity: heartbeats and streams cost nothing, admission is checked per
+        # push) shares the rest at most `max_streams_per_guest` at a time, its versions long-polls included
+        self._server.limiter.prefer(functools.partial(syncer_prefers, self.role))
         await self._server.start()
 
     async def stop(self) -> None:

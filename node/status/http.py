@@ -64,6 +64,7 @@ STATUS_GAUGES: dict[str, tuple[str, str]] = {
         "hivenode_tokens_merged",
         "Tokens (capped) in the merges this syncer committed, counted once per fragment",
     ),
+    "learner_bans": ("hivenode_syncer_learner_bans", "Learner bans this syncer decided since it started"),
     "live_holders": (
         "hivenode_syncer_live_holders",
         "Live learners and stages the syncer expects contributions from",
@@ -77,11 +78,18 @@ STATUS_GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
-# Per-peer counts of a role's status ({peer: {reason: count}}) exported as labelled gauges.
-LABELLED_GAUGES: dict[str, tuple[str, str]] = {
+# Per-peer values of a role's status ({peer: {label: value}}) exported as gauges labelled peer and the name here.
+LABELLED_GAUGES: dict[str, tuple[str, str, str]] = {
     "refusals_by_peer": (
         "hivenode_syncer_refused_contributions",
         "Contributions the syncer refused, per learner and reason (the learner ledger, bounded)",
+        "reason",
+    ),
+    "scores_by_peer": (
+        "hivenode_syncer_peer_score",
+        "Per learner, its latest score at the syncer: evidence_factor and held_out_slope of its last scored"
+        " contribution, merge_weight (its last share of a merge), trust (probation, if refused), banned (1 or 0)",
+        "score",
     ),
 }
 
@@ -101,12 +109,12 @@ class StatusMetrics:
                 if key not in self._gauges:
                     self._gauges[key] = Gauge(name, help_text, registry=self.registry)
                 self._gauges[key].set(value)
-        for key, (name, help_text) in LABELLED_GAUGES.items():
+        for key, (name, help_text, label) in LABELLED_GAUGES.items():
             counts = status.get(key)
             if not isinstance(counts, dict):
                 continue
             if key not in self._gauges:
-                self._gauges[key] = Gauge(name, help_text, ("peer", "reason"), registry=self.registry)
+                self._gauges[key] = Gauge(name, help_text, ("peer", label), registry=self.registry)
             for peer, reasons in counts.items():
                 for reason, count in (reasons or {}).items():
                     self._gauges[key].labels(str(peer), str(reason)).set(count)

@@ -7,12 +7,15 @@ in proportion to the peers they ask about."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable
+from types import SimpleNamespace
 
 import pytest
 
-from node.swarm.bans import BanWatchConfig, BanWatcher, poll_order
+from node.swarm.bans import BanWatchConfig, BanWatcher, ban_watcher_for, poll_order
 from protocol.identity import NodeIdentity
+from protocol.manifest import RunManifest
 from protocol.records import BanNotice, BanRecord
 
 pytestmark = pytest.mark.timeout(60)
@@ -104,3 +107,24 @@ def test_our_notices_are_republished_only_until_ban_ttl() -> None:
     clock[0] += 51.0
     asyncio.run(watcher.publish_pending())
     assert len(records.published) == 2 and "learner-x" not in watcher.published
+
+
+@pytest.mark.parametrize("bans_required", [0, 1], ids=["default-auto", "one-signature-control"])
+def test_a_nodes_watcher_needs_two_verifiers_by_default_once_two_are_authorized(bans_required: int) -> None:
+    """Issue 18 item 4, `bans_required` defaults to 2 where two or more verifiers exist: the watcher a node builds
+    from its manifest (`ban_watcher_for`) does not act on one verifier's notice. Control: `bans_required = 1`, the
+    same lone notice bans."""
+    records = SlowRecords(time.time())  # the watcher a node builds reads the wall clock
+    records.bans[OFFENDER] = records.bans[OFFENDER][:1]  # V1's notice alone
+    manifest = RunManifest(authorized_verifiers=(V1, V2), bans_required=bans_required)
+    events: list[str] = []
+    ctx = SimpleNamespace(
+        records=records,
+        manifest=manifest,
+        run_id="r" * 40,
+        events=SimpleNamespace(emit=lambda name, **_: events.append(name)),
+    )
+    watcher = ban_watcher_for(ctx)  # type: ignore[arg-type]
+    asyncio.run(watcher.poll([OFFENDER]))
+    assert watcher.is_banned(OFFENDER) == (bans_required == 1)
+    assert ("ban_enforced" in events) == (bans_required == 1)

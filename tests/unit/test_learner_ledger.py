@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from node.diloco.learner_ledger import LearnerLedger, contribution_digest
+from node.diloco.learner_ledger import LearnerLedger, contribution_digest, peer_scores
 from protocol import keys
 from protocol.records import BanNotice
 from tests.unit.test_records import NOW, PEER, SYNCER, check, make_envelope, reason_of
@@ -127,6 +127,45 @@ def test_refusals_per_peer_are_exported_on_metrics() -> None:
     metrics.update({"refusals_by_peer": book.refusals()})
     text = generate_latest(registry).decode()
     assert 'hivenode_syncer_refused_contributions{peer="evil",reason="screen: loss"} 1.0' in text
+
+
+def test_scores_and_bans_per_peer_are_exported_on_metrics() -> None:
+    """Issue 18 part 5: each learner's latest evidence factor, held-out slope, merge share and, once refused, its
+    trust and ban are gauges on /metrics, with the syncer's ban count. Control: an honest learner never refused
+    shows factor 1 and no ban series, the noise learner factor 0 and banned 1."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from node.status.http import StatusMetrics
+
+    book = ledger()
+    for i in range(3):
+        book.record("noise", "evidence: none", "no evidence", f"d{i}", float(i))
+    merges = [
+        {
+            "evidence": {"noise": [0.5, 0.1, 1.0], "honest": [0.2, 0.3, 1.0]},
+            "weights": {"noise": 0.5, "honest": 0.5},
+        },
+        {"evidence": {"noise": [0.001, None, 0.0], "honest": [0.25, 0.3, 1.0]}, "weights": {"honest": 1.0}},
+        {"evidence": {"bad": [math.nan, None, 1.0]}, "weights": {}},
+    ]
+    scores = peer_scores(merges, book, 10.0)
+    assert scores["noise"] == {
+        "held_out_slope": 0.001,
+        "evidence_factor": 0.0,  # the latest merge wins
+        "merge_weight": 0.5,
+        "trust": 0.0,
+        "banned": 1.0,
+    }
+    assert scores["honest"] == {"held_out_slope": 0.25, "evidence_factor": 1.0, "merge_weight": 1.0}
+    assert scores["bad"] == {"evidence_factor": 1.0}  # a NaN slope is left out
+    registry = CollectorRegistry()
+    StatusMetrics(registry).update({"scores_by_peer": scores, "learner_bans": book.bans})
+    text = generate_latest(registry).decode()
+    assert 'hivenode_syncer_peer_score{peer="noise",score="evidence_factor"} 0.0' in text
+    assert 'hivenode_syncer_peer_score{peer="noise",score="banned"} 1.0' in text
+    assert 'hivenode_syncer_peer_score{peer="honest",score="evidence_factor"} 1.0' in text
+    assert 'peer="honest",score="banned"' not in text
+    assert "hivenode_syncer_learner_bans 1.0" in text
 
 
 def test_a_refused_peer_is_on_probation_and_its_merge_weight_falls() -> None:

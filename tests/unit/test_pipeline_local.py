@@ -475,9 +475,11 @@ def test_a_reply_signed_by_another_key_is_rejected_and_retried_elsewhere() -> No
     assert pipe.driver.strikes.count(forger_peer, SignerMismatch.reason) >= 1
 
 
-def test_a_training_answer_flagged_eval_by_the_replica_is_refused() -> None:
+@pytest.mark.parametrize("checked", [True, False])
+def test_a_training_answer_flagged_eval_by_the_replica_is_refused(checked: bool) -> None:
     """Whether an answer is an evaluation is the verifier's to say: a replica that flags its training answers
-    `eval` would keep its signed headers out of the evidence a ban needs (#18)."""
+    `eval` would keep its signed headers out of the evidence a ban needs (#18). Control: with the check off, the
+    liar's answers are used and it is never struck."""
     pipe = build_pipeline(manifest(batch_size=64), replicas_per_stage=2)
     liar_peer = next(p for p, s in pipe.stages.items() if s == 0)
     honest = pipe.services[liar_peer]
@@ -517,11 +519,16 @@ def test_a_training_answer_flagged_eval_by_the_replica_is_refused() -> None:
             )
 
     pipe.services[liar_peer] = EvalLiar(honest.identity, RUN_ID, honest.core, authorized=honest.authorized())
+    pipe.driver.hops.check_eval_flag = checked
     pipe.driver.rng = random.Random(3)
     outcomes = drive_all(pipe, range(1, 5))
     assert all(o.completed for o in outcomes)
-    assert all(o.replicas[0] != liar_peer for o in outcomes)  # every microbatch went through the honest one
-    assert pipe.driver.strikes.count(liar_peer, "eval flag mismatch") >= 1
+    through_liar = sum(o.replicas[0] == liar_peer for o in outcomes)
+    if checked:
+        assert through_liar == 0  # every microbatch went through the honest one
+        assert pipe.driver.strikes.count(liar_peer, "eval flag mismatch") >= 1
+    else:  # the eval-flagged training answers were used, their liar never struck
+        assert through_liar >= 1 and pipe.driver.strikes.count(liar_peer, "eval flag mismatch") == 0
 
 
 def _digest_liar(honest: StageService) -> StageService:

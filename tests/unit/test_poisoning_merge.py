@@ -150,3 +150,14 @@ def test_the_embed_flip_arm_and_the_step_scale_ab_arm() -> None:
         tomllib.loads(nostep.screening) == {"evidence_scales_step": False}
         and nostep.screening == STEP_SCALE_OFF
     )
+
+
+def test_the_aligned_arms_at_a_larger_a_differ_from_the_others_only_in_a() -> None:
+    """`noise_aligned1_k1` / `noise_aligned1`: the cosine-gaming arms with 1.0 x the norm along the public direction,
+    the same controls and the same negative control (only the public-direction rule off)."""
+    for name in ("noise_aligned_k1", "noise_aligned"):
+        base, big = ARMS[name], ARMS[name.replace("aligned", "aligned1")]
+        assert (base.attack, big.attack) == ("aligned:0.2", "aligned:1.0")
+        assert (big.honest, big.attackers, big.control) == (base.honest, base.attackers, base.control)
+        assert tomllib.loads(big.undefended_screening) == {"evidence_public_residual": False}
+        assert big.screening == base.screening == ""

@@ -8,6 +8,7 @@ signed push is admitted."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
 from types import SimpleNamespace
@@ -20,7 +21,13 @@ from node.context import NodeMetrics
 from node.diloco.learner_ledger import LearnerLedger
 from node.diloco.quorum import QuorumConfig
 from node.diloco.screening import ScreeningConfig
-from node.diloco.sync_client import contribution_meta, fragment_limits, run_fragment_plan
+from node.diloco.sync_client import (
+    PUSH_ROUTE,
+    VERSIONS_ROUTE,
+    contribution_meta,
+    fragment_limits,
+    run_fragment_plan,
+)
 from node.diloco.sync_types import OutgoingContribution
 from node.diloco.syncer_core import Refusal, SyncerCore
 from node.ml.model import ModelConfig, build_model, embedding_param_names
@@ -29,6 +36,7 @@ from node.roles.syncer_rpc import SyncerService
 from protocol.envelope import Context, Kind, seal
 from protocol.identity import NodeIdentity
 from protocol.keys import RUN_ID_HEX_CHARS
+from protocol.limits import GLOBAL_STREAMS
 from protocol.manifest import DilocoSpec, RunManifest
 from protocol.rpc import PeerStrikes
 
@@ -170,3 +178,43 @@ def test_a_refused_push_is_recorded_with_its_fragment(caplog: pytest.LogCaptureF
     violations = host.service.ledger.status(time.time())[learner.peer_id]["evidence"]
     assert [v["reason"][: len("fragment 0: norm")] for v in violations] == ["fragment 0: norm"]
     assert "fragment 0: norm" in caplog.text
+
+
+class FakeP2P:
+    """Registers nothing: the test opens streams on the server's limiter directly."""
+
+    async def add_binary_stream_handler(self, name: str, handler: Any) -> None:
+        pass
+
+    async def remove_binary_stream_handler(self, name: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("preferred", [True, False], ids=["syncer-prefers", "nobody-preferred-control"])
+def test_fresh_identities_cannot_take_the_syncers_stream_slots_from_merged_learners(preferred: bool) -> None:
+    """Issue 18 item 4: 16 fresh identities hold every stream they can at the syncer (versions long-polls). The
+    syncer reserves slots for the run's syncers and for learners a merge took: the merged learner and a standby
+    still get in. Control: nobody preferred (the syncer before this), the Sybils hold all 64 slots and the merged
+    learner is refused."""
+    host = Host(swarm_banned=set())
+    standby = NodeIdentity.generate().peer_id
+    host.ctx.manifest = dataclasses.replace(RUN, authorized_syncers=(standby,))
+    host.core.seniority.observe_merge(["learner"], time.monotonic())
+    asyncio.run(host.service.start(FakeP2P(), lambda *a, **k: None))
+    limiter = host.service._server.limiter  # type: ignore[union-attr]
+    if not preferred:
+        limiter.prefer(None)
+    held = sum(
+        bool(limiter.open_stream(f"sybil{i}", VERSIONS_ROUTE, 0.0)) for i in range(16) for _ in range(8)
+    )
+    learner = limiter.open_stream("learner", PUSH_ROUTE, 0.0)
+    mirror = limiter.open_stream(standby, VERSIONS_ROUTE, 0.0)
+    newcomer = limiter.open_stream("fresh", VERSIONS_ROUTE, 0.0)
+    if preferred:
+        assert held == 48  # 4 streams per guest, 16 slots reserved
+        assert learner and mirror
+        assert not newcomer  # the guests' share is full: a fresh identity waits, a merged one does not
+    else:
+        assert held == 64
+        assert not learner and learner.reason == GLOBAL_STREAMS
+        assert not mirror
