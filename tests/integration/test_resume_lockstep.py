@@ -3,15 +3,17 @@
 test_resume.py proves the resume for the default decoupled mode; a lock-step round waits for every learner
 (sync: `sync_learners` of them; elastic_sync: every one the DHT says is alive), so a resume that left a round
 waiting on learners or rounds from before the kill would stop the swarm for good. Here the same scenario runs in
-each lock-step mode: a bootstrap, a syncer and two learners train until merges are checkpointed, every process
-is SIGKILLed at once while a round holds one learner's contribution and waits for the other's, the owner raises the revision and changes operational settings (inner learning rate, H),
-and everything restarts on the same state directories. The run id must not change, the syncer must resume from
-its last checkpoint with at least its versions, lock-step rounds must go on with both learners in them, and the
+each lock-step mode: a bootstrap, a syncer and two learners train until merges are checkpointed; one learner is
+SIGSTOPped so that a round holds the other's contribution and waits, and then every process is SIGKILLed at
+once; the owner raises the revision and changes operational settings (inner learning rate, H), and everything
+restarts on the same state directories. The run id must not change, the syncer must resume from its last
+checkpoint with at least its versions, lock-step rounds must go on with both learners in them, and the
 restarted learners must apply the resumed versions.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -42,15 +44,17 @@ def test_lockstep_whole_swarm_resume(tmp_path: Path, mode: str) -> None:
     spec = replace(RUN, mode=mode, sync_learners=LEARNERS, authorized_syncers=(peer,))
     run_path = spec.write_run_toml(tmp_path / "run.toml")
     with procs(tmp_path) as group:
-        syncer, _ = start_swarm(group, tmp_path, run_path, syncer_key)
+        syncer, learners = start_swarm(group, tmp_path, run_path, syncer_key)
         wait_until(lambda: syncer.try_status().get("merges", 0) >= 4, 60, what="four lock-step merges")
         wait_until(lambda: len(read_events(tmp_path / "syncer", "checkpoint")) >= 3, 20, what="checkpoints")
-        # the kill lands mid-round: a lock-step round holds one learner's contribution and waits for the other
+        # the kill lands mid-round: with one learner stopped, a round holds the other's contribution and waits
+        # (sync: for good; elastic_sync: until the stopped one's heartbeat expires, 2 s)
+        learners[1].signal(signal.SIGSTOP)
         before = wait_until(
             lambda: (st := syncer.try_status()) and 1 in st.get("open_rounds", {}).values() and st,
             20,
             what="a half-full lock-step round",
-            interval_s=0.02,
+            interval_s=0.05,
         )
         assert before["mode"] == mode, before["mode"]
         kill_everything(group)
