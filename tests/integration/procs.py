@@ -437,6 +437,7 @@ class RunSpec:
     overlap_steps: int = 1
     min_sync_interval_s: float = 0.0
     mode: str = "decoupled"
+    sync_learners: int = 4  # M, the learners mode "sync" waits for (the manifest's default)
     outer_codec: tuple[tuple[str, str | int], ...] = ()  # [outer_codec] settings; empty: the default (fp32)
     # [admission]: the default mode (a proof-of-work) at a difficulty each learner solves in milliseconds
     admission: tuple[tuple[str, str | int], ...] = (("mode", "pow"), ("pow_bits", 12))
@@ -465,6 +466,7 @@ class RunSpec:
                 "overlap_steps": self.overlap_steps,
                 "min_sync_interval_s": self.min_sync_interval_s,
                 "mode": self.mode,
+                "sync_learners": self.sync_learners,
             },
         }
         if self.outer_codec:
