@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, TypedDict
@@ -121,6 +122,28 @@ class Decision:
     action: Action
     deadline: float | None  # when waiting on a timer: decide again at this time; None: wait for arrivals
     reason: str
+
+
+class PeerStepTimes:
+    """The step time the grace window is sized from: each learner's latest self-reported inner-step time, and the
+    upper median over the learners reporting within `max_age_s`. Fed one report at a time into the EMA, one peer
+    reporting 1 us at every push dragged the estimate, and with it the grace window, to nothing, so that rounds
+    merged before slower honest learners arrived (issue 18). The upper median moves only when at least half of the
+    learners report it (with two, the slower one sets it); a majority of identities still moves it, and admission's
+    cost is what bounds how many identities an attacker brings."""
+
+    def __init__(self, *, max_peers: int = 4096, max_age_s: float = 600.0) -> None:
+        self.max_peers, self.max_age_s = max_peers, max_age_s
+        self._times: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (step time, when)
+
+    def report(self, peer: str, step_time_s: float, now: float) -> float:
+        """Record `peer`'s step time at `now`; the upper median over recent reporters (itself included)."""
+        self._times.pop(peer, None)
+        self._times[peer] = (step_time_s, now)
+        while len(self._times) > self.max_peers:
+            self._times.popitem(last=False)
+        times = sorted(t for t, at in self._times.values() if now - at <= self.max_age_s)
+        return times[len(times) // 2]
 
 
 class QuorumPolicy:

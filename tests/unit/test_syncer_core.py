@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from node.diloco.merge import NothingToMerge
-from node.diloco.quorum import QuorumConfig
+from node.diloco.quorum import PeerStepTimes, QuorumConfig
 from node.diloco.receipts import ReceiptLedger
 from node.diloco.sync_client import run_fragment_plan
 from node.diloco.syncer_core import probe_base
@@ -702,3 +702,48 @@ def test_the_control_a_silent_holder_still_holds_the_lock_step_round() -> None:
     c = core(quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0))
     push(c, "a")
     assert c.due(100.0, lambda _f: {"a", "b"})[0] == []
+
+
+def _step_time_push(c: SyncerCore, peer: str, fragment: int, step_time_s: float, now: float, n: int) -> None:
+    c.accept(
+        peer,
+        fragment,
+        learner_params(c, fragment, 0.01),
+        base_version=0,
+        steps=4,
+        tokens=4 * 64,
+        sched_step=7,
+        step_time_s=step_time_s,
+        nonce=bytes([n % 256]) * 16,
+        now=now,
+    )
+
+
+def _grace_after_a_fast_liar(c: SyncerCore) -> float:
+    """Three honest learners report 0.5 s steps once; a liar reports 1 us at every one of 20 pushes after them."""
+    for i, peer in enumerate(("h1", "h2", "h3")):
+        _step_time_push(c, peer, 0, 0.5, now=10.0 + i, n=i)
+    for i in range(20):
+        _step_time_push(c, "liar", i % PLAN.num_fragments, 1e-6, now=20.0 + i, n=100 + i)
+    return c.policy.grace_s()
+
+
+def test_a_learner_reporting_1us_steps_cannot_shrink_the_grace_window() -> None:
+    quorum = QuorumConfig.decoupled(1, grace_gamma=0.8, max_grace_steps=1.0)
+    honest = core(quorum)
+    for i, peer in enumerate(("h1", "h2", "h3")):
+        _step_time_push(honest, peer, 0, 0.5, now=10.0 + i, n=i)
+    assert math.isclose(honest.policy.grace_s(), 0.5)  # capped at one step time
+    defended = _grace_after_a_fast_liar(core(quorum))
+    assert math.isclose(defended, 0.5)  # the upper median of the peers' latest reports is an honest one
+    undefended = core(quorum)
+    undefended.step_times = None  # negative control: every report fed to the EMA as it is
+    assert _grace_after_a_fast_liar(undefended) < 0.01  # the liar dragged the window to nothing
+
+
+def test_the_step_time_median_forgets_peers_silent_past_its_age() -> None:
+    times = PeerStepTimes(max_age_s=60.0)
+    assert times.report("a", 0.5, now=0.0) == 0.5
+    assert times.report("b", 0.1, now=1.0) == 0.5  # with two, the slower one
+    assert times.report("c", 0.2, now=2.0) == 0.2
+    assert times.report("b", 0.1, now=100.0) == 0.1  # a and c are older than 60 s: b alone
