@@ -154,6 +154,9 @@ class QuorumPolicy:
         self._xi_step: float | None = None
         self._xi_quorum: float | None = None
         self._xi_sync: float | None = None
+        # learners' latest reported step times, their median fed to xi_step; None (every report fed as it is) only
+        # for the negative control of the test that shows why
+        self.step_times: PeerStepTimes | None = PeerStepTimes()
 
     @property
     def config(self) -> QuorumConfig:
@@ -174,6 +177,11 @@ class QuorumPolicy:
     def observe_step(self, duration_s: float) -> None:
         """A learner's inner step took `duration_s`."""
         self._xi_step = self._ema(self._xi_step, duration_s)
+
+    def observe_peer_step(self, peer: str, duration_s: float, now: float) -> None:
+        """`peer` reports that its inner step took `duration_s`: xi_step follows the peers' median (PeerStepTimes)."""
+        median = self.step_times.report(peer, duration_s, now) if self.step_times is not None else duration_s
+        self.observe_step(median)
 
     def observe_quorum(self, duration_s: float) -> None:
         """A round took `duration_s` from opening to its K-th contribution."""

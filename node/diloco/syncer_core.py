@@ -30,7 +30,7 @@ from node.diloco.learner_ledger import contribution_digest
 from node.diloco.loss_probe import LossScore
 from node.diloco.merge import Contribution, MergeResult, NothingToMerge, merge_fragment
 from node.diloco.outer import NonFiniteStep, OuterNesterov
-from node.diloco.quorum import PeerStepTimes, QuorumConfig, QuorumPolicy
+from node.diloco.quorum import QuorumConfig, QuorumPolicy
 from node.diloco.receipts import ReceiptLedger
 from node.diloco.screening import ContributionScreen, ScreeningConfig, ScreenUpdate
 from node.diloco.seniority import CappedWeights, Seniority, SeniorityConfig
@@ -777,9 +777,6 @@ class SyncerCore(CoreState):
         self.params = {n: _owned(params[n], copy=not take_params) for n in plan.names()}
         self.shapes = {n: tuple(t.shape) for n, t in self.params.items()}
         self.policy = QuorumPolicy(quorum)
-        # learners' reported step times, their median fed to the grace EMA; None (every report fed as it is) only for
-        # the negative control of the test that shows why
-        self.step_times: PeerStepTimes | None = PeerStepTimes()
         self.embedding_names = frozenset(embedding_names)
         self.outer = OuterNesterov(outer_lr, outer_momentum)
         spill = SpillDir(spill_dir) if spill_dir is not None else None
@@ -880,8 +877,7 @@ class SyncerCore(CoreState):
                 entry.loss_delta, entry.slope = loss.delta, loss.evidence_slope
             self._enter(fragment, entry, now)
             if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
-                robust = self.step_times.report(peer, step_time_s, now) if self.step_times else step_time_s
-                self.policy.observe_step(robust)
+                self.policy.observe_peer_step(peer, step_time_s, now)
             self._schedule.report(peer, sched_step, now)
         admission = admission_of(self, fragment, base_version, capped, receipt_capped)
         return dataclasses.replace(admission, claim_violation=implausible)

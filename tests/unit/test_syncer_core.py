@@ -737,7 +737,7 @@ def test_a_learner_reporting_1us_steps_cannot_shrink_the_grace_window() -> None:
     defended = _grace_after_a_fast_liar(core(quorum))
     assert math.isclose(defended, 0.5)  # the upper median of the peers' latest reports is an honest one
     undefended = core(quorum)
-    undefended.step_times = None  # negative control: every report fed to the EMA as it is
+    undefended.policy.step_times = None  # negative control: every report fed to the EMA as it is
     assert _grace_after_a_fast_liar(undefended) < 0.01  # the liar dragged the window to nothing
 
 
