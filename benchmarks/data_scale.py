@@ -8,10 +8,9 @@ dataset 4x larger than its memory budget. Its figures go into benchmarks/results
 - **download**: the bootstrap's own shard routes (`bootstrap.data_serve.DataApi`, aiohttp, HTTP Range) served by a
   child process (`--serve DIR`) on loopback; a learner's `ensure_shards` fetches every shard into an empty cache,
   each checked against its sha256 before it is kept: MiB/s, wire, hash and write together.
-- **budget**: a child process started inside a memory cgroup (v1 `memory.limit_in_bytes`, measured here; v2
-  `memory.max` is written the same way but was not tried: v2 may also need `+memory` in the parent's
-  `cgroup.subtree_control`, and then the part is skipped with the error) of
-  `budget_mib`, everything from its interpreter's start charged to it (page cache included), samples batches from
+- **budget**: a child process started inside a memory cgroup (v1 `memory.limit_in_bytes`, measured here; v2's
+  `memory.max` is written the same way but was not tried, and may also need `+memory` in the parent's
+  `cgroup.subtree_control`) of `budget_mib`, everything from its interpreter's start charged to it (page cache included), samples batches from
   `dataset_factor` x budget of token shards through the learner's reader (`ShardStream`, memmapped shards, and
   `BatchSampler`) until the pages its windows touched add up to `touch_factor` x the budget. It records its
   anonymous and file-backed RSS and the cgroup's usage along the way, and the bytes it read from storage. The
