@@ -42,6 +42,7 @@ import numpy as np
 
 from node.ml.prepare import PrepareConfig, TokenizerInfo, prepare
 from node.ml.shards import ShardIndex
+from tools.proctree import status_bytes
 
 MiB = 2**20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -260,11 +261,7 @@ class MemoryCgroup:
 
 def _status() -> dict[str, int]:
     """RssAnon and RssFile (bytes) of this process, and the bytes it read from storage."""
-    out: dict[str, int] = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(("RssAnon", "RssFile")):
-                out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    out = {field: status_bytes(field) for field in ("RssAnon", "RssFile")}
     with open("/proc/self/io") as io:
         for line in io:
             if line.startswith("read_bytes"):

@@ -59,6 +59,25 @@ def kill_everything(group: Procs) -> None:
     settle(pids)
 
 
+def resumed_from_checkpoint(
+    syncer: Node, run_id: str, committed: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """The restarted syncer's status once it syncs, checked: same run, resumed from its checkpoint, and nothing
+    committed lost (it serves at least what the last checkpoint held, fragment by fragment)."""
+    resumed: dict[str, Any] = wait_until(
+        lambda: (st := syncer.try_status()).get("state") == "syncing" and st.get("takeover_source") and st,
+        timeout_s,
+        what="the syncer resumes",
+    )
+    assert resumed["run_id"] == run_id  # the settings change kept the run and its checkpoints
+    assert resumed["takeover_source"] == "checkpoint", resumed["takeover_source"]
+    assert all(v >= c for v, c in zip(resumed["versions"], committed["versions"], strict=True)), (
+        resumed["versions"],
+        committed["versions"],
+    )
+    return resumed
+
+
 def test_whole_swarm_resume_after_a_settings_change(tmp_path: Path) -> None:
     syncer_key = tmp_path / "syncer.key"
     spec = replace(RUN, authorized_syncers=(NodeIdentity.load_or_create(syncer_key).peer_id,))
@@ -79,20 +98,7 @@ def test_whole_swarm_resume_after_a_settings_change(tmp_path: Path) -> None:
     run_path.write_text("revision = 1\n" + changed.toml())
     with procs(tmp_path) as group:
         syncer, learners = start_swarm(group, tmp_path, run_path, syncer_key)
-        resumed = wait_until(
-            lambda: (
-                (st := syncer.try_status()).get("state") == "syncing" and st.get("takeover_source") and st
-            ),
-            60,
-            what="the syncer resumes",
-        )
-        assert resumed["run_id"] == run_id  # the settings change kept the run and its checkpoints
-        assert resumed["takeover_source"] == "checkpoint", resumed["takeover_source"]
-        # nothing committed is lost: it serves at least what the last checkpoint held, fragment by fragment
-        assert all(v >= c for v, c in zip(resumed["versions"], committed["versions"], strict=True)), (
-            resumed["versions"],
-            committed["versions"],
-        )
+        resumed = resumed_from_checkpoint(syncer, run_id, committed, timeout_s=60)
         start = sum(resumed["versions"])
         wait_until(lambda: sum(syncer.try_status()["versions"]) >= start + 4, 120, what="merges after resume")
         for learner in learners:

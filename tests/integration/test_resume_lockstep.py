@@ -23,7 +23,7 @@ import pytest
 
 from protocol.identity import NodeIdentity
 from tests.integration.procs import Node, procs, read_events, wait_until
-from tests.integration.test_resume import RUN, kill_everything, start_swarm
+from tests.integration.test_resume import RUN, kill_everything, resumed_from_checkpoint, start_swarm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -65,19 +65,7 @@ def test_lockstep_whole_swarm_resume(tmp_path: Path, mode: str) -> None:
     with procs(tmp_path) as group:
         restarted_at = time.time()
         syncer, learners = start_swarm(group, tmp_path, run_path, syncer_key)
-        resumed = wait_until(
-            lambda: (
-                (st := syncer.try_status()).get("state") == "syncing" and st.get("takeover_source") and st
-            ),
-            40,
-            what="the syncer resumes",
-        )
-        assert resumed["run_id"] == before["run_id"]  # the settings change kept the run and its checkpoints
-        assert resumed["takeover_source"] == "checkpoint", resumed["takeover_source"]
-        assert all(v >= c for v, c in zip(resumed["versions"], committed["versions"], strict=True)), (
-            resumed["versions"],
-            committed["versions"],
-        )
+        resumed = resumed_from_checkpoint(syncer, before["run_id"], committed, timeout_s=40)
         rounds_go_on(tmp_path, syncer, learners, resumed, restarted_at)
         first = min(m["t"] for m in read_events(tmp_path / "syncer", "merge") if m["t"] > restarted_at)
         print(
