@@ -456,12 +456,19 @@ def checkpoint_loss(run_file: Path, state: Path, run_id: str) -> float | None:
 def export_sample(run_file: Path, state: Path, run_id: str, out: Path) -> str | None:
     """Export the syncer's final checkpoint as a transformers folder (`out`) and sample 48 tokens after
     "def " from it, loaded with from_pretrained (docs/models.md); None (logged) if anything is missing."""
-    from node.ml.checkpoint import checkpoint_path
+    from node.ml.checkpoint import CheckpointStore
     from node.ml.export import ExportError, checkpoint_params, export_hf, generate
     from node.ml.model import ModelConfig
     from protocol.manifest import load_run_toml
 
-    path = checkpoint_path(state / "syncer-checkpoints", run_id)
+    # the newest of the content-addressed checkpoints (the legacy single-file name is only ever the oldest)
+    paths = CheckpointStore(state / "syncer-checkpoints", run_id).paths()
+    if not paths:
+        logger.warning(
+            "no export or sample: the syncer wrote no checkpoint in %s", state / "syncer-checkpoints"
+        )
+        return None
+    path = paths[0]
     try:
         manifest = load_run_toml(run_file)
         export_hf(ModelConfig.from_dict(manifest.model), checkpoint_params(path), out, None)
