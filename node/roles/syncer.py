@@ -81,6 +81,7 @@ logger = logging.getLogger(__name__)
 RECENT_MERGES = 64  # merges kept for /api/status (the JSONL tape keeps them all)
 
 MODES = ("decoupled", "sync", "elastic_sync")
+HOLDER_COUNTS = ("auto", "proven", "heartbeats")  # SyncerConfig.count_holders
 HOLDER_ROLES = ("learner", "stage")
 
 
@@ -106,10 +107,11 @@ class SyncerConfig:
     max_grace_s: float = 5.0  # absolute cap on the grace window
     max_poll_s: float = 10.0  # longest versions long-poll served
     membership_refresh_s: float = 1.0  # how often the live learner/stage list is re-read
-    # on: a round waits only for live holders with a contribution merged within proven_s (a heartbeat alone is
-    # free to fake; in a fresh run, for all during its first unproven_wait_s). Off by default: in the decoupled
-    # mode a newcomer not waited for can miss round after round; on for elastic runs, where a fake heartbeat stalls
-    count_proven_only: bool = False
+    # which live holders a round waits for. "proven": those with a contribution merged within proven_s (in a fresh
+    # run, all of them during a round's first unproven_wait_s); "heartbeats": every live one (a heartbeat is free
+    # to fake); "auto": proven in elastic_sync, where one fake heartbeat would stall every round, heartbeats in
+    # the other modes, where a newcomer not waited for can miss round after round (decoupled refuses it as late)
+    count_holders: str = "auto"
     proven_s: float = 600.0
     unproven_wait_s: float = 30.0
     # A standby takes over only while it sees most of the learners/stages it knew when it last saw the lease
@@ -146,6 +148,10 @@ class SyncerConfig:
             raise ValueError(
                 f"syncer.unproven_wait_s must be a number >= 0 (inf: off), got {self.unproven_wait_s!r}"
             )
+        if self.count_holders not in HOLDER_COUNTS:
+            raise ValueError(
+                f"syncer.count_holders must be one of {', '.join(HOLDER_COUNTS)}, got {self.count_holders!r}"
+            )
         if self.renew_every_s * 2 > self.lease_s:
             raise ValueError("syncer.renew_every_s must be at most half of lease_s (a renewal may fail)")
         if 0 < self.clip_factor < 1:
@@ -158,6 +164,12 @@ class SyncerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"syncer.{name} must be an int >= 1, got {value!r}")
+
+    def counts_proven(self, mode: str) -> bool:
+        """Whether a round in DiLoCo `mode` waits only for proven holders (`count_holders`)."""
+        if self.count_holders == "auto":
+            return mode == "elastic_sync"
+        return self.count_holders == "proven"
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], *, heartbeat_period_s: float) -> SyncerConfig:
@@ -728,7 +740,7 @@ def expected_holders(role: SyncerRole, fragment: int) -> set[str]:
         and not role.is_banned(peer)
     }
     core = role.core
-    if core is None or not role.config.count_proven_only:
+    if core is None or not role.config.counts_proven(role.mode):
         return live
     round_ = core.rounds.get(fragment)
     return counted_holders(

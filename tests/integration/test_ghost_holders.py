@@ -2,9 +2,9 @@
 round waits for every live holder, and a heartbeat costs an identity nothing. A "ghost" learner heartbeats and
 pushes honest work without the run's proof-of-work (`HIVENODE_UNSAFE_LEARNER_ATTACK=no_admission`), so none of
 its pushes is ever taken. With the defence (the syncer's `counted_holders`: once a holder is proven by a merged
-contribution, unproven ones are not waited for) the two honest learners keep merging in lock-step. Negative
-control: the same swarm with the heartbeats counted for the round's whole life (`count_proven_only` false,
-the default): once the ghost is seen, the rounds stall."""
+contribution, unproven ones are not waited for; the default, `count_holders = "auto"`, in elastic runs) the two
+honest learners keep merging in lock-step. Negative control: the same swarm with the heartbeats counted for the
+round's whole life (`count_holders = "heartbeats"`): once the ghost is seen, the rounds stall."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 RUN = RunSpec(name="ghost-test", seed=5, mode="elastic_sync")
 LEARNER = {**QUIET_LEARNER, "min_step_s": 0.1, "join_timeout_s": 20.0}
-SYNCER = {"recovery_s": 1.0, "count_proven_only": True, "unproven_wait_s": 3.0}
+SYNCER = {"recovery_s": 1.0, "unproven_wait_s": 3.0}
 WINDOW_S = 20.0  # how long merges are counted once the ghost is seen and refused
 
 
@@ -74,7 +74,7 @@ def test_a_heartbeat_only_learner_does_not_stall_elastic_rounds(tmp_path: Path) 
     print(f"\ndefended: {merges} merges in {WINDOW_S:g} s after the ghost was seen")
     assert merges >= 4 and ghost not in participants and len(participants) == 2
 
-    control = {**SYNCER, "count_proven_only": False}
+    control = {**SYNCER, "count_holders": "heartbeats"}
     stalled, _, _ = _ghost_run(tmp_path / "control", control)
     print(f"control (heartbeats counted): {stalled} merges in {WINDOW_S:g} s")
     assert stalled <= 1  # a round that opened before the ghost was seen may still close

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from node.diloco.quorum import QuorumConfig, QuorumPolicy, counted_holders
 from node.diloco.seniority import Seniority
+from node.roles.syncer import SyncerConfig
 
 
 def warmed(
@@ -203,3 +204,14 @@ def test_a_demoted_identity_has_no_merge_to_prove_itself_with() -> None:
         {"a", "b"}, seniority.last_merged, round_opened_at=7.0, now=8.0, proven_s=600.0, unproven_wait_s=30.0
     )
     assert counted == {"a"}
+
+
+def test_rounds_count_proven_holders_by_default_only_in_elastic_runs() -> None:
+    auto = SyncerConfig()
+    assert auto.count_holders == "auto"
+    assert auto.counts_proven("elastic_sync")
+    assert not auto.counts_proven("decoupled") and not auto.counts_proven("sync")
+    assert SyncerConfig(count_holders="proven").counts_proven("decoupled")
+    assert not SyncerConfig(count_holders="heartbeats").counts_proven("elastic_sync")
+    with pytest.raises(ValueError, match="count_holders must be one of auto, proven, heartbeats"):
+        SyncerConfig(count_holders="yes")
