@@ -1,0 +1,110 @@
+"""The ban quorum over real hivemind DHTs on loopback (issue 18 item 4: `bans_required` defaults to 2 where two or
+more verifiers exist). Two authorized verifiers sign ban notices into one validating DHT peer; the watcher a node
+builds from its manifest (`ban_watcher_for`) reads them through another. With the default (`bans_required = 0`:
+auto, two signatures) one verifier's notice, read back and visible, bans nobody, and the second one's bans.
+Negative control: `bans_required = 1`, the lone notice bans."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from node.config import LOOPBACK_LISTEN, NetworkConfig
+from node.swarm import start_dht
+from node.swarm.bans import ban_watcher_for
+from protocol.dht_io import SwarmRecords
+from protocol.identity import NodeIdentity
+from protocol.manifest import RunManifest, SignedManifest, authorize
+from protocol.records import BanNotice, HivenodeRecordValidator, RunRules
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+OWNER, V1, V2 = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
+OFFENDER = NodeIdentity.generate().peer_id
+
+
+def _rules(bans_required: int) -> tuple[RunManifest, RunRules]:
+    manifest = authorize(RunManifest(bans_required=bans_required), verifiers=[V1.peer_id, V2.peer_id])
+    return manifest, RunRules.from_manifest(SignedManifest.sign(manifest, OWNER), manifest)
+
+
+@pytest.fixture
+def dht_pair(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[Any, Any, RunManifest, RunRules]]:
+    manifest, rules = _rules(request.param)
+    network = NetworkConfig(listen=(LOOPBACK_LISTEN,), join_timeout_s=20, request_timeout_s=5)
+    started = []
+    try:
+        a = start_dht(
+            NodeIdentity.load_or_create(tmp_path / "a.key"), [], network, HivenodeRecordValidator([rules])
+        )
+        started.append(a)
+        maddrs = [str(m) for m in a.get_visible_maddrs()]
+        b_identity = NodeIdentity.load_or_create(tmp_path / "b.key")
+        b = start_dht(b_identity, maddrs, network, HivenodeRecordValidator([rules]))
+        started.append(b)
+        yield a, b, manifest, rules
+    finally:
+        for dht in started:
+            dht.shutdown()
+
+
+async def _poll_until(watcher: Any, deadline_s: float) -> bool:
+    """Poll the offender until the watcher bans it or `deadline_s` passes; whether it banned."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        await watcher.poll([OFFENDER])
+        if watcher.is_banned(OFFENDER):
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def _scenario(a: Any, b: Any, manifest: RunManifest, rules: RunRules) -> tuple[bool, int, bool]:
+    """(banned after V1's notice alone, V1's records visible to the watcher's peer then, banned after V2's)."""
+    expiration = time.time() + 300
+    reader = SwarmRecords(b, rules, NodeIdentity.generate(), timeout_s=5.0)
+    events: list[str] = []
+    ctx = SimpleNamespace(
+        records=reader,
+        manifest=manifest,
+        run_id=rules.run_id,
+        events=SimpleNamespace(emit=lambda name, **_: events.append(name)),
+    )
+    watcher = ban_watcher_for(ctx)  # type: ignore[arg-type]
+    notice = BanNotice(offender=OFFENDER, reason="flagged by sentinel", issued_at=time.time())
+    assert await SwarmRecords(a, rules, V1, timeout_s=5.0).publish_ban(notice, expiration=expiration)
+    seen = 0
+    for _ in range(50):
+        seen = len(await reader.get_bans(OFFENDER))
+        if seen:
+            break
+        await asyncio.sleep(0.1)
+    banned_on_one = await _poll_until(watcher, deadline_s=2.0)
+    assert await SwarmRecords(a, rules, V2, timeout_s=5.0).publish_ban(notice, expiration=expiration)
+    banned_on_two = banned_on_one or await _poll_until(watcher, deadline_s=10.0)
+    assert ("ban_enforced" in events) == banned_on_two
+    return banned_on_one, seen, banned_on_two
+
+
+@pytest.mark.parametrize(
+    "dht_pair", [0, 1], ids=["default-two-signatures", "one-signature-control"], indirect=True
+)
+def test_one_verifiers_notice_bans_nobody_by_default_over_the_dht(
+    dht_pair: tuple[Any, Any, RunManifest, RunRules],
+) -> None:
+    a, b, manifest, rules = dht_pair
+    banned_on_one, seen, banned_on_two = asyncio.run(asyncio.wait_for(_scenario(a, b, manifest, rules), 60))
+    assert seen == 1  # V1's notice travelled: the watcher's peer reads it
+    assert manifest.ban_quorum == (2 if manifest.bans_required == 0 else 1)
+    if manifest.bans_required == 0:
+        assert not banned_on_one and banned_on_two
+    else:
+        assert banned_on_one  # the control: a lone verifier bans
