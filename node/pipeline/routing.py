@@ -19,8 +19,9 @@ Nothing here touches sockets, asyncio or the global clock: `now` (seconds on any
   can never re-open a double application (microbatch ids grow per sender).
 * `choose_stage` places a new node on the stage with the least throughput per layer, each replica counted at
   its effective throughput (`effective_throughputs`): what it announces, clamped into [m / slack, m x slack] around
-  the median m of what the run's verifiers measured of it (announced as is while no verifier measured it), so a
-  replica that lies about its speed cannot steer where others go.
+  the median m of what the run's verifiers measured of it (while no verifier measured it: as announced, at most
+  slack x the median measured replica of its stage, or of the run), so a replica that lies about its speed cannot
+  steer where others go.
 * `Rebalancer` moves a replica from a well-served stage to a starved one, with hysteresis: the imbalance must
   hold for `dwell_s` (restarted when the starved stage gains a replica), the move must leave the two stages
   `min_gain` times better balanced and the donor not starved in turn (so a move is never undone), moves of one
@@ -455,9 +456,26 @@ def effective_throughput(announced: float, measured: Sequence[float], slack: flo
     figures = sorted(m for m in measured if math.isfinite(m) and m >= 0)
     if not figures or math.isinf(slack):
         return own
-    mid = len(figures) // 2
-    median = figures[mid] if len(figures) % 2 else (figures[mid - 1] + figures[mid]) / 2
+    median = _median(figures)
     return min(max(own, median / slack), median * slack)
+
+
+def _median(figures: Sequence[float]) -> float:
+    """The median of sorted, non-empty `figures`."""
+    mid = len(figures) // 2
+    return figures[mid] if len(figures) % 2 else (figures[mid - 1] + figures[mid]) / 2
+
+
+def unmeasured_ceiling(measured: Mapping[int, Sequence[float]], stage: int, slack: float) -> float:
+    """The most a replica no verifier measured yet may count for placement: `slack` x the median of the measured
+    replicas' figures (`measured`: stage -> each measured replica's median) of its stage, or of every stage while
+    none of its own is measured; unbounded while nobody is (a run's start) or with the clamp off. Without it a
+    fresh identity announcing 100x counted in full until a verifier got to it (issue 18: placement on
+    verifier-measured throughput)."""
+    figures = sorted(measured.get(stage) or [f for rates in measured.values() for f in rates])
+    if not figures or math.isinf(slack):
+        return math.inf
+    return _median(figures) * slack
 
 
 def effective_throughputs(
@@ -468,15 +486,23 @@ def effective_throughputs(
     slack: float,
     max_age_s: float,
 ) -> list[ReplicaInfo]:
-    """`replicas` with each throughput replaced by its effective one (`effective_throughput`) over the fresh
-    measurements (written at most `max_age_s` before `now`; records from the future count as fresh: their
-    authors' clocks are within the validator's skew). Callers pass only records the validator checked, so
+    """`replicas` with each throughput replaced by its effective one (`effective_throughput`; one nobody measured
+    capped at `unmeasured_ceiling`) over the fresh measurements (written at most `max_age_s` before `now`; records
+    from the future count as fresh: their authors' clocks are within the validator's skew). Callers pass only records the validator checked, so
     every measurement comes from one of the manifest's authorized verifiers."""
     fresh = [m for m in measurements if now - m.sent_at <= max_age_s]
+    seen = {r.peer_id: [m.rates[r.peer_id] for m in fresh if r.peer_id in m.rates] for r in replicas}
+    by_stage: dict[int, list[float]] = {}
+    for r in replicas:
+        figures = sorted(f for f in seen[r.peer_id] if math.isfinite(f) and f >= 0)
+        if figures:
+            by_stage.setdefault(r.stage, []).append(_median(figures))
     out = []
     for r in replicas:
-        seen = [m.rates[r.peer_id] for m in fresh if r.peer_id in m.rates]
-        out.append(replace(r, throughput=effective_throughput(r.throughput, seen, slack)))
+        effective = effective_throughput(r.throughput, seen[r.peer_id], slack)
+        if not seen[r.peer_id]:
+            effective = min(effective, unmeasured_ceiling(by_stage, r.stage, slack))
+        out.append(replace(r, throughput=effective))
     return out
 
 

@@ -54,6 +54,34 @@ def test_only_fresh_measurements_count() -> None:
     assert [r.peer_id for r in out] == ["liar", "new"]
 
 
+def test_a_replica_nobody_measured_yet_counts_at_most_slack_x_the_measured_ones() -> None:
+    """A fresh identity announcing 100x is not measured until a verifier gets to it; meanwhile it counts at most
+    slack x the median measured replica of its stage (of the run when its stage has none). Control: the clamp off,
+    its announcement counts in full."""
+    replicas = [
+        ReplicaInfo(peer_id="a", stage=0, throughput=400.0),
+        ReplicaInfo(peer_id="b", stage=0, throughput=400.0),
+        ReplicaInfo(peer_id="m", stage=1, throughput=200.0),
+        ReplicaInfo(peer_id="liar", stage=1, throughput=15_000.0),
+        ReplicaInfo(peer_id="new", stage=0, throughput=400.0),
+        ReplicaInfo(peer_id="far", stage=2, throughput=1e6),
+    ]
+    measured = [Measurement(verifier="v", sent_at=NOW, rates={"a": 300.0, "b": 320.0, "m": 150.0})]
+
+    def throughputs(slack: float) -> dict[str, float]:
+        out = effective_throughputs(replicas, measured, now=NOW, slack=slack, max_age_s=120.0)
+        return {r.peer_id: r.throughput for r in out}
+
+    defended = throughputs(4.0)
+    assert defended["liar"] == 600.0  # 4 x stage 1's measured 150
+    assert defended["new"] == 400.0  # an honest newcomer inside the band counts as announced
+    assert defended["far"] == 1200.0  # stage 2 has no measured replica: 4 x the run's median (300)
+    assert throughputs(OFF)["liar"] == 15_000.0  # negative control: the clamp off, the lie counts in full
+    # nobody measured at all (a run's start): every announcement stands
+    unmeasured = effective_throughputs(replicas, [], now=NOW, slack=4.0, max_age_s=120.0)
+    assert [r.throughput for r in unmeasured] == [r.throughput for r in replicas]
+
+
 MODEL = {"vocab_size": 256, "context_len": 32, "num_layers": 2, "width": 64, "num_heads": 2}
 VERIFIER = NodeIdentity.generate().peer_id
 RUN = RunManifest(model=MODEL, num_stages=2, authorized_verifiers=(VERIFIER,))  # one layer per stage
