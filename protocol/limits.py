@@ -41,6 +41,8 @@ ALREADY_EXPIRED = "already expired"
 STORE_RECORDS = "store records"
 STORE_BYTES = "store bytes"
 GLOBAL_STORE_RECORDS = "global store records"
+# The guests' pool is full: what is left of the global record quota is reserved for known peers.
+GUEST_STORE_RECORDS = "guest store records"
 SUBKEYS = "subkeys per key"
 INVALID_RECORD = "invalid record"  # refused by the record validator before it could count toward a quota
 
@@ -621,6 +623,10 @@ class QuotaConfig:
     # All peers together, per window. A fresh identity costs ~1 ms, so per-peer caps alone do not bound a
     # Sybil flood; this does. 2048/min serves ~500-1000 honest peers at their normal re-store rate.
     max_records_total: int = 2048
+    # Of `max_records_total`, the records per window that only known peers (`StoreQuota`'s `known`) may use:
+    # every other identity ("guest") shares the rest, each within its own per-peer quota, so a flood of fresh
+    # identities fills the guests' pool and never the known peers' share. 0: one pool for everyone.
+    reserved_records_total: int = 0
     # reliability.md §4.5: expiration at most "now + 2 x refresh period". Owners re-publish the slowest of our
     # records (manifest, bans) every 300 s, so 600 s; anything longer must be refreshed by its owner.
     max_expiration_horizon_s: float = 600.0
@@ -654,6 +660,10 @@ class QuotaConfig:
             _require(getattr(self, name) >= 1, f"{name} must be >= 1")
         _require(self.max_value_bytes <= self.max_bytes_per_peer, "max_value_bytes > max_bytes_per_peer")
         _require(
+            0 <= self.reserved_records_total < self.max_records_total,
+            "reserved_records_total must be >= 0 and leave the guests at least one record of max_records_total",
+        )
+        _require(
             self.max_tracked_peers >= self.max_records_total,
             "max_tracked_peers must be >= max_records_total, or evictions could reset live quotas",
         )
@@ -664,6 +674,7 @@ class QuotaStats:
     rejected_by_reason: Mapping[str, int]
     rejected_by_peer: Mapping[str, Mapping[str, int]]  # tracked peers only
     num_admitted: int
+    num_admitted_guests: int  # of num_admitted, records from peers that are not known
     num_tracked_peers: int
     num_tracked_keys: int
     num_evicted_peers: int
@@ -681,24 +692,34 @@ class _PeerWindow:
             self.num_bytes -= size
 
 
+def _nobody(_peer: str) -> bool:
+    return False
+
+
 class StoreQuota:
     """Admission for DHT stores: per-peer record and byte quotas per window, a global record quota, a cap on
     value size and on how far in the future a record may expire, and a cap on distinct live subkeys per key.
+
+    `known(peer)` names the peers that may use the `reserved_records_total` records of the global quota (None:
+    nobody); the others, guests, share what is left. Known-ness is asked on every store, so it may change.
 
     Call `admit_store` from the store handler, where the sender is known, before the record reaches storage;
     a refused record is dropped. Signatures cover the expiration time, so a too-distant one is refused, never
     clamped.
     """
 
-    def __init__(self, config: QuotaConfig) -> None:
+    def __init__(self, config: QuotaConfig, known: Callable[[str], bool] | None = None) -> None:
         self.config = config
+        self._known = known or _nobody
         self._peers: OrderedDict[str, _PeerWindow] = OrderedDict()
         self._global: deque[float] = deque()
+        self._guests: deque[float] = deque()  # the guests' stores within the window, a subset of `_global`
         # key -> {subkey: expiration time}, least recently stored key first
         self._subkeys: OrderedDict[bytes | str, dict[bytes | str, float]] = OrderedDict()
         self._num_subkeys = 0
         self._rejected: Counter[str] = Counter()
         self._num_admitted = 0
+        self._num_admitted_guests = 0
         self._num_evicted = 0
 
     def admit_store(
@@ -714,7 +735,8 @@ class StoreQuota:
         """May `peer` store a `value_size`-byte value under `key` (and `subkey`) expiring at `expiration_time`?"""
         _require(value_size >= 0, f"value_size must be >= 0, got {value_size}")
         window = self._peers.get(peer)
-        reason = self._check(window, key, subkey, value_size, expiration_time, now)
+        guest = self.config.reserved_records_total > 0 and not self._known(peer)
+        reason = self._check(window, key, subkey, value_size, expiration_time, now, guest=guest)
         if reason is not None:
             self._rejected[reason] += 1
             if window is not None:
@@ -722,6 +744,9 @@ class StoreQuota:
                 self._peers.move_to_end(peer)
             return Admission(ok=False, reason=reason)
         self._commit(peer, key, subkey, value_size, expiration_time, now)
+        if guest:
+            self._guests.append(now)
+            self._num_admitted_guests += 1
         return ADMITTED
 
     def refuse_invalid(self, peer: str) -> Admission:
@@ -737,6 +762,7 @@ class StoreQuota:
             rejected_by_reason=dict(self._rejected),
             rejected_by_peer={peer: dict(w.rejected) for peer, w in self._peers.items() if w.rejected},
             num_admitted=self._num_admitted,
+            num_admitted_guests=self._num_admitted_guests,
             num_tracked_peers=len(self._peers),
             num_tracked_keys=len(self._subkeys),
             num_evicted_peers=self._num_evicted,
@@ -750,6 +776,8 @@ class StoreQuota:
         value_size: int,
         expiration_time: float,
         now: float,
+        *,
+        guest: bool,
     ) -> str | None:
         config = self.config
         if value_size > config.max_value_bytes:
@@ -762,8 +790,9 @@ class StoreQuota:
         if expiration_time <= now - config.clock_skew_s:
             return ALREADY_EXPIRED
         horizon = now - config.window_s
-        while self._global and self._global[0] <= horizon:
-            self._global.popleft()
+        for times in (self._global, self._guests):
+            while times and times[0] <= horizon:
+                times.popleft()
         if window is not None:
             window.prune(horizon)
             if len(window.stores) >= config.max_records_per_peer:
@@ -772,6 +801,8 @@ class StoreQuota:
                 return STORE_BYTES
         if len(self._global) >= config.max_records_total:
             return GLOBAL_STORE_RECORDS
+        if guest and len(self._guests) >= config.max_records_total - config.reserved_records_total:
+            return GUEST_STORE_RECORDS
         if subkey is not None and self._is_new_subkey_over_cap(key, subkey, now):
             return SUBKEYS
         return None

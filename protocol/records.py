@@ -38,7 +38,7 @@ from protocol import keys
 from protocol.errors import ProtocolError, RecordRejected
 from protocol.identity import SIGNATURE_SIZE, NodeIdentity, verify_signature
 from protocol.keys import KeyKind
-from protocol.manifest import RunManifest, SignedManifest
+from protocol.manifest import RunManifest, SignedManifest, run_bootstraps
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,8 @@ class RunRules:
     authorized_verifiers: frozenset[str]
     num_stages: int
     num_layers: int
+    # the run's entry points as its owner signed them (`manifest.run_bootstraps`: the owner key and `bootstraps`)
+    bootstraps: frozenset[str] = frozenset()
 
     @classmethod
     def from_manifest(cls, signed: SignedManifest, manifest: RunManifest) -> RunRules:
@@ -106,7 +108,13 @@ class RunRules:
             authorized_verifiers=frozenset(manifest.authorized_verifiers),
             num_stages=manifest.num_stages,
             num_layers=manifest.model["num_layers"],
+            bootstraps=run_bootstraps(signed, manifest),
         )
+
+    def roles(self) -> frozenset[str]:
+        """The peer ids the run's signed manifest gives a role: owner, bootstraps, authorized syncers and
+        verifiers. A fresh identity is none of them, whatever it pays."""
+        return frozenset({self.owner, *self.bootstraps, *self.authorized_syncers, *self.authorized_verifiers})
 
 
 # ---- body schemas: exact keys, strict types (bool is not an int, an int is not a float) ----
@@ -436,6 +444,7 @@ class HivenodeRecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hiv
         allow_foreign: bool = False,
     ) -> None:
         self._runs = {rules.run_id: rules for rules in runs}
+        self._roles = frozenset().union(*(rules.roles() for rules in self._runs.values()))
         self._limits = limits or RecordLimits()
         self._allow_foreign = allow_foreign
         self.rejections: Counter[str] = Counter()
@@ -479,8 +488,14 @@ class HivenodeRecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hiv
         if not isinstance(other, HivenodeRecordValidator):
             return False
         self._runs.update(other._runs)
+        self._roles = frozenset().union(*(rules.roles() for rules in self._runs.values()))
         self._allow_foreign = self._allow_foreign or other._allow_foreign
         return True
+
+    def has_role(self, peer_id: str) -> bool:
+        """Whether a run this validator knows names `peer_id` in its signed manifest (`RunRules.roles`): the DHT
+        store quota's known peers (`QuotaDHTProtocol`)."""
+        return peer_id in self._roles
 
 
 # ---- typed records ----

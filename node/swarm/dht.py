@@ -50,9 +50,13 @@ def dht_store_quota(limits: RecordLimits | None = None) -> QuotaConfig:
     its lease as often, and a node that joins or caches gets whole dictionaries replicated to it, one record per
     subkey. 240 records a minute per peer covers all of that with a 150-peer directory replicated at once, and
     still stops one identity from making us validate thousands of records a second. The global cap bounds a Sybil
-    flood (a fresh identity costs ~1 ms): 12,000 a minute is 200 validations a second, ~2 % of one core. Values
-    are capped like the validator caps them; expirations at the longest TTL any record kind may have, for every
-    record, foreign ones included.
+    flood (a fresh identity costs ~1 ms): 12,000 a minute is 200 validations a second, ~2 % of one core. Of those,
+    2,048 are reserved for the peers a run's signed manifest names (owner, bootstraps, authorized syncers and
+    verifiers: `QuotaDHTProtocol`'s known peers), eight of them at their full per-peer rate (a syncer renews its
+    lease every few seconds; bans and measured throughputs are rarer): a flood of fresh identities fills the
+    other 9,952 and leaves the leases, bans and manifests of the run's roles stored. Values are capped like the
+    validator caps them; expirations at the longest TTL any record kind may have, for every record, foreign ones
+    included.
     """
     limits = limits or RecordLimits()
     records_total = 12_000
@@ -62,6 +66,7 @@ def dht_store_quota(limits: RecordLimits | None = None) -> QuotaConfig:
         max_bytes_per_peer=4 << 20,
         max_value_bytes=limits.max_value_bytes,
         max_records_total=records_total,
+        reserved_records_total=2048,
         max_expiration_horizon_s=max(limits.max_ttl_s(kind) for kind in KeyKind),
         clock_skew_s=limits.clock_skew_s,
         max_tracked_peers=records_total,
@@ -76,6 +81,10 @@ class QuotaDHTProtocol(DHTProtocol):
     its validators refuse) and never reach the validators or the storage. A whole dictionary (replication, cache)
     counts one record per subkey and is refused whole if any subkey is refused.
 
+    The quota's known peers, who may use its `reserved_records_total`, are those a run our validator knows names
+    in its signed manifest (`HivenodeRecordValidator.has_role`); the DHT learns a run when the node adds its
+    validator after discovery, a bootstrap from its start.
+
     Installed only inside `DetachedDHT`'s own process (see `DetachedDHT.run`), with its config in the class
     attribute `quota_config`. It keeps the wire names of `DHTProtocol`, so peers see no difference.
     """
@@ -89,8 +98,14 @@ class QuotaDHTProtocol(DHTProtocol):
     def __init__(self, *, _initialized_with_create: bool = False) -> None:
         super().__init__(_initialized_with_create=_initialized_with_create)
         config = type(self).quota_config
-        self.store_quota = StoreQuota(config) if config is not None else None
+        self.store_quota = StoreQuota(config, known=self._has_role) if config is not None else None
         self._refusal_logged_at: dict[str, float] = {}
+
+    def _has_role(self, peer: str) -> bool:
+        """Whether a run our validators know names `peer` (the store quota's known peers)."""
+        # hivemind sets record_validator after __init__ (DHTProtocol.create); add_validators extends it later
+        validators = getattr(getattr(self, "record_validator", None), "_validators", ())
+        return any(isinstance(v, HivenodeRecordValidator) and v.has_role(peer) for v in validators)
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:

@@ -11,6 +11,10 @@ records pass per window); the victim's storage never holds more of the attacker'
 and none outside the schema; honest lookups stay fast. Negative control: a victim that accepts foreign records (a
 DHT shared with other hivemind applications, `allow_foreign=True`) stores the whole flood and the year-ahead
 records when it has no quota, and at most the quota with it.
+
+A Sybil flood (`test_a_sybil_flood_leaves_the_known_peers_share_of_the_global_budget`): fresh identities, each on
+its own daemon and within its per-peer quota, store valid records until the global record budget is spent; the
+run's authorized syncer must still store. Negative control: without the reservation it is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import hivemind
 import msgpack
 import pytest
 from hivemind.dht.routing import DHTID
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import dht_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from node.config import LOOPBACK_LISTEN, NetworkConfig
@@ -40,12 +46,14 @@ from protocol.dht_io import SwarmRecords
 from protocol.identity import NodeIdentity
 from protocol.limits import (
     EXPIRATION_TOO_FAR,
+    GLOBAL_STORE_RECORDS,
+    GUEST_STORE_RECORDS,
     INVALID_RECORD,
     SUBKEYS,
     QuotaConfig,
     QuotaStats,
 )
-from protocol.manifest import RunManifest, SignedManifest
+from protocol.manifest import RunManifest, SignedManifest, authorize
 from protocol.records import Heartbeat, HivenodeRecordValidator, RunRules, make_envelope
 
 logger = logging.getLogger(__name__)
@@ -389,3 +397,137 @@ def _log(name: str, outcome: Outcome, stats: QuotaStats | None, census: dict[str
         outcome.rss_growth_kib / 1024,
         *[x for pair in ms for x in pair],
     )
+
+
+# ---- a Sybil flood of fresh identities against the global record budget ---------------------------------------
+
+SYNCER = NodeIdentity.generate()
+ROLES_MANIFEST = authorize(RunManifest(), syncers=[SYNCER.peer_id])
+ROLES_SIGNED = SignedManifest.sign(ROLES_MANIFEST, OWNER)
+ROLES_RULES = RunRules.from_manifest(ROLES_SIGNED, ROLES_MANIFEST)
+NUM_SYBILS = 8
+SYBIL_RECORDS = 4  # each Sybil's whole per-peer budget
+SYBIL_TOTAL = 24  # the victim's global records per window: six Sybils' budgets
+SYBIL_RESERVED = 12  # ... of which the run's roles keep this many
+SYBIL_SCENARIO_S = 60.0
+
+
+def _own_heartbeats(identity: NodeIdentity, count: int, now: float) -> dht_pb2.StoreRequest:
+    """`count` heartbeats `identity` signed under its own subkey of the run's peer directory: valid records."""
+    raw = keys.peers_key(ROLES_SIGNED.run_id)
+    body = Heartbeat(role="learner", sent_at=now).to_body()
+    # each expires after the last, so hivemind's storage takes every one (a newer expiration wins)
+    expirations = [now + 30 + i for i in range(count)]
+    return dht_pb2.StoreRequest(
+        keys=[keys.key_id(raw)] * count,
+        subkeys=[MSGPackSerializer.dumps(identity.peer_id)] * count,
+        values=[
+            MSGPackSerializer.dumps(make_envelope(identity, raw, identity.peer_id, body, e))
+            for e in expirations
+        ],
+        expiration_time=expirations,
+        in_cache=[False] * count,
+    )
+
+
+async def _store_from(p2p: P2P, victim: str, identity: NodeIdentity, count: int) -> list[bool]:
+    """`identity`'s own daemon stores `count` of its heartbeats on the victim's store RPC; what the victim answered."""
+    request = _own_heartbeats(identity, count, get_dht_time())
+    response = await p2p.call_protobuf_handler(
+        PeerID.from_base58(victim), "DHTProtocol.rpc_store", request, dht_pb2.StoreResponse
+    )
+    return list(response.store_ok)
+
+
+async def _daemons(paths: list[Path], maddrs: list[str]) -> list[P2P]:
+    """One daemon per identity file, started together; none is left running if one fails to start."""
+    started = await asyncio.gather(
+        *(
+            P2P.create(
+                initial_peers=maddrs,
+                identity_path=str(path),
+                check_if_identity_free=False,
+                host_maddrs=[LOOPBACK_LISTEN],
+            )
+            for path in paths
+        ),
+        return_exceptions=True,
+    )
+    daemons = [p for p in started if isinstance(p, P2P)]
+    failed = [e for e in started if isinstance(e, BaseException)]
+    if failed:
+        await asyncio.gather(*(p.shutdown() for p in daemons), return_exceptions=True)
+        raise failed[0]
+    return daemons
+
+
+async def _sybils_then_syncer(tmp: Path, victim: Any) -> tuple[int, list[bool]]:
+    """NUM_SYBILS fresh identities store their whole per-peer budget on the victim, one after the other; then the
+    run's authorized syncer stores one heartbeat. The Sybil records the victim stored, and the syncer's answer."""
+    sybils = [NodeIdentity.load_or_create(tmp / f"sybil{i}.key") for i in range(NUM_SYBILS)]
+    syncer_path = tmp / "syncer.key"
+    syncer_path.write_bytes(SYNCER.to_libp2p_bytes())
+    maddrs = [str(m) for m in victim.get_visible_maddrs()]
+    daemons = await _daemons([*(s.path for s in sybils if s.path is not None), syncer_path], maddrs)
+    target = victim.peer_id.to_base58()
+    try:
+        stored = 0
+        for p2p, sybil in zip(daemons, sybils, strict=False):
+            stored += sum(await _store_from(p2p, target, sybil, SYBIL_RECORDS))
+        return stored, await _store_from(daemons[-1], target, SYNCER, 1)
+    finally:
+        await asyncio.gather(*(p.shutdown() for p in daemons), return_exceptions=True)
+
+
+@pytest.mark.parametrize("reserved", [SYBIL_RESERVED, 0], ids=["roles-reserved", "no-reservation-control"])
+def test_a_sybil_flood_leaves_the_known_peers_share_of_the_global_budget(
+    tmp_path: Path, reserved: int
+) -> None:
+    """8 fresh identities with 4 valid records each against a victim whose global budget is 24 records a window;
+    the victim learns the run after its start, as a joining node does. With 12 reserved for the run's roles, the
+    Sybils get the guests' 12 and the syncer's heartbeat is stored and listed; without (the control), six Sybils
+    spend the whole budget and the syncer is refused until the window slides."""
+    config = dataclasses.replace(
+        QUOTA,
+        max_records_per_peer=SYBIL_RECORDS,
+        max_records_total=SYBIL_TOTAL,
+        reserved_records_total=reserved,
+    )
+    network = NetworkConfig(listen=(LOOPBACK_LISTEN,), join_timeout_s=20, request_timeout_s=5)
+    identity = NodeIdentity.load_or_create(tmp_path / "victim.key")
+    victim = start_dht(identity, [], network, HivenodeRecordValidator(), store_quota=config)
+    try:
+        victim.add_validators([HivenodeRecordValidator([ROLES_RULES])])
+        start = time.monotonic()
+        stored, syncer_ok = asyncio.run(
+            asyncio.wait_for(_sybils_then_syncer(tmp_path, victim), SYBIL_SCENARIO_S)
+        )
+        elapsed = time.monotonic() - start
+        stats: QuotaStats = dht_quota_stats(victim)
+        listed = asyncio.run(SwarmRecords(victim, ROLES_RULES, identity, timeout_s=5.0).list_peers())
+    finally:
+        victim.shutdown()
+    logger.warning(
+        "sybil flood, reserved=%d: %d Sybil records stored, syncer %s, quota refused %s, in %.1f s",
+        reserved,
+        stored,
+        syncer_ok,
+        stats.rejected_by_reason,
+        elapsed,
+    )
+    assert elapsed < config.window_s  # every store fell inside one quota window
+    sent = NUM_SYBILS * SYBIL_RECORDS
+    listed_ids = {p.peer_id for p in listed}
+    if reserved:
+        guests_pool = SYBIL_TOTAL - SYBIL_RESERVED
+        assert stored == guests_pool and stats.num_admitted_guests == guests_pool
+        assert stats.rejected_by_reason == {GUEST_STORE_RECORDS: sent - guests_pool}
+        assert syncer_ok == [True]
+        assert SYNCER.peer_id in listed_ids
+    else:
+        # the control: the attack wins, six Sybils spend the whole budget and the syncer is locked out
+        assert stored == SYBIL_TOTAL
+        assert stats.rejected_by_reason == {GLOBAL_STORE_RECORDS: sent - SYBIL_TOTAL + 1}
+        assert syncer_ok == [False]
+        assert SYNCER.peer_id not in listed_ids
+    assert len(listed_ids) == stored // SYBIL_RECORDS + (SYNCER.peer_id in listed_ids)

@@ -446,10 +446,75 @@ def test_quota_config_validation() -> None:
         {"window_s": 0.0},
         {"clock_skew_s": -1.0},
         {"max_subkeys_per_key": 0},
+        {"max_records_total": 10, "reserved_records_total": 10},
+        {"reserved_records_total": -1},
     ):
         with pytest.raises(ValueError):
             QuotaConfig(**bad)  # type: ignore[arg-type]
     QuotaConfig()  # the defaults are consistent
+
+
+def _sybil_flood(quota: StoreQuota, num_sybils: int, now: float) -> int:
+    """`num_sybils` fresh identities, each storing its whole per-peer budget (3 records); how many were admitted."""
+    return sum(bool(_store(quota, f"sybil{i}", now + i * 0.001)) for i in range(num_sybils) for _ in range(3))
+
+
+def _reserved_quota(reserved: int, known: frozenset[str]) -> StoreQuota:
+    config = QuotaConfig(
+        window_s=60.0,
+        max_records_per_peer=3,
+        max_records_total=20,
+        reserved_records_total=reserved,
+        max_tracked_peers=20,
+    )
+    return StoreQuota(config, known=known.__contains__)
+
+
+def test_a_sybil_flood_fills_the_guests_pool_and_a_known_peer_still_stores() -> None:
+    """100 fresh identities at their per-peer budget against a global quota of 20 records, 8 reserved for the
+    run's syncer: they get the guests' 12, and the syncer stores its whole budget under the flood."""
+    quota = _reserved_quota(8, frozenset({"syncer"}))
+    assert _sybil_flood(quota, 100, NOW) == 12
+    assert _store(quota, "sybil99", NOW + 1).reason == limits.GUEST_STORE_RECORDS
+    assert all(_store(quota, "syncer", NOW + 1 + i) for i in range(3))
+    assert _store(quota, "syncer", NOW + 4).reason == limits.STORE_RECORDS  # its own cap still holds
+    stats = quota.stats()
+    assert stats.rejected_by_reason == {limits.GUEST_STORE_RECORDS: 289, limits.STORE_RECORDS: 1}
+    assert (stats.num_admitted, stats.num_admitted_guests) == (15, 12)
+    # The guests' pool slides with the window like the global count.
+    assert _store(quota, "sybil99", NOW + 60.0005)
+
+
+@pytest.mark.parametrize(
+    ("reserved", "known"),
+    [(0, frozenset({"syncer"})), (8, frozenset({"syncer", *(f"sybil{i}" for i in range(100))}))],
+    ids=["no-reservation", "sybils-treated-as-known"],
+)
+def test_negative_control_without_the_reservation_the_flood_locks_the_known_peer_out(
+    reserved: int, known: frozenset[str]
+) -> None:
+    quota = _reserved_quota(reserved, known)
+    assert _sybil_flood(quota, 100, NOW) == 20  # the whole global quota
+    assert _store(quota, "syncer", NOW + 1).reason == limits.GLOBAL_STORE_RECORDS
+    assert quota.stats().num_admitted_guests == 0  # nobody counted as a guest: no pool to hold them to
+
+
+def test_known_peers_may_use_the_guests_pool_when_guests_leave_it_free() -> None:
+    quota = StoreQuota(
+        QuotaConfig(
+            max_records_per_peer=100, max_records_total=10, reserved_records_total=4, max_tracked_peers=10
+        ),
+        known={"verifier"}.__contains__,
+    )
+    assert all(_store(quota, "verifier", NOW + i) for i in range(10))
+    assert _store(quota, "verifier", NOW + 10).reason == limits.GLOBAL_STORE_RECORDS
+    assert _store(quota, "guest", NOW + 10).reason == limits.GLOBAL_STORE_RECORDS
+    nobody_known = StoreQuota(
+        QuotaConfig(
+            max_records_per_peer=100, max_records_total=10, reserved_records_total=4, max_tracked_peers=10
+        )
+    )
+    assert sum(bool(_store(nobody_known, "verifier", NOW + i)) for i in range(10)) == 6
 
 
 def test_guests_cannot_take_the_stream_slots_reserved_for_preferred_peers() -> None:

@@ -415,3 +415,16 @@ def test_measured_records_refuse_extra_keys_and_long_expirations() -> None:
     assert signed_measured(body={"rates": full, "sent_at": NOW})().signer == VERIFIER.peer_id
     far = NOW + LIMITS.max_ttl_peer_s + LIMITS.clock_skew_s + 10
     assert reason_of(signed_measured(expiration=far)) == "expiration"
+
+
+def test_the_validator_names_the_run_roles_the_store_quota_reserves_for() -> None:
+    """Owner, bootstraps, authorized syncers and verifiers of a known run have a role (the DHT store quota's
+    known peers); any other identity, and everyone while the run is unknown, is a guest."""
+    bootstrap = NodeIdentity.generate()
+    manifest = dataclasses.replace(MANIFEST, bootstraps=(bootstrap.peer_id,))
+    signed = SignedManifest.sign(manifest, OWNER)
+    validator = HivenodeRecordValidator()
+    assert not any(validator.has_role(p.peer_id) for p in (OWNER, SYNCER, VERIFIER, bootstrap, PEER))
+    validator.merge_with(HivenodeRecordValidator([RunRules.from_manifest(signed, manifest)]))
+    assert all(validator.has_role(p.peer_id) for p in (OWNER, SYNCER, VERIFIER, bootstrap))
+    assert not validator.has_role(PEER.peer_id) and not validator.has_role(OTHER.peer_id)
