@@ -9,8 +9,10 @@ tokenizer by hash and, with `--data-dir`, its token shards (`/api/data/`, bootst
 The bootstrap keeps the swarm's history itself (`node.status.swarm_view.SwarmHistory`): every snapshot of the records
 (taken each heartbeat period even when nobody polls) is fed to it, with the merge details the active syncer lists
 in its own `/api/status` when it serves one. `/api/swarm` then carries `history` (time series, merges, bans),
-`events` (newest first) and `map` (peers by stage, role and health) for the dashboard; every event is also appended
-to `<state_dir>/swarm-events.jsonl`, and the swarm's figures are gauges on `/metrics`. Local tools add events of
+`events` (newest first), `map` (peers by stage, role and health) and `scores` (per learner, the syncer's evidence
+factor, held-out slope, merge weight, trust, refusals and ban, from the same status: `node.status.learner_scores`)
+for the dashboard; every event is also appended to `<state_dir>/swarm-events.jsonl`, and the swarm's figures are
+gauges on `/metrics`. Local tools add events of
 their own (the demo announces its injected faults) by appending JSON lines to `<state_dir>/notes.jsonl`, read at
 every snapshot. Peers that announced leaving are listed apart (`leaving`), so the history tells a clean leave
 from a lost peer. Other sections come from
@@ -43,6 +45,7 @@ from bootstrap.owner_roles import OwnerRole, OwnerRoles, local_join_maddr, prepa
 from node.config import BootstrapConfig, NetworkConfig, run_sentinel_config
 from node.context import VERSION, LogContext, NodeMetrics, RestartPolicy, TaskSupervisor, wait_or_stop
 from node.status.http import metrics_response, start_site, summarize_bans
+from node.status.learner_scores import learner_scores
 from node.status.swarm_view import NOTES_FILENAME, SwarmHistory, ViewConfig
 from node.swarm import (
     REACH_ROUTE,
@@ -164,6 +167,8 @@ class Bootstrap:
                 max_merges=MAX_MERGES_SERVED,
             ),
             "map": self.history.swarm_map,
+            # per learner, the active syncer's scores (evidence, merge weight, trust, refusals, ban and reason)
+            "scores": lambda _doc: learner_scores(self._syncer_status),
         }
         self._syncer_status: dict[str, Any] | None = None
         self._events_logged = self._notes_offset = 0  # last event seq logged; bytes of notes.jsonl read

@@ -51,6 +51,8 @@ const fmt = (value, digits = 0) =>
   value === null || value === undefined || Number.isNaN(value) ? "-" : Number(value).toLocaleString(undefined, {
     minimumFractionDigits: digits, maximumFractionDigits: digits,
   });
+// three significant digits: held-out slopes range over orders of magnitude
+const sig = (value) => (Number.isFinite(value) ? Number(value).toPrecision(3) : "-");
 const clock = (seconds) => {
   const s = Math.max(0, Math.round(seconds));
   return `${Math.floor(s / 60)}:${String(s % 60).padStart(2, "0")}`;
@@ -328,6 +330,29 @@ function renderBans(doc) {
   }
 }
 
+// Per contributor, the active syncer's scores (the bootstrap reads its /api/status): banned and most rejected first.
+function renderScores(doc) {
+  const scores = doc.scores || { learners: [], unavailable: "this bootstrap serves no scores (an older version)" };
+  const rows = scores.learners || [];
+  const body = document.querySelector("#scores tbody");
+  body.replaceChildren();
+  if (!rows.length) body.append(el("tr", {}, el("td", { colspan: "7", class: "empty", text: scores.unavailable || "nobody scored yet" })));
+  for (const s of rows) {
+    const verdict = s.banned ? `banned: ${s.ban_reason || "no reason given"}`
+      : s.last_refusal ? `no; last refusal ${s.last_refusal}` : "no";
+    body.append(el("tr", { "data-peer-id": s.peer_id, "data-banned": String(Boolean(s.banned)) },
+      el("td", { class: "mono", title: s.peer_id, text: shortId(s.peer_id) }),
+      el("td", { class: "num", text: fmt(s.evidence_factor, 2) }),
+      el("td", { class: "num", text: sig(s.held_out_slope) }),
+      el("td", { class: "num", text: fmt(s.merge_weight, 3) }),
+      el("td", { class: "num", text: fmt(s.trust, 2) }),
+      el("td", { class: "num", text: fmt(s.rejected) }),
+      el("td", { class: "verdict", text: verdict })));
+  }
+  const shown = rows.length < (scores.total || 0) ? `${rows.length} of ${scores.total} peers, ` : "";
+  setText("scores-note", `(${shown}the active syncer's${scores.syncer ? ` ${shortId(scores.syncer)}` : ""})`);
+}
+
 function renderEvents(doc) {
   const list = document.getElementById("events");
   const t0 = (doc.history && doc.history.started_at) || 0;
@@ -357,6 +382,7 @@ function render(doc) {
   renderCharts(doc);
   renderMerges(doc);
   renderBans(doc);
+  renderScores(doc);
   renderEvents(doc);
 }
 

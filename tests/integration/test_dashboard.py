@@ -23,6 +23,7 @@ import pytest
 
 from protocol.identity import NodeIdentity
 from tests.integration.procs import PYTHON, REPO_ROOT, Proc, Procs, get_json, procs, wait_until
+from tests.unit.test_learner_scores import SYNCER_ID, syncer_status
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -140,9 +141,12 @@ def _publish_a_ban(url: str, out: Path) -> str:
     return stage_peer["peer_id"]
 
 
-def _check_page(url: str, offender: str, screenshot: Path, *, merges: bool = False) -> dict:
-    """Load the dashboard; wait for peers, loss points and the offender's ban (and with `merges`, a merge the
-    syncer described); return what the page shows."""
+def _check_page(
+    url: str, offender: str, screenshot: Path, *, merges: bool = False, learner: str | None = None
+) -> dict:
+    """Load the dashboard; wait for peers, loss points and the offender's ban (with `merges`, a merge the
+    syncer described; with `learner`, that learner's merge weight among the syncer's scores); return what the
+    page shows."""
     from playwright.sync_api import sync_playwright
 
     row = f'#bans tr[data-offender="{offender}"]'
@@ -166,6 +170,13 @@ def _check_page(url: str, offender: str, screenshot: Path, *, merges: bool = Fal
                     "document.getElementById('summary-eval').textContent.includes('perplexity')",
                     timeout=120_000,
                 )
+            scores: list[str] = []
+            if learner is not None:
+                weighed = f'#scores tr[data-peer-id="{learner}"] td:nth-child(4)'
+                page.wait_for_function(  # its share of a merge, from the syncer's /api/status
+                    f"(document.querySelector('{weighed}') || {{}}).textContent > '-'", timeout=120_000
+                )
+                scores = page.locator(f'#scores tr[data-peer-id="{learner}"] td').all_inner_texts()
             page.locator(f"{row} details").first.click()  # open the evidence
             page.screenshot(path=str(screenshot), full_page=True)
             shown = {
@@ -174,6 +185,7 @@ def _check_page(url: str, offender: str, screenshot: Path, *, merges: bool = Fal
                 "ban": page.locator(row).inner_text(),
                 "evidence": page.locator(f"{row} pre").first.inner_text().strip(),
                 "bans": int(page.locator("#summary-bans").inner_text()),
+                "scores": scores,
                 "eval": page.locator("#summary-eval").inner_text(),
                 "merges": page.locator("#merges tbody tr[data-fragment]").evaluate_all(
                     """rows => rows.map(r => ({described: r.dataset.described,
@@ -195,8 +207,16 @@ def _check_page(url: str, offender: str, screenshot: Path, *, merges: bool = Fal
 def test_dashboard_shows_peers_loss_and_a_ban(demo_swarm) -> None:
     _demo, url, out = demo_swarm
     offender = _publish_a_ban(url, out)
-    shown = _check_page(url, offender, ARTIFACTS / "dashboard.png", merges=True)
+    swarm = get_json(url + "api/swarm", 10.0)
+    learner = next(p["peer_id"] for p in swarm["peers"] if p["role"] == "learner")
+    shown = _check_page(url, offender, ARTIFACTS / "dashboard.png", merges=True, learner=learner)
     assert "gradient flagged" in shown["ban"]
+    # the learner's row of the syncer's scores: short id, factor, slope, merge weight, trust, rejected, verdict
+    short, _factor, _slope, weight, _trust, rejected, verdict = shown["scores"]
+    assert short == learner[-8:] and 0.0 < float(weight) <= 1.0 and rejected.isdigit(), shown["scores"]
+    assert verdict == "no" or verdict.startswith(("no; last refusal", "banned: ")), verdict
+    syncers = [s["peer_id"] for s in get_json(url + "api/swarm", 10.0)["syncer"] if s["state"] == "active"]
+    assert get_json(url + "api/swarm", 10.0)["scores"]["syncer"] in syncers
     held_out = re.search(r"held-out ([\d.,]+) · perplexity ([\d.,]+)", shown["eval"])
     assert held_out, shown["eval"]
     loss, perplexity = (float(g.replace(",", "")) for g in held_out.groups())
@@ -359,3 +379,81 @@ def test_the_map_shows_how_each_peer_is_reached() -> None:
     assert "learner · unknown" in shown["Older004"][1]
     assert "1 relay" in summary and "1 client" in summary and "1 unknown" in summary, summary
     assert "direct" not in summary, summary  # the usual case is not counted out loud
+
+
+# ---- the syncer's scores per learner (issue 18, "visible"), from its status to the page (routed, no swarm) ----
+
+# markup a peer could put where the page shows text: if the page ever parsed it, the image would set the flag
+HOSTILE = '<img src=x onerror="window.__pwned=1">'
+HONEST_LEARNER, HOSTILE_LEARNER = "12D3KooWDirect01", "12D3KooW" + HOSTILE
+
+
+def _scores_document() -> dict:
+    """The modes document with the `scores` section the bootstrap adds: a syncer status filled by the syncer's
+    own learner ledger and `peer_scores` -> `learner_scores`. One learner, banned on its third refusal, has markup
+    in its peer id and in the reason of its refusals."""
+    from node.diloco.learner_ledger import LearnerLedger
+    from node.status.learner_scores import learner_scores
+
+    book = LearnerLedger(ban_after=2.5, forgive_half_life_s=600.0, ban_s=3600.0)
+    for i in range(3):
+        book.record(HOSTILE_LEARNER, "screen: loss", f"held-out loss up {HOSTILE}", f"d{i}", float(i))
+    merges = [
+        {
+            "evidence": {HONEST_LEARNER: [0.0123, 0.3, 1.0], HOSTILE_LEARNER: [-0.5, None, 0.0]},
+            "weights": {HONEST_LEARNER: 0.75, HOSTILE_LEARNER: 0.25},
+        }
+    ]
+    return {**_modes_document(), "scores": learner_scores(syncer_status(book, merges, 10.0))}
+
+
+def test_the_scores_table_shows_each_learners_scores_and_ban_with_markup_as_text() -> None:
+    """Per learner: evidence factor, held-out slope, merge weight, trust, rejected count, ban and its reason. A
+    peer id and a reason holding an <img onerror> are shown as text; control: the same string parsed as HTML
+    (innerHTML) in the same page creates the image and runs its handler."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    document = _scores_document()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.route(f"{FAKE_ORIGIN}/**", lambda route: _serve_routed(route, document))
+            page.goto(FAKE_ORIGIN + "/")
+            page.wait_for_function(
+                "document.querySelectorAll('#scores tr[data-peer-id]').length === 2", timeout=30_000
+            )
+            rows = page.locator("#scores tr[data-peer-id]").evaluate_all(
+                """rows => rows.map(r => ({id: r.dataset.peerId, banned: r.dataset.banned, title: r.cells[0].title,
+                    cells: [...r.cells].map(c => c.textContent)}))"""
+            )
+            note = page.locator("#scores-note").inner_text()
+            images = page.evaluate("document.querySelectorAll('img').length")
+            pwned = page.evaluate("window.__pwned === undefined ? null : window.__pwned")
+            # negative control: the same string set as HTML becomes an element and runs its handler
+            page.evaluate(
+                "s => { const d = document.createElement('div'); d.innerHTML = s; document.body.append(d); }",
+                HOSTILE,
+            )
+            page.wait_for_function("window.__pwned === 1", timeout=10_000)
+            control_images = page.evaluate("document.querySelectorAll('img').length")
+            assert not errors, errors
+        finally:
+            browser.close()
+    assert (images, pwned, control_images) == (0, None, 1)
+    hostile, honest = rows  # the banned first
+    assert hostile["id"] == hostile["title"] == HOSTILE_LEARNER and hostile["banned"] == "true"
+    # factor, slope, weight, trust, rejected, ban and its reason: the markup shown as the characters it is
+    assert hostile["cells"][1:6] == ["0.00", "-0.500", "0.250", "0.00", "3"], hostile["cells"]
+    assert (
+        hostile["cells"][6].startswith("banned: 3 refused contributions") and HOSTILE in hostile["cells"][6]
+    )
+    assert hostile["cells"][0] == HOSTILE_LEARNER[-8:]
+    assert honest["id"] == HONEST_LEARNER and honest["banned"] == "false"
+    assert honest["cells"] == ["Direct01", "1.00", "0.0123", "0.750", "1.00", "0", "no"], honest["cells"]
+    assert SYNCER_ID[-8:] in note, note  # whose scores they are
