@@ -163,15 +163,16 @@ def syncer_prefers(role: SyncerHost, peer: str) -> bool:
     core = role.core
     if core is not None and core.seniority.rounds(peer, time.monotonic()) > 0:
         return True
-    return admitted_holder(role.ctx.manifest.admission, role.ctx.run_id, peer, role.live.get(peer))
+    heartbeat = role.live.get(peer)
+    return heartbeat is not None and admitted_holder(
+        role.ctx.manifest.admission, role.ctx.run_id, peer, heartbeat
+    )
 
 
-def admitted_holder(spec: AdmissionSpec, run_id: str, peer: str, heartbeat: Heartbeat | None) -> bool:
+def admitted_holder(spec: AdmissionSpec, run_id: str, peer: str, heartbeat: Heartbeat) -> bool:
     """Whether `peer`'s live heartbeat (signed by it, read from the DHT) shows it paid the run's admission cost
     (`protocol.admission.pays_admission`): a newcomer that paid then competes for the reserved stream slots with
     the run's senior contributors, not with free identities. Never in mode open (admission costs nothing there)."""
-    if heartbeat is None:
-        return False
     return pays_admission(spec, run_id, peer, heartbeat.admission)
 
 
