@@ -530,8 +530,9 @@ class HivenodeRecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hiv
 
     def admits_store(self, sender: str, record: DHTRecord) -> bool:
         """Whether `record`, which `sender` asks us to store, is `sender`'s own valid heartbeat for a run we know
-        carrying its admission proof (`heartbeat_admits`): the DHT store quota counts that store as a known
-        peer's. The record is checked in full (signature included), after a one-hash test of its proof."""
+        carrying its admission proof (`heartbeat_admits`): the DHT store quota lets that store use the admitted
+        share of its reserve (`QuotaConfig.admitted_records_total`). The record is checked in full (signature
+        included), after a one-hash test of its proof. A replicated dictionary is never asked: it is a guest's."""
         try:
             if decode_subkey(record.subkey) != sender:
                 return False
