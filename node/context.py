@@ -274,6 +274,8 @@ class NodeContext:
     status_source: Callable[[], dict[str, Any]] = field(default=lambda: {})
     tokenizer: Any = None  # node.ml.tokenizer.Tokenizer of the run's BPE, verified; None: raw bytes
     connectivity: dict[str, Any] = field(default_factory=dict)  # node.swarm.relay.Connectivity.as_dict()
+    # our proof of the run's admission cost once solved (node.swarm.admission); heartbeats carry it
+    admission_proof: int | None = None
 
     @property
     def encode(self) -> Callable[[bytes], list[int]] | None:

@@ -137,12 +137,27 @@ def verify_admission(spec: AdmissionSpec, run_id: str, peer_id: str, proof: obje
         )
 
 
+def pays_admission(spec: AdmissionSpec, run_id: str, peer_id: str, proof: object) -> bool:
+    """Whether `peer_id` has paid an admission cost that costs something: on the allow-list (mode allowlist), or
+    with a valid `proof` (mode pow). Never in mode open: there anybody is admitted, so being admitted sets nobody
+    apart from a free Sybil identity (what the DHT record budget and the syncer's stream slots reserve for admitted
+    peers is then reserved for nobody more). One hash at most."""
+    if spec.mode == "open":
+        return False
+    try:
+        verify_admission(spec, run_id, peer_id, proof)
+    except AdmissionRefused:
+        return False
+    return True
+
+
 __all__ = [
     "ADMISSION_CAUSES",
     "ADMISSION_META",
     "ADMISSION_MODES",
     "AdmissionRefused",
     "AdmissionSpec",
+    "pays_admission",
     "proof_digest",
     "solve",
     "verify_admission",

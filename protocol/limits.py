@@ -627,6 +627,11 @@ class QuotaConfig:
     # every other identity ("guest") shares the rest, each within its own per-peer quota, so a flood of fresh
     # identities fills the guests' pool and never the known peers' share. 0: one pool for everyone.
     reserved_records_total: int = 0
+    # Of `reserved_records_total`, the records per window that guests may use with a store that shows they paid
+    # the run's admission cost (their own heartbeat carrying a valid proof: `admit_store(admitted=True)`); known
+    # peers keep the rest whatever admitted identities store. A full share sends admitted stores to the guests'
+    # pool. 0: admitted stores are guests'.
+    admitted_records_total: int = 0
     # reliability.md §4.5: expiration at most "now + 2 x refresh period". Owners re-publish the slowest of our
     # records (manifest, bans) every 300 s, so 600 s; anything longer must be refreshed by its owner.
     max_expiration_horizon_s: float = 600.0
@@ -664,6 +669,10 @@ class QuotaConfig:
             "reserved_records_total must be >= 0 and leave the guests at least one record of max_records_total",
         )
         _require(
+            0 <= self.admitted_records_total <= self.reserved_records_total,
+            "admitted_records_total must be >= 0 and at most reserved_records_total",
+        )
+        _require(
             self.max_tracked_peers >= self.max_records_total,
             "max_tracked_peers must be >= max_records_total, or evictions could reset live quotas",
         )
@@ -675,6 +684,7 @@ class QuotaStats:
     rejected_by_peer: Mapping[str, Mapping[str, int]]  # tracked peers only
     num_admitted: int
     num_admitted_guests: int  # of num_admitted, records from peers that are not known
+    num_admitted_by_proof: int = 0  # of num_admitted, records of the admitted stores' share (not guests')
     num_tracked_peers: int
     num_tracked_keys: int
     num_evicted_peers: int
@@ -701,7 +711,9 @@ class StoreQuota:
     value size and on how far in the future a record may expire, and a cap on distinct live subkeys per key.
 
     `known(peer)` names the peers that may use the `reserved_records_total` records of the global quota (None:
-    nobody); the others, guests, share what is left. Known-ness is asked on every store, so it may change.
+    nobody); the others, guests, share what is left. Known-ness is asked on every store, so it may change. A
+    guest's store that shows its sender admitted (`admit_store(admitted=True)`) draws on the
+    `admitted_records_total` share of the reserve while it has room.
 
     Call `admit_store` from the store handler, where the sender is known, before the record reaches storage;
     a refused record is dropped. Signatures cover the expiration time, so a too-distant one is refused, never
@@ -714,12 +726,14 @@ class StoreQuota:
         self._peers: OrderedDict[str, _PeerWindow] = OrderedDict()
         self._global: deque[float] = deque()
         self._guests: deque[float] = deque()  # the guests' stores within the window, a subset of `_global`
+        self._admitted: deque[float] = deque()  # the admitted stores' share's, within the window, ditto
         # key -> {subkey: expiration time}, least recently stored key first
         self._subkeys: OrderedDict[bytes | str, dict[bytes | str, float]] = OrderedDict()
         self._num_subkeys = 0
         self._rejected: Counter[str] = Counter()
         self._num_admitted = 0
         self._num_admitted_guests = 0
+        self._num_admitted_by_proof = 0
         self._num_evicted = 0
 
     def admit_store(
@@ -731,12 +745,15 @@ class StoreQuota:
         now: float,
         *,
         subkey: bytes | str | None = None,
+        admitted: bool = False,
     ) -> Admission:
-        """May `peer` store a `value_size`-byte value under `key` (and `subkey`) expiring at `expiration_time`?"""
+        """May `peer` store a `value_size`-byte value under `key` (and `subkey`) expiring at `expiration_time`?
+        `admitted`: the record itself shows `peer` paid the run's admission cost (its own heartbeat carrying a valid
+        proof, `HivenodeRecordValidator.admits_store`): this store may use the known peers' reserve too."""
         _require(value_size >= 0, f"value_size must be >= 0, got {value_size}")
         window = self._peers.get(peer)
-        guest = self.config.reserved_records_total > 0 and not self._known(peer)
-        reason = self._check(window, key, subkey, value_size, expiration_time, now, guest=guest)
+        pool = self._pool(peer, admitted, now)
+        reason = self._check(window, key, subkey, value_size, expiration_time, now, pool=pool)
         if reason is not None:
             self._rejected[reason] += 1
             if window is not None:
@@ -744,10 +761,27 @@ class StoreQuota:
                 self._peers.move_to_end(peer)
             return Admission(ok=False, reason=reason)
         self._commit(peer, key, subkey, value_size, expiration_time, now)
-        if guest:
-            self._guests.append(now)
+        if pool is not None:
+            pool.append(now)
+        if pool is self._guests:
             self._num_admitted_guests += 1
+        elif pool is self._admitted:
+            self._num_admitted_by_proof += 1
         return ADMITTED
+
+    def _pool(self, peer: str, admitted: bool, now: float) -> deque[float] | None:
+        """The share of the global budget a store draws on: None for a known peer's (or where nothing is
+        reserved), the admitted stores' share while it has room, else the guests' pool."""
+        config = self.config
+        if config.reserved_records_total == 0 or self._known(peer):
+            return None
+        if admitted and config.admitted_records_total > 0:
+            horizon = now - config.window_s
+            while self._admitted and self._admitted[0] <= horizon:
+                self._admitted.popleft()
+            if len(self._admitted) < config.admitted_records_total:
+                return self._admitted
+        return self._guests
 
     def refuse_invalid(self, peer: str) -> Admission:
         """Count a record the validator refused before admission (it never touches a quota or a subkey count)."""
@@ -763,6 +797,7 @@ class StoreQuota:
             rejected_by_peer={peer: dict(w.rejected) for peer, w in self._peers.items() if w.rejected},
             num_admitted=self._num_admitted,
             num_admitted_guests=self._num_admitted_guests,
+            num_admitted_by_proof=self._num_admitted_by_proof,
             num_tracked_peers=len(self._peers),
             num_tracked_keys=len(self._subkeys),
             num_evicted_peers=self._num_evicted,
@@ -777,7 +812,7 @@ class StoreQuota:
         expiration_time: float,
         now: float,
         *,
-        guest: bool,
+        pool: deque[float] | None,
     ) -> str | None:
         config = self.config
         if value_size > config.max_value_bytes:
@@ -801,7 +836,10 @@ class StoreQuota:
                 return STORE_BYTES
         if len(self._global) >= config.max_records_total:
             return GLOBAL_STORE_RECORDS
-        if guest and len(self._guests) >= config.max_records_total - config.reserved_records_total:
+        if (
+            pool is self._guests
+            and len(self._guests) >= config.max_records_total - config.reserved_records_total
+        ):
             return GUEST_STORE_RECORDS
         if subkey is not None and self._is_new_subkey_over_cap(key, subkey, now):
             return SUBKEYS

@@ -35,6 +35,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
 
 from protocol import keys
+from protocol.admission import MAX_NONCE, AdmissionSpec, pays_admission
 from protocol.errors import ProtocolError, RecordRejected
 from protocol.identity import SIGNATURE_SIZE, NodeIdentity, verify_signature
 from protocol.keys import KeyKind
@@ -98,6 +99,9 @@ class RunRules:
     num_layers: int
     # the run's entry points as its owner signed them (`manifest.run_bootstraps`: the owner key and `bootstraps`)
     bootstraps: frozenset[str] = frozenset()
+    # what an identity pays to contribute (the manifest's `[admission]`); open by default: then a proof in a
+    # heartbeat admits nobody to the DHT budget reserved for known peers (`heartbeat_admits`)
+    admission: AdmissionSpec = dataclasses.field(default_factory=lambda: AdmissionSpec(mode="open"))
 
     @classmethod
     def from_manifest(cls, signed: SignedManifest, manifest: RunManifest) -> RunRules:
@@ -109,6 +113,7 @@ class RunRules:
             num_stages=manifest.num_stages,
             num_layers=manifest.model["num_layers"],
             bootstraps=run_bootstraps(signed, manifest),
+            admission=manifest.admission,
         )
 
     def roles(self) -> frozenset[str]:
@@ -190,9 +195,13 @@ HEARTBEAT_SCHEMA: dict[str, Check] = {
     "version": _str(32),
     "sent_at": _float(),
     "mode": _str(16, CONNECTIVITY_MODES),  # optional (HEARTBEAT_OPTIONAL); "unknown" is never sent
+    # optional: the peer's admission proof, the nonce of protocol.admission (sent once solved, in mode pow). Only
+    # its type is checked here: a weak or foreign proof leaves the record valid, its peer just not admitted
+    # (`heartbeat_admits`), as the peer of a heartbeat without one
+    "admission": _int(0, MAX_NONCE),
 }
 # keys a body may leave out: fields added after the first release, so heartbeats of older nodes still validate
-HEARTBEAT_OPTIONAL = frozenset({"mode"})
+HEARTBEAT_OPTIONAL = frozenset({"mode", "admission"})
 SYNCER_SCHEMA: dict[str, Check] = {
     "lease_until": _float(),  # DHT time the lease ends
     "term": _int(0),  # lease generation; a standby takes over with term + 1
@@ -341,6 +350,33 @@ def _check_heartbeat_bounds(body: dict[str, Any], rules: RunRules) -> None:
     span = body["span"]
     if span is not None and not 0 <= span[0] < span[1] <= rules.num_layers:
         raise RecordRejected(f"span {span} outside the run's {rules.num_layers} layers", reason="schema")
+
+
+def heartbeat_admits(record: VerifiedRecord, rules: RunRules, sender: str) -> bool:
+    """Whether a checked record of `rules`' run shows that `sender`, who stores it, paid the run's admission cost:
+    it is `sender`'s own heartbeat (signed by it: a replayed heartbeat of an admitted peer shows nothing of its
+    sender) and carries a valid proof for `sender` (`protocol.admission.pays_admission`: never in mode open; in
+    mode allowlist the sender's listing is what counts)."""
+    return (
+        record.key.kind is KeyKind.PEERS
+        and record.signer == sender
+        and pays_admission(rules.admission, rules.run_id, sender, record.body.get("admission"))
+    )
+
+
+def _claims_admission(envelope: Mapping[str, Any], sender: str, runs: Mapping[str, RunRules]) -> bool:
+    """`heartbeat_admits`'s test before the signature is checked: is the envelope a heartbeat of a run we know
+    whose body holds a valid proof for `sender`? One hash; a Sybil without a proof costs no signature check."""
+    try:
+        parsed = keys.parse_key(envelope["k"])
+    except ValueError:
+        return False
+    rules = runs.get(parsed.run_id) if parsed.run_id is not None else None
+    if parsed.kind is not KeyKind.PEERS or rules is None:
+        return False
+    body = _unpack(envelope["b"], len(envelope["b"]))
+    proof = body.get("admission") if isinstance(body, dict) else None
+    return pays_admission(rules.admission, rules.run_id, sender, proof)
 
 
 def _schema_for(kind: KeyKind, limits: RecordLimits) -> Mapping[str, Check]:
@@ -492,6 +528,33 @@ class HivenodeRecordValidator(RecordValidatorBase):  # type: ignore[misc]  # hiv
         self._allow_foreign = self._allow_foreign or other._allow_foreign
         return True
 
+    def admits_store(self, sender: str, record: DHTRecord) -> bool:
+        """Whether `record`, which `sender` asks us to store, is `sender`'s own valid heartbeat for a run we know
+        carrying its admission proof (`heartbeat_admits`): the DHT store quota lets that store use the admitted
+        share of its reserve (`QuotaConfig.admitted_records_total`). The record is checked in full (signature
+        included), after a one-hash test of its proof. A replicated dictionary is never asked: it is a guest's."""
+        try:
+            if decode_subkey(record.subkey) != sender:
+                return False
+            envelope = decode_envelope(record.value, self._limits)
+            if not isinstance(envelope.get("k"), str) or not isinstance(envelope.get("b"), bytes):
+                return False
+            if not _claims_admission(envelope, sender, self._runs):
+                return False
+            verified = check_envelope(
+                envelope,
+                key_id=record.key,
+                subkey=sender,
+                expiration=record.expiration_time,
+                now=get_dht_time(),
+                runs=self._runs,
+                limits=self._limits,
+            )
+        except RecordRejected:
+            return False
+        rules = self._runs.get(verified.key.run_id or "")
+        return rules is not None and heartbeat_admits(verified, rules, sender)
+
     def has_role(self, peer_id: str) -> bool:
         """Whether a run this validator knows names `peer_id` in its signed manifest (`RunRules.roles`): the DHT
         store quota's known peers (`QuotaDHTProtocol`)."""
@@ -522,12 +585,16 @@ class Heartbeat:
     sent_at: float = 0.0
     mode: str = UNKNOWN_MODE  # one of CONNECTIVITY_MODES, or UNKNOWN_MODE (not sent: older nodes' validators
     # refuse keys they do not know, so a node that cannot say its mode keeps the old body)
+    # the peer's admission proof (protocol.admission's nonce) once it has one; None: not sent
+    admission: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode != UNKNOWN_MODE and self.mode not in CONNECTIVITY_MODES:
             raise RecordRejected(
                 f"heartbeat mode {self.mode!r} is not one of {CONNECTIVITY_MODES}", reason="schema"
             )
+        if self.admission is not None and not HEARTBEAT_SCHEMA["admission"](self.admission):
+            raise RecordRejected(f"heartbeat admission proof {self.admission!r} is no nonce", reason="schema")
 
     def to_body(self) -> dict[str, Any]:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -538,11 +605,14 @@ class Heartbeat:
         body["loss"] = float(self.loss) if self.loss is not None else None
         if self.mode == UNKNOWN_MODE:
             del body["mode"]
+        if self.admission is None:
+            del body["admission"]
         return body
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Heartbeat:
-        """The heartbeat of a checked body; a body without `mode` (an older node's) has mode `UNKNOWN_MODE`."""
+        """The heartbeat of a checked body; a body without `mode` (an older node's) has mode `UNKNOWN_MODE`, one
+        without `admission` no proof (None)."""
         values = dict(body)
         values["span"] = tuple(values["span"]) if values["span"] is not None else None
         values["maddrs"] = tuple(values["maddrs"])

@@ -55,7 +55,7 @@ from node.roles.syncer_push import (
     open_push_file,
     push_spill_dir,
 )
-from protocol.admission import ADMISSION_CAUSES, ADMISSION_META
+from protocol.admission import ADMISSION_CAUSES, ADMISSION_META, AdmissionSpec, pays_admission
 from protocol.envelope import (
     Context,
     Kind,
@@ -69,7 +69,7 @@ from protocol.errors import MalformedFrame, ProtocolError, TensorPolicyError
 from protocol.frame_file import FrameFile
 from protocol.limits import LimitsConfig
 from protocol.receipts import FORGERY_REASONS, parse_receipts_meta, verify_receipts
-from protocol.records import BanNotice
+from protocol.records import BanNotice, Heartbeat
 from protocol.replay import ReplayGuard
 from protocol.rpc import FramedServer, Route, SpillRoute, StreamConfig, route_limits
 from verification.bans import BanEvidence
@@ -154,12 +154,26 @@ def fragment_server_limits(
 
 
 def syncer_prefers(role: SyncerHost, peer: str) -> bool:
-    """May `peer` use the syncer's reserved stream slots: an authorized syncer, or an identity a merge took that is
-    neither forgotten nor demoted since (`Seniority.rounds` > 0). Read on every stream opened: two dict lookups."""
+    """May `peer` use the syncer's reserved stream slots: an authorized syncer, an identity a merge took that is
+    neither forgotten nor demoted since (`Seniority.rounds` > 0), or a live learner or stage whose heartbeat
+    carries a valid admission proof (`admitted_holder`). Read on every stream opened: two dict lookups, and one
+    hash for a peer neither of the first two names."""
     if peer in role.ctx.manifest.authorized_syncers:
         return True
     core = role.core
-    return core is not None and core.seniority.rounds(peer, time.monotonic()) > 0
+    if core is not None and core.seniority.rounds(peer, time.monotonic()) > 0:
+        return True
+    heartbeat = role.live.get(peer)
+    return heartbeat is not None and admitted_holder(
+        role.ctx.manifest.admission, role.ctx.run_id, peer, heartbeat
+    )
+
+
+def admitted_holder(spec: AdmissionSpec, run_id: str, peer: str, heartbeat: Heartbeat) -> bool:
+    """Whether `peer`'s live heartbeat (signed by it, read from the DHT) shows it paid the run's admission cost
+    (`protocol.admission.pays_admission`): a newcomer that paid then competes for the reserved stream slots with
+    the run's senior contributors, not with free identities. Never in mode open (admission costs nothing there)."""
+    return pays_admission(spec, run_id, peer, heartbeat.admission)
 
 
 def version_answer(

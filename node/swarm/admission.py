@@ -97,6 +97,8 @@ async def admission_meta(ctx: NodeContext) -> int | None:
     meta = await asyncio.to_thread(
         obtain_proof, Path(ctx.config.state_dir), spec, ctx.run_id, ctx.identity.peer_id
     )
+    # our heartbeats carry it from now on (membership.build_heartbeat)
+    ctx.admission_proof = meta
     if meta is not None:
         ctx.events.emit("admission_proof", bits=spec.pow_bits, seconds=round(time.monotonic() - started, 3))
     return meta

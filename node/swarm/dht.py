@@ -24,6 +24,7 @@ import hivemind.dht.node
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2PContext
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
@@ -51,10 +52,12 @@ def dht_store_quota(limits: RecordLimits | None = None) -> QuotaConfig:
     subkey. 240 records a minute per peer covers all of that with a 150-peer directory replicated at once, and
     still stops one identity from making us validate thousands of records a second. The global cap bounds a Sybil
     flood (a fresh identity costs ~1 ms): 12,000 a minute is 200 validations a second, ~2 % of one core. Of those,
-    2,048 are reserved for the peers a run's signed manifest names (owner, bootstraps, authorized syncers and
-    verifiers: `QuotaDHTProtocol`'s known peers), eight of them at their full per-peer rate (a syncer renews its
-    lease every few seconds; bans and measured throughputs are rarer): a flood of fresh identities fills the
-    other 9,952 and leaves the leases, bans and manifests of the run's roles stored. Values are capped like the
+    4,096 are reserved: 2,048 for the peers a run's signed manifest names (owner, bootstraps, authorized syncers
+    and verifiers: `QuotaDHTProtocol`'s known peers), eight of them at their full per-peer rate (a syncer renews
+    its lease every few seconds; bans and measured throughputs are rarer), and 2,048 that admitted peers' own
+    heartbeats (carrying a valid admission proof) may use too, ~68 peers' 2 s heartbeats (more spill into the
+    guests' pool): a flood of fresh identities fills the other 7,904 and leaves the leases, bans and manifests
+    of the run's roles and the admitted learners' heartbeats stored. Values are capped like the
     validator caps them; expirations at the longest TTL any record kind may have, for every record, foreign ones
     included.
     """
@@ -66,7 +69,8 @@ def dht_store_quota(limits: RecordLimits | None = None) -> QuotaConfig:
         max_bytes_per_peer=4 << 20,
         max_value_bytes=limits.max_value_bytes,
         max_records_total=records_total,
-        reserved_records_total=2048,
+        reserved_records_total=4096,
+        admitted_records_total=2048,
         max_expiration_horizon_s=max(limits.max_ttl_s(kind) for kind in KeyKind),
         clock_skew_s=limits.clock_skew_s,
         max_tracked_peers=records_total,
@@ -83,7 +87,10 @@ class QuotaDHTProtocol(DHTProtocol):
 
     The quota's known peers, who may use its `reserved_records_total`, are those a run our validator knows names
     in its signed manifest (`HivenodeRecordValidator.has_role`); the DHT learns a run when the node adds its
-    validator after discovery, a bootstrap from its start.
+    validator after discovery, a bootstrap from its start. A store that is its sender's own heartbeat carrying a
+    valid admission proof for a run that charges one (`HivenodeRecordValidator.admits_store`) may use the reserve
+    too: an honest learner's heartbeat then outlasts a flood of free identities, which an allow-list refuses and
+    proof-of-work charges per identity.
 
     Installed only inside `DetachedDHT`'s own process (see `DetachedDHT.run`), with its config in the class
     attribute `quota_config`. It keeps the wire names of `DHTProtocol`, so peers see no difference.
@@ -103,9 +110,23 @@ class QuotaDHTProtocol(DHTProtocol):
 
     def _has_role(self, peer: str) -> bool:
         """Whether a run our validators know names `peer` (the store quota's known peers)."""
+        return any(v.has_role(peer) for v in self._hivenode_validators())
+
+    def _hivenode_validators(self) -> list[HivenodeRecordValidator]:
         # hivemind sets record_validator after __init__ (DHTProtocol.create); add_validators extends it later
         validators = getattr(getattr(self, "record_validator", None), "_validators", ())
-        return any(isinstance(v, HivenodeRecordValidator) and v.has_role(peer) for v in validators)
+        return [v for v in validators if isinstance(v, HivenodeRecordValidator)]
+
+    def _admitted_heartbeat(
+        self, quota: StoreQuota, peer: str, key: bytes, tag: bytes, value: bytes, expiration: float
+    ) -> bool:
+        """Whether this store is `peer`'s own heartbeat carrying its valid admission proof
+        (`HivenodeRecordValidator.admits_store`): it may then use the reserve of the known peers. Asked only where
+        a reserve exists and `peer` is not known anyway: one hash, and a signature check for a valid proof."""
+        if quota.config.reserved_records_total == 0 or self._has_role(peer):
+            return False
+        record = DHTRecord(key, tag, value, expiration)
+        return any(v.admits_store(peer, record) for v in self._hivenode_validators())
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -158,7 +179,11 @@ class QuotaDHTProtocol(DHTProtocol):
                 return False
             if self.validate_first and not self._validate_record(key, tag, value, expiration):
                 return self._note(quota.refuse_invalid(peer), peer)
-            return self._note(quota.admit_store(peer, key, len(value), expiration, now, subkey=subkey), peer)
+            admitted = self._admitted_heartbeat(quota, peer, key, tag, value, expiration)
+            admission = quota.admit_store(
+                peer, key, len(value), expiration, now, subkey=subkey, admitted=admitted
+            )
+            return self._note(admission, peer)
         try:
             dictionary = self.serializer.loads(value)
         except Exception:  # garbage hivemind's handler would raise on: refuse the item instead

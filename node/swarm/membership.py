@@ -73,6 +73,8 @@ def build_heartbeat(
         version=VERSION,
         sent_at=now,
         mode=connectivity_mode(ctx.connectivity),
+        # the DHT's store quotas and the syncers' stream slots favour a peer whose heartbeat shows it paid
+        admission=ctx.admission_proof,
     )
 
 

@@ -14,7 +14,10 @@ records when it has no quota, and at most the quota with it.
 
 A Sybil flood (`test_a_sybil_flood_leaves_the_known_peers_share_of_the_global_budget`): fresh identities, each on
 its own daemon and within its per-peer quota, store valid records until the global record budget is spent; the
-run's authorized syncer must still store. Negative control: without the reservation it is refused.
+run's authorized syncer must still store. Negative control: without the reservation it is refused. Then
+(`test_a_learner_whose_heartbeat_carries_its_admission_proof_stores_under_the_flood`) the same flood against a run
+that charges a proof-of-work: an honest learner whose heartbeat carries its valid proof still stores it; control:
+the same learner without the proof in its heartbeat is refused with the Sybils.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from node.config import LOOPBACK_LISTEN, NetworkConfig
 from node.swarm import dht_quota_stats, dht_store_quota, start_dht
 from protocol import keys
+from protocol.admission import AdmissionSpec, solve
 from protocol.dht_io import SwarmRecords
 from protocol.identity import NodeIdentity
 from protocol.limits import (
@@ -412,10 +416,13 @@ SYBIL_RESERVED = 12  # ... of which the run's roles keep this many
 SYBIL_SCENARIO_S = 60.0
 
 
-def _own_heartbeats(identity: NodeIdentity, count: int, now: float) -> dht_pb2.StoreRequest:
-    """`count` heartbeats `identity` signed under its own subkey of the run's peer directory: valid records."""
-    raw = keys.peers_key(ROLES_SIGNED.run_id)
-    body = Heartbeat(role="learner", sent_at=now).to_body()
+def _own_heartbeats(
+    identity: NodeIdentity, count: int, now: float, run: SignedManifest, proof: int | None
+) -> dht_pb2.StoreRequest:
+    """`count` heartbeats `identity` signed under its own subkey of `run`'s peer directory, carrying `proof` (the
+    identity's admission proof; None: none): valid records."""
+    raw = keys.peers_key(run.run_id)
+    body = Heartbeat(role="learner", sent_at=now, admission=proof).to_body()
     # each expires after the last, so hivemind's storage takes every one (a newer expiration wins)
     expirations = [now + 30 + i for i in range(count)]
     return dht_pb2.StoreRequest(
@@ -430,9 +437,17 @@ def _own_heartbeats(identity: NodeIdentity, count: int, now: float) -> dht_pb2.S
     )
 
 
-async def _store_from(p2p: P2P, victim: str, identity: NodeIdentity, count: int) -> list[bool]:
-    """`identity`'s own daemon stores `count` of its heartbeats on the victim's store RPC; what the victim answered."""
-    request = _own_heartbeats(identity, count, get_dht_time())
+async def _store_from(
+    p2p: P2P,
+    victim: str,
+    identity: NodeIdentity,
+    count: int,
+    run: SignedManifest = ROLES_SIGNED,
+    proof: int | None = None,
+) -> list[bool]:
+    """`identity`'s own daemon stores `count` of its heartbeats (of `run`, carrying `proof`) on the victim's store
+    RPC; what the victim answered."""
+    request = _own_heartbeats(identity, count, get_dht_time(), run, proof)
     response = await p2p.call_protobuf_handler(
         PeerID.from_base58(victim), "DHTProtocol.rpc_store", request, dht_pb2.StoreResponse
     )
@@ -461,20 +476,27 @@ async def _daemons(paths: list[Path], maddrs: list[str]) -> list[P2P]:
     return daemons
 
 
-async def _sybils_then_syncer(tmp: Path, victim: Any) -> tuple[int, list[bool]]:
-    """NUM_SYBILS fresh identities store their whole per-peer budget on the victim, one after the other; then the
-    run's authorized syncer stores one heartbeat. The Sybil records the victim stored, and the syncer's answer."""
+async def _sybils_then_syncer(
+    tmp: Path,
+    victim: Any,
+    last: NodeIdentity = SYNCER,
+    run: SignedManifest = ROLES_SIGNED,
+    proof: int | None = None,
+) -> tuple[int, list[bool]]:
+    """NUM_SYBILS fresh identities store their whole per-peer budget of `run`'s heartbeats (without a proof) on
+    the victim, one after the other; then `last` (the run's authorized syncer) stores one heartbeat carrying
+    `proof`. The Sybil records the victim stored, and `last`'s answer."""
     sybils = [NodeIdentity.load_or_create(tmp / f"sybil{i}.key") for i in range(NUM_SYBILS)]
-    syncer_path = tmp / "syncer.key"
-    syncer_path.write_bytes(SYNCER.to_libp2p_bytes())
+    last_path = tmp / "last.key"
+    last_path.write_bytes(last.to_libp2p_bytes())
     maddrs = [str(m) for m in victim.get_visible_maddrs()]
-    daemons = await _daemons([*(s.path for s in sybils if s.path is not None), syncer_path], maddrs)
+    daemons = await _daemons([*(s.path for s in sybils if s.path is not None), last_path], maddrs)
     target = victim.peer_id.to_base58()
     try:
         stored = 0
         for p2p, sybil in zip(daemons, sybils, strict=False):
-            stored += sum(await _store_from(p2p, target, sybil, SYBIL_RECORDS))
-        return stored, await _store_from(daemons[-1], target, SYNCER, 1)
+            stored += sum(await _store_from(p2p, target, sybil, SYBIL_RECORDS, run))
+        return stored, await _store_from(daemons[-1], target, last, 1, run, proof)
     finally:
         await asyncio.gather(*(p.shutdown() for p in daemons), return_exceptions=True)
 
@@ -492,6 +514,7 @@ def test_a_sybil_flood_leaves_the_known_peers_share_of_the_global_budget(
         max_records_per_peer=SYBIL_RECORDS,
         max_records_total=SYBIL_TOTAL,
         reserved_records_total=reserved,
+        admitted_records_total=0,
     )
     network = NetworkConfig(listen=(LOOPBACK_LISTEN,), join_timeout_s=20, request_timeout_s=5)
     identity = NodeIdentity.load_or_create(tmp_path / "victim.key")
@@ -531,3 +554,69 @@ def test_a_sybil_flood_leaves_the_known_peers_share_of_the_global_budget(
         assert syncer_ok == [False]
         assert SYNCER.peer_id not in listed_ids
     assert len(listed_ids) == stored // SYBIL_RECORDS + (SYNCER.peer_id in listed_ids)
+
+
+# ---- ... and an honest learner whose heartbeat carries its admission proof ------------------------------------
+
+ADMIT_BITS = 16  # ~65,000 hashes: tens of ms here, where the run's default (22) takes seconds
+ADMIT_MANIFEST = dataclasses.replace(ROLES_MANIFEST, admission=AdmissionSpec(mode="pow", pow_bits=ADMIT_BITS))
+ADMIT_SIGNED = SignedManifest.sign(ADMIT_MANIFEST, OWNER)
+ADMIT_RULES = RunRules.from_manifest(ADMIT_SIGNED, ADMIT_MANIFEST)
+ADMITTED_SHARE = 4  # of the 12 reserved records, what admitted heartbeats may use
+LEARNER = NodeIdentity.generate()
+
+
+@pytest.mark.parametrize("with_proof", [True, False], ids=["proof-in-heartbeat", "no-proof-control"])
+def test_a_learner_whose_heartbeat_carries_its_admission_proof_stores_under_the_flood(
+    tmp_path: Path, with_proof: bool
+) -> None:
+    """The Sybil flood above (8 fresh identities, 4 valid heartbeats each, budget 24 with 12 reserved, 4 of which
+    for admitted heartbeats) against a run that charges a 16-bit proof-of-work; then an honest learner, no role in
+    the manifest, stores its heartbeat carrying its valid proof: stored and listed. Control: the same heartbeat
+    without the proof is a guest's, refused as the Sybils' overflow is."""
+    config = dataclasses.replace(
+        QUOTA,
+        max_records_per_peer=SYBIL_RECORDS,
+        max_records_total=SYBIL_TOTAL,
+        reserved_records_total=SYBIL_RESERVED,
+        admitted_records_total=ADMITTED_SHARE,
+    )
+    proof = solve(ADMIT_SIGNED.run_id, LEARNER.peer_id, ADMIT_BITS) if with_proof else None
+    network = NetworkConfig(listen=(LOOPBACK_LISTEN,), join_timeout_s=20, request_timeout_s=5)
+    identity = NodeIdentity.load_or_create(tmp_path / "victim.key")
+    victim = start_dht(identity, [], network, HivenodeRecordValidator([ADMIT_RULES]), store_quota=config)
+    try:
+        start = time.monotonic()
+        stored, learner_ok = asyncio.run(
+            asyncio.wait_for(
+                _sybils_then_syncer(tmp_path, victim, LEARNER, ADMIT_SIGNED, proof), SYBIL_SCENARIO_S
+            )
+        )
+        elapsed = time.monotonic() - start
+        stats: QuotaStats = dht_quota_stats(victim)
+        listed = asyncio.run(SwarmRecords(victim, ADMIT_RULES, identity, timeout_s=5.0).list_peers())
+    finally:
+        victim.shutdown()
+    logger.warning(
+        "sybil flood vs an admitted learner, proof=%s: %d Sybil records stored, learner %s, quota refused %s, "
+        "admitted by proof %d, in %.1f s",
+        with_proof,
+        stored,
+        learner_ok,
+        stats.rejected_by_reason,
+        stats.num_admitted_by_proof,
+        elapsed,
+    )
+    assert elapsed < config.window_s
+    guests_pool = SYBIL_TOTAL - SYBIL_RESERVED
+    assert stored == guests_pool and stats.num_admitted_guests == guests_pool
+    listed_beats = {p.peer_id: p.heartbeat for p in listed}
+    if with_proof:
+        assert learner_ok == [True] and stats.num_admitted_by_proof == 1
+        assert stats.rejected_by_reason == {GUEST_STORE_RECORDS: NUM_SYBILS * SYBIL_RECORDS - guests_pool}
+        assert listed_beats[LEARNER.peer_id].admission == proof
+    else:
+        # the control: without the proof the learner is one more guest, and the flood spent the guests' pool
+        assert learner_ok == [False] and stats.num_admitted_by_proof == 0
+        assert stats.rejected_by_reason == {GUEST_STORE_RECORDS: NUM_SYBILS * SYBIL_RECORDS - guests_pool + 1}
+        assert LEARNER.peer_id not in listed_beats

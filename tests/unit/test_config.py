@@ -456,7 +456,12 @@ def test_heartbeat_from_a_role_status_always_fits_the_record_schema() -> None:
     signed = SignedManifest.sign(RunManifest(), owner)
     rules = RunRules.from_manifest(signed, signed.verify())
     ctx = SimpleNamespace(
-        role_name="stage", stage=1, device="cpu", http_address="127.0.0.1:5", connectivity={"mode": "relay"}
+        role_name="stage",
+        stage=1,
+        device="cpu",
+        http_address="127.0.0.1:5",
+        connectivity={"mode": "relay"},
+        admission_proof=12345,
     )
     sloppy = {
         "state": "warming up",
@@ -487,6 +492,8 @@ def test_heartbeat_from_a_role_status_always_fits_the_record_schema() -> None:
     )
     assert record.signer == me.peer_id
     assert hb.mode == record.body["mode"] == "relay"  # the mode decided at join travels in the heartbeat
+    # so does the admission proof once solved (node.swarm.admission.admission_meta sets it)
+    assert hb.admission == record.body["admission"] == 12345
 
 
 # ---- the bootstrap's settings: the same loader and precedence ----

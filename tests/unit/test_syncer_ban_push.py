@@ -135,7 +135,7 @@ def push_frame(host: Host, learner: NodeIdentity, scale: float = 1e-3) -> bytear
 
 
 def live_learner(host: Host, learner: NodeIdentity) -> None:
-    host.live[learner.peer_id] = SimpleNamespace(role="learner", stage=-1)
+    host.live[learner.peer_id] = SimpleNamespace(role="learner", stage=-1, admission=None)
 
 
 @pytest.mark.parametrize("ban", ["swarm", "ledger"])
