@@ -11,6 +11,15 @@ the loss bound once in a while never reaches `ban_after`; an attacker that keeps
 its reason. Until then a refused peer is on probation: `trust` (1 - its forgiven violations / `ban_after`) scales
 the tokens the syncer credits its accepted contributions with, so what slips through between its refusals weighs
 little. Bounded: `max_peers` identities, the least recently seen first out; `max_evidence` per peer.
+
+One piece of work weighs once (`ONCE_PER_WORK`): the held-out loss screen's refusals of a peer's contributions to
+one fragment on one base version (`work`, (fragment, base version)) add one violation together. A learner's
+snapshots of a fragment between two overwrites are nested (each holds the steps of the one before, counted from
+the same base), so the second refusal of that trajectory judged the same work again and is no new evidence. Counted
+apart, an honest learner whose schedule was re-aligned sent a fragment three times within 1.4 s on one base, each
+judged an ascent step in that base's context, and was banned (tests/integration/test_poisoning.py, 2 runs of 5 on
+2026-12-07; docs/security.md). A sign-flipper pushes each fragment once per round, each on the new base of the round
+before: one violation per push, as before. Repeats are still refused, logged and counted by tag.
 Pure: the caller passes `now`.
 """
 
@@ -20,7 +29,7 @@ import hashlib
 import logging
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +43,11 @@ logger = logging.getLogger(__name__)
 WIRE_NON_FINITE = "non-finite values"
 # by refusal tag; others weigh 1. A non-finite push bans at once wherever it is caught: no training step produces one
 SEVERITY: Mapping[str, float] = {"screen: non-finite": math.inf, WIRE_NON_FINITE: math.inf}
+# refusal tags that weigh once per piece of work (`LearnerLedger.record`'s `work`): the held-out loss screen's
+# (node.diloco.loss_probe.LOSS), which judges where a trajectory from one base points, the same for each of its snapshots
+ONCE_PER_WORK: frozenset[str] = frozenset({"screen: loss"})
+# pieces of work remembered per peer: one per fragment in flight is enough, a few rounds more to spare
+RECENT_WORK = 8
 
 
 def ban_evidence_scores(ban: LearnerBan) -> dict[str, float]:
@@ -83,6 +97,9 @@ class _Record:
     banned_until: float = -math.inf
     ban_reason: str = ""
     evidence: deque[Violation] = field(default_factory=deque)
+    # (tag, work) of its latest violations that weigh once per work (`ONCE_PER_WORK`)
+    work: deque[tuple[str, Hashable]] = field(default_factory=lambda: deque(maxlen=RECENT_WORK))
+    repeats: int = 0  # refusals of work already weighed (no weight; for status)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,12 +153,28 @@ class LearnerLedger:
         digest: str,
         now: float,
         scores: Mapping[str, float] | None = None,
+        work: Hashable | None = None,
     ) -> LearnerBan | None:
-        """A blamed refusal of `peer`'s contribution; the ban it triggers, if it does (once per ban)."""
-        weight = self.weight(peer, now) + SEVERITY.get(tag, 1.0)
+        """A blamed refusal of `peer`'s contribution; the ban it triggers, if it does (once per ban). `work`: what
+        the contribution is a snapshot of, (fragment, base version); a tag of `ONCE_PER_WORK` weighs once per work
+        (see the module docstring). None: every refusal weighs."""
         record = self._record(peer)
-        record.weight, record.at, record.total = weight, now, record.total + 1
         record.tags[tag] = record.tags.get(tag, 0) + 1
+        if work is not None and tag in ONCE_PER_WORK:
+            if (tag, work) in record.work:
+                record.repeats += 1
+                logger.info(
+                    "contribution of %s refused again (%s), the same work %s: no more weight: %s [%s]",
+                    peer[-8:],
+                    tag,
+                    work,
+                    reason,
+                    digest,
+                )
+                return None
+            record.work.append((tag, work))
+        weight = self.weight(peer, now) + SEVERITY.get(tag, 1.0)
+        record.weight, record.at, record.total = weight, now, record.total + 1
         record.evidence.append(
             Violation(at=now, tag=tag, reason=reason[:200], digest=digest, scores=dict(scores or {}))
         )
@@ -195,6 +228,7 @@ class LearnerLedger:
         for peer, r in self._peers.items():
             out[peer] = {
                 "refused": r.total,
+                "repeats": r.repeats,
                 "accepted": r.accepted,
                 "weight": round(self.weight(peer, now), 3),
                 "banned": r.banned_until > now,

@@ -417,7 +417,8 @@ class SyncerService:
         except Refusal as e:
             if e.reason == "ahead of syncer" and recovering:
                 raise refuse("recovering", "recovering after a takeover") from None
-            self._refused(remote, fields["fragment"], e, params, loss, learner=learner)
+            work = (fields["fragment"], fields["base_version"])
+            self._refused(remote, work, e, params, loss, learner=learner)
             raise
         self._admitted(remote, admission, params, learner=learner)
         if recovering and fields["seen_term"] == self.role.term:
@@ -429,7 +430,7 @@ class SyncerService:
     def _refused(
         self,
         remote: str,
-        fragment: int,
+        work: tuple[int, int],
         error: Refusal,
         params: Mapping[str, Any],
         loss: LossScore | None,
@@ -438,7 +439,9 @@ class SyncerService:
     ) -> None:
         """A learner's blamed refusal goes into the learner ledger with its evidence, which logs it (the fragment
         named: refusals cluster by fragment, the loss screen's of the embedding's did); a ban it triggers is published
-        through the signed ban gossip (and holds here at once). Any other refusal is only logged."""
+        through the signed ban gossip (and holds here at once). Any other refusal is only logged. `work`: (fragment,
+        base version), what the ledger weighs once for the loss screen's refusals (node.diloco.learner_ledger)."""
+        fragment = work[0]
         if not (learner and error.blame_sender):
             logger.info(
                 "fragment %d: push of %s refused (%s): %s", fragment, remote[-8:], error.reason, error
@@ -447,7 +450,7 @@ class SyncerService:
         scores = {"loss_before": loss.before, "loss_after": loss.after} if loss is not None else {}
         digest = contribution_digest(params)
         reason = f"fragment {fragment}: {error}"
-        self.ban(self.ledger.record(remote, error.reason, reason, digest, time.time(), scores))
+        self.ban(self.ledger.record(remote, error.reason, reason, digest, time.time(), scores, work))
 
     def _open_push(self, frame: bytearray | FrameFile, remote: str) -> Any:
         try:

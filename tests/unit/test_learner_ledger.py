@@ -201,3 +201,26 @@ def test_a_refused_peer_is_on_probation_and_its_merge_weight_falls() -> None:
     assert record.weights["evil"] == pytest.approx(record.weights["honest0"] * trust**2, rel=0.05)
     # negative control: without probation (ban_after 0: bans off) it weighs as much as an honest peer
     assert ledger(ban_after=0.0).trust("evil", 0.0) == 1.0
+
+
+def test_the_loss_screens_refusals_of_one_piece_of_work_weigh_once_other_refusals_each_time() -> None:
+    """(fragment, base version) names a learner's trajectory between two overwrites: its snapshots are nested, so
+    refusing the same trajectory again adds no weight (node.diloco.learner_ledger, `ONCE_PER_WORK`). A new base, a
+    new fragment or another peer is new work; other tags, and a refusal without its work, weigh every time."""
+    book = ledger(ban_after=10.0)
+    assert book.record("a", LOSS, "ascent", "d1", 0.0, work=(0, 7)) is None
+    assert book.record("a", LOSS, "ascent", "d2", 0.5, work=(0, 7)) is None  # the same work: no more weight
+    assert book.weight("a", 0.5) == pytest.approx(1.0, abs=1e-3)
+    book.record("a", LOSS, "ascent", "d3", 1.0, work=(0, 8))  # the next base
+    book.record("a", LOSS, "ascent", "d4", 1.0, work=(1, 7))  # another fragment
+    book.record("b", LOSS, "ascent", "d5", 1.0, work=(0, 7))  # another peer
+    assert book.weight("a", 1.0) == pytest.approx(3.0, abs=1e-2) and book.weight("b", 1.0) == 1.0
+    book.record("a", "copycat", "copy", "d6", 1.0, work=(0, 8))
+    book.record("a", "copycat", "copy", "d7", 1.0, work=(0, 8))  # not a tag weighed once per work
+    book.record("a", LOSS, "ascent", "d8", 1.0)
+    book.record("a", LOSS, "ascent", "d9", 1.0)  # no work given: the old count
+    status = book.status(1.0)["a"]
+    assert status["weight"] == pytest.approx(7.0, abs=1e-2) and status["refused"] == 7
+    assert status["repeats"] == 1 and status["refused_by_tag"] == {LOSS: 6, "copycat": 2}
+    # a repeat is no new evidence
+    assert [v["digest"] for v in status["evidence"]] == ["d6", "d7", "d8", "d9"]
