@@ -29,7 +29,7 @@ import hashlib
 import logging
 import math
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,8 +46,6 @@ SEVERITY: Mapping[str, float] = {"screen: non-finite": math.inf, WIRE_NON_FINITE
 # refusal tags that weigh once per piece of work (`LearnerLedger.record`'s `work`): the held-out loss screen's
 # (node.diloco.loss_probe.LOSS), which judges where a trajectory from one base points, the same for each of its snapshots
 ONCE_PER_WORK: frozenset[str] = frozenset({"screen: loss"})
-# pieces of work remembered per peer: one per fragment in flight is enough, a few rounds more to spare
-RECENT_WORK = 8
 
 
 def ban_evidence_scores(ban: LearnerBan) -> dict[str, float]:
@@ -97,8 +95,9 @@ class _Record:
     banned_until: float = -math.inf
     ban_reason: str = ""
     evidence: deque[Violation] = field(default_factory=deque)
-    # (tag, work) of its latest violations that weigh once per work (`ONCE_PER_WORK`)
-    work: deque[tuple[str, Hashable]] = field(default_factory=lambda: deque(maxlen=RECENT_WORK))
+    # per (tag of `ONCE_PER_WORK`, fragment): the base version of its latest such violation (bounded by the
+    # plan's fragments: a push names one of them, or is refused before it is scored)
+    work: dict[tuple[str, int], int] = field(default_factory=dict)
     repeats: int = 0  # refusals of work already weighed (no weight; for status)
 
 
@@ -153,7 +152,7 @@ class LearnerLedger:
         digest: str,
         now: float,
         scores: Mapping[str, float] | None = None,
-        work: Hashable | None = None,
+        work: tuple[int, int] | None = None,
     ) -> LearnerBan | None:
         """A blamed refusal of `peer`'s contribution; the ban it triggers, if it does (once per ban). `work`: what
         the contribution is a snapshot of, (fragment, base version); a tag of `ONCE_PER_WORK` weighs once per work
@@ -161,7 +160,8 @@ class LearnerLedger:
         record = self._record(peer)
         record.tags[tag] = record.tags.get(tag, 0) + 1
         if work is not None and tag in ONCE_PER_WORK:
-            if (tag, work) in record.work:
+            fragment, base_version = work
+            if record.work.get((tag, fragment)) == base_version:
                 record.repeats += 1
                 logger.info(
                     "contribution of %s refused again (%s), the same work %s: no more weight: %s [%s]",
@@ -172,7 +172,7 @@ class LearnerLedger:
                     digest,
                 )
                 return None
-            record.work.append((tag, work))
+            record.work[(tag, fragment)] = base_version
         weight = self.weight(peer, now) + SEVERITY.get(tag, 1.0)
         record.weight, record.at, record.total = weight, now, record.total + 1
         record.evidence.append(
