@@ -312,7 +312,9 @@ class LossBound:
         fragments that no longer fit the global rest once learning speeds up: all four honest llama-20m learners
         were banned at ~288k tokens while other peers' occasional passes still counted as corroboration), the bound
         is wrong for this run, not the peer. Either way the contribution is still refused; only bans wait. An
-        ascent attacker is blamed as soon as the bound has its history and the honest learners pass."""
+        ascent attacker is blamed as soon as the bound has its history and the honest learners pass. A blamed refusal
+        weighs once per (fragment, base version) in the learner ledger (node.diloco.learner_ledger, `ONCE_PER_WORK`):
+        snapshots of one trajectory judged again are no new evidence."""
         reason = self.check(fragment, score)
         window = self._outcomes.setdefault(fragment, deque(maxlen=self.history))
         corroborated = _most_others_passed(window, peer)
