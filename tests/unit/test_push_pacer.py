@@ -207,3 +207,59 @@ def test_control_sender_on_the_fixed_retry_floods() -> None:
     syncer, sync = asyncio.run(drive_sender(pace=False))
     assert syncer.limiter.stats().num_flood_reports >= 1
     assert sync.stats.throttled == 0  # the old path: plain deferrals
+
+
+# ---- the transport: what the pacer learns from a refusal ----
+
+
+def refused_push(error: Exception) -> Exception:
+    """What `FramedSyncTransport.push` raises when the syncer's answer is `error` (the wire stubbed out)."""
+    import torch
+
+    from node.diloco.sync_client import FramedSyncTransport
+
+    transport = object.__new__(FramedSyncTransport)
+    transport.admission = None
+
+    async def current_syncer() -> tuple[str, int]:
+        return "syncer-a", 1
+
+    async def call(*args: object, **kwargs: object) -> tuple[str, bytearray]:
+        raise error
+
+    transport.current_syncer = current_syncer  # type: ignore[method-assign]
+    transport._seal = lambda *args, **kwargs: bytearray(b"frame")  # type: ignore[method-assign]
+    transport._call = call  # type: ignore[method-assign]
+    contribution = OutgoingContribution(
+        fragment=0,
+        params={"w": torch.zeros(2)},
+        base_version=0,
+        steps=1,
+        tokens=4,
+        sent_step=1,
+        sched_step=1,
+        step_time_s=0.1,
+    )
+    with pytest.raises(Exception) as caught:
+        asyncio.run(transport.push(contribution))
+    return caught.value
+
+
+def test_transport_hands_the_throttle_and_its_hint_to_the_sender_and_keeps_final_refusals_final() -> None:
+    from node.diloco.sync_types import ContributionRefused
+    from protocol.errors import RemoteRefused
+    from protocol.limits import BYTES_IN_FLIGHT, RATE
+    from protocol.rpc import PeerThrottled
+
+    def throttled(limit: str, retry_after_s: float) -> PeerThrottled:
+        return PeerThrottled("x", reason=f"throttled: {limit}", limit=limit, retry_after_s=retry_after_s)
+
+    in_flight = refused_push(throttled(BYTES_IN_FLIGHT, 0.0))
+    assert isinstance(in_flight, SyncDeferred) and in_flight.throttled and in_flight.retry_after_s == 0.0
+    rate = refused_push(throttled(RATE, 0.75))
+    assert isinstance(rate, SyncDeferred) and rate.retry_after_s == 0.75
+    # a refusal of the syncer's own state is a deferral the pacer does not see
+    recovering = refused_push(RemoteRefused("x", reason="recovering"))
+    assert isinstance(recovering, SyncDeferred) and not recovering.throttled
+    # never retried: a push over the caps alone
+    assert isinstance(refused_push(throttled(BYTES_IN_FLIGHT, math.inf)), ContributionRefused)
