@@ -144,8 +144,9 @@ class SyncSender:
                 await pause(stop, signals.reconnected, backoff)
                 backoff = min(backoff * 2, self.config.retry_max_s)
                 continue
-            if backoff > self.config.retry_min_s or "deferred" in outcomes or "throttled" in outcomes:
-                # a syncer answers again, or lacks a version we hold: the watcher polls and offers now
+            if backoff > self.config.retry_min_s or "deferred" in outcomes:
+                # a syncer answers again, or lacks a version we hold: the watcher polls and offers now (not on a
+                # throttle: that is load, which a poll only adds to)
                 signals.wake(signals.kick)
             backoff = self.config.retry_min_s
             if "deferred" in outcomes or "throttled" in outcomes:
