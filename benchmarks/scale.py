@@ -372,6 +372,7 @@ async def syncer_main(preset: str, queue: Any, stop: Any) -> None:
         started = time.perf_counter()
         await asyncio.to_thread(store.save, core.snapshot(RUN_ID, 1))
         checkpoint_s = time.perf_counter() - started
+        throttles = limiter_counts(service)
         await service.stop()
         await p2p.shutdown()
         queue.put(
@@ -383,8 +384,23 @@ async def syncer_main(preset: str, queue: Any, stop: Any) -> None:
                 "refusals": dict(service.refusals),
                 "probe": probe_status(host.probe),
                 "checkpoint_s": round(checkpoint_s, 3),
+                "throttles": throttles,
             }
         )
+
+
+def limiter_counts(service: Any) -> dict[str, Any]:
+    """The syncer's load refusals by reason and the flood reports its limiter made (docs/diloco.md, refusals)."""
+    # the service keeps its server private; the benchmark reads the counters the stream layer already keeps
+    server = service._server
+    if server is None:
+        return {}
+    stats = server.limiter.stats()
+    return {
+        "by_reason": dict(stats.throttled_by_reason),
+        "flood_reports": stats.num_flood_reports,
+        "floods_logged": sum(server.floods.values()),
+    }
 
 
 def probe_status(probe: Any) -> dict[str, Any]:
@@ -473,7 +489,11 @@ async def learner_main(preset: str, info: dict[str, Any], queue: Any, max_steps:
                 "round_s": round(time.perf_counter() - started, 2),
                 "versions": {str(f): v for f, v in sync.versions().items()},
                 "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)] if losses else [],
-                "sync": {k: v for k, v in sync.status().items() if k in ("sent", "acked", "refused")},
+                "sync": {
+                    k: v
+                    for k, v in sync.status().items()
+                    if k in ("sent", "acked", "refused", "throttled", "retries")
+                },
             }
         )
 

@@ -9,10 +9,13 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
+import time
 from collections.abc import Callable, Sequence
 
 from node.diloco.compression import ContributionEncoder, WireContribution, push_mask
 from node.diloco.fragment_ledger import FragmentLedger
+from node.diloco.push_pacer import PushPacer
 from node.diloco.sync_types import (
     ContributionRefused,
     FragmentVersion,
@@ -97,6 +100,8 @@ class SyncSender:
         *,
         config: SyncClientConfig,
         stats: SyncStats,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
         receipts: Callable[[], Sequence[bytes]] | None = None,
         encoder: ContributionEncoder | None = None,
     ) -> None:
@@ -105,13 +110,18 @@ class SyncSender:
         self.signals = signals
         self.config = config
         self.stats = stats
+        self.clock = clock
+        # paces pushes the syncer's limiter throttled (config.pace_throttles; off: the fixed deferred_retry_s)
+        self.pacer = PushPacer(config, rng)
         self.receipts = receipts
         self.encoder = encoder  # a lossy outer codec; None: the parameters travel as they are
 
     async def run(self, stop: asyncio.Event) -> None:
         """Push snapshots until `stop`. A contribution the syncer defers (`SyncDeferred`) does not hold back
         the other fragments' ones, and is re-sent after `deferred_retry_s`: after a takeover the new syncer
-        defers a contribution built on a version it has yet to adopt, and its recovery window is short."""
+        defers a contribution built on a version it has yet to adopt, and its recovery window is short. A push
+        the syncer's limiter throttles ends the batch (the next would meet the same cap), and no push starts
+        before the `PushPacer` allows it: so the learner never counts as flooding."""
         signals = self.signals
         signals.bind(outbox_waiting=not self.ledger.outbox_empty())
         assert signals.outbox_ready is not None and signals.reconnected is not None
@@ -123,30 +133,46 @@ class SyncSender:
                 if self.ledger.outbox_empty():
                     await first(signals.outbox_ready, stop)
                 continue
-            outcomes = []
-            for index, contribution in batch:
-                if stop.is_set():
-                    return
-                outcome = await self._push_one(index, contribution)
-                outcomes.append(outcome)
-                if outcome == "unreachable":
-                    break
+            if (paced_s := self.pacer.wait_s(self.clock())) > 0:
+                await pause(stop, signals.reconnected, paced_s)
+                continue
+            outcomes = await self._push_batch(batch, stop)
+            if outcomes is None:
+                return
             if "unreachable" in outcomes:
                 self.stats.retries += 1
                 await pause(stop, signals.reconnected, backoff)
                 backoff = min(backoff * 2, self.config.retry_max_s)
                 continue
             if backoff > self.config.retry_min_s or "deferred" in outcomes:
-                # a syncer answers again, or lacks a version we hold: the watcher polls and offers now
+                # a syncer answers again, or lacks a version we hold: the watcher polls and offers now (not on a
+                # throttle: that is load, which a poll only adds to)
                 signals.wake(signals.kick)
             backoff = self.config.retry_min_s
-            if "deferred" in outcomes:
+            if "deferred" in outcomes or "throttled" in outcomes:
                 self.stats.retries += 1
-                await pause(stop, signals.reconnected, self.config.deferred_retry_s)
+                wait_s = self.pacer.wait_s(self.clock())
+                if "deferred" in outcomes:
+                    wait_s = max(wait_s, self.config.deferred_retry_s)
+                await pause(stop, signals.reconnected, wait_s)
+
+    async def _push_batch(
+        self, batch: Sequence[tuple[int, OutgoingContribution]], stop: asyncio.Event
+    ) -> list[str] | None:
+        """Push a batch in order until one finds no syncer or is throttled; None if `stop` came first."""
+        outcomes = []
+        for index, contribution in batch:
+            if stop.is_set():
+                return None
+            outcome = await self._push_one(index, contribution)
+            outcomes.append(outcome)
+            if outcome in ("unreachable", "throttled"):
+                break
+        return outcomes
 
     async def _push_one(self, index: int, contribution: OutgoingContribution) -> str:
-        """The outcome: settled (acked, or refused for good), deferred (the syncer said not now) or
-        unreachable (no syncer answered)."""
+        """The outcome: settled (acked, or refused for good), deferred (the syncer said not now), throttled (its
+        limiter refused the push for load; paced) or unreachable (no syncer answered)."""
         self.stats.sent += 1
         # the syncer derives the run's schedule clock from what senders report: say where we are now, not
         # where we were when the snapshot was taken (a retried or re-sent one may be seconds old)
@@ -159,6 +185,7 @@ class SyncSender:
                 wire = dataclasses.replace(wire, params=sent.tensors, codec_meta=sent.meta)
             receipt = await self.transport.push(wire)
         except ContributionRefused as e:
+            self.pacer.answered()
             self.ledger.refused(index, contribution)
             self.stats.refused += 1
             self.stats.refusals[e.reason] = self.stats.refusals.get(e.reason, 0) + 1
@@ -168,7 +195,10 @@ class SyncSender:
         except SyncUnavailable as e:
             self.stats.last_error = str(e)[:200]
             logger.debug("fragment %d push deferred: %s", contribution.fragment, e)
-            return "deferred" if isinstance(e, SyncDeferred) else "unreachable"
+            if not isinstance(e, SyncDeferred):
+                return "unreachable"
+            return self._throttled(e) if e.throttled and self.config.pace_throttles else "deferred"
+        self.pacer.answered()
         if self.ledger.acked(index, contribution, receipt):
             self.signals.wake(self.signals.kick)
         if sent is not None and self.encoder is not None:
@@ -177,6 +207,18 @@ class SyncSender:
         self.stats.push_bytes += sent.nbytes if sent is not None else plain_bytes
         self.stats.push_bytes_fp32 += plain_bytes
         return "settled"
+
+    def _throttled(self, refusal: SyncDeferred) -> str:
+        assert refusal.retry_after_s is not None
+        self.stats.throttled += 1
+        delay_s = self.pacer.throttled(self.clock(), refusal.retry_after_s)
+        logger.debug(
+            "push throttled (%s, %d in a row): next push in %.2f s",
+            refusal.reason,
+            self.pacer.in_a_row,
+            delay_s,
+        )
+        return "throttled"
 
     async def _encoded(self, contribution: OutgoingContribution) -> WireContribution | None:
         """The contribution's delta under the lossy codec (in a worker thread: top-k over a large fragment takes

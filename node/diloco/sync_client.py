@@ -193,6 +193,7 @@ class FragmentSync:
             self.signals,
             config=self.config,
             stats=self.stats,
+            clock=clock,
             receipts=receipts,
             encoder=ContributionEncoder(codec, plan) if codec is not None and lossy else None,
         )
@@ -538,6 +539,7 @@ class FramedSyncTransport:
     async def push(self, contribution: OutgoingContribution) -> PushReceipt:
         from protocol.envelope import Kind, max_frame_bytes
         from protocol.errors import RemoteRefused
+        from protocol.rpc import PeerThrottled
 
         peer, term = await self.current_syncer()
         frame = self._seal(
@@ -552,7 +554,11 @@ class FramedSyncTransport:
             peer, answer = await self._call(PUSH_ROUTE, frame, max_frame_bytes(control_limits()))
         except RemoteRefused as e:
             if is_retryable(e):
-                raise SyncDeferred(f"push deferred by the syncer: {e.reason}", reason=e.reason) from None
+                # a throttle carries the limiter's hint (finite here: an infinite one is not retryable)
+                hint = e.retry_after_s if isinstance(e, PeerThrottled) else None
+                raise SyncDeferred(
+                    f"push deferred by the syncer: {e.reason}", reason=e.reason, retry_after_s=hint
+                ) from None
             raise ContributionRefused(str(e), reason=e.reason) from None
         opened = self._open(answer, peer, Kind.CONTROL, control_limits())
         target = opened.meta.get("target_version")

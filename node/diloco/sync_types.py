@@ -81,9 +81,16 @@ class SyncDeferred(SyncUnavailable):
     """The syncer answered "not now" (recovering after a takeover, a base version it has yet to adopt, busy):
     the contribution is kept and sent again soon; the other fragments' contributions may go through."""
 
-    def __init__(self, message: str, *, reason: str) -> None:
+    def __init__(self, message: str, *, reason: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        # set when the syncer's limiter refused the push for load (`protocol.rpc.PeerThrottled`): its hint, 0 when
+        # it cannot tell (bytes in flight); None for a refusal of the syncer's own state (recovering, ahead of it)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def throttled(self) -> bool:
+        return self.retry_after_s is not None
 
 
 class ContributionRefused(Exception):  # noqa: N818
@@ -119,6 +126,14 @@ class SyncClientConfig:
     retry_min_s: float = 0.2  # first pause after the syncer did not answer
     retry_max_s: float = 3.0  # longest pause between retries
     deferred_retry_s: float = 0.5  # pause before re-sending what a syncer deferred (it is there, not ready)
+    # a push the syncer's limiter throttled: backoff from deferred_retry_s doubling per throttle in a row up to this,
+    # shortened by up to this fraction at random; at most flood_budget throttles per flood_window_s (the syncer
+    # reports a flood past 20 in 10 s: node.diloco.push_pacer); pace_throttles False: the fixed deferred_retry_s
+    throttle_backoff_max_s: float = 8.0
+    throttle_jitter: float = 0.25
+    flood_budget: int = 10
+    flood_window_s: float = 10.0
+    pace_throttles: bool = True
     barrier: bool = False  # synchronous baselines: wait at send step + tau for the round's version
     join_timeout_s: float = 30.0  # how long join_global looks for a syncer before starting from the seed
     step_time_ema: float = 0.2  # weight of a new step time in the reported xi_step
@@ -128,10 +143,24 @@ class SyncClientConfig:
     anchor_lead_steps: float = 1.0  # step times from a round's first send to its publication (~ the grace)
 
     def __post_init__(self) -> None:
-        for name in ("poll_wait_s", "retry_min_s", "retry_max_s", "deferred_retry_s", "join_timeout_s"):
+        names = (
+            "poll_wait_s",
+            "retry_min_s",
+            "retry_max_s",
+            "deferred_retry_s",
+            "join_timeout_s",
+            "flood_window_s",
+        )
+        for name in (*names, "throttle_backoff_max_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"SyncClientConfig.{name} must be finite and > 0, got {value!r}")
+        if self.throttle_backoff_max_s < self.deferred_retry_s:
+            raise ValueError("throttle_backoff_max_s must be >= deferred_retry_s")
+        if not 0 <= self.throttle_jitter < 1:
+            raise ValueError("throttle_jitter must be in [0, 1)")
+        if self.flood_budget < 1:
+            raise ValueError("flood_budget must be >= 1")
         if self.retry_max_s < self.retry_min_s:
             raise ValueError("retry_max_s must be >= retry_min_s")
         if not 0 < self.step_time_ema <= 1:
@@ -148,6 +177,7 @@ class SyncStats:
     acked: int = 0
     refused: int = 0
     retries: int = 0
+    throttled: int = 0  # pushes the syncer's limiter refused for load (paced by node.diloco.push_pacer)
     applied: int = 0
     skipped: int = 0  # due sends skipped right after a version overwrote unsent progress
     anchored: int = 0  # fragment send times re-anchored to a published round
@@ -171,6 +201,7 @@ class SyncStats:
             "refused": self.refused,
             "refusals": dict(self.refusals),
             "retries": self.retries,
+            "throttled": self.throttled,
             "applied": self.applied,
             "sends_skipped": self.skipped,
             "phase_anchors": self.anchored,
