@@ -18,6 +18,7 @@ import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -342,14 +343,11 @@ def _serve_routed(route, document: dict) -> None:
         route.fulfill(status=404, body="not found")
 
 
-def test_the_map_shows_how_each_peer_is_reached() -> None:
-    """Relayed, client-only and older (mode unknown) peers are told apart on the map and counted in the summary."""
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
+@contextlib.contextmanager
+def routed_page(document: dict) -> Iterator[tuple[Any, list[str]]]:
+    """A Chromium page of the dashboard served from `document` (`_serve_routed`, no swarm), and its page errors."""
     from playwright.sync_api import sync_playwright
 
-    document = _modes_document()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
@@ -358,14 +356,23 @@ def test_the_map_shows_how_each_peer_is_reached() -> None:
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.route(f"{FAKE_ORIGIN}/**", lambda route: _serve_routed(route, document))
             page.goto(FAKE_ORIGIN + "/")
-            page.wait_for_function("document.querySelectorAll('.peer').length === 5", timeout=30_000)
-            tiles = page.locator(".peer").evaluate_all(
-                "els => els.map(e => [e.dataset.peerId, e.dataset.mode, e.textContent, e.title])"
-            )
-            summary = page.locator("#summary-health").inner_text()
-            assert not errors, errors
+            yield page, errors
         finally:
             browser.close()
+
+
+def test_the_map_shows_how_each_peer_is_reached() -> None:
+    """Relayed, client-only and older (mode unknown) peers are told apart on the map and counted in the summary."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with routed_page(_modes_document()) as (page, errors):
+        page.wait_for_function("document.querySelectorAll('.peer').length === 5", timeout=30_000)
+        tiles = page.locator(".peer").evaluate_all(
+            "els => els.map(e => [e.dataset.peerId, e.dataset.mode, e.textContent, e.title])"
+        )
+        summary = page.locator("#summary-health").inner_text()
+        assert not errors, errors
     shown = {peer_id[-8:]: (mode, text, title) for peer_id, mode, text, title in tiles}
     assert {k: v[0] for k, v in shown.items()} == {
         "Direct01": "direct",
@@ -414,37 +421,25 @@ def test_the_scores_table_shows_each_learners_scores_and_ban_with_markup_as_text
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
-    from playwright.sync_api import sync_playwright
-
-    document = _scores_document()
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1200, "height": 900})
-            errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.route(f"{FAKE_ORIGIN}/**", lambda route: _serve_routed(route, document))
-            page.goto(FAKE_ORIGIN + "/")
-            page.wait_for_function(
-                "document.querySelectorAll('#scores tr[data-peer-id]').length === 2", timeout=30_000
-            )
-            rows = page.locator("#scores tr[data-peer-id]").evaluate_all(
-                """rows => rows.map(r => ({id: r.dataset.peerId, banned: r.dataset.banned, title: r.cells[0].title,
-                    cells: [...r.cells].map(c => c.textContent)}))"""
-            )
-            note = page.locator("#scores-note").inner_text()
-            images = page.evaluate("document.querySelectorAll('img').length")
-            pwned = page.evaluate("window.__pwned === undefined ? null : window.__pwned")
-            # negative control: the same string set as HTML becomes an element and runs its handler
-            page.evaluate(
-                "s => { const d = document.createElement('div'); d.innerHTML = s; document.body.append(d); }",
-                HOSTILE,
-            )
-            page.wait_for_function("window.__pwned === 1", timeout=10_000)
-            control_images = page.evaluate("document.querySelectorAll('img').length")
-            assert not errors, errors
-        finally:
-            browser.close()
+    with routed_page(_scores_document()) as (page, errors):
+        page.wait_for_function(
+            "document.querySelectorAll('#scores tr[data-peer-id]').length === 2", timeout=30_000
+        )
+        rows = page.locator("#scores tr[data-peer-id]").evaluate_all(
+            """rows => rows.map(r => ({id: r.dataset.peerId, banned: r.dataset.banned, title: r.cells[0].title,
+                cells: [...r.cells].map(c => c.textContent)}))"""
+        )
+        note = page.locator("#scores-note").inner_text()
+        images = page.evaluate("document.querySelectorAll('img').length")
+        pwned = page.evaluate("window.__pwned === undefined ? null : window.__pwned")
+        # negative control: the same string set as HTML becomes an element and runs its handler
+        page.evaluate(
+            "s => { const d = document.createElement('div'); d.innerHTML = s; document.body.append(d); }",
+            HOSTILE,
+        )
+        page.wait_for_function("window.__pwned === 1", timeout=10_000)
+        control_images = page.evaluate("document.querySelectorAll('img').length")
+        assert not errors, errors
     assert (images, pwned, control_images) == (0, None, 1)
     hostile, honest = rows  # the banned first
     assert hostile["id"] == hostile["title"] == HOSTILE_LEARNER and hostile["banned"] == "true"

@@ -32,7 +32,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import hivemind
 import msgpack
@@ -501,6 +501,44 @@ async def _sybils_then_syncer(
         await asyncio.gather(*(p.shutdown() for p in daemons), return_exceptions=True)
 
 
+class FloodOutcome(NamedTuple):
+    stored: int  # the Sybils' records the victim stored
+    last_ok: list[bool]  # the last identity's store (the syncer's, or the learner's)
+    stats: QuotaStats
+    listed: list[Any]  # the victim's peer records after the flood (SwarmRecords.list_peers)
+    elapsed_s: float
+
+
+def _flood_victim(
+    tmp_path: Path,
+    config: QuotaConfig,
+    rules: RunRules,
+    *,
+    learned_late: bool,
+    last: NodeIdentity = SYNCER,
+    run: SignedManifest | None = None,
+    proof: int | None = None,
+) -> FloodOutcome:
+    """A victim DHT with `config` as its store quota, knowing `rules` from its start or (`learned_late`, as a
+    joining node) only once started; the Sybil flood, then `last`'s one store; what the victim stored and lists."""
+    network = NetworkConfig(listen=(LOOPBACK_LISTEN,), join_timeout_s=20, request_timeout_s=5)
+    identity = NodeIdentity.load_or_create(tmp_path / "victim.key")
+    known = [] if learned_late else [rules]
+    victim = start_dht(identity, [], network, HivenodeRecordValidator(known), store_quota=config)
+    try:
+        if learned_late:
+            victim.add_validators([HivenodeRecordValidator([rules])])
+        start = time.monotonic()
+        scenario = _sybils_then_syncer(tmp_path, victim, last, run or ROLES_SIGNED, proof)
+        stored, last_ok = asyncio.run(asyncio.wait_for(scenario, SYBIL_SCENARIO_S))
+        elapsed = time.monotonic() - start
+        stats: QuotaStats = dht_quota_stats(victim)
+        listed = asyncio.run(SwarmRecords(victim, rules, identity, timeout_s=5.0).list_peers())
+    finally:
+        victim.shutdown()
+    return FloodOutcome(stored, last_ok, stats, listed, elapsed)
+
+
 @pytest.mark.parametrize("reserved", [SYBIL_RESERVED, 0], ids=["roles-reserved", "no-reservation-control"])
 def test_a_sybil_flood_leaves_the_known_peers_share_of_the_global_budget(
     tmp_path: Path, reserved: int
@@ -516,20 +554,9 @@ def test_a_sybil_flood_leaves_the_known_peers_share_of_the_global_budget(
         reserved_records_total=reserved,
         admitted_records_total=0,
     )
-    network = NetworkConfig(listen=(LOOPBACK_LISTEN,), join_timeout_s=20, request_timeout_s=5)
-    identity = NodeIdentity.load_or_create(tmp_path / "victim.key")
-    victim = start_dht(identity, [], network, HivenodeRecordValidator(), store_quota=config)
-    try:
-        victim.add_validators([HivenodeRecordValidator([ROLES_RULES])])
-        start = time.monotonic()
-        stored, syncer_ok = asyncio.run(
-            asyncio.wait_for(_sybils_then_syncer(tmp_path, victim), SYBIL_SCENARIO_S)
-        )
-        elapsed = time.monotonic() - start
-        stats: QuotaStats = dht_quota_stats(victim)
-        listed = asyncio.run(SwarmRecords(victim, ROLES_RULES, identity, timeout_s=5.0).list_peers())
-    finally:
-        victim.shutdown()
+    stored, syncer_ok, stats, listed, elapsed = _flood_victim(
+        tmp_path, config, ROLES_RULES, learned_late=True
+    )
     logger.warning(
         "sybil flood, reserved=%d: %d Sybil records stored, syncer %s, quota refused %s, in %.1f s",
         reserved,
@@ -582,21 +609,9 @@ def test_a_learner_whose_heartbeat_carries_its_admission_proof_stores_under_the_
         admitted_records_total=ADMITTED_SHARE,
     )
     proof = solve(ADMIT_SIGNED.run_id, LEARNER.peer_id, ADMIT_BITS) if with_proof else None
-    network = NetworkConfig(listen=(LOOPBACK_LISTEN,), join_timeout_s=20, request_timeout_s=5)
-    identity = NodeIdentity.load_or_create(tmp_path / "victim.key")
-    victim = start_dht(identity, [], network, HivenodeRecordValidator([ADMIT_RULES]), store_quota=config)
-    try:
-        start = time.monotonic()
-        stored, learner_ok = asyncio.run(
-            asyncio.wait_for(
-                _sybils_then_syncer(tmp_path, victim, LEARNER, ADMIT_SIGNED, proof), SYBIL_SCENARIO_S
-            )
-        )
-        elapsed = time.monotonic() - start
-        stats: QuotaStats = dht_quota_stats(victim)
-        listed = asyncio.run(SwarmRecords(victim, ADMIT_RULES, identity, timeout_s=5.0).list_peers())
-    finally:
-        victim.shutdown()
+    stored, learner_ok, stats, listed, elapsed = _flood_victim(
+        tmp_path, config, ADMIT_RULES, learned_late=False, last=LEARNER, run=ADMIT_SIGNED, proof=proof
+    )
     logger.warning(
         "sybil flood vs an admitted learner, proof=%s: %d Sybil records stored, learner %s, quota refused %s, "
         "admitted by proof %d, in %.1f s",
