@@ -518,6 +518,36 @@ async def call_framed_once_found(
             await asyncio.sleep(0.5)
 
 
+async def start_daemons(paths: Sequence[Path], maddrs: Sequence[str]) -> list[Any]:
+    """One hivemind `P2P` daemon per identity file, on loopback, joined to `maddrs`, started together; none is left
+    running if one fails to start. Each Sybil of a test needs its own: a signed frame or a DHT store must come
+    from the daemon of the identity that signed it (the Noise-authenticated caller)."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+
+    from node.config import LOOPBACK_LISTEN
+
+    started = await asyncio.gather(
+        *(
+            P2P.create(
+                initial_peers=list(maddrs),
+                identity_path=str(path),
+                check_if_identity_free=False,
+                host_maddrs=[LOOPBACK_LISTEN],
+            )
+            for path in paths
+        ),
+        return_exceptions=True,
+    )
+    daemons = [p for p in started if isinstance(p, P2P)]
+    failed = [e for e in started if isinstance(e, BaseException)]
+    if failed:
+        await asyncio.gather(*(p.shutdown() for p in daemons), return_exceptions=True)
+        raise failed[0]
+    return daemons
+
+
 # Stage replicas and a verifier: layers 64 wide, microbatches of up to 8, a stage's syncs every 20 steps and at
 # most every 2 s; fragments and overlap at the manifest's defaults.
 PIPELINE_RUN = RunSpec(

@@ -59,6 +59,7 @@ from protocol.limits import (
 )
 from protocol.manifest import RunManifest, SignedManifest, authorize
 from protocol.records import Heartbeat, HivenodeRecordValidator, RunRules, make_envelope
+from tests.integration.procs import start_daemons
 
 logger = logging.getLogger(__name__)
 
@@ -454,28 +455,6 @@ async def _store_from(
     return list(response.store_ok)
 
 
-async def _daemons(paths: list[Path], maddrs: list[str]) -> list[P2P]:
-    """One daemon per identity file, started together; none is left running if one fails to start."""
-    started = await asyncio.gather(
-        *(
-            P2P.create(
-                initial_peers=maddrs,
-                identity_path=str(path),
-                check_if_identity_free=False,
-                host_maddrs=[LOOPBACK_LISTEN],
-            )
-            for path in paths
-        ),
-        return_exceptions=True,
-    )
-    daemons = [p for p in started if isinstance(p, P2P)]
-    failed = [e for e in started if isinstance(e, BaseException)]
-    if failed:
-        await asyncio.gather(*(p.shutdown() for p in daemons), return_exceptions=True)
-        raise failed[0]
-    return daemons
-
-
 async def _sybils_then_syncer(
     tmp: Path,
     victim: Any,
@@ -490,7 +469,7 @@ async def _sybils_then_syncer(
     last_path = tmp / "last.key"
     last_path.write_bytes(last.to_libp2p_bytes())
     maddrs = [str(m) for m in victim.get_visible_maddrs()]
-    daemons = await _daemons([*(s.path for s in sybils if s.path is not None), last_path], maddrs)
+    daemons = await start_daemons([*(s.path for s in sybils if s.path is not None), last_path], maddrs)
     target = victim.peer_id.to_base58()
     try:
         stored = 0
