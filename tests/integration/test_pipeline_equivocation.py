@@ -1,6 +1,7 @@
 """Equivocation through the pipeline (issue 18 item 4: a proof only from two statements the accused signed for one
-context). In process through the production driver, stage services and SENTINEL tap (`build_pipeline` of
-test_pipeline_local.py: everything but the sockets).
+context), over real daemons on loopback: the production stage services (`build_pipeline` of
+tests/unit/test_pipeline_local.py), each served by a `FramedServer` on its own daemon under its own key, and the
+verifier's `PipelineDriver` with its SENTINEL tap calling them over `FramedTransport` from its daemon.
 
 A stage that holds one context (`max_contexts = 1`) and steps after every microbatch (an inner batch of 4): two
 microbatches in flight drop each other's contexts, and the driver rebuilds them on the same replica after it
@@ -15,38 +16,43 @@ answers one input at one step twice with different payloads is proven, and its n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
+from node.pipeline.transport import FramedTransport
 from node.roles.stage import StageConfig, StageService
 from protocol.envelope import Context, Direction, Kind, StreamingFrame, open_envelope, seal
 from protocol.records import BanNotice
 from protocol.replay import ReplayGuard
-from tests.unit.test_pipeline_local import RUN_ID, VERIFIER, Pipeline, batch, build_pipeline, manifest
+from protocol.rpc import FramedServer
+from tests.integration.procs import start_daemons
+from tests.unit.test_pipeline_local import (  # noqa: F401 - one_torch_thread: autouse
+    RUN_ID,
+    VERIFIER,
+    Pipeline,
+    batch,
+    build_pipeline,
+    manifest,
+    one_torch_thread,
+)
 from verification.bans import BanEvidence, BanVote, decide_bans, proves_equivocation
 from verification.equivocation import EquivocationDetector, SignedHeader, Slot
 from verification.tap import SentinelTap, SentinelTapConfig
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+SCENARIO_S = 90.0
 
 # two in flight with one context held: each drops the other's, and the rebuilt one is answered after a step
 # (four in flight thrash: a microbatch may run out of tries, `no context`)
 IN_FLIGHT = (1, 2)
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+GATE_S = 10.0  # the last stage holds the first forwards this long at most (see `_gated`)
 
 
 class Recording(EquivocationDetector):
@@ -74,12 +80,63 @@ def _tap(step_bound: bool) -> tuple[SentinelTap, Recording]:
     return tap, detector
 
 
-def _drive(pipe: Pipeline) -> list[bool]:
+def _gated(honest: StageService) -> StageService:
+    """The last stage's replica, holding each forward until every microbatch in flight has reached it: so that
+    all of them were answered at stage 0 (each dropping the other's context there) before any backward comes back,
+    and a context is rebuilt whatever the network's timing (without it, one run in five had none)."""
+    arrived: list[int] = []
+    everyone = asyncio.Event()
+
+    class Gated(StageService):
+        async def rpc_forward(self, frame: bytearray, remote_peer: str) -> StreamingFrame:  # type: ignore[override]
+            arrived.append(1)
+            if len(arrived) >= len(IN_FLIGHT):
+                everyone.set()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(everyone.wait(), GATE_S)
+            return await honest.rpc_forward(frame, remote_peer)
+
+    return Gated(honest.identity, RUN_ID, honest.core, authorized=honest.authorized())
+
+
+@asynccontextmanager
+async def _over_daemons(pipe: Pipeline, tmp: Path) -> AsyncIterator[None]:
+    """Serve each of `pipe`'s stage services on a daemon of its own key, and send the driver's requests from the
+    verifier's daemon (the services as they are now: a test swaps one in before)."""
+    keys = {peer: tmp / f"stage-{i}.key" for i, peer in enumerate(pipe.services)}
+    for peer, path in keys.items():
+        path.write_bytes(pipe.services[peer].identity.to_libp2p_bytes())
+    (tmp / "verifier.key").write_bytes(VERIFIER.to_libp2p_bytes())
+    stages = await start_daemons(list(keys.values()), [])
+    daemons = list(stages)
+    servers = [
+        FramedServer(p2p, pipe.services[peer].routes()) for peer, p2p in zip(keys, stages, strict=True)
+    ]
+    try:
+        maddrs = [str(m) for p2p in stages for m in await p2p.get_visible_maddrs()]
+        daemons += await start_daemons([tmp / "verifier.key"], maddrs)
+        for server in servers:
+            await server.start()
+        pipe.driver.hops.transport = FramedTransport(daemons[-1])
+        yield
+    finally:
+        await asyncio.gather(*(server.stop() for server in servers), return_exceptions=True)
+        await asyncio.gather(*(p2p.shutdown() for p2p in daemons), return_exceptions=True)
+
+
+def _drive(loop_thread: Any, pipe: Pipeline, tmp: Path) -> list[bool]:
+    """The microbatches `IN_FLIGHT`, all in flight at once over the daemons (the last stage gated); which
+    completed."""
+    (last,) = (p for p, s in pipe.stages.items() if s == max(pipe.stages.values()))
+    pipe.services[last] = _gated(pipe.services[last])
+
     async def together() -> list[bool]:
-        outcomes = await asyncio.gather(*(pipe.driver.run_microbatch(i, *batch(i)) for i in IN_FLIGHT))
+        async with _over_daemons(pipe, tmp):
+            outcomes = await asyncio.gather(*(pipe.driver.run_microbatch(i, *batch(i)) for i in IN_FLIGHT))
         return [o.completed for o in outcomes]
 
-    return asyncio.run(together())
+    completed: list[bool] = loop_thread.run(together(), timeout_s=SCENARIO_S)
+    return completed
 
 
 def _swarm_bans(notice: BanNotice) -> list[Any]:
@@ -95,11 +152,13 @@ def _swarm_bans(notice: BanNotice) -> list[Any]:
 
 
 @pytest.mark.parametrize("step_bound", [True, False], ids=["step-bound", "step-blind-control"])
-def test_a_context_rebuilt_after_a_step_never_frames_the_honest_replica(step_bound: bool) -> None:
+def test_a_context_rebuilt_after_a_step_never_frames_the_honest_replica(
+    loop_thread: Any, tmp_path: Path, step_bound: bool
+) -> None:
     tap, detector = _tap(step_bound)
     pipe = build_pipeline(manifest(batch_size=4), config=StageConfig(max_contexts=1), tap=tap)
     (replica,) = (p for p, s in pipe.stages.items() if s == 0)
-    completed = _drive(pipe)
+    completed = _drive(loop_thread, pipe, tmp_path)
     # the scenario happened: a context was rebuilt on the replica after it stepped, so it answered one input
     # (one microbatch at stage 0) at two steps
     rebuilt = [k for k, steps in detector.steps.items() if k[0] == replica and len(steps) >= 2]
@@ -158,14 +217,16 @@ def _equivocator(honest: StageService) -> StageService:
     return Equivocator(honest.identity, RUN_ID, honest.core, authorized=honest.authorized())
 
 
-def test_a_replica_answering_one_input_at_one_step_twice_differently_is_proven() -> None:
+def test_a_replica_answering_one_input_at_one_step_twice_differently_is_proven(
+    loop_thread: Any, tmp_path: Path
+) -> None:
     tap, _ = _tap(step_bound=True)
     # an inner batch of 64: nobody steps, so every rebuilt context is answered at the step of the first answer
     pipe = build_pipeline(manifest(batch_size=64), config=StageConfig(max_contexts=1), tap=tap)
     (liar,) = (p for p, s in pipe.stages.items() if s == 0)
     pipe.services[liar] = _equivocator(pipe.services[liar])
     pipe.driver.rng = random.Random(3)
-    _drive(pipe)
+    _drive(loop_thread, pipe, tmp_path)
     assert pipe.cores(0)[0].inner_step == 0
     assert tap.stats.equivocations >= 1 and liar in tap.banned_locally
     notice = tap.pending[0]
