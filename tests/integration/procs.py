@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -546,6 +546,38 @@ async def start_daemons(paths: Sequence[Path], maddrs: Sequence[str]) -> list[An
         await asyncio.gather(*(p.shutdown() for p in daemons), return_exceptions=True)
         raise failed[0]
     return daemons
+
+
+@contextlib.asynccontextmanager
+async def pipeline_over_daemons(
+    services: Mapping[str, Any], driver: Any, verifier: NodeIdentity, tmp: Path
+) -> AsyncIterator[None]:
+    """Serve in-process stage services (peer id -> `StageService`, as `build_pipeline` and the pipeline harness
+    make them) each on a daemon of its own key behind a `FramedServer`, and send `driver`'s requests over
+    `FramedTransport` from `verifier`'s daemon: the pipeline over real streams on loopback. The services are served
+    as they are on entry (swap a liar in before); every daemon is shut down on exit."""
+    import asyncio
+
+    from node.pipeline.transport import FramedTransport
+    from protocol.rpc import FramedServer
+
+    keys = {peer: tmp / f"stage-{i}.key" for i, peer in enumerate(services)}
+    for peer, path in keys.items():
+        path.write_bytes(services[peer].identity.to_libp2p_bytes())
+    (tmp / "verifier.key").write_bytes(verifier.to_libp2p_bytes())
+    stages = await start_daemons(list(keys.values()), [])
+    daemons = list(stages)
+    servers = [FramedServer(p2p, services[peer].routes()) for peer, p2p in zip(keys, stages, strict=True)]
+    try:
+        maddrs = [str(m) for p2p in stages for m in await p2p.get_visible_maddrs()]
+        daemons += await start_daemons([tmp / "verifier.key"], maddrs)
+        for server in servers:
+            await server.start()
+        driver.hops.transport = FramedTransport(daemons[-1])
+        yield
+    finally:
+        await asyncio.gather(*(server.stop() for server in servers), return_exceptions=True)
+        await asyncio.gather(*(p2p.shutdown() for p2p in daemons), return_exceptions=True)
 
 
 # Stage replicas and a verifier: layers 64 wide, microbatches of up to 8, a stage's syncs every 20 steps and at

@@ -19,20 +19,16 @@ import asyncio
 import contextlib
 import dataclasses
 import random
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from node.pipeline.transport import FramedTransport
 from node.roles.stage import StageConfig, StageService
 from protocol.envelope import Context, Direction, Kind, StreamingFrame, open_envelope, seal
 from protocol.records import BanNotice
 from protocol.replay import ReplayGuard
-from protocol.rpc import FramedServer
-from tests.integration.procs import start_daemons
+from tests.integration.procs import pipeline_over_daemons
 from tests.unit.test_pipeline_local import (  # noqa: F401 - one_torch_thread: autouse
     RUN_ID,
     VERIFIER,
@@ -99,31 +95,6 @@ def _gated(honest: StageService) -> StageService:
     return Gated(honest.identity, RUN_ID, honest.core, authorized=honest.authorized())
 
 
-@asynccontextmanager
-async def _over_daemons(pipe: Pipeline, tmp: Path) -> AsyncIterator[None]:
-    """Serve each of `pipe`'s stage services on a daemon of its own key, and send the driver's requests from the
-    verifier's daemon (the services as they are now: a test swaps one in before)."""
-    keys = {peer: tmp / f"stage-{i}.key" for i, peer in enumerate(pipe.services)}
-    for peer, path in keys.items():
-        path.write_bytes(pipe.services[peer].identity.to_libp2p_bytes())
-    (tmp / "verifier.key").write_bytes(VERIFIER.to_libp2p_bytes())
-    stages = await start_daemons(list(keys.values()), [])
-    daemons = list(stages)
-    servers = [
-        FramedServer(p2p, pipe.services[peer].routes()) for peer, p2p in zip(keys, stages, strict=True)
-    ]
-    try:
-        maddrs = [str(m) for p2p in stages for m in await p2p.get_visible_maddrs()]
-        daemons += await start_daemons([tmp / "verifier.key"], maddrs)
-        for server in servers:
-            await server.start()
-        pipe.driver.hops.transport = FramedTransport(daemons[-1])
-        yield
-    finally:
-        await asyncio.gather(*(server.stop() for server in servers), return_exceptions=True)
-        await asyncio.gather(*(p2p.shutdown() for p2p in daemons), return_exceptions=True)
-
-
 def _drive(loop_thread: Any, pipe: Pipeline, tmp: Path) -> list[bool]:
     """The microbatches `IN_FLIGHT`, all in flight at once over the daemons (the last stage gated); which
     completed."""
@@ -131,7 +102,7 @@ def _drive(loop_thread: Any, pipe: Pipeline, tmp: Path) -> list[bool]:
     pipe.services[last] = _gated(pipe.services[last])
 
     async def together() -> list[bool]:
-        async with _over_daemons(pipe, tmp):
+        async with pipeline_over_daemons(pipe.services, pipe.driver, VERIFIER, tmp):
             outcomes = await asyncio.gather(*(pipe.driver.run_microbatch(i, *batch(i)) for i in IN_FLIGHT))
         return [o.completed for o in outcomes]
 

@@ -101,8 +101,9 @@ def record_requests(service: StageService, log: list[tuple[str, Header]]) -> Non
     service._open = recording  # type: ignore[method-assign]
 
 
-def run(arm: Arm, microbatches: int) -> list[int]:
-    """Drive `microbatches` training microbatches, ids from the driver's own counter; their ids."""
+async def drive_training(arm: Arm, microbatches: int) -> list[int]:
+    """Drive `microbatches` training microbatches, ids from the driver's own counter, on the running loop; their
+    ids."""
     batches = BatchSampler(
         corpus().train_stream(0, 1),
         batch_size=arm.config.batch_size,
@@ -110,16 +111,17 @@ def run(arm: Arm, microbatches: int) -> list[int]:
         generator=torch.Generator().manual_seed(0),
     )
     ids = []
-
-    async def drive() -> None:
-        for i in range(microbatches):
-            arm.clock["t"] = float(i)
-            microbatch = arm.driver.ids.take()
-            ids.append(microbatch)
-            await arm.driver.run_microbatch(microbatch, *batches.next_batch())
-
-    asyncio.run(drive())
+    for i in range(microbatches):
+        arm.clock["t"] = float(i)
+        microbatch = arm.driver.ids.take()
+        ids.append(microbatch)
+        await arm.driver.run_microbatch(microbatch, *batches.next_batch())
     return ids
+
+
+def run(arm: Arm, microbatches: int) -> list[int]:
+    """`drive_training` on a loop of its own."""
+    return asyncio.run(drive_training(arm, microbatches))
 
 
 def shape_of(header: Header) -> tuple[Any, ...]:
@@ -393,12 +395,24 @@ def collusion(
     spots: Liar = check_of_partner,
     unsuspected_first: bool = False,
 ) -> dict[str, Any]:
+    """`collusion_arm`, driven `microbatches` training microbatches in process; its tally."""
+    arm, tally = collusion_arm(scenario, disguised, spots, unsuspected_first)
+    run(arm, microbatches)
+    return tally()
+
+
+def collusion_arm(
+    scenario: str,
+    disguised: bool,
+    spots: Liar = check_of_partner,
+    unsuspected_first: bool = False,
+) -> tuple[Arm, Callable[[], dict[str, Any]]]:
     """Stage 1 has replicas A (the partner), B and C; every answer is spot-checked. "clear": A lies on its
     traffic, B vouches for it, C is honest ("clear_by_input": A spares what it recognises by their input as checks
     of B's answers). "frame": A is honest, B and C lie against it. `spots`: how the colluders recognise a check of
-    A (the flag and id, or the input). Returns convictions per replica (as the original or as the checker), how
-    many checks of A matched, and who was banned. `unsuspected_first`: `SpotCheckConfig.unsuspected_checkers_first`
-    (off by default here, to measure the disguise alone)."""
+    A (the flag and id, or the input). Returns the arm to drive and its tally: convictions per replica (as the
+    original or as the checker), how many checks of A matched, and who was banned. `unsuspected_first`:
+    `SpotCheckConfig.unsuspected_checkers_first` (off by default here, to measure the disguise alone)."""
     arm = always_checked(harness((1, 3, 1), disguised))
     spot = dataclasses.replace(arm.tap.config.spot, unsuspected_checkers_first=unsuspected_first)
     arm.tap.config = dataclasses.replace(arm.tap.config, spot=spot)
@@ -418,18 +432,21 @@ def collusion(
         return verdict
 
     arm.tap.spot_check = recording  # type: ignore[method-assign]
-    run(arm, microbatches)
     names = {a: "A", b: "B", c: "C"}
-    got: dict[str, Any] = {f"{n}_convicted": 0 for n in "ABC"} | {"A_checked": 0, "A_matched": 0}
-    for replica, checker, verdict in verdicts:
-        culprit = {"original": replica, "checker": checker}.get(verdict.culprit or "")
-        if culprit is not None:
-            got[f"{names[culprit]}_convicted"] += 1
-        if replica == a:
-            got["A_checked"] += 1
-            got["A_matched"] += int(verdict.outcome == "match")
-    got["banned"] = sorted(names[p] for p in arm.banned() if p in names)
-    return got
+
+    def tally() -> dict[str, Any]:
+        got: dict[str, Any] = {f"{n}_convicted": 0 for n in "ABC"} | {"A_checked": 0, "A_matched": 0}
+        for replica, checker, verdict in verdicts:
+            culprit = {"original": replica, "checker": checker}.get(verdict.culprit or "")
+            if culprit is not None:
+                got[f"{names[culprit]}_convicted"] += 1
+            if replica == a:
+                got["A_checked"] += 1
+                got["A_matched"] += int(verdict.outcome == "match")
+        got["banned"] = sorted(names[p] for p in arm.banned() if p in names)
+        return got
+
+    return arm, tally
 
 
 def test_marked_checks_let_a_colluder_clear_a_liar_and_frame_the_honest_replica() -> None:
