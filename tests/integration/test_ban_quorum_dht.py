@@ -47,7 +47,8 @@ def _rules(bans_required: int) -> tuple[RunManifest, RunRules]:
 def dht_pair(
     tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[tuple[Any, Any, RunManifest, RunRules]]:
-    manifest, rules = _rules(request.param)
+    # `bans_required` from the test's parameter; 2 (two signatures) when it has none
+    manifest, rules = _rules(getattr(request, "param", 2))
     network = NetworkConfig(listen=(LOOPBACK_LISTEN,), join_timeout_s=20, request_timeout_s=5)
     started = []
     try:
@@ -164,7 +165,6 @@ async def _flood_rounds(
     }
 
 
-@pytest.mark.parametrize("dht_pair", [2], indirect=True)
 @pytest.mark.parametrize("batched", [True, False], ids=["batched-rounds", "all-at-once-control"])
 def test_a_ban_among_a_heartbeat_flood_is_found_over_the_dht(
     dht_pair: tuple[Any, Any, RunManifest, RunRules], batched: bool
