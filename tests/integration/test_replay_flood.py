@@ -82,9 +82,9 @@ async def _scenario(tmp: Path, guard: ReplayGuard) -> dict[str, Any]:
     (server_p2p,) = await start_daemons([tmp / "server.key"], [])
     daemons: list[Any] = []
     server = _server(server_p2p, guard)
-    await server.start()
     target = ids["server"].peer_id
     try:
+        await server.start()
         maddrs = [str(m) for m in await server_p2p.get_visible_maddrs()]
         daemons = await start_daemons([tmp / f"{name}.key" for name in names], maddrs)
         p2p = dict(zip(names, daemons, strict=True))
