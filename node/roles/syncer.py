@@ -125,6 +125,10 @@ class SyncerConfig:
     # reserved chunk by chunk as they arrive and given back once the request was handled or refused; a chunk past
     # the cap refuses its request. Never below 64 MiB (many small fragments) nor one request (a fragment).
     max_fragments_in_flight: int = 2
+    # The global parameters (every fragment's current version) in spill files under <state_dir>/syncer-spill, read a
+    # tensor or a range at a time, instead of in memory: resident memory ~ the process plus a fragment or two, not
+    # the whole model (issue 17; node.diloco.param_store, docs/scale.md). Costs a read of the model per probe pass.
+    params_on_disk: bool = False
     # each contribution checked alone before it merges: finite, norm bound, direction; rollback of a bad outer step
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
 
@@ -679,6 +683,7 @@ def build_core(role: SyncerRole) -> SyncerCore:
         # store, emptied here: a restart resumes from the checkpoint
         spill_dir=role.ctx.config.state_dir / "syncer-spill",
         take_params=True,  # the seed model is ours alone (dropped on return)
+        params_on_disk=role.config.params_on_disk,
         sparse_merge=manifest.outer_codec.codec == "topk",
     )
 
@@ -710,7 +715,8 @@ async def evaluate_global(role: SyncerRole) -> None:
         return
     model, batches = role._eval
     async with role.merge_lock:
-        state = dict(core.params)  # shared: the core never writes a published tensor in place
+        # shared: the core never writes a published tensor in place (on disk: its files, streamed by the pass)
+        state = core.params.view()
         tokens, in_model, merges = core.tokens_merged, core.tokens_in_model, core.merges
 
     def run() -> float:
