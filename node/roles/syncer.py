@@ -662,7 +662,10 @@ def build_core(role: SyncerRole) -> SyncerCore:
 
     manifest = role.ctx.manifest
     cfg = ModelConfig.from_dict(manifest.model)
+    spill_dir = role.ctx.config.state_dir / "syncer-spill"
     model = build_model(cfg, manifest.seed)
+    if role.config.params_on_disk:
+        logger.info("syncer: the global parameters kept on disk (params_on_disk), in %s", spill_dir)
     return SyncerCore(
         role.plan,
         dict(model.named_parameters()),
@@ -681,7 +684,7 @@ def build_core(role: SyncerRole) -> SyncerCore:
         run_id=role.ctx.run_id,
         # older versions and the outer momentum on disk: resident memory ~ the model (docs/scale.md); a working
         # store, emptied here: a restart resumes from the checkpoint
-        spill_dir=role.ctx.config.state_dir / "syncer-spill",
+        spill_dir=spill_dir,
         take_params=True,  # the seed model is ours alone (dropped on return)
         params_on_disk=role.config.params_on_disk,
         sparse_merge=manifest.outer_codec.codec == "topk",
