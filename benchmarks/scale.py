@@ -349,17 +349,23 @@ async def syncer_main(preset: str, queue: Any, stop: Any, params_on_disk: bool =
 
     from node.diloco.screening import ScreeningConfig
     from node.ml.checkpoint import CheckpointStore
-    from node.ml.model import ModelConfig, build_model
+    from node.ml.model import ModelConfig, SeedParameters, build_model
     from node.roles.syncer_rpc import SyncerService
     from protocol.identity import NodeIdentity
 
     run = manifest(preset)
     with tempfile.TemporaryDirectory() as tmp:
         identity = NodeIdentity.load_or_create(Path(tmp) / "syncer.key")
-        model = build_model(ModelConfig.from_dict(run.model), run.seed)
-        params = dict(model.named_parameters())
+        cfg = ModelConfig.from_dict(run.model)
+        # as the node's syncer (node.roles.syncer.build_core): with its params on disk the seed is drawn a tensor
+        # at a time into their files, never whole in memory
+        params = (
+            SeedParameters(cfg, run.seed)
+            if params_on_disk
+            else dict(build_model(cfg, run.seed).named_parameters())
+        )
         core = new_core(run, params, ScreeningConfig(), Path(tmp) / "spill", params_on_disk=params_on_disk)
-        del model, params
+        del params
         host = Host(run, identity, core, build_probe_for(run), params_on_disk=params_on_disk)
         p2p = await P2P.create(identity_path=str(identity.path), check_if_identity_free=False)
         host.p2p = p2p

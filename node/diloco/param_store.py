@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from node.diloco import chunked
 from node.diloco.fragments import FragmentPlan
 from node.diloco.spill import SpillDir, SpilledTensors
 
@@ -180,7 +181,8 @@ class DiskParams(ParamStore):
     on_disk = True
 
     def __init__(self, plan: FragmentPlan, params: Mapping[str, torch.Tensor], spill: SpillDir) -> None:
-        super().__init__(plan, {n: tuple(params[n].shape) for n in plan.names()})
+        # (shapes without reading: `params` may draw each tensor when read, node.ml.model.SeedParameters)
+        super().__init__(plan, {n: chunked.shape(params, n) for n in plan.names()})
         self.spill = spill
         self.streamed = frozenset(self.shapes)
         self._fragment_of = {n: f.index for f in plan.fragments for n in f.names}

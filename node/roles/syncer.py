@@ -658,17 +658,20 @@ def role_status(role: SyncerRole) -> dict[str, Any]:
 
 def build_core(role: SyncerRole) -> SyncerCore:
     """The syncer core at version 0 of the run's model (a checkpoint or a holder's state replaces it later)."""
-    from node.ml.model import ModelConfig, build_model, embedding_param_names
+    from node.ml.model import ModelConfig, SeedParameters, build_model, embedding_param_names
 
     manifest = role.ctx.manifest
     cfg = ModelConfig.from_dict(manifest.model)
     spill_dir = role.ctx.config.state_dir / "syncer-spill"
-    model = build_model(cfg, manifest.seed)
     if role.config.params_on_disk:
+        # written to their files a tensor at a time: the seed model is never whole in memory
         logger.info("syncer: the global parameters kept on disk (params_on_disk), in %s", spill_dir)
+        params: Mapping[str, torch.Tensor] = SeedParameters(cfg, manifest.seed)
+    else:
+        params = dict(build_model(cfg, manifest.seed).named_parameters())
     return SyncerCore(
         role.plan,
-        dict(model.named_parameters()),
+        params,
         quorum=quorum_config(manifest.diloco, max_grace_s=role.config.max_grace_s),
         embedding_names=embedding_param_names(cfg),
         outer_lr=manifest.diloco.outer_lr,
