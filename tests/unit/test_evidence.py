@@ -27,7 +27,7 @@ from node.diloco.screening import ContributionScreen, ScreeningConfig
 from node.diloco.syncer_core import MergeRecord
 from tests.unit.test_loss_probe import Harness, Tensors, trained
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("params_mode")]
+pytestmark = pytest.mark.timeout(60)
 
 
 def warm(weight: EvidenceWeight, slopes: list[float], fragment: int = 0) -> None:
