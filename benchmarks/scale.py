@@ -34,7 +34,7 @@ file there a chunk at a time, the outer step overwrites it with the new version,
 one it replaces is dropped; the checkpoint is streamed. What is left over the goal is the process itself (torch and
 transformers: ~0.4 GiB) and the push being accepted (one fragment); docs/scale.md has the breakdown.
 
-Run: `python -m benchmarks.scale` (everything; the 1B part needs ~8 GiB free), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs), `--only-round --model llama-350m` (one model's merge round into the existing JSON, keys suffixed by the model unless it is the headline's), `--only-data` (the data part into the existing JSON).
+Run: `python -m benchmarks.scale` (everything; the 1B part needs ~8 GiB free), `--quick` (llama-124m round only), `--model llama-tiny --out DIR` (what the unit test runs), `--only-round --model llama-350m` (one model's merge round into the existing JSON, keys suffixed by the model unless it is the headline's; with `--params-on-disk` the syncer keeps its global parameters on disk, keys further suffixed `_params_on_disk`), `--only-data` (the data part into the existing JSON).
 """
 
 from __future__ import annotations
@@ -181,7 +181,9 @@ def learnable_batch(vocab: int, rows: int, seed: int, tokens: int = SEQ) -> tupl
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def new_core(run: Any, params: Any, screening: Any, spill_dir: Path | None) -> Any:
+def new_core(
+    run: Any, params: Any, screening: Any, spill_dir: Path | None, *, params_on_disk: bool = False
+) -> Any:
     import time as _time
 
     from node.diloco.quorum import QuorumConfig
@@ -205,6 +207,7 @@ def new_core(run: Any, params: Any, screening: Any, spill_dir: Path | None) -> A
         screening=screening,
         spill_dir=spill_dir,  # as the node's syncer: older versions and momentum on disk
         take_params=True,  # as the node's syncer: the seed model is handed over, not copied
+        params_on_disk=params_on_disk,  # `[syncer] params_on_disk` (node.diloco.param_store)
     )
 
 
@@ -215,7 +218,9 @@ class Host:
     """What `SyncerService` reads of the syncer role (node.roles.syncer_rpc.SyncerHost), with every caller taken
     as a live learner: the benchmark measures memory and transfer, not membership."""
 
-    def __init__(self, run: Any, identity: Any, core: Any, probe: Any) -> None:
+    def __init__(
+        self, run: Any, identity: Any, core: Any, probe: Any, *, params_on_disk: bool = False
+    ) -> None:
         from node.context import NodeMetrics
         from node.diloco.screening import ScreeningConfig
         from node.diloco.sync_client import fragment_limits, run_fragment_plan
@@ -231,7 +236,7 @@ class Host:
             events=events,
             metrics=NodeMetrics(),  # the service counts admission refusals on /metrics
         )
-        self.config = SyncerConfig(screening=ScreeningConfig())
+        self.config = SyncerConfig(screening=ScreeningConfig(), params_on_disk=params_on_disk)
         self.mode, self.term, self.primary, self.active = "decoupled", 1, None, True
         self.plan = run_fragment_plan(run)
         self.limits = fragment_limits(self.plan)
@@ -339,22 +344,29 @@ async def merge_until(host: Host, stop: Any, merges: list[Any]) -> None:
         await asyncio.sleep(0.05)
 
 
-async def syncer_main(preset: str, queue: Any, stop: Any) -> None:
+async def syncer_main(preset: str, queue: Any, stop: Any, params_on_disk: bool = False) -> None:
     from hivemind.p2p import P2P
 
     from node.diloco.screening import ScreeningConfig
     from node.ml.checkpoint import CheckpointStore
-    from node.ml.model import ModelConfig, build_model
+    from node.ml.model import ModelConfig, SeedParameters, build_model
     from node.roles.syncer_rpc import SyncerService
     from protocol.identity import NodeIdentity
 
     run = manifest(preset)
     with tempfile.TemporaryDirectory() as tmp:
         identity = NodeIdentity.load_or_create(Path(tmp) / "syncer.key")
-        model = build_model(ModelConfig.from_dict(run.model), run.seed)
-        core = new_core(run, dict(model.named_parameters()), ScreeningConfig(), Path(tmp) / "spill")
-        del model
-        host = Host(run, identity, core, build_probe_for(run))
+        cfg = ModelConfig.from_dict(run.model)
+        # as the node's syncer (node.roles.syncer.build_core): with its params on disk the seed is drawn a tensor
+        # at a time into their files, never whole in memory
+        params = (
+            SeedParameters(cfg, run.seed)
+            if params_on_disk
+            else dict(build_model(cfg, run.seed).named_parameters())
+        )
+        core = new_core(run, params, ScreeningConfig(), Path(tmp) / "spill", params_on_disk=params_on_disk)
+        del params
+        host = Host(run, identity, core, build_probe_for(run), params_on_disk=params_on_disk)
         p2p = await P2P.create(identity_path=str(identity.path), check_if_identity_free=False)
         host.p2p = p2p
         service = SyncerService(host)  # type: ignore[arg-type]
@@ -533,7 +545,7 @@ def _child(kind: str, preset: str, queue: Any, extra: Any) -> None:
 
     torch.set_num_threads(1)  # two cores, three processes
     if kind == "syncer":
-        asyncio.run(syncer_main(preset, queue, extra))
+        asyncio.run(syncer_main(preset, queue, *extra))
     elif kind == "learner":
         asyncio.run(learner_main(preset, extra[0], queue, extra[1]))
     elif kind == "joiner":
@@ -555,11 +567,14 @@ def result_of(queue: Any, child: Any, timeout_s: float) -> dict[str, Any]:
     raise TimeoutError(f"no result from {child.name} within {timeout_s:.0f} s")
 
 
-def merge_round(preset: str, max_steps: int, timeout_s: float) -> dict[str, Any]:
-    """The llama-124m round: syncer, learner, then the late joiner, each its own process."""
+def merge_round(
+    preset: str, max_steps: int, timeout_s: float, *, params_on_disk: bool = False
+) -> dict[str, Any]:
+    """The llama-124m round: syncer, learner, then the late joiner, each its own process; `params_on_disk`: the
+    syncer keeps its global parameters in spill files (`[syncer] params_on_disk`)."""
     ctx = mp.get_context("spawn")
     queue, stop = ctx.Queue(), ctx.Event()
-    syncer = ctx.Process(target=_child, args=("syncer", preset, queue, stop))
+    syncer = ctx.Process(target=_child, args=("syncer", preset, queue, (stop, params_on_disk)))
     syncer.start()
     try:
         info = queue.get(timeout=timeout_s)
@@ -1002,10 +1017,11 @@ def only_core(args: argparse.Namespace, out: Path) -> int:
 def only_round(args: argparse.Namespace, out: Path) -> int:
     """Rerun the merge round of `--model` (syncer, learner and late joiner processes) alone into an existing results
     JSON: for the headline's model into `round` and the headline's keys, for another model into keys of its own
-    (`round_llama-350m`, headline `syncer_peak_gib_llama-350m`, ...)."""
+    (`round_llama-350m`, headline `syncer_peak_gib_llama-350m`, ...); with `--params-on-disk` (the syncer's global
+    parameters in spill files) every key further suffixed `_params_on_disk`."""
     path = out / f"{NAME}.json"
     payload = json.loads(path.read_text())
-    rnd = merge_round(args.model, args.max_steps, timeout_s=1800)
+    rnd = merge_round(args.model, args.max_steps, timeout_s=1800, params_on_disk=args.params_on_disk)
     size = sizes(manifest(args.model))
     syncer, learner = rnd["syncer"], rnd["learner"]
     keys = {
@@ -1016,13 +1032,13 @@ def only_round(args: argparse.Namespace, out: Path) -> int:
         "state_transfer_s": rnd["joiner"]["state_transfer_s"],
     }
     same = args.model == payload["headline"]["model"]
-    suffix = "" if same else f"_{args.model}"
+    suffix = ("" if same else f"_{args.model}") + ("_params_on_disk" if args.params_on_disk else "")
     payload[f"round{suffix}"] = rnd
     payload["headline"].update({key + suffix: value for key, value in keys.items()})
-    if not same:
+    if not same and not args.params_on_disk:
         payload["headline"][f"model_gib{suffix}"] = round(size["model_bytes"] / GiB, 3)
         payload["headline"][f"fragment_gib{suffix}"] = round(size["fragment_bytes"] / GiB, 3)
-    elif args.model == "llama-124m":
+    elif args.model == "llama-124m" and not suffix:
         payload["headline"]["state_transfer_s_124m"] = keys["state_transfer_s"]
     payload[f"measured_at_round{suffix}"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
@@ -1152,6 +1168,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only-round", action="store_true", help="rerun the --model merge round into the existing JSON"
+    )
+    parser.add_argument(
+        "--params-on-disk",
+        action="store_true",
+        help="with --only-round: the syncer keeps its global parameters on disk ([syncer] params_on_disk)",
     )
     parser.add_argument(
         "--only-data",

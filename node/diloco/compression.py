@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from node.diloco import chunked
 from node.diloco.fragments import FragmentPlan
 from protocol.codec import TensorLimits
 from protocol.compress import (
@@ -256,7 +257,7 @@ def decode_contribution(
             f"a {spec.codec} contribution carries exactly one {DELTA_TENSOR!r} tensor, got {sorted(tensors)[:4]}",
             reason=BAD_HEADER,
         )
-    numel = sum(math.prod(base[name].shape) for name in names)
+    numel = sum(math.prod(chunked.shape(base, name)) for name in names)
     limits = TensorLimits(max_bytes=max(4 * numel, 1), max_rank=1, max_dim=max(numel, 1))
     delta = decode(header_from_meta(meta), tensors[DELTA_TENSOR], limits, expect=spec, mask=mask)
     if delta.numel() != numel:

@@ -221,7 +221,7 @@ class _Grad:
     def __init__(
         self, global_params: Mapping[str, torch.Tensor], names: Sequence[str], spill: SpillDir | None
     ) -> None:
-        layout = [(n, tuple(global_params[n].shape)) for n in names]
+        layout = [(n, chunked.shape(global_params, n)) for n in names]
         self.file: SpilledTensors | None = None
         self.tensors: Mapping[str, torch.Tensor]
         if spill is None:
@@ -256,7 +256,7 @@ class _Parts:
     ) -> None:
         self.global_params, self.weighted, self.name, self.trim = global_params, weighted, name, trim
         self.sparse = sparse
-        self.shape = tuple(global_params[name].shape)
+        self.shape = chunked.shape(global_params, name)
 
     def chunks(self) -> Iterator[tuple[int, int, list[torch.Tensor]]]:
         """(start, stop, the contributions' delta values there) for each chunk of the tensor."""
@@ -330,14 +330,15 @@ def _delta_norm(
 ) -> tuple[float, str | None]:
     """The norm of the contribution's whole-fragment delta (float64, as `norms.norm`), or why it is malformed."""
     terms: list[float] = []
-    for name, base in global_params.items():
-        theirs = chunked.shape(contribution.params, name)
-        if theirs != tuple(base.shape):
-            return 0.0, f"{name}: shape {theirs} != {tuple(base.shape)}"
+    # (the global parameters may be files: their shapes only, their values a chunk at a time)
+    for name in global_params:
+        theirs, shape = chunked.shape(contribution.params, name), chunked.shape(global_params, name)
+        if theirs != shape:
+            return 0.0, f"{name}: shape {theirs} != {shape}"
         if not chunked.is_float(contribution.params, name):
             return 0.0, f"{name}: dtype {contribution.params[name].dtype} is not floating point"
         tensor: list[float] = []
-        for start, stop in chunked.ranges(base.numel()):
+        for start, stop in chunked.ranges(math.prod(shape)):
             delta = chunked.delta_piece(global_params, contribution.params, name, start, stop)
             if not bool(torch.isfinite(delta).all()):
                 return 0.0, f"{name}: non-finite values"

@@ -159,7 +159,7 @@ class OuterNesterov:
     ) -> None:
         for name in outer_grad:
             shape = chunked.shape(outer_grad, name)
-            if name not in global_params or shape != tuple(global_params[name].shape):
+            if name not in global_params or shape != chunked.shape(global_params, name):
                 raise ValueError(f"outer_grad {name!r} is not a parameter of this shape")
             grad = outer_grad[name] if in_memory else None
             if grad is not None and (grad.dtype != torch.float32 or not grad.is_contiguous()):

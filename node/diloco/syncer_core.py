@@ -30,6 +30,7 @@ from node.diloco.learner_ledger import contribution_digest
 from node.diloco.loss_probe import LossScore
 from node.diloco.merge import Contribution, MergeResult, NothingToMerge, merge_fragment
 from node.diloco.outer import NonFiniteStep, OuterNesterov
+from node.diloco.param_store import Entry, MemoryParams, ParamStore, fragment_bytes, new_store
 from node.diloco.quorum import QuorumConfig, QuorumPolicy
 from node.diloco.receipts import ReceiptLedger
 from node.diloco.screening import ContributionScreen, ScreeningConfig, ScreenUpdate
@@ -50,9 +51,6 @@ if TYPE_CHECKING:
     from protocol.receipts import TokenReceipt
 
 logger = logging.getLogger(__name__)
-_DROPPED = torch.empty(
-    0
-)  # stands in for a tensor of the core's params while its replacement is read (`_swap_in`)
 MAX_STEP_TIME_S = 600.0  # a self-reported step time above this is nonsense; it only feeds the grace EMA
 
 
@@ -314,7 +312,7 @@ class SpilledVersions(Mapping[int, Mapping[str, torch.Tensor]]):
     spill directory, a mapping that reads a tensor (a fresh copy per read: hold it no longer than needed) or a chunk
     (node.diloco.chunked) when asked for."""
 
-    def __init__(self, entries: Mapping[int, dict[str, torch.Tensor] | str], spill: SpillDir | None) -> None:
+    def __init__(self, entries: Mapping[int, Entry], spill: SpillDir | None) -> None:
         self._entries, self._spill = entries, spill
 
     def __getitem__(self, version: int) -> Mapping[str, torch.Tensor]:
@@ -351,7 +349,7 @@ class VersionHistory:
         self.published_at: dict[tuple[int, int], float] = {}
         self.restored_at = now  # work on a version of unknown date is capped from here
         # fragment -> version -> its tensors, or the key of its file in `spill`
-        self.tensors: dict[int, dict[int, dict[str, torch.Tensor] | str]] = {}
+        self.tensors: dict[int, dict[int, Entry]] = {}
         self.merged_here = [False] * num_fragments
         self.dated = [False] * num_fragments
         self.ours: set[tuple[int, int]] = set()  # (fragment, version) published by one of our merges
@@ -378,8 +376,9 @@ class VersionHistory:
 
     def spill_now(self, fragment: int, tensors: Mapping[str, torch.Tensor]) -> str | None:
         """Write a version about to be replaced to the spill directory (in the merge's worker thread, so that its
-        commit need not): the key `publish` takes as `spilled`; None without a spill directory."""
-        if self.spill is None:
+        commit need not): the key `publish` takes as `spilled`; None without a spill directory, or for a version
+        already in a file (the global parameters on disk, node.diloco.param_store: nothing to copy)."""
+        if self.spill is None or isinstance(tensors, SpilledTensors):
             return None
         key = self.spill.new_key(f"version-{fragment}")
         self.spill.write(key, tensors)
@@ -389,14 +388,15 @@ class VersionHistory:
         self,
         fragment: int,
         version: int,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor] | str,
         now: float,
         *,
         spilled: str | None = None,
         context: Sequence[int] = (),
     ) -> None:
-        """One of our merges published `version`; `spilled`: the file of `version - 1` (`spill_now`), if written;
-        `context`: every fragment's version then (this one's `version`)."""
+        """One of our merges published `version` (its tensors, or the key of its file: the global parameters on
+        disk); `spilled`: the file of `version - 1` (`spill_now`), if written; `context`: every fragment's version
+        then (this one's `version`)."""
         self.published_at[(fragment, version)] = now
         self.published_at.pop((fragment, version - self.max_staleness - 2), None)
         if context:
@@ -407,9 +407,12 @@ class VersionHistory:
         self.dated[fragment] = self.merged_here[fragment]
         self.merged_here[fragment] = True
         history = self.tensors.setdefault(fragment, {})
-        history[version] = dict(tensors)
+        history[version] = tensors if isinstance(tensors, str) else dict(tensors)
         for old in [v for v in history if v < version - self.max_staleness]:
-            self.discard(history.pop(old))
+            entry = history.pop(old)
+            # a void round's version is its predecessor's file: that file goes with the last version that has it
+            if not (isinstance(entry, str) and entry in history.values()):
+                self.discard(entry)
         if spilled is not None and isinstance(history.get(version - 1), dict):
             history[version - 1] = spilled
         elif spilled is not None:
@@ -426,10 +429,13 @@ class VersionHistory:
         else:
             self.discard(spilled)
 
-    def _spill_older(self, history: dict[int, dict[str, torch.Tensor] | str], version: int) -> None:
-        """Older versions still in memory go to files, unless they are the current tensors (a void round)."""
+    def _spill_older(self, history: dict[int, Entry], version: int) -> None:
+        """Older versions still in memory go to files, unless they are the current tensors (a void round); with
+        the current version in a file (the global parameters on disk) every version is in one already."""
         current = history[version]
-        assert self.spill is not None and isinstance(current, dict)
+        assert self.spill is not None
+        if isinstance(current, str):
+            return
         for old, entry in list(history.items()):
             if old == version or isinstance(entry, str):
                 continue
@@ -439,7 +445,7 @@ class VersionHistory:
             self.spill.write(key, entry)
             history[old] = key
 
-    def discard(self, entry: dict[str, torch.Tensor] | str | None) -> None:
+    def discard(self, entry: Entry | None) -> None:
         if isinstance(entry, str) and self.spill is not None:
             self.spill.delete(entry)
 
@@ -448,19 +454,17 @@ class VersionHistory:
             for entry in self.tensors.get(fragment, {}).values():
                 self.discard(entry)
 
-    def replace(
-        self, fragment: int, version: int, tensors: Mapping[str, torch.Tensor], published_at: float
-    ) -> None:
+    def replace(self, fragment: int, version: int, tensors: Entry, published_at: float) -> None:
         """An earlier syncer's `version` was adopted: the only one of the fragment known now, undated."""
         self.published_at[(fragment, version)] = published_at
         self._drop_all([fragment])
         self.ours = {key for key in self.ours if key[0] != fragment}
         self.contexts = {key: c for key, c in self.contexts.items() if key[0] != fragment}
-        self.tensors[fragment] = {version: dict(tensors)}
+        self.tensors[fragment] = {version: tensors if isinstance(tensors, str) else dict(tensors)}
         self.merged_here[fragment] = False
         self.dated[fragment] = False
 
-    def reset(self, current: Sequence[tuple[int, dict[str, torch.Tensor]]], now: float) -> None:
+    def reset(self, current: Sequence[tuple[int, Entry]], now: float) -> None:
         """After a restore: only the current (version, tensors) of each fragment are known, none of ours."""
         self.published_at.clear()
         self.ours.clear()
@@ -622,8 +626,7 @@ class CoreState:
     (its base) to keep each class readable; `SyncerCore.__init__` sets every attribute declared here."""
 
     plan: FragmentPlan
-    params: dict[str, torch.Tensor]
-    shapes: dict[str, tuple[int, ...]]
+    params: ParamStore  # the global parameters, in memory or on disk (node.diloco.param_store)
     outer: OuterNesterov
     spilled: SpilledMomentum | None
     versions: list[int]
@@ -635,12 +638,16 @@ class CoreState:
     seniority: Seniority
     _ledger: MergedLedger
 
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.params.shapes
+
     def check_contribution(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
         """Raise MalformedFrame unless `params` are exactly the fragment's tensors, shapes and float dtypes."""
         check_shape(self.plan, self.shapes, fragment, params)
 
-    def _current(self) -> list[tuple[int, dict[str, torch.Tensor]]]:
-        return [(v, self.fragment_tensors(f)) for f, v in enumerate(self.versions)]
+    def _current(self) -> list[tuple[int, Entry]]:
+        return [(v, self.params.entry(f)) for f, v in enumerate(self.versions)]
 
     def version_ages(self, now: float) -> list[float]:
         """Per fragment, seconds since its current version was published by one of our merges; -1.0 when it
@@ -659,8 +666,9 @@ class CoreState:
     def load_ledger(self, ledger: tuple[tuple[str, int, int, int, int], ...], now: float) -> None:
         self._ledger.load(ledger, self.plan.num_fragments, now)
 
-    def fragment_tensors(self, fragment: int) -> dict[str, torch.Tensor]:
-        return {n: self.params[n] for n in self.plan.fragments[fragment].names}
+    def fragment_tensors(self, fragment: int) -> Mapping[str, torch.Tensor]:
+        """The fragment's current tensors: in memory, or its file (read a tensor or a chunk at a time)."""
+        return self.params.fragment(fragment)
 
     def fragment_momentum(self, fragment: int) -> dict[str, torch.Tensor]:
         if self.spilled is not None:
@@ -684,12 +692,11 @@ class CoreState:
         self.check_contribution(fragment, params)
         if not all(bool(torch.isfinite(t).all()) for t in params.values()):
             return False
-        for name, tensor in params.items():
-            self.params[name] = tensor.detach().to(torch.float32).clone()
+        self.params.put(fragment, params)
         self.versions[fragment] = version
         self.rounds.pop(fragment, None)  # its contributions were built on older versions
         at = now if published_at is None else min(now, published_at)
-        self.history.replace(fragment, version, self.fragment_tensors(fragment), at)
+        self.history.replace(fragment, version, self.params.entry(fragment), at)
         return True
 
     def snapshot(self, run_id: str, term: int, *, wall_offset: float | None = None) -> SyncerSnapshot:
@@ -699,12 +706,13 @@ class CoreState:
         The tensors are shared, not copied: the core never writes a published tensor or a momentum buffer in
         place (a merge, an adoption, a restore put new ones in), so the snapshot keeps the state it was taken at
         while a checkpoint is written from it in a thread. Copies were two more models in memory at every
-        checkpoint (docs/scale.md). Whoever holds a snapshot must not write into its tensors."""
+        checkpoint (docs/scale.md). Whoever holds a snapshot must not write into its tensors. With the parameters on
+        disk the snapshot's are their files, pinned (node.diloco.param_store `FilesView`)."""
         return SyncerSnapshot(
             run_id=run_id,
             term=term,
             versions=tuple(self.versions),
-            params=dict(self.params),
+            params=self.params.view(),
             momentum=self.spilled.view() if self.spilled is not None else self.outer.state_dict(share=True),
             merges=self.merges,
             tokens_merged=self.tokens_merged,
@@ -723,9 +731,7 @@ class CoreState:
     def restore(self, snapshot: SyncerSnapshot, now: float, *, wall_offset: float | None = None) -> None:
         if len(snapshot.versions) != self.plan.num_fragments or set(snapshot.params) != set(self.params):
             raise ValueError("snapshot does not fit this run's plan")
-        # shared with the snapshot, not copied: neither side writes a tensor in place (see `snapshot`); a copy
-        # was one model more at every restore
-        self.params = {n: _owned(t, copy=False) for n, t in snapshot.params.items()}
+        self.params.load(snapshot.params)
         self.versions = list(snapshot.versions)
         self.history.reset(self._current(), now)  # (first: it drops the tensors the restore replaced)
         if self.spilled is None:
@@ -767,19 +773,19 @@ class SyncerCore(CoreState):
         run_id: str = "",  # what admission proofs are bound to
         spill_dir: Path | None = None,  # None: all state in memory; else older versions and momentum on disk
         take_params: bool = False,  # the caller hands `params` over (never uses them again): no copy
+        params_on_disk: bool = False,  # the global parameters in the spill directory too (needs `spill_dir`)
         sparse_merge: bool = False,  # a top-k outer codec: winsorize among the coordinates sent (merge_fragment)
     ) -> None:
         missing = set(plan.names()) - set(params)
         if missing:
             raise ValueError(f"params lack {len(missing)} planned tensors, e.g. {sorted(missing)[:2]}")
         self.plan = plan
+        spill = SpillDir(spill_dir) if spill_dir is not None else None
         # a copy unless handed over: the seed model built and then copied was 2 models at the syncer's start
-        self.params = {n: _owned(params[n], copy=not take_params) for n in plan.names()}
-        self.shapes = {n: tuple(t.shape) for n, t in self.params.items()}
+        self.params = new_store(plan, params, spill=spill, on_disk=params_on_disk, copy=not take_params)
         self.policy = QuorumPolicy(quorum)
         self.embedding_names = frozenset(embedding_names)
         self.outer = OuterNesterov(outer_lr, outer_momentum)
-        spill = SpillDir(spill_dir) if spill_dir is not None else None
         fragments = [f.names for f in plan.fragments]
         # with a spill directory the momentum is in files (`self.outer` only steps), else in `self.outer`
         self.spilled = SpilledMomentum(spill, fragments) if spill is not None else None
@@ -1068,37 +1074,12 @@ class SyncerCore(CoreState):
         self, fragment: int, new_params: Mapping[str, torch.Tensor], now: float, *, spilled: str | None = None
     ) -> int:
         """Our merge's parameters become the fragment's next version (kept while contributions may build on it)."""
-        if isinstance(new_params, SpilledTensors):
-            assert spilled is not None  # a merge writes its new version to a file only with a spill directory
-            new_params, spilled = self._swap_in(fragment, new_params, spilled), None
-        self.params.update(new_params)
+        entry, spilled = self.params.publish(
+            fragment, new_params, self.history, self.versions[fragment], spilled
+        )
         version = self.versions[fragment] = self.versions[fragment] + 1
-        self.history.publish(fragment, version, new_params, now, spilled=spilled, context=self.versions)
+        self.history.publish(fragment, version, entry, now, spilled=spilled, context=self.versions)
         return version
-
-    def _swap_in(self, fragment: int, new: SpilledTensors, spilled: str) -> dict[str, torch.Tensor]:
-        """The new version read from its file, each tensor only after the core dropped the one it replaces (the
-        replaced version goes to its file `spilled` in the history first): the commit adds no fragment-sized buffer
-        to the core (issue 17; a snapshot or a probe still holding the old tensors keeps them alive, unchanged).
-        A failed read puts the replaced version back from its file and raises."""
-        names = self.plan.fragments[fragment].names
-        self.history.retire(fragment, self.versions[fragment], spilled)
-        fresh: dict[str, torch.Tensor] = {}
-        try:
-            for name in names:
-                # dropped in place (the history's reference went with `retire`): the dict keeps its order
-                self.params[name] = _DROPPED
-                fresh[name] = self.params[name] = new[name]
-        except BaseException:
-            old = self.history.at(fragment, self.versions[fragment])
-            assert old is not None
-            for name in names:
-                self.params[name] = _DROPPED
-                self.params[name] = old[name]
-            self.history.tensors[fragment][self.versions[fragment]] = self.fragment_tensors(fragment)
-            self.history.discard(spilled)
-            raise
-        return fresh
 
     def _drop_missed(self, fragment: int) -> None:
         """After a merge, contributions that arrived during it on the version it replaced missed that round:
@@ -1143,12 +1124,6 @@ class SyncerCore(CoreState):
         return self._schedule.estimate(now, self.policy.xi_step or 0.0, max_age_s)
 
     # ---- versions, adoption, snapshots ----
-
-
-def _owned(tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
-    """`tensor` as the core's own float32 CPU tensor: copied, or (handed over) converted only if it must be."""
-    out = tensor.detach().to("cpu", torch.float32)
-    return out.clone() if copy else out
 
 
 def wire_params(
@@ -1242,19 +1217,25 @@ def probe_context(core: SyncerCore, fragment: int, base_version: int) -> ProbeCo
     bigger than that is scored in today's tensors for those fragments: issue 17's memory bound); a version no
     longer held, and a base we did not publish (restored, adopted), take today's tensors, as before. (The probe's
     forward reads spilled ones by range, not whole: the budget bounds the reading time, not memory.)"""
-    tensors, versions = dict(core.params), list(core.versions)
+    # the global parameters on disk: their files, pinned, streamed as the spilled versions are
+    store = core.params
+    tensors = dict(store.tensors) if isinstance(store, MemoryParams) else {}
+    current = (
+        [] if isinstance(store, MemoryParams) else [store.fragment(f) for f in range(core.plan.num_fragments)]
+    )
+    versions = list(core.versions)
     vector = core.history.contexts.get((fragment, base_version))
     config = core.screen.config
     if vector is None or not config.loss_base_context:
-        return ProbeContext(tensors, tuple(versions))
-    budget, spilled = config.loss_context_read_mib * 2**20, []
+        return ProbeContext(tensors, tuple(versions), tuple(current))
+    budget, spilled = config.loss_context_read_mib * 2**20, current
     for other, version in enumerate(vector):
         held = core.history.tensors.get(other, {}).get(version) if version != versions[other] else None
         if isinstance(held, dict):
             tensors.update(held)
             versions[other] = version
         elif isinstance(held, str) and core.history.spill is not None:
-            size = 4 * sum(core.params[name].numel() for name in core.plan.fragments[other].names)
+            size = fragment_bytes(core.params, other)
             if size <= budget:
                 budget -= size
                 spilled.append(SpilledTensors(core.history.spill, held, pinned=True))
@@ -1461,13 +1442,14 @@ def read_in(core: SyncerCore, prepared: PreparedMerge) -> PreparedMerge:
     fragment: 0.25-1 GiB at llama-1b) does not stall the event loop; while it runs the fragment's tensors are
     half swapped, so the caller keeps every other user of the core off until `commit_merge` has run
     (`node.roles.syncer.commit`)."""
-    if not isinstance(prepared.new_params, SpilledTensors):
+    if not isinstance(prepared.new_params, SpilledTensors) or not isinstance(core.params, MemoryParams):
+        # (with the parameters on disk the new version's file becomes the current one as it is: nothing to read)
         return prepared
     _check_unchanged(core, prepared)
-    assert (
-        prepared.spilled is not None
-    )  # a merge writes its new version to a file only with a spill directory
-    fresh = core._swap_in(prepared.fragment, prepared.new_params, prepared.spilled)
+    # a merge writes its new version to a file only with a spill directory
+    assert prepared.spilled is not None
+    fragment, version = prepared.fragment, core.versions[prepared.fragment]
+    fresh = core.params.swap_in(fragment, prepared.new_params, core.history, version, prepared.spilled)
     # in the params already, the old version retired to its file: `_publish` takes it as a merge in memory
     return dataclasses.replace(prepared, new_params=fresh, spilled=None)
 

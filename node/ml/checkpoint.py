@@ -49,7 +49,8 @@ class SyncerSnapshot:
     run_id: str
     term: int
     versions: tuple[int, ...]
-    params: dict[str, torch.Tensor]
+    # tensors, or read lazily when on disk (node.diloco.param_store `FilesView`, with `shape_of`)
+    params: Mapping[str, torch.Tensor]
     # keys as OuterNesterov.state_dict gives them (STATE_PREFIX + name); read lazily when on disk (node.diloco.spill)
     momentum: Mapping[str, torch.Tensor]
     merges: int = 0
@@ -188,11 +189,13 @@ def _layout(snapshot: SyncerSnapshot) -> list[tuple[str, tuple[int, ...]]]:
     """(key, shape) of every tensor the checkpoint holds, in the order they are written: the momentum's shapes
     are its parameters' (checked on load), so a momentum read from disk (node.diloco.spill) is read only once,
     while it is written."""
-    layout = [(PARAM_PREFIX + name, tuple(t.shape)) for name, t in snapshot.params.items()]
+    params = snapshot.params
+    shape_of = getattr(params, "shape_of", None) or (lambda name: tuple(params[name].shape))
+    layout = [(PARAM_PREFIX + name, tuple(shape_of(name))) for name in params]
     for key in snapshot.momentum:
-        param = snapshot.params.get(key[len(STATE_PREFIX) :])
-        shape = tuple(param.shape) if param is not None else tuple(snapshot.momentum[key].shape)
-        layout.append((key, shape))
+        name = key[len(STATE_PREFIX) :]
+        shape = shape_of(name) if name in params else tuple(snapshot.momentum[key].shape)
+        layout.append((key, tuple(shape)))
     return layout
 
 

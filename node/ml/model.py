@@ -466,22 +466,57 @@ def init_parameters(module: _LayerSpan, seed: int) -> None:
     gains 1, biases 0. Keying by name (not by draw order) is what makes a stage's values equal the full
     model's."""
     for name, param in module.named_parameters():
-        if param.dim() >= 2:
-            generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name))
-            if param.dtype == torch.float32 and param.is_contiguous():
-                # drawn in place, the same values: a float32 draw copied over was the largest tensor once more
-                # at every build (a llama-1b embedding: 0.25 GiB of a syncer's start, issue 17)
-                param.normal_(0.0, _init_std(name, module.cfg), generator=generator)
-                continue
+        if param.dim() >= 2 and not (param.dtype == torch.float32 and param.is_contiguous()):
             values = torch.empty(param.shape, dtype=torch.float32)
-            values.normal_(0.0, _init_std(name, module.cfg), generator=generator)
+            _fill_initial(name, values, module.cfg, seed)
             param.copy_(values)
-        elif name.endswith(".bias"):
-            param.zero_()
-        elif name.endswith(".weight"):
-            param.fill_(1.0)
         else:
-            raise AssertionError(f"no init rule for {name}")
+            # drawn in place, the same values: a float32 draw copied over was the largest tensor once more at
+            # every build (a llama-1b embedding: 0.25 GiB of a syncer's start, issue 17)
+            _fill_initial(name, param, module.cfg, seed)
+
+
+@torch.no_grad()
+def _fill_initial(name: str, out: torch.Tensor, cfg: ModelConfig, seed: int) -> None:
+    """`init_parameters`' rule for one tensor, written into `out`."""
+    if out.dim() >= 2:
+        generator = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name))
+        out.normal_(0.0, _init_std(name, cfg), generator=generator)
+    elif name.endswith(".bias"):
+        out.zero_()
+    elif name.endswith(".weight"):
+        out.fill_(1.0)
+    else:
+        raise AssertionError(f"no init rule for {name}")
+
+
+class SeedParameters(Mapping[str, torch.Tensor]):
+    """The seed model's parameters by name (those of `build_model(cfg, seed)`, from the same per-name generators),
+    each drawn when read and none held: a syncer that keeps its parameters on disk writes them a tensor at a time
+    (`[syncer] params_on_disk`) instead of building the whole model first (issue 17)."""
+
+    def __init__(self, cfg: ModelConfig, seed: int) -> None:
+        with torch.device("meta"):
+            skeleton = CausalLM(cfg)
+        self.cfg, self.seed = cfg, seed
+        self.shapes = {name: tuple(p.shape) for name, p in skeleton.named_parameters()}
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        out = torch.empty(self.shapes[name], dtype=torch.float32)
+        _fill_initial(name, out, self.cfg, self.seed)
+        return out
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.shapes
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
 
 
 def _materialize(module: _LayerSpan, seed: int) -> None:

@@ -125,6 +125,10 @@ class SyncerConfig:
     # reserved chunk by chunk as they arrive and given back once the request was handled or refused; a chunk past
     # the cap refuses its request. Never below 64 MiB (many small fragments) nor one request (a fragment).
     max_fragments_in_flight: int = 2
+    # The global parameters (every fragment's current version) in spill files under <state_dir>/syncer-spill, read a
+    # tensor or a range at a time, instead of in memory: resident memory ~ the process plus a fragment or two, not
+    # the whole model (issue 17; node.diloco.param_store, docs/scale.md). Costs a read of the model per probe pass.
+    params_on_disk: bool = False
     # each contribution checked alone before it merges: finite, norm bound, direction; rollback of a bad outer step
     screening: ScreeningConfig = field(default_factory=ScreeningConfig)
 
@@ -654,14 +658,20 @@ def role_status(role: SyncerRole) -> dict[str, Any]:
 
 def build_core(role: SyncerRole) -> SyncerCore:
     """The syncer core at version 0 of the run's model (a checkpoint or a holder's state replaces it later)."""
-    from node.ml.model import ModelConfig, build_model, embedding_param_names
+    from node.ml.model import ModelConfig, SeedParameters, build_model, embedding_param_names
 
     manifest = role.ctx.manifest
     cfg = ModelConfig.from_dict(manifest.model)
-    model = build_model(cfg, manifest.seed)
+    spill_dir = role.ctx.config.state_dir / "syncer-spill"
+    if role.config.params_on_disk:
+        # written to their files a tensor at a time: the seed model is never whole in memory
+        logger.info("syncer: the global parameters kept on disk (params_on_disk), in %s", spill_dir)
+        params: Mapping[str, torch.Tensor] = SeedParameters(cfg, manifest.seed)
+    else:
+        params = dict(build_model(cfg, manifest.seed).named_parameters())
     return SyncerCore(
         role.plan,
-        dict(model.named_parameters()),
+        params,
         quorum=quorum_config(manifest.diloco, max_grace_s=role.config.max_grace_s),
         embedding_names=embedding_param_names(cfg),
         outer_lr=manifest.diloco.outer_lr,
@@ -677,8 +687,9 @@ def build_core(role: SyncerRole) -> SyncerCore:
         run_id=role.ctx.run_id,
         # older versions and the outer momentum on disk: resident memory ~ the model (docs/scale.md); a working
         # store, emptied here: a restart resumes from the checkpoint
-        spill_dir=role.ctx.config.state_dir / "syncer-spill",
+        spill_dir=spill_dir,
         take_params=True,  # the seed model is ours alone (dropped on return)
+        params_on_disk=role.config.params_on_disk,
         sparse_merge=manifest.outer_codec.codec == "topk",
     )
 
@@ -710,7 +721,8 @@ async def evaluate_global(role: SyncerRole) -> None:
         return
     model, batches = role._eval
     async with role.merge_lock:
-        state = dict(core.params)  # shared: the core never writes a published tensor in place
+        # shared: the core never writes a published tensor in place (on disk: its files, streamed by the pass)
+        state = core.params.view()
         tokens, in_model, merges = core.tokens_merged, core.tokens_in_model, core.merges
 
     def run() -> float:

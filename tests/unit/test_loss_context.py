@@ -27,8 +27,9 @@ from node.diloco.syncer_core import probe_context
 from node.ml.model import ModelConfig, build_model, embedding_param_names
 from node.roles.syncer import Refusal, SyncerCore
 from protocol.manifest import DilocoSpec, RunManifest
+from tests.unit.params_modes import IN_MEMORY_ONLY
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("params_mode")]
 
 MODEL = {"vocab_size": 256, "context_len": 16, "num_layers": 2, "width": 32, "num_heads": 2}
 RUN = RunManifest(model=dict(MODEL), num_stages=1, diloco=DilocoSpec(num_fragments=2, sync_every_steps=4))
@@ -165,6 +166,7 @@ def test_in_todays_model_the_verdicts_are_swapped() -> None:
     s.push("evil", EMBED_FRAGMENT, flipped)  # passes
 
 
+@IN_MEMORY_ONLY
 def test_the_context_is_every_fragment_at_its_version_when_the_base_was_published() -> None:
     s, _, _ = head_moved_past_the_embeddings_work(base_context=True)
     versions = list(s.core.versions)
@@ -180,6 +182,7 @@ def test_the_context_is_every_fragment_at_its_version_when_the_base_was_publishe
     assert probe_context(s.core, EMBED_FRAGMENT, versions[EMBED_FRAGMENT]).versions == tuple(versions)
 
 
+@IN_MEMORY_ONLY
 def test_a_context_whose_version_was_dropped_takes_todays_tensors() -> None:
     s, _, _ = head_moved_past_the_embeddings_work(base_context=True)
     head_v0 = s.core.versions[HEAD_FRAGMENT] - 1
@@ -188,6 +191,7 @@ def test_a_context_whose_version_was_dropped_takes_todays_tensors() -> None:
     assert found.versions == tuple(s.core.versions) and found.tensors[HEAD] is s.core.params[HEAD]
 
 
+@IN_MEMORY_ONLY
 def test_spilled_versions_are_read_only_within_the_budget(tmp_path: Path) -> None:
     """A spilled version of the context is read (in the probe's thread) while the total fits
     `loss_context_read_mib`; over it, today's tensors (a big model's probe never reads a model's worth)."""

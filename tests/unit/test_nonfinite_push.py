@@ -23,7 +23,7 @@ from protocol.errors import TensorPolicyError
 from protocol.identity import NodeIdentity
 from tests.unit.test_syncer_ban_push import RUN_ID, Host, live_learner, push_frame
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("params_mode")]
 
 
 class BanningHost(Host):

@@ -40,7 +40,7 @@ from protocol.rpc import (
 )
 from tests.unit.test_syncer_ban_push import MODEL, RUN_ID, Host, live_learner, push_frame
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("params_mode")]
 
 CHUNK = 1 << 16
 

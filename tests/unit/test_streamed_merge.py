@@ -22,10 +22,11 @@ from node.diloco.merge import Contribution, MergeResult, merge_fragment
 from node.diloco.screening import ContributionScreen, ScreeningConfig
 from node.diloco.spill import ScaledTensors, SpillDir, SpilledTensors
 from node.diloco.syncer_core import SyncerCore
+from tests.unit.params_modes import IN_MEMORY_ONLY
 from tests.unit.test_syncer_core import PLAN
 from tests.unit.test_syncer_spill import contribute, momentum_of, synchronous
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("params_mode")]
 SHAPES = {"emb": (50, 6), "w": (13, 11), "b": (5,), "d": (4, 4)}
 
 
@@ -133,6 +134,7 @@ def test_a_core_merging_through_a_file_lands_where_the_in_memory_core_does(
     assert not [p for p in (tmp_path / "spill").iterdir() if p.name.startswith("outer-grad")]
 
 
+@IN_MEMORY_ONLY
 def test_the_new_version_is_read_in_a_tensor_at_a_time_after_the_old_one_is_dropped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -166,6 +168,7 @@ def test_the_new_version_is_read_in_a_tensor_at_a_time_after_the_old_one_is_drop
     assert base is not None and not torch.equal(base[names[0]], core.params[names[0]])
 
 
+@IN_MEMORY_ONLY
 def test_a_failed_read_of_the_new_version_puts_the_old_one_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

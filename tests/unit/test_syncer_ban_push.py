@@ -40,7 +40,7 @@ from protocol.limits import GLOBAL_STREAMS
 from protocol.manifest import DilocoSpec, RunManifest
 from protocol.rpc import PeerStrikes
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("params_mode")]
 
 MODEL = {"vocab_size": 256, "context_len": 16, "num_layers": 2, "width": 16, "num_heads": 2}
 RUN = RunManifest(model=dict(MODEL), num_stages=1, diloco=DilocoSpec(num_fragments=2, sync_every_steps=4))

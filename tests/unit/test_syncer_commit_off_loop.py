@@ -14,15 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-from node.diloco import syncer_core
+from node.diloco import param_store
 from node.diloco.spill import SpilledTensors
 from node.diloco.syncer_core import PreparedMerge, SyncerCore
 from node.roles.syncer import commit
 from node.roles.syncer_rpc import core_now
+from tests.unit.params_modes import IN_MEMORY_ONLY
 from tests.unit.test_syncer_core import PLAN
 from tests.unit.test_syncer_spill import contribute, synchronous
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("params_mode")]
 READ_S = 0.4  # one tensor read from the spill file, slowed down: a fragment of a 1B model read from disk
 FRAGMENT = 2  # the embedding alone
 
@@ -69,9 +70,10 @@ async def lag_while(work: Any) -> float:
 def seen(core: SyncerCore) -> tuple[int, bool]:
     """The fragment's version and whether any of its tensors is the swap's placeholder (a half-swapped fragment)."""
     names = PLAN.fragments[FRAGMENT].names
-    return core.versions[FRAGMENT], any(core.params[n] is syncer_core._DROPPED for n in names)
+    return core.versions[FRAGMENT], any(core.params[n] is param_store._DROPPED for n in names)
 
 
+@IN_MEMORY_ONLY
 def test_the_commit_reads_the_new_version_off_the_loop_and_routes_see_it_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -101,6 +103,7 @@ def test_the_commit_reads_the_new_version_off_the_loop_and_routes_see_it_whole(
     assert core.versions[FRAGMENT] == 1 and role.core_free.is_set()
 
 
+@IN_MEMORY_ONLY
 def test_control_the_commit_on_the_loop_stalls_it_for_the_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -114,6 +117,7 @@ def test_control_the_commit_on_the_loop_stalls_it_for_the_read(
     assert core.versions[FRAGMENT] == 1
 
 
+@IN_MEMORY_ONLY
 def test_a_failed_read_off_the_loop_reopens_the_core_with_the_old_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

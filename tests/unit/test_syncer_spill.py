@@ -26,9 +26,10 @@ from node.ml.checkpoint import (
 from node.ml.model import build_model, embedding_param_names
 from node.roles.syncer import Refusal, quorum_config
 from protocol.manifest import DilocoSpec
+from tests.unit.params_modes import IN_MEMORY_ONLY
 from tests.unit.test_syncer_core import CFG, PLAN, core, params_with_delta
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("params_mode")]
 RUN_ID = "ab" * 20
 OPTIONS = {
     "quorum": quorum_config(DilocoSpec(mode="elastic_sync"), max_grace_s=5.0),
@@ -77,6 +78,7 @@ def momentum_of(c: SyncerCore) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in c.snapshot(RUN_ID, term=1).momentum.items()}
 
 
+@IN_MEMORY_ONLY
 def test_a_spilled_core_merges_exactly_as_the_in_memory_one_and_holds_only_the_current_version(
     tmp_path: Path,
 ) -> None:
@@ -126,6 +128,7 @@ def test_a_copy_of_a_spilled_version_is_refused_as_a_free_rider(tmp_path: Path) 
     )  # fmt: skip
 
 
+@IN_MEMORY_ONLY
 def test_a_checkpoint_of_a_spilled_core_resumes_momentum_and_merges_as_the_in_memory_one(
     tmp_path: Path,
 ) -> None:
@@ -208,6 +211,7 @@ def test_a_spill_file_round_trips_and_a_reader_never_sees_a_half_written_one(tmp
     assert STATE_PREFIX  # (the momentum views key by it)
 
 
+@IN_MEMORY_ONLY
 def test_handed_over_params_are_not_copied() -> None:
     """The node's syncer hands its seed model over (`take_params`): one model at its start, not two."""
     taken, copied = core(take_params=True), core()
@@ -241,6 +245,7 @@ def test_a_checkpoint_written_by_safetensors_itself_still_loads_its_momentum_laz
     assert all(torch.equal(momentum_of(restored)[k], t) for k, t in snapshot.momentum.items())
 
 
+@IN_MEMORY_ONLY
 def test_a_held_contribution_is_a_file_of_its_own_read_in_chunks_and_deleted_once_merged(
     tmp_path: Path,
 ) -> None:

@@ -23,7 +23,7 @@ from protocol.errors import ProtocolError
 from protocol.identity import NodeIdentity
 from tests.unit.test_syncer_ban_push import RUN, RUN_ID, Host, live_learner
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("params_mode")]
 
 
 def old_version(host: Host, old: NodeIdentity, learner: NodeIdentity, fragment: int, version: int) -> bytes:
