@@ -71,6 +71,7 @@ from node.ml.checkpoint import CheckpointError, CheckpointStore, SyncerSnapshot
 from node.roles.syncer_mirror import StateMirror
 from node.roles.syncer_rpc import SyncerService, wall_offset
 from node.swarm.membership import HEARTBEAT_TTL_PERIODS
+from protocol.compress import TOPK_CODECS
 from protocol.errors import ConfigError
 from protocol.records import BanNotice
 
@@ -679,7 +680,7 @@ def build_core(role: SyncerRole) -> SyncerCore:
         # store, emptied here: a restart resumes from the checkpoint
         spill_dir=role.ctx.config.state_dir / "syncer-spill",
         take_params=True,  # the seed model is ours alone (dropped on return)
-        sparse_merge=manifest.outer_codec.codec == "topk",
+        sparse_merge=manifest.outer_codec.codec in TOPK_CODECS,
     )
 
 
