@@ -42,6 +42,7 @@ NOISE_LABEL = "fp32, other data order (noise floor)"
 NOISE_SEED = 100  # the noise arm's data seeds: 100 + s, never one of the arms' own
 GOAL_GAP = 0.01
 GOAL_RATIO = 150.0
+TAIL = 5  # rounds evaluated (the last): the gaps read the last round and the mean of these
 
 Curve = list[tuple[int, float]]
 Arms = dict[tuple[int, str], dict[str, Any]]  # (seed, label) -> {"curve": Curve, "bytes": mean payload bytes}
@@ -67,26 +68,31 @@ def load_progress(path: Path | None) -> Arms:
     return done
 
 
-def seed_arms(variants: list[Variant], seed: int) -> list[Variant]:
-    """The fp32 arm, the noise arm and every codec arm of one seed (each variant's outer step kept)."""
+def seed_arms(variants: list[Variant], seed: int, noise: bool = True) -> list[Variant]:
+    """The fp32 arm, the noise arm (if `noise`) and every codec arm of one seed (each variant's outer step kept)."""
     fp32 = Variant(label="fp32", seed=seed, init=seed)
-    noise = Variant(label=NOISE_LABEL, seed=NOISE_SEED + seed, init=seed)
-    return [fp32, noise, *(dataclasses.replace(v, seed=seed, init=seed) for v in variants)]
+    floor = [Variant(label=NOISE_LABEL, seed=NOISE_SEED + seed, init=seed)] if noise else []
+    return [fp32, *floor, *(dataclasses.replace(v, seed=seed, init=seed) for v in variants)]
 
 
 def measure(
-    setup: Setup, variants: list[Variant], seeds: list[int], rounds: int, progress: Path | None
+    setup: Setup,
+    variants: list[Variant],
+    seeds: list[int],
+    rounds: int,
+    progress: Path | None,
+    noise: bool = True,
 ) -> Arms:
     """Every arm of every seed, seed by seed (so a cut-off run leaves whole seeds), resuming from `progress`."""
     done = load_progress(progress)
     for seed in seeds:
-        for arm in seed_arms(variants, seed):
+        for arm in seed_arms(variants, seed, noise):
             if (seed, arm.label) in done:
                 continue
             if arm.outer_lr != 0.7 or arm.momentum != 0.9:
                 raise ValueError(f"{arm.label}: paired arms share the fp32 arm's default outer step")
             started, sent = time.monotonic(), []
-            curve = run(setup, arm, rounds, sent)
+            curve = run(setup, arm, rounds, sent, eval_last=TAIL)
             row = {"curve": curve, "bytes": statistics.fmean(sent) if sent else None}
             done[(seed, arm.label)] = row
             if progress is not None:
@@ -118,14 +124,16 @@ def summarize(gaps: list[float]) -> dict[str, float]:
     }
 
 
-def _tail(curve: Curve, last: int = 5) -> float:
+def _tail(curve: Curve, last: int = TAIL) -> float:
     return statistics.fmean(loss for _, loss in curve[-last:])
 
 
-def table(setup: Setup, variants: list[Variant], seeds: list[int], done: Arms) -> dict[str, Any]:
+def table(
+    setup: Setup, variants: list[Variant], seeds: list[int], done: Arms, noise: bool = True
+) -> dict[str, Any]:
     """Per arm: its ratio (the codec's worst case, and as measured: fp32 bytes over the mean push's), per-seed
     gaps (last round and last 5) and their summaries; only complete seeds."""
-    labels = [NOISE_LABEL, *(v.label for v in variants)]
+    labels = [*([NOISE_LABEL] if noise else []), *(v.label for v in variants)]
     specs = {NOISE_LABEL: None, **{v.label: v.spec for v in variants}}
     complete = [s for s in seeds if all((s, x) in done for x in ["fp32", *labels])]
     rows: dict[str, Any] = {}
@@ -165,8 +173,9 @@ def headline(result: dict[str, Any], variants: list[Variant], rounds: int) -> di
         out[f"gap_se[{v.label}]"] = row["gap"]["se"]
         out[f"gap_upper95[{v.label}]"] = row["gap"]["upper95"]
         out[f"ratio[{v.label}]"] = row["ratio"]
-    noise = result[NOISE_LABEL]["gap"]
-    out["noise_gap"], out["noise_gap_se"] = noise["mean"], noise["se"]
+    if NOISE_LABEL in result:
+        noise = result[NOISE_LABEL]["gap"]
+        out["noise_gap"], out["noise_gap_se"] = noise["mean"], noise["se"]
     eligible = [v.label for v in variants if result[v.label]["ratio"] >= GOAL_RATIO]
     out["mean_within_goal"] = [x for x in eligible if result[x]["gap"]["mean"] <= GOAL_GAP]
     out["goal_met"] = [x for x in eligible if result[x]["gap"]["upper95"] <= GOAL_GAP]
@@ -203,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--eval-batches", type=int, default=64)
     parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+    parser.add_argument("--no-noise", action="store_true", help="leave out the noise arm (fp32, other data)")
     parser.add_argument("--progress", type=Path, help="append every finished arm here; resume from it")
     parser.add_argument(
         "--write", action="store_true", help="write benchmarks/results/<name>.json and a plot"
@@ -213,14 +223,19 @@ def main(argv: list[str] | None = None) -> int:
     setup = build_setup(args.eval_batches)
     variants = [parse_variant(t) for t in args.variants.split(";") if t.strip()]
     seeds = parse_seeds(args.seeds)
-    done = measure(setup, variants, seeds, args.rounds, args.progress)
-    result = table(setup, variants, seeds, done)
+    noise = not args.no_noise
+    done = measure(setup, variants, seeds, args.rounds, args.progress, noise)
+    result = table(setup, variants, seeds, done, noise)
     summary = headline(result, variants, args.rounds)
     print(json.dumps(summary, indent=1))
     if args.write:
         curves = {f"{s}/{label}": a["curve"] for (s, label), a in done.items() if s in result["seeds"]}
         write_result(args.name, summary, {"arms": result, "curves": curves})
-        plot(result, [NOISE_LABEL, *(v.label for v in variants)], plot_path(args.name))
+        plot(
+            result,
+            [x for x in [NOISE_LABEL, *(v.label for v in variants)] if x in result],
+            plot_path(args.name),
+        )
     return 0
 
 

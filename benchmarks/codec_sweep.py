@@ -150,10 +150,15 @@ def _contributions(
 
 
 def run(
-    setup: Setup, variant: Variant, rounds: int, sent_bytes: list[int] | None = None
+    setup: Setup,
+    variant: Variant,
+    rounds: int,
+    sent_bytes: list[int] | None = None,
+    eval_last: int | None = None,
 ) -> list[tuple[int, float]]:
-    """Held-out loss of the global model after each round, against tokens trained by all learners; every push's
-    payload bytes are appended to `sent_bytes` if given."""
+    """Held-out loss of the global model after each round (only the last `eval_last` if given: the evaluation
+    changes nothing else), against tokens trained by all learners; every push's payload bytes are appended to
+    `sent_bytes` if given."""
     model = build_model(MODEL, SEED + variant.init)
     global_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     replicas = [copy.deepcopy(model) for _ in range(LEARNERS)]
@@ -194,8 +199,9 @@ def run(
                 sparse=variant.sparse_trim,
             )
             global_params.update(outer.step(base, result.outer_grad))
-        model.load_state_dict(global_params, strict=False)
-        curve.append((trained, evaluate(model, setup.held)))
+        if eval_last is None or round_ >= rounds - eval_last:
+            model.load_state_dict(global_params, strict=False)
+            curve.append((trained, evaluate(model, setup.held)))
     return curve
 
 

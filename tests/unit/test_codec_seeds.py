@@ -33,6 +33,7 @@ def test_every_arm_of_a_seed_shares_its_init_and_the_noise_arm_only_changes_the_
     assert (fp32.init, fp32.seed) == (3, 3) and (arm.init, arm.seed) == (3, 3)
     assert noise.label == NOISE_LABEL and noise.init == 3 and noise.seed != 3
     assert arm.spec == variant.spec
+    assert [a.label for a in seed_arms([variant], 3, noise=False)] == ["fp32", variant.label]
 
 
 def _row(ratio: float, mean: float, upper: float) -> dict[str, object]:
