@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import statistics
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -132,11 +133,14 @@ def table(
     setup: Setup, variants: list[Variant], seeds: list[int], done: Arms, noise: bool = True
 ) -> dict[str, Any]:
     """Per arm: its ratio (the codec's worst case, and as measured: fp32 bytes over the mean push's), per-seed
-    gaps (last round and last 5) and their summaries; only complete seeds."""
+    gaps (last round and last 5) and their summaries, and the summary of its last-round gaps against the first
+    codec arm of the same seed (`vs_first`: codecs compared with each other, the fp32 arm's swing cancelled);
+    only complete seeds."""
     labels = [*([NOISE_LABEL] if noise else []), *(v.label for v in variants)]
     specs = {NOISE_LABEL: None, **{v.label: v.spec for v in variants}}
     complete = [s for s in seeds if all((s, x) in done for x in ["fp32", *labels])]
     rows: dict[str, Any] = {}
+    first = [done[(s, variants[0].label)]["curve"][-1][1] for s in complete] if variants else []
     for label in labels:
         ref = [done[(s, "fp32")]["curve"] for s in complete]
         arm = [done[(s, label)]["curve"] for s in complete]
@@ -150,6 +154,10 @@ def table(
             "gap": {k: round(v, 5) for k, v in summarize(gaps).items()},
             "gaps_last5": [round(g, 5) for g in gaps5],
             "gap_last5": {k: round(v, 5) for k, v in summarize(gaps5).items()},
+            "vs_first": {
+                k: round(v, 5)
+                for k, v in summarize([a[-1][1] / f - 1 for a, f in zip(arm, first, strict=True)]).items()
+            },
         }
     fp32 = [round(done[(s, "fp32")]["curve"][-1][1], 5) for s in complete]
     return {"seeds": complete, "fp32_losses": fp32, **rows}
@@ -197,7 +205,10 @@ def plot(result: dict[str, Any], labels: list[str], path: Path) -> None:
     ax.axhline(100 * GOAL_GAP, color="r", ls="--", lw=1, label="goal: 1 %")
     ax.axhline(0, color="k", lw=0.5)
     ax.set_xticks(range(len(labels)))
-    ax.set_xticklabels([f"{x[:40]}\n{result[x]['ratio']}x" for x in labels], fontsize=6)
+    names = ["\n".join(textwrap.wrap(x.replace("codec=", "").replace(",", ", "), 24)) for x in labels]
+    ax.set_xticklabels(
+        [f"{n}\n{result[x]['ratio']}x" for n, x in zip(names, labels, strict=True)], fontsize=6
+    )
     ax.set_ylabel("held-out loss gap vs fp32, same seed (%)")
     ax.set_title(f"outer codecs, {len(result['seeds'])} paired seeds (dots), mean ± 1.96 s.e.")
     ax.legend(fontsize=8)
