@@ -1,6 +1,6 @@
 """Compressed outer gradients: codecs for a float32 delta, and a decoder that checks everything before it allocates.
 
-Four codecs (issue 20), all of them on the flat tensor (the shape only travels along):
+The codecs (issue 20), all of them on the flat tensor (the shape only travels along):
 
 - ``fp32``: the raw little-endian float32 bytes (the uncompressed baseline).
 - ``int8``: symmetric block quantization, ``block`` elements per scale, q in [-127, 127], x ~ q * scale.
@@ -9,9 +9,10 @@ Four codecs (issue 20), all of them on the flat tensor (the shape only travels a
   local indices in ``ceil(log2(chunk))`` bits each (12 for 4096), their values in ``bits`` bits (2, 4 or 8) on a
   midrise grid (no zero level: a kept value is never zero) scaled per chunk. Everything else decodes to zero, so
   the learner keeps what was dropped in an error-feedback residual (`node.diloco.compression`).
-- ``topk_rice``: the same selection and values, the indices Rice-coded as gaps (`protocol.rice`): ~9 bits per index
-  instead of 12 at 1/128, so the same bytes keep ~1.4x the entries. Its payload length varies with the positions;
-  a header bounds it (`payload_bounds`), and `payload_size` / `compression_ratio` give the worst case.
+- ``topk_rice``: the same selection and values, the indices Rice-coded as gaps (`protocol.rice`): ~8.5 bits per
+  index instead of 12 at 1/128, so with 2-bit values the same bytes keep ~1.34x the entries (43 for 32). Its payload
+  length varies with the positions; a header bounds it (`payload_bounds`), and `payload_size` / `compression_ratio`
+  give the worst case. (`randk`, below, sends no index at all.)
 
 Payload layouts (every scale first, so the scale bytes start at offset 0 and can be viewed as floats in place)::
 
