@@ -16,7 +16,7 @@ variant is a ';'-separated item of comma-separated keys: codec (fp32 | topk | ra
 bits, scale_bits, decay (the codec's feedback_decay), rotate (randk: 1 rotating strata of one permutation, 0 a
 fresh draw per round), trim (the merge's trim_fraction), sparse (1: the merge's sparse winsorizing, what a syncer
 under a top-k codec does), rda (0: plain mean instead of RDA), lr and momentum (the outer step), seed (data seeds
-offset). Every gap is against an fp32 arm (seed 0) with the variant's own outer step (lr, momentum), run once per
+offset), init (the model's initialization seed offset). Every gap is against an fp32 arm (seed 0) with the variant's own outer step (lr, momentum), run once per
 step; a randk push's mask is `mask_for(run_seed=SEED, fragment, version=round)`, as both sides would derive it.
 `--energy` prints instead, per codec and fragment, the share of one learner's pseudo-gradient (48 AdamW steps from
 the initial model) one push delivers: 1 - ||delta - decoded||^2 / ||delta||^2.
@@ -42,7 +42,7 @@ from node.diloco.outer import OuterNesterov
 from node.ml.data import Batch, BatchSampler, evaluate, load_corpus, validation_batches
 from node.ml.model import ModelConfig, build_model, embedding_param_names
 from protocol.codec import TensorLimits
-from protocol.compress import CodecSpec, compression_ratio, decode, encode, mask_for
+from protocol.compress import TOPK_CODECS, CodecSpec, compression_ratio, decode, encode, mask_for
 
 NAME = "codec_sweep"
 MODEL = ModelConfig(vocab_size=256, context_len=32, num_layers=2, width=64, num_heads=2)  # goodput's
@@ -60,6 +60,8 @@ class Variant:
     outer_lr: float = 0.7
     momentum: float = 0.9
     seed: int = 0
+    # the model's initialization: build_model(seed SEED + init); 0 is every earlier run's
+    init: int = 0
     rda: bool = True  # the merge's RDA for non-embedding tensors; False: the plain weighted mean everywhere
     # the merge's winsorizing among the coordinates sent only (merge_fragment's sparse; a syncer under topk)
     sparse_trim: bool = False
@@ -74,6 +76,7 @@ def parse_variant(text: str) -> Variant:
         "lr",
         "momentum",
         "seed",
+        "init",
         "rda",
         "decay",
         "sparse",
@@ -92,8 +95,9 @@ def parse_variant(text: str) -> Variant:
         outer_lr=float(values.get("lr", 0.7)),
         momentum=float(values.get("momentum", 0.9)),
         seed=int(values.get("seed", 0)),
+        init=int(values.get("init", 0)),
         rda=values.get("rda", "1") != "0",
-        sparse_trim=values.get("sparse", "1" if spec.codec == "topk" else "0") != "0",
+        sparse_trim=values.get("sparse", "1" if spec.codec in TOPK_CODECS else "0") != "0",
     )
 
 
@@ -121,6 +125,7 @@ def _contributions(
     base: dict[str, torch.Tensor],
     fragment: int,
     version: int,
+    sent_bytes: list[int] | None,
 ) -> list[Contribution]:
     names = encoders[0].plan.fragments[fragment].names
     out = []
@@ -135,6 +140,8 @@ def _contributions(
             )
             sent = encoder.encode(fragment, base, params, mask=mask)
             encoder.commit(fragment, sent)
+            if sent_bytes is not None:
+                sent_bytes.append(sent.nbytes)
             params = decode_contribution(
                 sent.tensors, sent.meta, spec=spec, base=base, names=names, mask=mask
             )
@@ -142,9 +149,17 @@ def _contributions(
     return out
 
 
-def run(setup: Setup, variant: Variant, rounds: int) -> list[tuple[int, float]]:
-    """Held-out loss of the global model after each round, against tokens trained by all learners."""
-    model = build_model(MODEL, SEED)
+def run(
+    setup: Setup,
+    variant: Variant,
+    rounds: int,
+    sent_bytes: list[int] | None = None,
+    eval_last: int | None = None,
+) -> list[tuple[int, float]]:
+    """Held-out loss of the global model after each round (only the last `eval_last` if given: the evaluation
+    changes nothing else), against tokens trained by all learners; every push's payload bytes are appended to
+    `sent_bytes` if given."""
+    model = build_model(MODEL, SEED + variant.init)
     global_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     replicas = [copy.deepcopy(model) for _ in range(LEARNERS)]
     optimizers = [torch.optim.AdamW(r.parameters(), lr=INNER_LR, weight_decay=WEIGHT_DECAY) for r in replicas]
@@ -172,7 +187,9 @@ def run(setup: Setup, variant: Variant, rounds: int) -> list[tuple[int, float]]:
                 trained += int(inputs.numel())
         for fragment in setup.plan.fragments:
             base = {n: global_params[n] for n in fragment.names}
-            contributions = _contributions(variant, encoders, replicas, base, fragment.index, round_)
+            contributions = _contributions(
+                variant, encoders, replicas, base, fragment.index, round_, sent_bytes
+            )
             result = merge_fragment(
                 base,
                 contributions,
@@ -182,8 +199,9 @@ def run(setup: Setup, variant: Variant, rounds: int) -> list[tuple[int, float]]:
                 sparse=variant.sparse_trim,
             )
             global_params.update(outer.step(base, result.outer_grad))
-        model.load_state_dict(global_params, strict=False)
-        curve.append((trained, evaluate(model, setup.held)))
+        if eval_last is None or round_ >= rounds - eval_last:
+            model.load_state_dict(global_params, strict=False)
+            curve.append((trained, evaluate(model, setup.held)))
     return curve
 
 

@@ -71,6 +71,7 @@ from node.ml.checkpoint import CheckpointError, CheckpointStore, SyncerSnapshot
 from node.roles.syncer_mirror import StateMirror
 from node.roles.syncer_rpc import SyncerService, wall_offset
 from node.swarm.membership import HEARTBEAT_TTL_PERIODS
+from protocol.compress import TOPK_CODECS
 from protocol.errors import ConfigError
 from protocol.records import BanNotice
 
@@ -690,7 +691,7 @@ def build_core(role: SyncerRole) -> SyncerCore:
         spill_dir=spill_dir,
         take_params=True,  # the seed model is ours alone (dropped on return)
         params_on_disk=role.config.params_on_disk,
-        sparse_merge=manifest.outer_codec.codec == "topk",
+        sparse_merge=manifest.outer_codec.codec in TOPK_CODECS,
     )
 
 

@@ -20,6 +20,8 @@ SPECS = [
     CodecSpec(codec="int4", block=8, scale_bits=16),
     CodecSpec(codec="topk", chunk=32, k=3, bits=2),
     CodecSpec(codec="topk", chunk=100, k=7, bits=8, scale_bits=16),
+    CodecSpec(codec="topk_rice", chunk=32, k=3, bits=2),
+    CodecSpec(codec="topk_rice", chunk=100, k=7, bits=4, scale_bits=16),
     CodecSpec(codec="randk", chunk=32, k=4, bits=1),
     CodecSpec(codec="randk", chunk=100, k=10, bits=2, scale_bits=16),
 ]
@@ -29,7 +31,7 @@ scalars = st.one_of(
     st.integers(-3, 1 << 41),
     st.floats(),
     st.text(max_size=6),
-    st.sampled_from(["fp32", "int8", "int4", "topk", "randk"]),
+    st.sampled_from(["fp32", "int8", "int4", "topk", "topk_rice", "randk"]),
 )
 field_values = st.one_of(scalars, st.lists(st.one_of(st.integers(-2, 5000), scalars), max_size=4))
 
