@@ -1,5 +1,5 @@
 """Compressed outer gradients live: a syncer and two learners on loopback under the top-k codec (1/128 of every
-fragment, 2-bit values, error feedback on the learners). The global model still learns, the pushes carry a small
+fragment, 2-bit values, error feedback on the learners), and under topk_rice (the same with Rice-coded indices). The global model still learns, the pushes carry a small
 fraction of the fp32 bytes, and the syncer refuses none of them (each is decoded, rebuilt on its base version and
 screened like an uncompressed one)."""
 
@@ -26,6 +26,7 @@ from tests.integration.procs import QUIET_LEARNER, RunSpec, procs, read_events, 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 TOPK = (("codec", "topk"), ("chunk", 4096), ("k", 32), ("bits", 2), ("scale_bits", 16))
+TOPK_RICE = (("codec", "topk_rice"), ("chunk", 4096), ("k", 43), ("bits", 2), ("scale_bits", 16))
 RUN = RunSpec(name="compressed-sync-test", seed=5, outer_codec=TOPK)
 LEARNER = {**QUIET_LEARNER, "min_step_s": 0.1, "join_timeout_s": 20.0}
 # what a syncer answers to a payload it cannot decode, and the learner's own refusal of a delta it cannot encode
@@ -42,11 +43,13 @@ COMPRESSION_REFUSALS = {
 SYNCER = {"recovery_s": 1.0, "eval_every_merges": 6, "eval_batches": 2}
 
 
-def test_topk_swarm_learns_on_a_fraction_of_the_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("codec", [TOPK, TOPK_RICE], ids=["topk", "topk_rice"])
+def test_topk_swarm_learns_on_a_fraction_of_the_bytes(
+    tmp_path: Path, codec: tuple[tuple[str, str | int], ...]
+) -> None:
     key = tmp_path / "syncer.key"
-    run_path = replace(RUN, authorized_syncers=(NodeIdentity.load_or_create(key).peer_id,)).write_run_toml(
-        tmp_path / "run.toml"
-    )
+    run = replace(RUN, outer_codec=codec, authorized_syncers=(NodeIdentity.load_or_create(key).peer_id,))
+    run_path = run.write_run_toml(tmp_path / "run.toml")
     node_toml = write_node_toml(tmp_path / "node.toml", learner=LEARNER, syncer=SYNCER)
     with procs(tmp_path) as group:
         bootstrap = group.start_bootstrap("--run", str(run_path))
