@@ -385,6 +385,8 @@ async def syncer_main(preset: str, queue: Any, stop: Any) -> None:
                 "probe": probe_status(host.probe),
                 "checkpoint_s": round(checkpoint_s, 3),
                 "throttles": throttles,
+                # the longest the push route held a recent push before its answer (node.diloco.push_wait)
+                "push_hold_s": round(service.push_waits.announce_s(time.monotonic()), 2),
             }
         )
 
@@ -492,7 +494,7 @@ async def learner_main(preset: str, info: dict[str, Any], queue: Any, max_steps:
                 "sync": {
                     k: v
                     for k, v in sync.status().items()
-                    if k in ("sent", "acked", "refused", "throttled", "retries")
+                    if k in ("sent", "acked", "refused", "refusals", "throttled", "unanswered", "retries")
                 },
             }
         )
