@@ -24,7 +24,13 @@ import torch
 
 from node.diloco.loss_probe import LossScore
 from node.diloco.push_wait import PushWaits, push_deadline_s
-from node.diloco.sync_client import FragmentSync, FramedSyncTransport, answer_within, run_fragment_plan
+from node.diloco.sync_client import (
+    FragmentSync,
+    FramedSyncTransport,
+    answer_within,
+    parse_versions_meta,
+    run_fragment_plan,
+)
 from node.diloco.sync_types import (
     ContributionRefused,
     OutgoingContribution,
@@ -175,6 +181,8 @@ async def run_learner(factor: float, done: Callable[[Host, FragmentSync], bool])
         await until(lambda: done(host, sync), timeout_s=8 * HOLD_S * len(sync.fragment_ids))
     finally:
         stop.set()
+        for loop in loops:  # a push may be in judgement: the node's supervisor cancels its loops so too
+            loop.cancel()
         await asyncio.wait_for(asyncio.gather(*loops, return_exceptions=True), 10.0)
         await host.service.stop()
         await asyncio.gather(*wire.tasks, return_exceptions=True)
@@ -300,3 +308,27 @@ def test_answer_within_extends_to_a_later_deadline_and_times_out_past_it() -> No
         return got, False
 
     assert asyncio.run(run()) == ("ok", True)
+
+
+def test_the_versions_answer_carries_the_hold_and_a_malformed_one_is_refused() -> None:
+    base = {"versions": [1, 2], "term": 3, "barrier": False, "clock": 7}
+    assert parse_versions_meta({**base, "push_wait_s": 37.5}, syncer="s", num_fragments=2).push_wait_s == 37.5
+    assert parse_versions_meta(base, syncer="s", num_fragments=2).push_wait_s == 0.0  # an older syncer
+    assert parse_versions_meta({**base, "push_wait_s": -1.0}, syncer="s", num_fragments=2).push_wait_s == 0.0
+    for bad in (1, "x", float("nan"), float("inf")):
+        with pytest.raises(SyncUnavailable):
+            parse_versions_meta({**base, "push_wait_s": bad}, syncer="s", num_fragments=2)
+
+
+def test_a_push_waits_for_its_own_syncers_announcement_only() -> None:
+    """A hold announced by one syncer does not lengthen pushes to another (a failover's new syncer), and a factor of
+    0 is the old timeout."""
+    learner = NodeIdentity.generate()
+    host = Host(swarm_banned=set())
+    transport = transport_to(host, learner, Wire(learner.peer_id), 1.5)
+    transport._push_wait = ("syncer-a", 40.0)
+    assert transport._deadline_s("syncer-a", 12.0, True) == 72.0
+    assert transport._deadline_s("syncer-b", 12.0, True) == 12.0
+    assert transport._deadline_s("syncer-a", 12.0, False) == 12.0  # fetches and offers: no judgement
+    transport.push_wait_factor = 0.0
+    assert transport._deadline_s("syncer-a", 12.0, True) == 12.0
