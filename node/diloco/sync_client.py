@@ -538,6 +538,9 @@ class FramedSyncTransport:
                 frame,
                 max_response_bytes=max_response_bytes,
                 timeout_s=limit_s + (self.max_push_wait_s if judged else 0.0),
+                # a push's answer comes after its judgement: its first bytes are awaited as long as the call (the
+                # stream layer's 10 s for them cut off every push judged longer: issue 17), else 10 s as before
+                answer_wait_s=limit_s + self.max_push_wait_s if judged else None,
             )
             answer = await answer_within(call, deadline_s, time.monotonic)
         except RemoteRefused:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+import protocol.rpc
 from node.diloco.loss_probe import LossScore
 from node.diloco.push_wait import PushWaits, push_deadline_s
 from node.diloco.sync_client import (
@@ -39,13 +41,38 @@ from node.diloco.sync_types import (
 )
 from node.ml.model import ModelConfig, build_model
 from protocol.identity import NodeIdentity
+from protocol.rpc import StreamConfig
 from tests.unit.test_sync_client import bump, until
 from tests.unit.test_syncer_ban_push import MODEL, RUN, RUN_ID, Host, live_learner
 
 pytestmark = pytest.mark.timeout(90)
 
-HOLD_S = 2.0  # the slow probe's seconds a push: 4 x the learner's call timeout below
+HOLD_S = 2.0  # the slow probe's seconds a push: 4 x the learner's call timeout below, 2 x the stream's chunk timeout
 CALL_TIMEOUT_S = 0.5
+CHUNK_TIMEOUT_S = (
+    1.0  # the stream layer's wait for any read (10 s deployed): the answer's first bytes included
+)
+
+
+@pytest.fixture(autouse=True)
+def short_chunk_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both sides' stream layer with a 1 s chunk timeout: a push held 2 s meets it as a llama-350m push (a 343 MB
+    frame and a 20-67 s probe) met the deployed 10 s one."""
+    monkeypatch.setattr(
+        protocol.rpc, "StreamConfig", functools.partial(StreamConfig, chunk_timeout_s=CHUNK_TIMEOUT_S)
+    )
+
+
+def without_answer_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream layer as before the fix: a call's answer awaited the chunk timeout whatever the call asked."""
+    call = protocol.rpc.call_framed
+
+    async def old(*args: Any, answer_wait_s: float | None = None, **kwargs: Any) -> bytearray:
+        return await call(*args, **kwargs)
+
+    monkeypatch.setattr(protocol.rpc, "call_framed", old)
+
+
 BAD_NORM = 1.0  # a delta this long is an ascent step to the stand-in probe (honest pushes here are ~0.1)
 
 
@@ -253,6 +280,20 @@ async def push_bad(factor: float) -> tuple[Host, BaseException | None]:
         await host.service.stop()
         await asyncio.gather(*wire.tasks, return_exceptions=True)
     return host, error
+
+
+def test_control_with_the_hold_announced_but_the_answer_awaited_10_s_no_push_is_acked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Negative control, the cause the live round showed: the announced hold lengthens the call, but the stream
+    layer gave the answer's first bytes only its chunk timeout; the pushes fail there, none is acked."""
+    without_answer_wait(monkeypatch)
+
+    def reproduced(host: Host, sync: FragmentSync) -> bool:
+        return held(host) >= 1 and sync.stats.unanswered >= 2
+
+    host, sync = asyncio.run(run_learner(1.5, reproduced))
+    assert sync.stats.acked == 0 and "StreamTimeout" in sync.stats.last_error, sync.stats.last_error
 
 
 def test_a_bad_push_under_the_slow_probe_is_still_refused_and_the_learner_hears_it() -> None:
