@@ -43,6 +43,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -397,6 +398,8 @@ async def syncer_main(preset: str, queue: Any, stop: Any, params_on_disk: bool =
                 "probe": probe_status(host.probe),
                 "checkpoint_s": round(checkpoint_s, 3),
                 "throttles": throttles,
+                # the longest the push route held a recent push before its answer (node.diloco.push_wait)
+                "push_hold_s": round(service.push_waits.announce_s(time.monotonic()), 2),
             }
         )
 
@@ -501,10 +504,11 @@ async def learner_main(preset: str, info: dict[str, Any], queue: Any, max_steps:
                 "round_s": round(time.perf_counter() - started, 2),
                 "versions": {str(f): v for f, v in sync.versions().items()},
                 "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)] if losses else [],
+                "last_error": sync.status().get("last_error", ""),
                 "sync": {
                     k: v
                     for k, v in sync.status().items()
-                    if k in ("sent", "acked", "refused", "throttled", "retries")
+                    if k in ("sent", "acked", "refused", "refusals", "throttled", "unanswered", "retries")
                 },
             }
         )
@@ -547,6 +551,10 @@ def _child(kind: str, preset: str, queue: Any, extra: Any) -> None:
     if kind == "syncer":
         asyncio.run(syncer_main(preset, queue, *extra))
     elif kind == "learner":
+        # the sender's outcome of every push that was not acked (throttles, timeouts), timestamped, on stderr: what
+        # traces a push that got no answer (docs/scale.md, "Push pacing")
+        logging.basicConfig(format="%(asctime)s %(name)s %(message)s", level=logging.WARNING)
+        logging.getLogger("node.diloco.loops_transport").setLevel(logging.DEBUG)
         asyncio.run(learner_main(preset, extra[0], queue, extra[1]))
     elif kind == "joiner":
         asyncio.run(joiner_main(preset, extra, queue))

@@ -351,9 +351,12 @@ async def read_message(
     config: StreamConfig,
     statuses: frozenset[Status],
     digest: bool = False,
+    preamble_timeout_s: float | None = None,
 ) -> tuple[Status, ReceivedFrame]:
-    """Read one framed message, holding every cap; see `parse_preamble` and `Reassembler` for the errors."""
-    raw = await _read_exactly(reader, _PREAMBLE.size, config.chunk_timeout_s)
+    """Read one framed message, holding every cap; see `parse_preamble` and `Reassembler` for the errors. The
+    preamble is awaited `preamble_timeout_s` (None: the chunk timeout), the rest chunk by chunk."""
+    wait_s = config.chunk_timeout_s if preamble_timeout_s is None else preamble_timeout_s
+    raw = await _read_exactly(reader, _PREAMBLE.size, wait_s)
     preamble = parse_preamble(
         raw, max_bytes=max_bytes, max_chunk_bytes=config.max_chunk_bytes, statuses=statuses
     )
@@ -798,8 +801,11 @@ async def call_framed(
     max_response_bytes: int,
     timeout_s: float,
     config: StreamConfig | None = None,
+    answer_wait_s: float | None = None,
 ) -> bytearray:
-    """Send `frame` to handler `name` on `peer_id` and return its answer (a private bytearray).
+    """Send `frame` to handler `name` on `peer_id` and return its answer (a private bytearray). The answer's first
+    bytes are awaited `answer_wait_s` from the call's start (None: the chunk timeout, 10 s), for a handler that
+    answers only after a long judgement (a syncer's push: node.diloco.push_wait).
 
     Raises:
         PeerThrottled: the server refused for load (`.limit`, `.retry_after_s`); a RemoteRefused.
@@ -809,7 +815,8 @@ async def call_framed(
         P2PDaemonError / ConnectionError: the stream could not be opened or broke.
     """
     return await asyncio.wait_for(
-        _call_framed(p2p, peer_id, name, frame, max_response_bytes, config or StreamConfig()), timeout_s
+        _call_framed(p2p, peer_id, name, frame, max_response_bytes, config or StreamConfig(), answer_wait_s),
+        timeout_s,
     )
 
 
@@ -820,6 +827,7 @@ async def _call_framed(
     frame: Body,
     max_response_bytes: int,
     config: StreamConfig,
+    answer_wait_s: float | None = None,
 ) -> bytearray:
     _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol_name(name))
     # Read while writing: a server that refuses the preamble answers at once, and we stop sending.
@@ -831,6 +839,7 @@ async def _call_framed(
             config=config,
             statuses=frozenset({Status.OK, Status.ERROR}),
             digest=True,  # answers are mostly signed frames; hashing a small other answer costs nothing
+            preamble_timeout_s=answer_wait_s,
         )
     finally:
         sending.cancel()

@@ -196,6 +196,7 @@ class SyncSender:
             self.stats.last_error = str(e)[:200]
             logger.debug("fragment %d push deferred: %s", contribution.fragment, e)
             if not isinstance(e, SyncDeferred):
+                self.stats.unanswered += 1
                 return "unreachable"
             return self._throttled(e) if e.throttled and self.config.pace_throttles else "deferred"
         self.pacer.answered()

@@ -79,11 +79,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -99,6 +100,7 @@ from node.diloco.fragments import (
     plan_fragments,
 )
 from node.diloco.loops_transport import LoopSignals, SyncSender, SyncWatcher, first
+from node.diloco.push_wait import MAX_PUSH_WAIT_S, PUSH_WAIT_FACTOR, push_deadline_s
 from node.diloco.sync_types import (
     ContributionRefused,
     FragmentVersion,
@@ -347,11 +349,32 @@ OFFER_PREFIX = "offer/"
 # A call moving a fragment may take base + its bytes at this rate: a flat 10 s timed out every push and fetch of a
 # llama-124m fragment (~100 MiB) on links under ~10 MiB/s, and the learner retried the same push for good.
 TRANSFER_RATE_BYTES_S = 8 * 1024 * 1024
+T = TypeVar("T")
 
 
 def transfer_timeout_s(base_s: float, num_bytes: int, rate_bytes_s: float = TRANSFER_RATE_BYTES_S) -> float:
     """Timeout of a call that moves `num_bytes` (request and answer together): `base_s` + bytes / rate."""
     return base_s + max(0, num_bytes) / rate_bytes_s
+
+
+async def answer_within(call: Awaitable[T], deadline_s: Callable[[], float], clock: Callable[[], float]) -> T:
+    """`call`'s result, or asyncio.TimeoutError (the call cancelled) once `deadline_s()` seconds have passed since the
+    start; the deadline is read again each time it is reached, so a longer one announced meanwhile extends the wait
+    (a push the syncer is still judging: node.diloco.push_wait)."""
+    started = clock()
+    task = asyncio.ensure_future(call)
+    try:
+        while not task.done():
+            remaining = started + deadline_s() - clock()
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            await asyncio.wait({task}, timeout=remaining)
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def fragment_bytes(plan: FragmentPlan, fragment: int, *, factor: int = 1) -> int:
@@ -440,6 +463,8 @@ class FramedSyncTransport:
         wall_clock: Callable[[], float] = time.time,
         dht_clock: Callable[[], float] | None = None,
         admission: int | None = None,
+        push_wait_factor: float = PUSH_WAIT_FACTOR,
+        max_push_wait_s: float = MAX_PUSH_WAIT_S,
     ) -> None:
         from protocol.replay import ReplayGuard
 
@@ -456,6 +481,11 @@ class FramedSyncTransport:
         self.limits = fragment_limits(plan)
         # our admission proof (protocol.admission, node.swarm.admission), sent with every push; None: none needed
         self.admission = admission
+        # a push waits for its answer the transfer timeout plus this x the hold its syncer announced (capped;
+        # node.diloco.push_wait); factor 0: the transfer timeout alone, as before issue 17's fix
+        self.push_wait_factor = push_wait_factor
+        self.max_push_wait_s = max_push_wait_s
+        self._push_wait: tuple[str, float] = ("", 0.0)  # (syncer, its latest announced hold in seconds)
         self._replay = ReplayGuard()
         self._syncer: tuple[str, int] | None = None  # (peer id, term)
         self._looked_up_at = -math.inf
@@ -487,30 +517,45 @@ class FramedSyncTransport:
         timeout_s: float | None = None,
         *,
         answer_bytes: int = 0,
+        judged: bool = False,
     ) -> tuple[str, bytearray]:
         """One call to the syncer; without `timeout_s`, the timeout grows with the frame's bytes and the
-        `answer_bytes` expected back (`transfer_timeout_s`)."""
+        `answer_bytes` expected back (`transfer_timeout_s`). `judged` (a push): plus the hold the syncer announces,
+        re-read while the call waits (`answer_within`)."""
         from hivemind.p2p import P2PDaemonError
 
         from protocol.errors import ProtocolError, RemoteRefused
         from protocol.rpc import call_framed
 
         peer, _term = await self.current_syncer()
+        limit_s = timeout_s or transfer_timeout_s(self.call_timeout_s, len(frame) + answer_bytes)
+        deadline_s = functools.partial(self._deadline_s, peer, limit_s, judged)
         try:
-            answer = await call_framed(
+            call = call_framed(
                 self.p2p,
                 peer,
                 route,
                 frame,
                 max_response_bytes=max_response_bytes,
-                timeout_s=timeout_s or transfer_timeout_s(self.call_timeout_s, len(frame) + answer_bytes),
+                timeout_s=limit_s + (self.max_push_wait_s if judged else 0.0),
+                # a push's answer comes after its judgement: its first bytes are awaited as long as the call (the
+                # stream layer's 10 s for them cut off every push judged longer: issue 17), else 10 s as before
+                answer_wait_s=limit_s + self.max_push_wait_s if judged else None,
             )
+            answer = await answer_within(call, deadline_s, time.monotonic)
         except RemoteRefused:
             raise
         except (asyncio.TimeoutError, ConnectionError, OSError, P2PDaemonError, ProtocolError) as e:
             self.forget_syncer()
             raise SyncUnavailable(f"{route} to {peer[-8:]} failed: {type(e).__name__}: {e}") from None
         return peer, answer
+
+    def _deadline_s(self, peer: str, limit_s: float, judged: bool) -> float:
+        """Seconds a call to `peer` waits for its answer (see `_call`)."""
+        announcer, announced_s = self._push_wait
+        if not judged or announcer != peer:
+            return limit_s
+        return push_deadline_s(limit_s, announced_s, factor=self.push_wait_factor, cap_s=self.max_push_wait_s)
 
     def _seal(self, kind: Any, receiver: str, **kwargs: Any) -> bytearray:
         from protocol.envelope import Context, seal
@@ -551,7 +596,7 @@ class FramedSyncTransport:
             meta=contribution_meta(contribution, admission=self.admission),
         )
         try:
-            peer, answer = await self._call(PUSH_ROUTE, frame, max_frame_bytes(control_limits()))
+            peer, answer = await self._call(PUSH_ROUTE, frame, max_frame_bytes(control_limits()), judged=True)
         except RemoteRefused as e:
             if is_retryable(e):
                 # a throttle carries the limiter's hint (finite here: an infinite one is not retryable)
@@ -586,7 +631,9 @@ class FramedSyncTransport:
             self.forget_syncer()
             raise SyncUnavailable(f"versions refused: {e.reason}") from None
         meta = self._open(answer, peer, Kind.CONTROL, control_limits()).meta
-        return parse_versions_meta(meta, syncer=peer, num_fragments=self.plan.num_fragments)
+        view = parse_versions_meta(meta, syncer=peer, num_fragments=self.plan.num_fragments)
+        self._push_wait = (peer, view.push_wait_s)
+        return view
 
     async def fetch(self, fragment: int) -> FragmentVersion:
         from protocol.envelope import Kind, max_frame_bytes
@@ -692,6 +739,7 @@ def parse_versions_meta(meta: Mapping[str, Any], *, syncer: str, num_fragments: 
     versions, term = meta.get("versions"), meta.get("term")
     barrier, clock = meta.get("barrier", False), meta.get("clock", 0)
     ages, step_time_s = meta.get("ages", []), meta.get("step_time_s", 0.0)
+    push_wait_s = meta.get("push_wait_s", 0.0)  # an older syncer does not say
     ok = (
         isinstance(versions, list)
         and len(versions) == num_fragments
@@ -704,6 +752,8 @@ def parse_versions_meta(meta: Mapping[str, Any], *, syncer: str, num_fragments: 
         and all(type(a) is float and math.isfinite(a) for a in ages)
         and type(step_time_s) is float
         and math.isfinite(step_time_s)
+        and type(push_wait_s) is float
+        and math.isfinite(push_wait_s)
     )
     if not ok or not isinstance(versions, list) or not isinstance(term, int):
         raise SyncUnavailable("malformed versions answer")
@@ -715,6 +765,7 @@ def parse_versions_meta(meta: Mapping[str, Any], *, syncer: str, num_fragments: 
         clock=max(clock, 0),
         ages=tuple(ages),
         step_time_s=max(step_time_s, 0.0),
+        push_wait_s=max(push_wait_s, 0.0),
     )
 
 

@@ -71,6 +71,8 @@ class VersionsView:
     # version 0, or one this syncer restored or adopted); () from a syncer that does not say
     ages: tuple[float, ...] = ()
     step_time_s: float = 0.0  # the syncer's EMA of the learners' step time (xi_step), 0 if unknown
+    # the longest its push route held a recent or open push before answering (node.diloco.push_wait), 0 if unknown
+    push_wait_s: float = 0.0
 
 
 class SyncUnavailable(Exception):  # noqa: N818 - reads as the condition
@@ -178,6 +180,7 @@ class SyncStats:
     refused: int = 0
     retries: int = 0
     throttled: int = 0  # pushes the syncer's limiter refused for load (paced by node.diloco.push_pacer)
+    unanswered: int = 0  # pushes that got no answer: the call timed out or failed (not a refusal)
     applied: int = 0
     skipped: int = 0  # due sends skipped right after a version overwrote unsent progress
     anchored: int = 0  # fragment send times re-anchored to a published round
@@ -202,6 +205,7 @@ class SyncStats:
             "refusals": dict(self.refusals),
             "retries": self.retries,
             "throttled": self.throttled,
+            "unanswered": self.unanswered,
             "applied": self.applied,
             "sends_skipped": self.skipped,
             "phase_anchors": self.anchored,

@@ -25,6 +25,7 @@ from node.diloco.learner_ledger import (
     ban_evidence_scores,
     contribution_digest,
 )
+from node.diloco.push_wait import PushWaits
 from node.diloco.seniority import seniority_chunks
 from node.diloco.spill import release_freed_memory, release_large_blocks_when_freed
 from node.diloco.sync_client import (
@@ -241,6 +242,7 @@ class SyncerService:
         self.push_limits = push_limits(self.codec, role.plan, role.limits)
         self._push_replay = ReplayGuard()
         self._control_replay = ReplayGuard()
+        self.push_waits = PushWaits()
         self.refusals: dict[str, int] = {}
         self.receipts_verified = 0
         self.receipts_rejected: dict[str, int] = {}  # by reason
@@ -310,24 +312,7 @@ class SyncerService:
             "learners": self.ledger.status(time.time()),
             "refusals_by_peer": self.ledger.refusals(),
             "in_flight": in_flight_status(self._server),
-            **self._sybil_status(),
-        }
-
-    def _sybil_status(self) -> dict[str, Any]:
-        """The run's admission cost (protocol.admission), who was refused for want of it, and the seniority cap."""
-        core = self.role.core
-        if core is None:
-            return {"admission": {}, "seniority": {}}
-        return {
-            "admission": {
-                "mode": core.gate.spec.mode,
-                # the most recent only: a Sybil flood's 65536 identities would outgrow the 1 MiB the bootstrap reads
-                "refused_by_peer": dict(list(core.gate.refused.items())[-STATUS_REFUSED_PEERS:]),
-                "refused_identities": len(core.gate.refused),
-                "refused_by_reason": dict(core.gate.refused_by_cause),
-                "counted_since": round(self.started_at, 3),
-            },
-            "seniority": core.seniority.status(time.monotonic()),
+            **sybil_status(self.role.core, self.started_at),
         }
 
     def _on_reject(self, remote: str, route: str, error: ProtocolError) -> None:
@@ -361,7 +346,12 @@ class SyncerService:
             raise refuse("standby", "this syncer is on standby")
 
     async def _handle_push(self, frame: bytearray | FrameFile, remote: str) -> bytes:
-        answer = await self._accept_push(frame, remote)
+        # how long pushes are held before their answer, announced in the versions answers (node.diloco.push_wait)
+        token = self.push_waits.started(time.monotonic())
+        try:
+            answer = await self._accept_push(frame, remote)
+        finally:
+            self.push_waits.ended(token, time.monotonic())
         # its decoded tensors went with that frame: freed heap back to the kernel, else resident under the next merge
         # (docs/scale.md). A refused push is held by its traceback here: the next accept or merge trims it
         release_freed_memory()
@@ -534,6 +524,8 @@ class SyncerService:
             "clock": core.clock_estimate(now),
             "ages": core.version_ages(now),
             "step_time_s": float(core.policy.xi_step or 0.0),
+            # how long a push waits for its verdict here: the learner's push call waits that long for the answer
+            "push_wait_s": float(self.push_waits.announce_s(now)),
         }
         return self._answer(Kind.CONTROL, remote, meta=meta)
 
@@ -624,6 +616,23 @@ class SyncerService:
         if adopted:
             self.role.notify()
         return self._answer(Kind.CONTROL, remote, meta={"adopted": adopted})
+
+
+def sybil_status(core: SyncerCore | None, started_at: float) -> dict[str, Any]:
+    """The run's admission cost (protocol.admission), who was refused for want of it, and the seniority cap."""
+    if core is None:
+        return {"admission": {}, "seniority": {}}
+    return {
+        "admission": {
+            "mode": core.gate.spec.mode,
+            # the most recent only: a Sybil flood's 65536 identities would outgrow the 1 MiB the bootstrap reads
+            "refused_by_peer": dict(list(core.gate.refused.items())[-STATUS_REFUSED_PEERS:]),
+            "refused_identities": len(core.gate.refused),
+            "refused_by_reason": dict(core.gate.refused_by_cause),
+            "counted_since": round(started_at, 3),
+        },
+        "seniority": core.seniority.status(time.monotonic()),
+    }
 
 
 def verified_receipts(

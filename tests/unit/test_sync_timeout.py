@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import protocol.rpc
+from node.diloco.push_wait import MAX_PUSH_WAIT_S
 from node.diloco.sync_client import (
     TRANSFER_RATE_BYTES_S,
     FramedSyncTransport,
@@ -96,6 +97,11 @@ def test_push_and_fetch_pass_a_timeout_grown_with_their_bytes(monkeypatch: pytes
         asyncio.run(t.fetch(fragment))
     size = fragment_bytes(t.plan, fragment)
     push_timeout, fetch_timeout = recorder.timeouts
+    # the push's call is bounded by its transfer timeout plus the most a syncer's announced hold may add
+    # (node.diloco.push_wait); with none announced it waits the transfer timeout alone (`_deadline_s`)
+    push_timeout -= MAX_PUSH_WAIT_S
+    peer = t._syncer[0] if t._syncer is not None else ""
+    assert t._deadline_s(peer, push_timeout, True) == push_timeout
     # the push frame holds the fragment plus a header: a little more than its bytes at the rate
     assert (
         10.0 + size / TRANSFER_RATE_BYTES_S < push_timeout < 10.0 + (size + 64 * 1024) / TRANSFER_RATE_BYTES_S
