@@ -259,7 +259,11 @@ def _plot(
 
 
 def _update_activations(
-    microbatches: int, codecs: list[str], seeds: list[int], progress: Path | None = None
+    microbatches: int,
+    codecs: list[str],
+    seeds: list[int],
+    progress: Path | None = None,
+    noise_arm: bool = True,
 ) -> None:
     """Measure the activation arms and rewrite their keys into the existing results file (others kept)."""
     path = RESULTS_DIR / f"{NAME}.json"
@@ -269,6 +273,7 @@ def _update_activations(
         seeds,
         codecs=codecs,  # type: ignore[arg-type]
         progress=progress,
+        noise_arm=noise_arm,
     )
     if "activations" in previous:
         # the replaced run kept whole: a run of fewer codecs would otherwise drop the other codecs' figures
@@ -497,6 +502,12 @@ def main() -> None:
         type=Path,
         help="JSON file of the activation seeds finished so far: a rerun measures only the seeds it lacks",
     )
+    parser.add_argument(
+        "--activation-no-noise-arm",
+        action="store_true",
+        help="skip the noise floor arm (fp32, other batch order): deterministic in the seed, so an earlier run's "
+        "figures for the same seeds hold",
+    )
     args = parser.parse_args()
     activation_seeds = [int(s) for s in args.activation_seeds.split(",")]
     if args.activations_only:
@@ -505,6 +516,7 @@ def main() -> None:
             args.activation_codecs.split(","),
             activation_seeds,
             args.activation_progress,
+            noise_arm=not args.activation_no_noise_arm,
         )
         return
     if args.wan_only:

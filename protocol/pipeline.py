@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from protocol.boundary_codec import BoundaryCodecSpec
 from protocol import token_wire
+from protocol.boundary_codec import BoundaryCodecSpec
 from protocol.codec import TensorLimits
 from protocol.envelope import Kind, Opened
 from protocol.errors import ProtocolError, TensorPolicyError

@@ -125,7 +125,9 @@ def test_short_truncated_trailing_and_garbage_streams_are_refused(codec: Any) ->
     short = entropy.encode_codes(torch.zeros(count - 2, dtype=torch.int64), levels)  # inflates short
     assert refused(torch.cat([payload[:scales], short]), meta, spec) == entropy.BAD_STREAM
     assert refused(payload[:-3], meta, spec) == entropy.BAD_STREAM  # truncated: ends before its last block
-    assert refused(torch.cat([payload, payload[-2:]]), meta, spec) == entropy.BAD_STREAM  # bytes after the end
+    assert (
+        refused(torch.cat([payload, payload[-2:]]), meta, spec) == entropy.BAD_STREAM
+    )  # bytes after the end
     garbage = payload.clone()
     garbage[scales:] = 0xFF  # not a deflate stream
     assert refused(garbage, meta, spec) == entropy.BAD_STREAM
