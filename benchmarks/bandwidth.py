@@ -22,7 +22,8 @@ assembled into one model run in fp32 (`*_model_loss_gap`: what training under th
 recommendation). `--activations-only` measures just these and rewrites them (and `activations`) into the existing
 results file, keeping every other key as it was measured (`activations_measured_at` dates them; the run it
 replaces moves to `activations_previous`); `--activation-progress FILE` keeps each finished seed there, and a
-rerun measures only the seeds it lacks.
+rerun measures only the seeds it lacks; `--activation-no-noise-arm` skips the noise floor arm (fp32 with another
+batch order: deterministic in the seed, so an earlier run's figures for the same seeds stand).
 
 Over a WAN (`benchmarks.bandwidth_live.WAN_LINK`): the same two live arms with every syncer and learner behind a
 50 Mbit/s, 100 ms round-trip link of the WAN proxy: tokens/s and merge efficiency with and without compression

@@ -14,6 +14,9 @@ Codecs (`[activation_codec]` in run.toml; every peer of a run uses the one its s
   power of two (5 or 6 gradient levels, 20, 22 or 25 activation levels), several codes per packed word: the
   fractional bits per value the name says, each within 8x of fp32 at the harness's shapes, scales and frames included.
   The frame's kind (activation or gradient) says which grid applies.
+- ``a4.7g2.7z``, ``a5g2.3z``, ``a5g2.7z``, ``a5g3z``: the grids of the name without the z, their codes entropy coded
+  (`protocol.boundary_entropy`: zlib's Huffman-only deflate), so a payload's length depends on its values and is
+  bounded by `payload_size`; fewer bytes than the packed grid wherever the codes are not uniform (the gradients').
 
 Payload, the frame's "" tensor (1-D uint8)::
 
@@ -24,7 +27,9 @@ with the header, ``{"codec", "shape"}``, in the frame's meta under `META_PREFIX`
 computed (`encode`); the receiver decodes right after `open_envelope` and before the tensor is used or checked
 (`decode_opened`), so SENTINEL and the spot checks see decoded tensors. The header is untrusted: `decode_opened`
 checks its schema, the codec against the manifest's, the declared shape against the receiver's `TensorLimits` for
-the float32 tensor it would build (the cap, before anything is allocated), the payload's exact length, and the
+the float32 tensor it would build (the cap, before anything is allocated), the payload's exact length (an
+entropy-coded codec's: more than its scales, at most its bound; its stream then inflates to exactly the declared
+codes or is refused before more is allocated), and the
 scales (finite, >= 0, <= `compress.MAX_SCALE`; the low-bit codecs' offsets finite and bounded too), and a packed
 word of codes past the grid (`boundary_lowbit.BAD_CODE`); each refusal is a `CompressionError` with a reason tag.
 """

@@ -36,6 +36,9 @@ digits 0)::
     channel:                  channels x float32 lo | channels x float32 step | codes (`codes_size`)
     row, row_rot:             float32 S | rows x uint8 e | codes
 
+The entropy-coded codecs (`ENTROPY_CODED`, names ending in z) keep these scales and grids and put a raw deflate
+stream of the codes where the packed words were (`protocol.boundary_entropy`), at most `payload_size(..., coded=True)`.
+
 Decoding refuses (CompressionError, BAD_SCALE) a step or S that is NaN, Inf, negative or above `MAX_SCALE`, and a lo
 that is not finite or beyond `MAX_LO`, and (BAD_CODE) a word of L^n or more (it would alias one on the grid); a row
 exponent may be any byte (it only shrinks S).

@@ -188,7 +188,7 @@ class CountingTransport:
         return answer
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "a4g2"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "a4g2", "a5g2.3z", "a4.7g2.7z"])
 def test_the_pipeline_trains_with_the_codec_on_and_sends_fewer_bytes(codec: str) -> None:
     losses, sent = {}, {}
     for name in ("fp32", codec):
@@ -202,9 +202,8 @@ def test_the_pipeline_trains_with_the_codec_on_and_sends_fewer_bytes(codec: str)
         assert all(o.completed for o in outcomes)
         losses[name] = sum(o.loss for o in outcomes) / len(outcomes)
         sent[name] = counter.bytes
-    assert (
-        sent[codec] < sent["fp32"] / {"int8": 2.5, "int4": 4.0, "a4g2": 4.5}[codec]
-    )  # tokens and headers do not shrink
+    # tokens and headers shrink less than the boundary tensors
+    assert sent[codec] < sent["fp32"] / {"int8": 2.5, "int4": 4.0}.get(codec, 4.5)
     assert abs(losses[codec] - losses["fp32"]) / losses["fp32"] < 0.01  # the same first steps, within noise
 
 

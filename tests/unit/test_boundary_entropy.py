@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from protocol import boundary_codec
 from protocol import boundary_entropy as entropy
 from protocol import boundary_lowbit as lowbit
 from protocol.boundary_codec import META_PREFIX, BoundaryCodecSpec, encode
-from protocol.compress import TOO_LARGE, WRONG_LENGTH
+from protocol.compress import BAD_SCALE, TOO_LARGE, WRONG_LENGTH
 from protocol.errors import CompressionError
 from tests.unit.test_boundary_codec import (
     CTX,
@@ -159,3 +161,38 @@ def test_a_symbol_off_the_grid_is_refused(levels: int, monkeypatch: pytest.Monke
     # negative control: without the grid check the forged symbol decodes to a code past the last level
     monkeypatch.setattr(torch.Tensor, "all", lambda self: torch.tensor(True))
     assert int(entropy.decode_codes(data, count, levels).max()) >= levels
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    stream=st.binary(max_size=3000),
+    count=st.integers(1, 5000),
+    levels=st.sampled_from([4, 5, 6, 8, 25, 32]),
+)
+def test_any_bytes_decode_to_exactly_the_declared_codes_or_are_refused(
+    stream: bytes, count: int, levels: int
+) -> None:
+    data = (
+        torch.frombuffer(bytearray(stream), dtype=torch.uint8)
+        if stream
+        else torch.zeros(0, dtype=torch.uint8)
+    )
+    try:
+        codes = entropy.decode_codes(data, count, levels)
+    except CompressionError as e:
+        assert e.reason in (entropy.BAD_STREAM, entropy.BAD_CODE)
+        return
+    assert codes.numel() == count and int(codes.min()) >= 0 and int(codes.max()) < levels
+
+
+@pytest.mark.parametrize("codec", ENTROPY_CODECS)
+@pytest.mark.parametrize("gradient", [False, True])
+def test_entropy_coded_scales_are_checked_like_the_packed_ones(codec: Any, gradient: bool) -> None:
+    spec, context = BoundaryCodecSpec(codec=codec), GRAD_CTX if gradient else CTX
+    payload, meta = encode(offsets(), spec, gradient=gradient, rounding=rounding())
+    scale_at = 0 if gradient else 4 * 64  # the tensor's S, or the first channel's step
+    for bad in (float("nan"), float("inf"), -1.0):
+        poisoned = payload.clone()
+        poisoned[scale_at : scale_at + 4].view(torch.float32)[0] = bad
+        assert refused(poisoned, meta, spec, context=context) == BAD_SCALE
+    assert through_frame(payload, meta, spec, context=context).tensors[""].isfinite().all()  # control
