@@ -79,6 +79,9 @@ def decode_codes(data: torch.Tensor, count: int, levels: int) -> torch.Tensor:
 def _inflate_exactly(stream: bytes, symbols: int) -> bytes:
     """The `symbols` bytes `stream` inflates to, asking zlib for no more than that (and then one byte, to see the
     stream ends there)."""
+    if symbols < 1:
+        # zlib reads a max_length of 0 as no bound at all
+        raise CompressionError("no symbols declared", reason=BAD_STREAM)
     inflater = zlib.decompressobj(_WBITS)
     try:
         raw = inflater.decompress(stream, symbols)

@@ -196,3 +196,12 @@ def test_entropy_coded_scales_are_checked_like_the_packed_ones(codec: Any, gradi
         poisoned[scale_at : scale_at + 4].view(torch.float32)[0] = bad
         assert refused(poisoned, meta, spec, context=context) == BAD_SCALE
     assert through_frame(payload, meta, spec, context=context).tensors[""].isfinite().all()  # control
+
+
+def test_no_declared_symbols_is_refused_not_read_as_no_bound() -> None:
+    stream = torch.frombuffer(bytearray(bomb(1 << 20)), dtype=torch.uint8)
+    with pytest.raises(CompressionError) as e:
+        entropy.decode_codes(stream, 0, 25)
+    assert e.value.reason == entropy.BAD_STREAM
+    # negative control: zlib's max_length 0 is unbounded, the whole megabyte comes out
+    assert len(zlib.decompressobj(-15).decompress(stream.numpy().tobytes(), 0)) == 1 << 20
