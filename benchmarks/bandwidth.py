@@ -22,7 +22,8 @@ assembled into one model run in fp32 (`*_model_loss_gap`: what training under th
 recommendation). `--activations-only` measures just these and rewrites them (and `activations`) into the existing
 results file, keeping every other key as it was measured (`activations_measured_at` dates them; the run it
 replaces moves to `activations_previous`); `--activation-progress FILE` keeps each finished seed there, and a
-rerun measures only the seeds it lacks.
+rerun measures only the seeds it lacks; `--activation-no-noise-arm` skips the noise floor arm (fp32 with another
+batch order: deterministic in the seed, so an earlier run's figures for the same seeds stand).
 
 Over a WAN (`benchmarks.bandwidth_live.WAN_LINK`): the same two live arms with every syncer and learner behind a
 50 Mbit/s, 100 ms round-trip link of the WAN proxy: tokens/s and merge efficiency with and without compression
@@ -259,7 +260,11 @@ def _plot(
 
 
 def _update_activations(
-    microbatches: int, codecs: list[str], seeds: list[int], progress: Path | None = None
+    microbatches: int,
+    codecs: list[str],
+    seeds: list[int],
+    progress: Path | None = None,
+    noise_arm: bool = True,
 ) -> None:
     """Measure the activation arms and rewrite their keys into the existing results file (others kept)."""
     path = RESULTS_DIR / f"{NAME}.json"
@@ -269,6 +274,7 @@ def _update_activations(
         seeds,
         codecs=codecs,  # type: ignore[arg-type]
         progress=progress,
+        noise_arm=noise_arm,
     )
     if "activations" in previous:
         # the replaced run kept whole: a run of fewer codecs would otherwise drop the other codecs' figures
@@ -497,6 +503,12 @@ def main() -> None:
         type=Path,
         help="JSON file of the activation seeds finished so far: a rerun measures only the seeds it lacks",
     )
+    parser.add_argument(
+        "--activation-no-noise-arm",
+        action="store_true",
+        help="skip the noise floor arm (fp32, other batch order): deterministic in the seed, so an earlier run's "
+        "figures for the same seeds hold",
+    )
     args = parser.parse_args()
     activation_seeds = [int(s) for s in args.activation_seeds.split(",")]
     if args.activations_only:
@@ -505,6 +517,7 @@ def main() -> None:
             args.activation_codecs.split(","),
             activation_seeds,
             args.activation_progress,
+            noise_arm=not args.activation_no_noise_arm,
         )
         return
     if args.wan_only:

@@ -95,11 +95,11 @@ def run_arm(
 
 
 def measure_seed(
-    microbatches: int, seed: int, lr: float, codecs: Sequence[BoundaryCodecName]
+    microbatches: int, seed: int, lr: float, codecs: Sequence[BoundaryCodecName], noise_arm: bool = True
 ) -> dict[str, Any]:
-    """Every arm under one seed, gaps against this seed's fp32 arm."""
+    """Every arm under one seed, gaps against this seed's fp32 arm (`noise_arm`: and the noise floor's)."""
     arms: dict[str, dict[str, Any]] = {}
-    for name in ("fp32", *codecs, NOISE_ARM):
+    for name in ("fp32", *codecs, *((NOISE_ARM,) if noise_arm else ())):
         # the noise floor: fp32 again with another batch order, same init (how far a harmless change moves the loss)
         noise = name == NOISE_ARM
         arm = run_arm(
@@ -189,15 +189,17 @@ def measure(
     lr: float = 3e-3,
     codecs: Sequence[BoundaryCodecName] = BOUNDARY_CODECS,
     progress: Path | None = None,
+    noise_arm: bool = True,
 ) -> dict[str, Any]:
+    """`noise_arm` False: no noise floor arm (its gaps are deterministic in the seed: an earlier run's hold)."""
     torch.set_num_threads(1)
     load = os.getloadavg()[0]
     lossy = [c for c in codecs if c != "fp32"]
-    kept = SeedProgress(progress, microbatches, lr, ["fp32", *lossy, NOISE_ARM])
+    kept = SeedProgress(progress, microbatches, lr, ["fp32", *lossy, *((NOISE_ARM,) if noise_arm else ())])
     reused = [seed for seed in seeds if kept.get(seed) is not None]
     runs: dict[int, dict[str, Any]] = {}
     for seed in seeds:
-        runs[seed] = kept.get(seed) or measure_seed(microbatches, seed, lr, lossy)
+        runs[seed] = kept.get(seed) or measure_seed(microbatches, seed, lr, lossy, noise_arm)
         kept.add(seed, runs[seed])
     summary = summarize(runs)
     meeting = sorted(

@@ -14,6 +14,9 @@ Codecs (`[activation_codec]` in run.toml; every peer of a run uses the one its s
   power of two (5 or 6 gradient levels, 20, 22 or 25 activation levels), several codes per packed word: the
   fractional bits per value the name says, each within 8x of fp32 at the harness's shapes, scales and frames included.
   The frame's kind (activation or gradient) says which grid applies.
+- ``a4.7g2.7z``, ``a5g2.3z``, ``a5g2.7z``, ``a5g3z``: the grids of the name without the z, their codes entropy coded
+  (`protocol.boundary_entropy`: zlib's Huffman-only deflate), so a payload's length depends on its values and is
+  bounded by `payload_size`; fewer bytes than the packed grid wherever the codes are not uniform (the gradients').
 
 Payload, the frame's "" tensor (1-D uint8)::
 
@@ -24,7 +27,9 @@ with the header, ``{"codec", "shape"}``, in the frame's meta under `META_PREFIX`
 computed (`encode`); the receiver decodes right after `open_envelope` and before the tensor is used or checked
 (`decode_opened`), so SENTINEL and the spot checks see decoded tensors. The header is untrusted: `decode_opened`
 checks its schema, the codec against the manifest's, the declared shape against the receiver's `TensorLimits` for
-the float32 tensor it would build (the cap, before anything is allocated), the payload's exact length, and the
+the float32 tensor it would build (the cap, before anything is allocated), the payload's exact length (an
+entropy-coded codec's: more than its scales, at most its bound; its stream then inflates to exactly the declared
+codes or is refused before more is allocated), and the
 scales (finite, >= 0, <= `compress.MAX_SCALE`; the low-bit codecs' offsets finite and bounded too), and a packed
 word of codes past the grid (`boundary_lowbit.BAD_CODE`); each refusal is a `CompressionError` with a reason tag.
 """
@@ -40,7 +45,7 @@ from typing import Literal, cast, get_args
 import torch
 
 from protocol import boundary_lowbit as lowbit
-from protocol.boundary_lowbit import LOWBIT
+from protocol.boundary_lowbit import ENTROPY_CODED, LOWBIT
 from protocol.codec import TensorLimits, check_spec
 from protocol.compress import (
     BAD_HEADER,
@@ -69,6 +74,10 @@ BoundaryCodecName = Literal[
     "a4.5g2",
     "a4.7g2",
     "a4.3g2.3",
+    "a4.7g2.7z",
+    "a5g2.3z",
+    "a5g2.7z",
+    "a5g3z",
 ]
 BOUNDARY_CODECS: tuple[BoundaryCodecName, ...] = get_args(BoundaryCodecName)
 META_PREFIX = "b_"  # the header's keys in a pipeline frame's meta
@@ -106,12 +115,13 @@ def rounding_generator(seed: int | None = None) -> torch.Generator:
 
 
 def payload_size(codec: BoundaryCodecName, shape: tuple[int, ...], gradient: bool = False) -> int:
-    """Bytes of the payload for a tensor of `shape` (float32 bytes for fp32)."""
+    """Bytes of the payload for a tensor of `shape` (float32 bytes for fp32); an entropy-coded codec's
+    (`ENTROPY_CODED`): the most it may take, its actual size depends on the values."""
     numel = math.prod(shape)
     if codec == "fp32":
         return 4 * numel
     if codec in LOWBIT:
-        return lowbit.payload_size(*lowbit.scheme_of(codec, gradient), shape)
+        return lowbit.payload_size(*lowbit.scheme_of(codec, gradient), shape, codec in ENTROPY_CODED)
     values = numel if codec == "int8" else -(-numel // 2)
     return shape[-1] * _SCALE_BYTES + values
 
@@ -119,7 +129,8 @@ def payload_size(codec: BoundaryCodecName, shape: tuple[int, ...], gradient: boo
 def compression_ratio(
     codec: BoundaryCodecName, shape: tuple[int, ...], gradient: bool | None = None
 ) -> float:
-    """fp32 bytes over payload bytes; `gradient` None: activations and gradients alike (one of each)."""
+    """fp32 bytes over payload bytes; `gradient` None: activations and gradients alike (one of each). For an
+    entropy-coded codec, over its largest payload (a lower bound of its ratio)."""
     if gradient is None:
         both = payload_size(codec, shape, False) + payload_size(codec, shape, True)
         return 8 * math.prod(shape) / both
@@ -144,7 +155,13 @@ def encode(
     rows = tensor.detach().to("cpu", torch.float32).reshape(-1, shape[-1])
     if spec.codec in LOWBIT:
         scheme, bits = lowbit.scheme_of(spec.codec, gradient)
-        payload = lowbit.encode_rows(rows, scheme, bits, rounding=rounding if gradient else None)
+        payload = lowbit.encode_rows(
+            rows,
+            scheme,
+            bits,
+            rounding=rounding if gradient else None,
+            coded=spec.codec in ENTROPY_CODED,
+        )
         if payload is None:
             return tensor, {}
         return payload, _meta(spec.codec, shape)
@@ -176,13 +193,10 @@ def decode_opened(opened: Opened, spec: BoundaryCodecSpec, limits: TensorLimits)
     if data is None or data.dtype != torch.uint8 or data.dim() != 1:
         raise CompressionError("an encoded boundary tensor is a 1-D uint8 payload", reason=BAD_HEADER)
     gradient = opened.header.kind is Kind.GRADIENT
-    expected = payload_size(codec, shape, gradient)
-    if data.numel() != expected:
-        raise CompressionError(
-            f"{data.numel()} payload bytes, the header implies {expected}", reason=WRONG_LENGTH
-        )
+    _check_length(data.numel(), codec, shape, gradient)
     if codec in LOWBIT:
-        decoded = lowbit.decode_rows(data, shape, *lowbit.scheme_of(codec, gradient))
+        scheme = lowbit.scheme_of(codec, gradient)
+        decoded = lowbit.decode_rows(data, shape, *scheme, codec in ENTROPY_CODED)
         return Opened(opened.header, {**opened.tensors, "": decoded})
     channels = shape[-1]
     scales = _read_scales(data, channels, 8 * _SCALE_BYTES)
@@ -196,6 +210,19 @@ def decode_opened(opened: Opened, spec: BoundaryCodecSpec, limits: TensorLimits)
         )
     decoded = q.to(torch.float32).view(-1, channels).mul_(scales).view(shape)
     return Opened(opened.header, {**opened.tensors, "": decoded})
+
+
+def _check_length(size: int, codec: BoundaryCodecName, shape: tuple[int, ...], gradient: bool) -> None:
+    """The payload's length: exact, or for an entropy-coded codec more than its scales and at most its bound."""
+    most = payload_size(codec, shape, gradient)
+    if codec in ENTROPY_CODED:
+        least = lowbit.scales_size(lowbit.scheme_of(codec, gradient)[0], shape) + 1
+        if not least <= size <= most:
+            raise CompressionError(
+                f"{size} payload bytes, the header implies {least} to {most}", reason=WRONG_LENGTH
+            )
+    elif size != most:
+        raise CompressionError(f"{size} payload bytes, the header implies {most}", reason=WRONG_LENGTH)
 
 
 def _parse_header(

@@ -36,6 +36,9 @@ digits 0)::
     channel:                  channels x float32 lo | channels x float32 step | codes (`codes_size`)
     row, row_rot:             float32 S | rows x uint8 e | codes
 
+The entropy-coded codecs (`ENTROPY_CODED`, names ending in z) keep these scales and grids and put a raw deflate
+stream of the codes where the packed words were (`protocol.boundary_entropy`), at most `payload_size(..., coded=True)`.
+
 Decoding refuses (CompressionError, BAD_SCALE) a step or S that is NaN, Inf, negative or above `MAX_SCALE`, and a lo
 that is not finite or beyond `MAX_LO`, and (BAD_CODE) a word of L^n or more (it would alias one on the grid); a row
 exponent may be any byte (it only shrinks S).
@@ -50,6 +53,7 @@ from typing import Literal
 
 import torch
 
+from protocol import boundary_entropy as entropy
 from protocol.bitpack import pack_bits, packed_size, unpack_bits
 from protocol.compress import BAD_SCALE, MAX_SCALE, _read_scales
 from protocol.errors import CompressionError
@@ -67,11 +71,18 @@ LOWBIT: dict[str, tuple[tuple[Scheme, int], tuple[Scheme, int]]] = {
     "a4.5g2": (("channel", 22), ("row", 4)),
     "a4.7g2": (("channel", 25), ("row", 4)),
     "a4.3g2.3": (("channel", 20), ("row", 5)),
+    # entropy coded (`protocol.boundary_entropy`): the grids of the name without the z, Huffman-coded codes
+    "a4.7g2.7z": (("channel", 25), ("row", 6)),
+    "a5g2.3z": (("channel", 32), ("row", 5)),
+    "a5g2.7z": (("channel", 32), ("row", 6)),
+    "a5g3z": (("channel", 32), ("row", 8)),
 }
+# codecs whose codes travel entropy coded: a payload of variable length, at most `payload_size`
+ENTROPY_CODED = frozenset(name for name in LOWBIT if name.endswith("z"))
 BLOCK = 16  # values per scale of the "block" scheme (consecutive channels of a row; the row if the width is not a multiple)
 MAX_LO = 256 * MAX_SCALE  # a channel's min beyond this travels as fp32
 _EXPONENT_STEPS = 16  # a row's step is S x 2^(-e/16): steps of 4.4 %, rows down to 2^-16 of the largest
-BAD_CODE = "bad code"  # a code word off the grid (levels not a power of two)
+BAD_CODE = entropy.BAD_CODE  # a code word off the grid (levels not a power of two)
 _ROTATION_DOMAIN = b"hivenode/boundary-rotation/v1/"
 _F32 = 4
 
@@ -101,18 +112,26 @@ def bits_per_value(levels: int) -> float:
     return word_bits / per_word
 
 
-def payload_size(scheme: Scheme, levels: int, shape: tuple[int, ...]) -> int:
-    numel, width = math.prod(shape), shape[-1]
-    scales = 2 * _F32 * width if scheme == "channel" else _F32 + numel // _group(scheme, width)
-    return scales + codes_size(numel, levels)
+def scales_size(scheme: Scheme, shape: tuple[int, ...]) -> int:
+    """Bytes of the payload before its codes."""
+    width = shape[-1]
+    return 2 * _F32 * width if scheme == "channel" else _F32 + math.prod(shape) // _group(scheme, width)
+
+
+def payload_size(scheme: Scheme, levels: int, shape: tuple[int, ...], coded: bool = False) -> int:
+    """Bytes of the payload; `coded` (entropy-coded codes): the most it may take."""
+    numel = math.prod(shape)
+    codes = entropy.stream_bound(numel, levels) if coded else codes_size(numel, levels)
+    return scales_size(scheme, shape) + codes
 
 
 def encode_rows(
-    rows: torch.Tensor, scheme: Scheme, levels: int, *, rounding: torch.Generator | None
+    rows: torch.Tensor, scheme: Scheme, levels: int, *, rounding: torch.Generator | None, coded: bool = False
 ) -> torch.Tensor | None:
     """The payload of `rows` ((positions, width) float32), or None when the scheme cannot carry it (non-finite
     values, a range beyond what the stored scales may hold). `rounding`: round stochastically with noise drawn from
-    this generator (gradients); None: round to nearest (activations)."""
+    this generator (gradients); None: round to nearest (activations). `coded`: the codes entropy coded
+    (`protocol.boundary_entropy`) instead of packed."""
     if scheme == "channel":
         lo, hi = rows.amin(dim=0), rows.amax(dim=0)
         step = (hi - lo) / (levels - 1)
@@ -123,7 +142,7 @@ def encode_rows(
         ):
             return None
         codes = _quantize(rows - lo, step, levels, rounding)
-        return torch.cat([lo.view(torch.uint8), step.view(torch.uint8), _pack_codes(codes, levels)])
+        return torch.cat([lo.view(torch.uint8), step.view(torch.uint8), _pack_codes(codes, levels, coded)])
     data = (rotate(rows) if scheme == "row_rot" else rows).reshape(-1, _group(scheme, rows.shape[-1]))
     half = (levels - 1) / 2  # the outermost level, in steps from 0
     needed = data.abs().amax(dim=1) / half  # the row's max is the outermost level
@@ -139,7 +158,7 @@ def encode_rows(
     exponent = torch.ceil(-_EXPONENT_STEPS * torch.log2(ratio) - 1e-4).clamp_(0, 255)
     step = big * torch.exp2(-exponent / _EXPONENT_STEPS)
     codes = _quantize(data + (half * step).unsqueeze(1), step.unsqueeze(1), levels, rounding)
-    return torch.cat([big.view(torch.uint8), exponent.to(torch.uint8), _pack_codes(codes, levels)])
+    return torch.cat([big.view(torch.uint8), exponent.to(torch.uint8), _pack_codes(codes, levels, coded)])
 
 
 def _quantize(
@@ -154,9 +173,11 @@ def _quantize(
     return k.clamp_(0, levels - 1).to(torch.int64).reshape(-1)
 
 
-def _pack_codes(codes: torch.Tensor, levels: int) -> torch.Tensor:
+def _pack_codes(codes: torch.Tensor, levels: int, coded: bool = False) -> torch.Tensor:
     """`codes` (1-D, in [0, levels)) as `packing(levels)` words, the first code the least significant digit; the
-    last word's missing digits are 0."""
+    last word's missing digits are 0. `coded`: a deflate stream instead (`boundary_entropy.encode_codes`)."""
+    if coded:
+        return entropy.encode_codes(codes, levels)
     per_word, word_bits = packing(levels)
     if per_word == 1:
         return pack_bits(codes, word_bits)
@@ -164,9 +185,11 @@ def _pack_codes(codes: torch.Tensor, levels: int) -> torch.Tensor:
     return pack_bits((digits * levels ** torch.arange(per_word, dtype=torch.int64)).sum(dim=1), word_bits)
 
 
-def _unpack_codes(data: torch.Tensor, count: int, levels: int) -> torch.Tensor:
+def _unpack_codes(data: torch.Tensor, count: int, levels: int, coded: bool = False) -> torch.Tensor:
     """`_pack_codes`'s inverse; refuses (BAD_CODE) a word of `levels`^n or more (`_on_grid`; 2^b levels fill their
-    bits: no such word)."""
+    bits: no such word), and a deflate stream that does not inflate to exactly `count` codes on the grid."""
+    if coded:
+        return entropy.decode_codes(data, count, levels)
     per_word, word_bits = packing(levels)
     words = unpack_bits(data, -(-count // per_word), word_bits)
     if per_word == 1:
@@ -183,8 +206,11 @@ def _on_grid(words: torch.Tensor, bound: int) -> bool:
     return bool((words < bound).all())
 
 
-def decode_rows(data: torch.Tensor, shape: tuple[int, ...], scheme: Scheme, levels: int) -> torch.Tensor:
-    """`encode_rows`'s inverse, for a payload whose length the caller checked against `payload_size`."""
+def decode_rows(
+    data: torch.Tensor, shape: tuple[int, ...], scheme: Scheme, levels: int, coded: bool = False
+) -> torch.Tensor:
+    """`encode_rows`'s inverse, for a payload whose length the caller checked against `payload_size` (`coded`:
+    longer than `scales_size` and at most `payload_size`)."""
     width = shape[-1]
     positions = math.prod(shape) // width
     if scheme == "channel":
@@ -192,13 +218,13 @@ def decode_rows(data: torch.Tensor, shape: tuple[int, ...], scheme: Scheme, leve
         if not bool((lo.abs() <= MAX_LO).all()):  # NaN fails the comparison too
             raise CompressionError(f"a channel offset is NaN, Inf or beyond {MAX_LO}", reason=BAD_SCALE)
         step = _read_scales(data[_F32 * width :], width, 8 * _F32)
-        codes = _unpack_codes(data[2 * _F32 * width :], positions * width, levels)
+        codes = _unpack_codes(data[2 * _F32 * width :], positions * width, levels, coded)
         return codes.to(torch.float32).view(positions, width).mul_(step).add_(lo).view(shape)
     group = _group(scheme, width)
     groups = math.prod(shape) // group
     big = _read_scales(data, 1, 8 * _F32)  # finite, >= 0 and <= MAX_SCALE, or refused
     step = big * torch.exp2(-data[_F32 : _F32 + groups].to(torch.float32) / _EXPONENT_STEPS)
-    codes = _unpack_codes(data[_F32 + groups :], groups * group, levels)
+    codes = _unpack_codes(data[_F32 + groups :], groups * group, levels, coded)
     levels_at = codes.to(torch.float32).sub_((levels - 1) / 2).view(groups, group).mul_(step.unsqueeze(1))
     return (unrotate(levels_at.view(-1, width)) if scheme == "row_rot" else levels_at).view(shape)
 

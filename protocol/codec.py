@@ -25,6 +25,7 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
     "int32": torch.int32,
     "uint8": torch.uint8,
+    "uint16": torch.uint16,  # token ids of a vocabulary up to 65536 (`protocol.token_wire`)
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 FLOAT_DTYPES = frozenset({"float32", "float16", "bfloat16"})

@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from protocol import token_wire
 from protocol.boundary_codec import BoundaryCodecSpec
 from protocol.codec import TensorLimits
+from protocol.envelope import Kind, Opened
 from protocol.errors import ProtocolError, TensorPolicyError
 from protocol.manifest import RunManifest
 from protocol.replay import ReplayConfig
@@ -126,8 +128,21 @@ class BoundaryShape:
             max_bytes=2 * activation + tokens,
             max_rank=3,
             max_tensors=2,
-            allowed_dtypes=frozenset({"float32", "int64", *(("uint8",) if self.codec.enabled else ())}),
+            allowed_dtypes=frozenset(
+                {
+                    "float32",
+                    "int64",
+                    token_wire.token_dtype_name(self.vocab_size),
+                    *(("uint8",) if self.codec.enabled else ()),
+                }
+            ),
         )
+
+    def widen_tokens(self, opened: Opened) -> Opened:
+        """`opened` with the token ids it carries (its input at the first stage, its targets) back in int64
+        (`protocol.token_wire`: they travel in the vocabulary's narrowest dtype)."""
+        names = (TARGETS, "") if opened.header.kind is Kind.TOKENS else (TARGETS,)
+        return token_wire.widen(opened, names, self.vocab_size)
 
     def check_tokens(self, tokens: torch.Tensor, what: str = "tokens") -> None:
         ok = (

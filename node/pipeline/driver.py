@@ -105,6 +105,7 @@ class PipelineDriver:
             clock=clock,
             wall_clock=wall_clock,
             codec=shape.codec,
+            vocab_size=shape.vocab_size,
         )
         self.strikes = self.hops.strikes
         self.ids = ids or MicrobatchIds.from_clock(wall_clock)

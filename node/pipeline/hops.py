@@ -13,7 +13,7 @@ import torch
 from node.pipeline.accounting import DriverStats, HopError
 from node.pipeline.routing import HopFailure, ReplicaRouter, RetryPolicy
 from node.pipeline.transport import FramedTransport, HopTransport
-from protocol import boundary_codec
+from protocol import boundary_codec, token_wire
 from protocol.boundary_codec import BoundaryCodecSpec
 from protocol.codec import TensorLimits
 from protocol.envelope import (
@@ -63,8 +63,11 @@ class HopClient:
         wall_clock: Callable[[], float],
         codec: BoundaryCodecSpec | None = None,
         rounding: torch.Generator | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.identity = identity
+        # the run's vocabulary: token ids travel in its narrowest dtype (`protocol.token_wire`); None: as int64
+        self.vocab_size = vocab_size
         self.codec = codec or BoundaryCodecSpec()  # the manifest's: requests encoded with it, answers decoded
         # this client's own noise for the codec's stochastic rounding of gradients (`rounding_generator`: why one
         # per owner); default seeded from os.urandom
@@ -190,7 +193,14 @@ class HopClient:
     def _encoded(
         self, kind: Kind, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-        """A boundary activation or gradient as the run's codec sends it (the input "" only)."""
+        """A boundary activation or gradient as the run's codec sends it (the input "" only); token ids (the input of
+        a tokens request, targets) in the vocabulary's narrowest dtype."""
+        vocab = self.vocab_size
+        if vocab is not None:
+            names = (TARGETS, "") if kind is Kind.TOKENS else (TARGETS,)
+            tensors = {
+                name: token_wire.narrow(t, vocab) if name in names else t for name, t in tensors.items()
+            }
         if kind not in (Kind.ACTIVATION, Kind.GRADIENT) or "" not in tensors or not self.codec.enabled:
             return tensors, meta
         encoded, extra = boundary_codec.encode(

@@ -756,9 +756,9 @@ class StageService:
             if moved is not None and self.wall_clock() - moved < self.core.config.context_timeout_s:
                 raise StageRefusal(f"{e} (this replica moved stages recently)", reason=NOT_SERVING) from None
             raise
-        opened = boundary_codec.decode_opened(
-            opened, self.core.shape.codec, limits
-        )  # before any use or check
+        # decoded before any use or check: boundary tensors to float32, token ids to int64
+        opened = boundary_codec.decode_opened(opened, self.core.shape.codec, limits)
+        opened = self.core.shape.widen_tokens(opened)
         self.timings["open_s"] += time.perf_counter() - started
         return opened
 

@@ -18,7 +18,7 @@ def _random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> tor
     gen = torch.Generator().manual_seed(seed)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen).to(dtype)
-    high = 256 if dtype == torch.uint8 else 1 << 31
+    high = {torch.uint8: 256, torch.uint16: 1 << 16}.get(dtype, 1 << 31)
     return torch.randint(0, high, shape, generator=gen, dtype=dtype)
 
 
