@@ -124,25 +124,49 @@ class Decision:
     reason: str
 
 
+def step_time_floor(elapsed_s: float, steps: int, slack_factor: float) -> float | None:
+    """The least inner-step time a learner may report for work the syncer timed: `elapsed_s` from its base's
+    publication (or its previous merged push on that base) to this push, over the `steps` credited to it, divided by
+    `slack_factor` (an honest learner's steps fill most of that time: it computes, sends and receives in it). None
+    when nothing was timed (no steps, a base we did not publish) or the bound is off (factor 0)."""
+    if slack_factor <= 0 or steps <= 0 or not (math.isfinite(elapsed_s) and elapsed_s > 0):
+        return None
+    return elapsed_s / steps / slack_factor
+
+
 class PeerStepTimes:
     """The step time the grace window is sized from: each learner's latest self-reported inner-step time, and the
     upper median over the learners reporting within `max_age_s`. Fed one report at a time into the EMA, one peer
     reporting 1 us at every push dragged the estimate, and with it the grace window, to nothing, so that rounds
     merged before slower honest learners arrived (issue 18). The upper median moves only when at least half of the
-    learners report it (with two, the slower one sets it); a majority of identities still moves it, and admission's
-    cost is what bounds how many identities an attacker brings."""
+    learners report it (with two, the slower one sets it).
+
+    A majority of identities still moves a median, so each report is first raised to the floor the syncer measured
+    for that learner's work (`step_time_floor`: its pushes' timing over the steps it was credited with; a report
+    without a timed push keeps the peer's latest floor): a learner reporting 1 us must also claim the steps 1 us
+    steps allow, and claims are capped at `max_steps_per_s` of elapsed time and at the swarm's measured rate
+    (node.diloco.claims), so no report on timed work falls below 1 / (max_steps_per_s x slack), however many
+    identities lie. Untimed: a peer's first pushes on a version the syncer did not publish (the seed, a restored
+    one: a run's or a takeover's first round of each fragment)."""
 
     def __init__(self, *, max_peers: int = 4096, max_age_s: float = 600.0) -> None:
         self.max_peers, self.max_age_s = max_peers, max_age_s
-        self._times: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (step time, when)
+        # peer -> (step time, when, its latest measured floor or 0)
+        self._times: OrderedDict[str, tuple[float, float, float]] = OrderedDict()
+        self.clamped = 0  # reports raised to their floor
 
-    def report(self, peer: str, step_time_s: float, now: float) -> float:
-        """Record `peer`'s step time at `now`; the upper median over recent reporters (itself included)."""
-        self._times.pop(peer, None)
-        self._times[peer] = (step_time_s, now)
+    def report(self, peer: str, step_time_s: float, now: float, *, floor_s: float | None = None) -> float:
+        """Record `peer`'s step time at `now`, raised to `floor_s` (or the peer's latest floor); the upper median
+        over recent reporters (itself included)."""
+        earlier = self._times.pop(peer, None)
+        floor = floor_s if floor_s is not None else (earlier[2] if earlier is not None else 0.0)
+        if step_time_s < floor:
+            step_time_s = floor
+            self.clamped += 1
+        self._times[peer] = (step_time_s, now, floor)
         while len(self._times) > self.max_peers:
             self._times.popitem(last=False)
-        times = sorted(t for t, at in self._times.values() if now - at <= self.max_age_s)
+        times = sorted(t for t, at, _ in self._times.values() if now - at <= self.max_age_s)
         return times[len(times) // 2]
 
 
@@ -178,9 +202,13 @@ class QuorumPolicy:
         """A learner's inner step took `duration_s`."""
         self._xi_step = self._ema(self._xi_step, duration_s)
 
-    def observe_peer_step(self, peer: str, duration_s: float, now: float) -> None:
-        """`peer` reports that its inner step took `duration_s`: xi_step follows the peers' median (PeerStepTimes)."""
-        median = self.step_times.report(peer, duration_s, now) if self.step_times is not None else duration_s
+    def observe_peer_step(
+        self, peer: str, duration_s: float, now: float, *, floor_s: float | None = None
+    ) -> None:
+        """`peer` reports that its inner step took `duration_s` (at least `floor_s`, what the syncer timed:
+        `step_time_floor`): xi_step follows the peers' median (PeerStepTimes)."""
+        times = self.step_times
+        median = times.report(peer, duration_s, now, floor_s=floor_s) if times is not None else duration_s
         self.observe_step(median)
 
     def observe_quorum(self, duration_s: float) -> None:

@@ -151,6 +151,17 @@ class ScreeningConfig:
     # together hold at most young_weight_cap of any merge (1.0: off); a refused contribution makes its sender young
     young_rounds: int = 16
     young_weight_cap: float = 0.25
+    # probation (node.diloco.probation): each identity's merge weight is multiplied by probation_start_fraction
+    # before its first accepted merge, rising linearly to 1 at probation_merges merges (a refusal starts it over),
+    # and a round's outer step by the largest multiplier in it (a merge of fresh identities only, a run's first
+    # ones included, steps by probation_start_fraction). 0 merges: off
+    probation_merges: int = 8
+    probation_start_fraction: float = 0.25
+    # a learner's reported inner-step time (which sizes the grace window) is raised to at least the seconds per
+    # step the syncer measured for its work (from its base's publication to its push, over the steps credited to
+    # it) divided by this: a report faster than its own pushes allow is clamped (node.diloco.quorum.PeerStepTimes).
+    # 0: off
+    step_time_slack_factor: float = 4.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_history <= self.history:
@@ -173,6 +184,10 @@ class ScreeningConfig:
             raise ValueError("screening.trim_fraction must be in [0, 0.5) (0: off)")
         if self.young_rounds < 0 or not 0.0 <= self.young_weight_cap <= 1.0:
             raise ValueError("screening.young_rounds must be >= 0 and young_weight_cap in [0, 1]")
+        if self.probation_merges < 0 or not 0.0 < self.probation_start_fraction <= 1.0:
+            raise ValueError("screening.probation_merges must be >= 0 and probation_start_fraction in (0, 1]")
+        if not (self.step_time_slack_factor == 0.0 or 1.0 <= self.step_time_slack_factor < math.inf):
+            raise ValueError("screening.step_time_slack_factor must be 0 (off) or a finite number >= 1")
         if not (self.ban_after >= 0 and self.forgive_half_life_s > 0 and self.ban_s > 0):
             raise ValueError("screening.ban_after must be >= 0, forgive_half_life_s and ban_s > 0")
         if self.loss_batches < 1 or self.loss_batch_size < 1 or self.loss_sequence_tokens < 0:

@@ -9,7 +9,9 @@ merge: when they hold more, their weights are scaled down together (each keeps i
 so a burst of fresh Sybils can never set the merged direction against the senior learners in the round.
 A merge of young identities alone, while senior identities were merged within `senior_active_s`, has its outer
 gradient scaled by the cap (as if seniors with no progress held the rest): at K = 1 a Sybil would otherwise wait
-for a round of its own. When nobody is senior yet (a run's start), nothing is capped.
+for a round of its own. When nobody is senior yet (a run's start), nothing is capped; the per-identity probation
+ramp (node.diloco.probation) applies first, then too: a fresh identity's weight counts `probation.start_fraction`
+against established ones, and a merge of fresh identities only steps by that fraction.
 
 A refused contribution demotes its identity (its rounds restart from 0): it must earn its weight again. An
 identity not merged for `forget_s` starts over too, so seniority cannot be banked by idle identities.
@@ -30,8 +32,10 @@ import json
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from node.diloco.probation import ProbationConfig, ramp_weights
 
 SAVED_MAX = 4096  # identities saved with a checkpoint (the most recently merged)
 MAX_PEER_CHARS = 128  # as protocol.envelope.MAX_ID_CHARS
@@ -50,6 +54,8 @@ class SeniorityConfig:
     senior_active_s: float = 600.0  # seniors merged this recently make a young-only merge a capped one
     forget_s: float = 86400.0  # an identity not merged for this long is young again
     max_peers: int = 65536  # identities remembered
+    # each identity's weight ramps up with its accepted merges (node.diloco.probation), before the young cap
+    probation: ProbationConfig = field(default_factory=ProbationConfig)
 
     def __post_init__(self) -> None:
         if self.young_rounds < 0 or self.max_peers < 1:
@@ -63,9 +69,13 @@ class SeniorityConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CappedWeights:
     weights: dict[str, float]  # the raw (unnormalised) weights, young ones scaled down
-    credit: dict[str, float]  # per young peer scaled down, the fraction of a round the merge ages it by (< 1)
-    grad_scale: float  # what the merge's outer gradient is scaled by (< 1 for a young-only merge)
-    young_share: float  # the young identities' share before the cap
+    # per peer scaled down (by its probation ramp relative to the round's largest, or by the cap), the fraction of a
+    # round the merge ages it by (< 1)
+    credit: dict[str, float]
+    # what the merge's outer gradient is scaled by: the largest probation multiplier, times the cap for a young-only
+    # merge while seniors are active (1: a full step)
+    grad_scale: float
+    young_share: float  # the young identities' share after the probation ramp, before the cap
 
 
 @dataclass(slots=True)
@@ -82,6 +92,7 @@ class Seniority:
         self._peers: OrderedDict[str, _Record] = OrderedDict()
         self.demotions = 0
         self.capped_merges = 0
+        self.ramped_merges = 0  # merges in which the probation ramp scaled a weight or the step
         self._senior_merged_at = -math.inf  # the last merge with a senior participant
 
     def rounds(self, peer: str, now: float) -> float:
@@ -122,7 +133,27 @@ class Seniority:
         return now - self._senior_merged_at <= self.config.senior_active_s
 
     def cap(self, weights: Mapping[str, float], now: float) -> CappedWeights:
-        """`weights` (raw, peer -> weight) with the young identities' total held to the cap."""
+        """`weights` (raw, peer -> weight), each times its identity's probation ramp (node.diloco.probation), then
+        with the young identities' total held to the cap. An identity ages by the fraction of its weight both left
+        it, the ramp's relative to the round's largest multiplier: a round of identities equally new (a run's start)
+        ages each by a whole round, though its step is scaled; a fresh one beside established ones by its ramp, and
+        with the cap never faster than the cap alone let it (its ramped weight, capped, is the capped weight)."""
+        ramped = ramp_weights(weights, lambda peer: self.rounds(peer, now), self.config.probation)
+        self.ramped_merges += bool(ramped.multipliers)
+        capped = self._cap(ramped.weights, now)
+        if not ramped.multipliers:
+            return capped
+        credit = dict(capped.credit)
+        for peer, multiplier in ramped.multipliers.items():
+            credit[peer] = credit.get(peer, 1.0) * multiplier / ramped.step_scale
+        credit = {p: c for p, c in credit.items() if c < 1.0}
+        grad_scale = capped.grad_scale * ramped.step_scale
+        return CappedWeights(
+            weights=capped.weights, credit=credit, grad_scale=grad_scale, young_share=capped.young_share
+        )
+
+    def _cap(self, weights: Mapping[str, float], now: float) -> CappedWeights:
+        """`weights` with the young identities' total held to the cap."""
         cap = self.config.young_weight_cap
         young = {p for p, w in weights.items() if w > 0 and self.is_young(p, now)}
         young_total = math.fsum(weights[p] for p in young)
@@ -173,6 +204,7 @@ class Seniority:
             "senior": len(self._peers) - young,
             "demotions": self.demotions,
             "capped_merges": self.capped_merges,
+            "ramped_merges": self.ramped_merges,
         }
 
 

@@ -31,7 +31,8 @@ from node.diloco.loss_probe import LossScore
 from node.diloco.merge import Contribution, MergeResult, NothingToMerge, merge_fragment
 from node.diloco.outer import NonFiniteStep, OuterNesterov
 from node.diloco.param_store import Entry, MemoryParams, ParamStore, fragment_bytes, new_store
-from node.diloco.quorum import QuorumConfig, QuorumPolicy
+from node.diloco.probation import ProbationConfig
+from node.diloco.quorum import QuorumConfig, QuorumPolicy, step_time_floor
 from node.diloco.receipts import ReceiptLedger
 from node.diloco.screening import ContributionScreen, ScreeningConfig, ScreenUpdate
 from node.diloco.seniority import CappedWeights, Seniority, SeniorityConfig
@@ -599,9 +600,16 @@ def demoted_on_refusal(seniority: Seniority, peer: str, now: float) -> Iterator[
 
 
 def seniority_config(screening: ScreeningConfig, max_peers: int) -> SeniorityConfig:
-    """The seniority cap of a screening config; off (cap 1.0) when screening is off (comparisons only)."""
-    cap = screening.young_weight_cap if screening.enabled else 1.0
-    return SeniorityConfig(young_rounds=screening.young_rounds, young_weight_cap=cap, max_peers=max_peers)
+    """The seniority cap and probation ramp of a screening config; off (cap 1.0, no ramp) when screening is off
+    (comparisons only)."""
+    on = screening.enabled
+    ramp = ProbationConfig(
+        merges=screening.probation_merges if on else 0, start_fraction=screening.probation_start_fraction
+    )
+    cap = screening.young_weight_cap if on else 1.0
+    return SeniorityConfig(
+        young_rounds=screening.young_rounds, young_weight_cap=cap, max_peers=max_peers, probation=ramp
+    )
 
 
 def check_shape(
@@ -867,7 +875,7 @@ class SyncerCore(CoreState):
             except Refusal:
                 refused_in_round(self, peer, fragment, base_version)
                 raise
-            steps, tokens, capped, elapsed, implausible = new_counters(
+            steps, tokens, capped, floor, implausible = new_counters(
                 self, peer, fragment, base_version, steps, tokens, now
             )
             counts: dict[tuple[str, str], int] = {}
@@ -883,7 +891,7 @@ class SyncerCore(CoreState):
                 entry.loss_delta, entry.slope = loss.delta, loss.evidence_slope
             self._enter(fragment, entry, now)
             if math.isfinite(step_time_s) and 0 < step_time_s <= MAX_STEP_TIME_S:
-                self.policy.observe_peer_step(peer, step_time_s, now)
+                self.policy.observe_peer_step(peer, step_time_s, now, floor_s=floor)
             self._schedule.report(peer, sched_step, now)
         admission = admission_of(self, fragment, base_version, capped, receipt_capped)
         return dataclasses.replace(admission, claim_violation=implausible)
@@ -1329,12 +1337,13 @@ def takes_base(core: SyncerCore, key: tuple[str, int, int, bytes]) -> bool:
 
 def new_counters(
     core: SyncerCore, peer: str, fragment: int, base_version: int, steps: int, tokens: int, now: float
-) -> tuple[int, int, bool, float, tuple[str, dict[str, float]] | None]:
-    """(steps, tokens, capped, elapsed, implausible): what the claim adds to what was merged from the peer on that
+) -> tuple[int, int, bool, float | None, tuple[str, dict[str, float]] | None]:
+    """(steps, tokens, capped, floor, implausible): what the claim adds to what was merged from the peer on that
     base, capped at what the `elapsed` seconds since the base's publication (or that merge) allow: at
     `max_steps_per_s`, and at the swarm's measured rate (node.diloco.claims.ClaimBound), which work on a base we
     published also feeds; `implausible`: the claim as sent was far above that rate (`ClaimBound.judge`; only on such
-    a base: the time since the seed, or since a version restored or adopted, says nothing of the work's)."""
+    a base: the time since the seed, or since a version restored or adopted, says nothing of the work's); `floor`:
+    on such a base, the least step time the peer may report (node.diloco.quorum.step_time_floor), else None."""
     since = core.history.since(fragment, base_version)
     prior = core._ledger.counters.get((peer, fragment, base_version))
     if prior is not None:  # part of this progress is in the model already (e.g. merged before a failover)
@@ -1356,7 +1365,9 @@ def new_counters(
         steps, tokens, measured = core.claims.cap(
             steps, tokens, elapsed, now, implausible=implausible is not None
         )
-    return steps, tokens, capped or measured, elapsed, implausible
+    timed = screen and core.history.measured(fragment, base_version)
+    floor = step_time_floor(elapsed, steps, core.screen.config.step_time_slack_factor) if timed else None
+    return steps, tokens, capped or measured, floor, implausible
 
 
 def admission_of(

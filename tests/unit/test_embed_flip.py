@@ -78,7 +78,8 @@ def test_an_embedding_only_flip_is_refused_by_the_held_out_loss_every_round() ->
 
 
 def test_negative_control_without_the_probe_the_flip_is_merged_at_full_weight() -> None:
-    h = Unscored(ScreeningConfig())
+    # the probation ramp off too: the lone fresh attacker's step would be scaled by it (test_probation.py)
+    h = Unscored(ScreeningConfig(probation_merges=0))
     warm(h)
     before = h.held_out()
     for r in range(4):

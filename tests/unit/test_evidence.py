@@ -1,7 +1,8 @@
 """Evidence of work (issue 18, node.diloco.evidence): a contribution's merge weight scaled by its held-out slope
 relative to recent full-weight ones. The pure rules first, then through SyncerCore with a real small model: noise
 at an honest norm earns (nearly) no weight once the reference is warm while honest learners keep theirs (the
-false-positive control), and with the weighting off the same noise holds its share (the negative control)."""
+false-positive control), and with the weighting off the same noise holds its share (the negative control). The probation ramp
+(test_probation.py) is off in the merges whose weights and steps are measured: they are the evidence's alone."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from node.diloco.merge import MergeResult
 from node.diloco.screening import ContributionScreen, ScreeningConfig
 from node.diloco.syncer_core import MergeRecord
 from tests.unit.test_loss_probe import Harness, Tensors, trained
+from tests.unit.test_probation import no_ramp
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -161,7 +163,7 @@ def noise(h: Harness, honest: Tensors, seed: int) -> Tensors:
 def noise_shares(screening: ScreeningConfig, rounds: int = 7) -> list[tuple[float, float]]:
     """Per round: (the noise learner's merge weight, the smallest honest one's over their even share of the
     rest), three honest learners and one pushing noise at their norm."""
-    h = Harness(screening)
+    h = Harness(no_ramp(screening))
     shares = []
     for r in range(rounds):
         honest = {f"honest{i}": trained(h.c, seed=10 * r + i) for i in range(3)}
@@ -214,7 +216,7 @@ def lone_round(
 ) -> tuple[MergeRecord, float]:
     """Six honest rounds at K = 1 (the reference is warm), then a round of `last` alone: its record and how far it
     moved the fragment (outer momentum 0: the move is outer_lr x the outer gradient)."""
-    h = Harness(ScreeningConfig(evidence_scales_step=scales_step, young_rounds=young_rounds))
+    h = Harness(no_ramp(ScreeningConfig(evidence_scales_step=scales_step, young_rounds=young_rounds)))
     for seed in range(6):
         h.push("honest", trained(h.c, seed=seed))
         assert h.c.merge_now(0, 1, h.now) is not None
@@ -243,7 +245,7 @@ def test_a_lone_low_evidence_contribution_at_k1_moves_the_model_by_at_most_its_f
 
 def test_a_round_at_full_evidence_is_unchanged_bit_for_bit() -> None:
     def take(scales_step: bool) -> tuple[MergeRecord, dict[str, torch.Tensor]]:
-        h = Harness(ScreeningConfig(evidence_scales_step=scales_step))
+        h = Harness(no_ramp(ScreeningConfig(evidence_scales_step=scales_step)))
         for seed in range(6):
             h.push("honest", trained(h.c, seed=seed))
             h.c.merge_now(0, 1, h.now)

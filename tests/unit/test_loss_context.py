@@ -52,9 +52,13 @@ def redundant_loss(params: Mapping[str, torch.Tensor]) -> float:
 
 class Swarm:
     def __init__(self, *, base_context: bool, spill_dir: Path | None = None, read_mib: float = 256.0) -> None:
-        # the seniority cap off: every identity here is young, and the cap's step scale is not what is tested
+        # the seniority cap and the probation ramp off: every identity here is young or fresh, and their step
+        # scales are not what is tested
         screening = ScreeningConfig(
-            loss_base_context=base_context, young_weight_cap=1.0, loss_context_read_mib=read_mib
+            loss_base_context=base_context,
+            young_weight_cap=1.0,
+            probation_merges=0,
+            loss_context_read_mib=read_mib,
         )
         self.core = SyncerCore(
             PLAN,

@@ -249,7 +249,8 @@ def test_judge_counts_only_other_peers_passes() -> None:
 
 
 def test_negative_control_without_the_probe_the_ascent_step_is_merged_and_raises_the_loss() -> None:
-    h = Harness(ScreeningConfig(loss_probe=False))
+    # the probation ramp off too: the lone fresh attacker's step would be scaled by it (test_probation.py)
+    h = Harness(ScreeningConfig(loss_probe=False, probation_merges=0))
     for seed in range(1, 4):
         h.push("honest", trained(h.c, seed=seed))
         h.c.merge_now(0, 1, h.now)

@@ -1,6 +1,7 @@
 """Seniority (issue 18, Sybil resistance): young identities hold at most `young_weight_cap` of a merge, a refusal
 makes an identity young again, idle identities are forgotten; and the syncer core applies the cap to its merges.
-The clock is passed in."""
+The clock is passed in. The probation ramp (test_probation.py) is off in the pure tests: they measure the cap
+alone."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from node.diloco.screening import ScreeningConfig
 from node.diloco.seniority import Seniority, SeniorityConfig
+from tests.unit.test_probation import NO_RAMP
 from tests.unit.test_syncer_core import core, push
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,7 +30,7 @@ def _share(weights: dict[str, float], peers: list[str]) -> float:
 
 
 def test_a_burst_of_fresh_sybils_holds_at_most_the_cap_against_senior_honest_learners() -> None:
-    policy = Seniority(SeniorityConfig(young_rounds=16, young_weight_cap=0.25))
+    policy = Seniority(SeniorityConfig(young_rounds=16, young_weight_cap=0.25, probation=NO_RAMP))
     _senior(policy, HONEST)
     raw = {**{p: 1.0 for p in HONEST}, **{p: 1.0 for p in SYBILS}}  # same token weight each
     capped = policy.cap(raw, now=1.0)
@@ -41,14 +43,14 @@ def test_a_burst_of_fresh_sybils_holds_at_most_the_cap_against_senior_honest_lea
 
 
 def test_control_with_the_cap_off_the_sybils_hold_the_majority() -> None:
-    policy = Seniority(SeniorityConfig(young_rounds=16, young_weight_cap=1.0))
+    policy = Seniority(SeniorityConfig(young_rounds=16, young_weight_cap=1.0, probation=NO_RAMP))
     _senior(policy, HONEST)
     capped = policy.cap({**{p: 1.0 for p in HONEST}, **{p: 1.0 for p in SYBILS}}, now=1.0)
     assert _share(capped.weights, SYBILS) > 0.5
 
 
 def test_identities_become_senior_after_young_rounds_and_nothing_is_capped_at_a_run_start() -> None:
-    policy = Seniority(SeniorityConfig(young_rounds=3))
+    policy = Seniority(SeniorityConfig(young_rounds=3, probation=NO_RAMP))
     everyone = {p: 1.0 for p in HONEST}
     assert policy.cap(everyone, now=0.0).weights == everyone  # all young, no senior: nothing to protect yet
     for round_ in range(3):
@@ -67,7 +69,9 @@ def test_a_refusal_demotes_and_an_idle_identity_is_forgotten() -> None:
 
 
 def test_a_young_only_merge_is_scaled_while_seniors_are_active() -> None:
-    policy = Seniority(SeniorityConfig(young_rounds=2, young_weight_cap=0.25, senior_active_s=60.0))
+    policy = Seniority(
+        SeniorityConfig(young_rounds=2, young_weight_cap=0.25, senior_active_s=60.0, probation=NO_RAMP)
+    )
     _senior(policy, HONEST, now=0.0)
     lone = policy.cap({"sybil0": 1.0}, now=10.0)  # K = 1: a round of its own
     assert lone.grad_scale == 0.25 and lone.weights == {"sybil0": 1.0}
@@ -114,7 +118,7 @@ def test_a_capped_burst_ages_by_the_weight_it_was_left_not_by_whole_rounds() -> 
     """Counted whole, 5 Sybils merged (capped) beside 4 seniors were senior after young_rounds merges and then
     held whole merges (seen live: benchmarks/poisoning.py sybil_late); credited with the fraction of weight the cap
     left them, they are still young after the same merges."""
-    policy = Seniority(SeniorityConfig(young_rounds=16, young_weight_cap=0.25))
+    policy = Seniority(SeniorityConfig(young_rounds=16, young_weight_cap=0.25, probation=NO_RAMP))
     _senior(policy, HONEST)
     raw = {**{p: 1.0 for p in HONEST}, **{p: 1.0 for p in SYBILS}}
     for step in range(16):
@@ -124,7 +128,7 @@ def test_a_capped_burst_ages_by_the_weight_it_was_left_not_by_whole_rounds() -> 
     assert all(policy.is_young(p, 16.0) for p in SYBILS)
     assert policy.rounds(SYBILS[0], 16.0) == pytest.approx(16 * 4 / 15)  # f = cap S / ((1 - cap) Y) = 4/15
     # control: counted whole (no credit), the same merges make them senior, and the next merge is theirs
-    whole = Seniority(SeniorityConfig(young_rounds=16, young_weight_cap=0.25))
+    whole = Seniority(SeniorityConfig(young_rounds=16, young_weight_cap=0.25, probation=NO_RAMP))
     _senior(whole, HONEST)
     for step in range(16):
         whole.observe_merge(list(raw), float(step))
