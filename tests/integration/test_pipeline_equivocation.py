@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from node.roles.stage import StageConfig, StageService
-from protocol.envelope import Context, Direction, Kind, StreamingFrame, open_envelope, seal
+from protocol.envelope import Opened, StreamingFrame
 from protocol.records import BanNotice
-from protocol.replay import ReplayGuard
 from tests.integration.procs import pipeline_over_daemons
 from tests.unit.test_pipeline_local import (  # noqa: F401 - one_torch_thread: autouse
     RUN_ID,
@@ -37,6 +37,7 @@ from tests.unit.test_pipeline_local import (  # noqa: F401 - one_torch_thread: a
     build_pipeline,
     manifest,
     one_torch_thread,
+    rewriting_stage0,
 )
 from verification.bans import BanEvidence, BanVote, decide_bans, proves_equivocation
 from verification.equivocation import EquivocationDetector, SignedHeader, Slot
@@ -154,38 +155,13 @@ def _equivocator(honest: StageService) -> StageService:
     with another payload: its own key, the same step and input digest, the activation shifted."""
     answered: set[int] = set()
 
-    class Equivocator(StageService):
-        async def rpc_forward(self, frame: bytearray, remote_peer: str) -> StreamingFrame:  # type: ignore[override]
-            genuine = await honest.rpc_forward(frame, remote_peer)
-            ctx = Context(
-                run_id=RUN_ID,
-                kind=Kind.ACTIVATION,
-                receiver=remote_peer,
-                stage=0,
-                direction=Direction.FORWARD,
-            )
-            opened = open_envelope(
-                genuine.to_bytes(),
-                remote_peer=self.identity.peer_id,
-                expect=ctx,
-                limits=self.limits,
-                replay=ReplayGuard(),
-                now=self.wall_clock(),
-            )
-            microbatch = opened.header.microbatch
-            shift = 1.0 if microbatch in answered else 0.0
-            answered.add(microbatch)
-            return seal(
-                self.identity,
-                ctx,
-                microbatch=microbatch,
-                step=opened.header.step,
-                now=self.wall_clock(),
-                tensor=opened.tensors[""] + shift,
-                meta=dict(opened.meta),
-            )
+    def shifted(opened: Opened) -> tuple[torch.Tensor, dict]:
+        microbatch = opened.header.microbatch
+        shift = 1.0 if microbatch in answered else 0.0
+        answered.add(microbatch)
+        return opened.tensors[""] + shift, dict(opened.meta)
 
-    return Equivocator(honest.identity, RUN_ID, honest.core, authorized=honest.authorized())
+    return rewriting_stage0(honest, shifted)
 
 
 def test_a_replica_answering_one_input_at_one_step_twice_differently_is_proven(

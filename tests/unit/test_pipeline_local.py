@@ -23,7 +23,7 @@ from node.pipeline.routing import ReplicaInfo, ReplicaRouter, RetryPolicy, Routi
 from node.pipeline.transport import DirectTransport
 from node.roles.stage import StageConfig, StageCore, StageService, build_core
 from protocol.boundary_codec import rounding_generator
-from protocol.envelope import Context, Direction, Kind, StreamingFrame, open_envelope, seal
+from protocol.envelope import Context, Direction, Kind, Opened, StreamingFrame, open_envelope, seal
 from protocol.errors import ProtocolError, RemoteRefused, SignerMismatch, StreamClosed
 from protocol.identity import NodeIdentity
 from protocol.manifest import InnerOptimizerSpec, RunManifest, WireSpec
@@ -475,68 +475,13 @@ def test_a_reply_signed_by_another_key_is_rejected_and_retried_elsewhere() -> No
     assert pipe.driver.strikes.count(forger_peer, SignerMismatch.reason) >= 1
 
 
-@pytest.mark.parametrize("checked", [True, False])
-def test_a_training_answer_flagged_eval_by_the_replica_is_refused(checked: bool) -> None:
-    """Whether an answer is an evaluation is the verifier's to say: a replica that flags its training answers
-    `eval` would keep its signed headers out of the evidence a ban needs (#18). Control: with the check off, the
-    liar's answers are used and it is never struck."""
-    pipe = build_pipeline(manifest(batch_size=64), replicas_per_stage=2)
-    liar_peer = next(p for p, s in pipe.stages.items() if s == 0)
-    honest = pipe.services[liar_peer]
+def rewriting_stage0(
+    honest: StageService, rewrite: Callable[[Opened], tuple[torch.Tensor, dict]]
+) -> StageService:
+    """A stage-0 replica that opens each honest forward answer of `honest` and signs `rewrite(opened)` (the tensor
+    and meta it sends instead) under its own key, at the answer's microbatch and step."""
 
-    class EvalLiar(StageService):
-        async def rpc_forward(self, frame: bytearray, remote_peer: str) -> StreamingFrame:  # type: ignore[override]
-            genuine = await honest.rpc_forward(frame, remote_peer)
-            opened = open_envelope(
-                genuine.to_bytes(),
-                remote_peer=self.identity.peer_id,
-                expect=Context(
-                    run_id=RUN_ID,
-                    kind=Kind.ACTIVATION,
-                    receiver=remote_peer,
-                    stage=0,
-                    direction=Direction.FORWARD,
-                ),
-                limits=self.limits,
-                replay=ReplayGuard(),
-                now=self.wall_clock(),
-            )
-            ctx = Context(
-                run_id=RUN_ID,
-                kind=Kind.ACTIVATION,
-                receiver=remote_peer,
-                stage=0,
-                direction=Direction.FORWARD,
-            )
-            return seal(  # its own key, its own answer, one more flag
-                self.identity,
-                ctx,
-                microbatch=opened.header.microbatch,
-                step=opened.header.step,
-                now=self.wall_clock(),
-                tensor=opened.tensors[""],
-                meta={**opened.meta, EVAL_META: True},
-            )
-
-    pipe.services[liar_peer] = EvalLiar(honest.identity, RUN_ID, honest.core, authorized=honest.authorized())
-    pipe.driver.hops.check_eval_flag = checked
-    pipe.driver.rng = random.Random(3)
-    outcomes = drive_all(pipe, range(1, 5))
-    assert all(o.completed for o in outcomes)
-    through_liar = sum(o.replicas[0] == liar_peer for o in outcomes)
-    if checked:
-        assert through_liar == 0  # every microbatch went through the honest one
-        assert pipe.driver.strikes.count(liar_peer, "eval flag mismatch") >= 1
-    else:  # the eval-flagged training answers were used, their liar never struck
-        assert through_liar >= 1 and pipe.driver.strikes.count(liar_peer, "eval flag mismatch") == 0
-
-
-def _digest_liar(honest: StageService) -> StageService:
-    """A stage-0 replica whose answers are honest but name a made-up input digest (each one another), so that no
-    two of its answers ever share an equivocation slot (#18)."""
-    counter = iter(range(1 << 30))
-
-    class DigestLiar(StageService):
+    class Rewriter(StageService):
         async def rpc_forward(self, frame: bytearray, remote_peer: str) -> StreamingFrame:  # type: ignore[override]
             genuine = await honest.rpc_forward(frame, remote_peer)
             ctx = Context(
@@ -554,18 +499,55 @@ def _digest_liar(honest: StageService) -> StageService:
                 replay=ReplayGuard(),
                 now=self.wall_clock(),
             )
-            forged = {**opened.meta, INPUT_DIGEST_META: f"{next(counter):064x}"}
+            tensor, meta = rewrite(opened)
+            header = opened.header
             return seal(
                 self.identity,
                 ctx,
-                microbatch=opened.header.microbatch,
-                step=opened.header.step,
+                microbatch=header.microbatch,
+                step=header.step,
                 now=self.wall_clock(),
-                tensor=opened.tensors[""],
-                meta=forged,
+                tensor=tensor,
+                meta=meta,
             )
 
-    return DigestLiar(honest.identity, RUN_ID, honest.core, authorized=honest.authorized())
+    return Rewriter(honest.identity, RUN_ID, honest.core, authorized=honest.authorized())
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_a_training_answer_flagged_eval_by_the_replica_is_refused(checked: bool) -> None:
+    """Whether an answer is an evaluation is the verifier's to say: a replica that flags its training answers
+    `eval` would keep its signed headers out of the evidence a ban needs (#18). Control: with the check off, the
+    liar's answers are used and it is never struck."""
+    pipe = build_pipeline(manifest(batch_size=64), replicas_per_stage=2)
+    liar_peer = next(p for p, s in pipe.stages.items() if s == 0)
+    honest = pipe.services[liar_peer]
+
+    # its own key, its own answer, one more flag
+    pipe.services[liar_peer] = rewriting_stage0(
+        honest, lambda opened: (opened.tensors[""], {**opened.meta, EVAL_META: True})
+    )
+    pipe.driver.hops.check_eval_flag = checked
+    pipe.driver.rng = random.Random(3)
+    outcomes = drive_all(pipe, range(1, 5))
+    assert all(o.completed for o in outcomes)
+    through_liar = sum(o.replicas[0] == liar_peer for o in outcomes)
+    if checked:
+        assert through_liar == 0  # every microbatch went through the honest one
+        assert pipe.driver.strikes.count(liar_peer, "eval flag mismatch") >= 1
+    else:  # the eval-flagged training answers were used, their liar never struck
+        assert through_liar >= 1 and pipe.driver.strikes.count(liar_peer, "eval flag mismatch") == 0
+
+
+def _digest_liar(honest: StageService) -> StageService:
+    """A stage-0 replica whose answers are honest but name a made-up input digest (each one another), so that no
+    two of its answers ever share an equivocation slot (#18)."""
+    counter = iter(range(1 << 30))
+
+    return rewriting_stage0(
+        honest,
+        lambda opened: (opened.tensors[""], {**opened.meta, INPUT_DIGEST_META: f"{next(counter):064x}"}),
+    )
 
 
 @pytest.mark.parametrize("checked", [True, False])
